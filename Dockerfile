@@ -1,0 +1,15 @@
+# CPU image: installs asyncrl the way the README does (make setup) and runs the demo by default.
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+WORKDIR /opt/asyncrl
+COPY pyproject.toml Makefile README.md ./
+COPY asyncrl ./asyncrl
+COPY app ./app
+COPY configs ./configs
+COPY bench ./bench
+COPY tests ./tests
+COPY examples ./examples
+RUN make setup
+# Build the embedded model at image build time so the demo starts training at once.
+RUN .venv/bin/asyncrl init-model --config configs/quickstart.yaml
+CMD ["make", "demo"]

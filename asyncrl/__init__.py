@@ -1,0 +1,3 @@
+"""asyncrl: asynchronous actor-learner RL for language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,107 @@
+"""Turning tasks into trajectories: the multi-turn conversation loop every workflow builds on.
+
+Token ids are accumulated turn by turn rather than re-tokenising the transcript, so the learner
+trains on exactly the tokens the engine sampled. Generated tokens get ``loss_mask = 1`` and their
+behaviour log-probs; prompt tokens and environment turns get 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..envs.base import Environment
+from ..types import Task, Trajectory
+
+
+@dataclass
+class Conversation:
+    """One conversation in progress (one future trajectory)."""
+
+    task: Task
+    history: list[dict[str, str]]
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    group_id: str
+    sample_type: str = "policy"
+    done: bool = False
+    turns: int = 0
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None) -> Trajectory:
+        return Trajectory(
+            token_ids=np.asarray(self.token_ids, dtype=np.int32),
+            loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
+            behavior_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            policy_version=version, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
+            sample_type=self.sample_type, group_id=self.group_id, task_id=self.task.id,
+            text=self.texts[-1] if len(self.texts) == 1 else "\n".join(self.texts),
+            metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, **(metadata or {})},
+        )
+
+
+def render_tokens(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def delta_tokens(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
+    """Tokens that the chat template adds for ``new`` messages after ``history`` (plus the next
+    assistant header). Rendered as the text difference so templates with preambles stay exact."""
+    prev = tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
+    full = tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
+    delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
+        new, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+
+def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, group_ids: list[str],
+                        sample_type: str = "policy") -> list[Conversation]:
+    convs = []
+    for task, gid in zip(tasks, group_ids):
+        history = env.reset(task)
+        ids = render_tokens(tokenizer, history)
+        for _ in range(n):
+            convs.append(Conversation(task=task, history=[dict(m) for m in history], token_ids=list(ids),
+                                      loss_mask=[0] * len(ids), logprobs=[0.0] * len(ids),
+                                      group_id=gid, sample_type=sample_type))
+    return convs
+
+
+def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversation], sampling,
+                      max_turns: int, seed: int | None = None) -> list[Conversation]:
+    """Advance every conversation until the environment says done or ``max_turns`` is reached.
+    Each turn is one batched engine call over the conversations still active."""
+    eos = tokenizer.eos_token_id
+    for turn in range(max_turns):
+        active = [c for c in convs if not c.done]
+        if not active:
+            break
+        gens = engine.generate([c.token_ids for c in active], sampling,
+                               seed=None if seed is None else seed + turn)
+        for conv, gen in zip(active, gens):
+            conv.token_ids += gen.token_ids.tolist()
+            conv.loss_mask += [1] * len(gen.token_ids)
+            conv.logprobs += gen.logprobs.tolist()
+            conv.texts.append(gen.text)
+            conv.finish_reasons.append(gen.finish_reason)
+            conv.history.append({"role": "assistant", "content": gen.text})
+            conv.turns += 1
+            result = env.step(conv.task, conv.history, gen.text)
+            if result.done or turn == max_turns - 1:
+                conv.done = True
+                continue
+            if eos is not None and (len(gen.token_ids) == 0 or gen.token_ids[-1] != eos):
+                conv.token_ids.append(eos)  # close a length-truncated turn before the next message
+                conv.loss_mask.append(0)
+                conv.logprobs.append(0.0)
+            extra = delta_tokens(tokenizer, conv.history, result.messages)
+            conv.history.extend(result.messages)
+            conv.token_ids += extra
+            conv.loss_mask += [0] * len(extra)
+            conv.logprobs += [0.0] * len(extra)
+    return convs

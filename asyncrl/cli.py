@@ -1,0 +1,128 @@
+"""The ``asyncrl`` command. Thin: parse arguments, load the config, call the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml); defaults if omitted")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. -o train.lr=1e-5 (repeatable)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
+
+
+def _load(args) -> tuple:
+    overrides = list(args.override) + list(args.overrides)
+    return load_config(args.config, overrides), overrides
+
+
+def cmd_init_model(args) -> int:
+    from .models.loading import init_model
+
+    cfg, _ = _load(args)
+    init_model(cfg)
+    return 0
+
+
+def cmd_learn(args) -> int:
+    from .learner.learner import Learner
+
+    cfg, _ = _load(args)
+    summary = Learner(cfg).run()
+    print(json.dumps({"summary": summary}))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .actor.actor import Actor
+
+    cfg, _ = _load(args)
+    control = args.connect
+    if control is None:
+        addr_file = Path(args.run_dir or cfg.run_dir) / "addresses.json"
+        if not addr_file.exists():
+            raise SystemExit(f"asyncrl serve: give --connect tcp://HOST:PORT (the learner's control address) "
+                             f"or start the learner first so that {addr_file} exists")
+        control = json.loads(addr_file.read_text())["control"]
+    Actor(cfg, control, args.actor_id, args.index).run()
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .launcher import launch
+
+    cfg, overrides = _load(args)
+    if args.actors is not None:
+        overrides.append(f"actor.num={args.actors}")
+        cfg = load_config(args.config, overrides)
+    return launch(cfg, args.config, overrides, ui=args.ui)
+
+
+def cmd_keys(args) -> int:
+    from .wire.sockets import make_curve_keys
+
+    paths = make_curve_keys(args.out)
+    print("CURVE keys written:\n  " + "\n  ".join(paths))
+    print(f"Use them with: -o wire.curve_dir={args.out} (copy the directory to every actor machine)")
+    return 0
+
+
+def cmd_ui(args) -> int:
+    try:
+        from app.main import main as ui_main
+    except ImportError as e:
+        raise SystemExit(f"asyncrl ui: the app is not available ({e})") from None
+    return ui_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous actor-learner RL for LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("init-model", help="build (or find in the cache) the embedded tiny model")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_init_model)
+    p = sub.add_parser("learn", help="run the learner")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_learn)
+    p = sub.add_parser("serve", help="run a rollout actor")
+    _add_config_args(p)
+    p.add_argument("--connect", help="the learner's control address (tcp://HOST:PORT)")
+    p.add_argument("--run-dir", help="read the learner's addresses from RUN_DIR/addresses.json")
+    p.add_argument("--actor-id", default="actor-0")
+    p.add_argument("--index", type=int, default=0, help="actor index (seeds its task stream)")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("run", help="run the learner and actors together")
+    _add_config_args(p)
+    p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
+    p.add_argument("--ui", action="store_true", help="also start the Gradio app")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
+    p.add_argument("--out", required=True, help="directory for the key files")
+    p.set_defaults(fn=cmd_keys)
+    p = sub.add_parser("ui", help="open the Gradio app on a run")
+    p.add_argument("--run", help="run directory (runs/<name>)")
+    p.add_argument("--connect", help="a live learner's events address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--auth", help="user:password (required for a non-loopback --host)")
+    p.set_defaults(fn=cmd_ui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        print(f"asyncrl {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

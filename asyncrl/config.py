@@ -1,0 +1,305 @@
+"""Typed configuration for every asyncrl command.
+
+Configs are YAML files (``configs/*.yaml``) validated into pydantic models; every field has a help
+string. ``key.sub=value`` overrides apply on top (values are parsed as YAML scalars). Unknown keys and
+bad values fail at start-up with the field path and what is allowed (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the field path and the allowed values in the message."""
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EmbeddedModelConfig(_Base):
+    """The tiny built-in character-level Llama (built by ``asyncrl init-model``)."""
+
+    hidden_size: int = Field(128, ge=8, description="Transformer width.")
+    num_layers: int = Field(4, ge=1, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    intermediate_size: int = Field(512, ge=8, description="MLP width.")
+    max_positions: int = Field(128, ge=16, description="Maximum sequence length.")
+    warmup_steps: int = Field(600, ge=0, description="Maximum supervised warm-start steps.")
+    warmup_batch_size: int = Field(64, ge=1, description="Warm-start batch size (sequences).")
+    warmup_lr: float = Field(3e-3, gt=0, description="Warm-start learning rate.")
+    target_accuracy: float = Field(
+        0.35, gt=0, le=1, description="Stop the warm start once held-out sampled accuracy reaches this.")
+    warmstart_formats: list[str] = Field(["arithmetic"], min_length=1, description=(
+        "Warm-start data mixture: names registered with asyncrl.models.tiny.register_warmstart_format, "
+        "drawn uniformly per example."))
+    cache_dir: str = Field("~/.cache/asyncrl/models", description="Where built models are cached.")
+
+
+class ModelConfig(_Base):
+    path: str | None = Field(
+        None, description="Local Hugging Face causal-LM directory. Null: the embedded tiny model.")
+    embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig,
+                                          description="Settings of the embedded tiny model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+
+
+class TasksConfig(_Base):
+    type: str = Field("arithmetic", description=(
+        "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), or an import path "
+        "'pkg.module:function' returning an iterable of Task or dicts."))
+    path: str | None = Field(None, description="Task file for type 'file' (.jsonl, .json or .parquet).")
+    prompt_field: str = Field("prompt", description="Field holding the prompt (string or chat messages).")
+    answer_field: str = Field("answer", description="Field holding the ground truth.")
+    min_operand: int = Field(0, ge=0, description="Arithmetic: smallest operand.")
+    max_operand: int = Field(99, ge=0, description="Arithmetic: largest operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(["+"], description="Arithmetic: operators to draw from.")
+    eval_size: int = Field(200, ge=0, description="Held-out tasks for evaluation.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra arguments for a custom source.")
+
+
+class EnvConfig(_Base):
+    type: str = Field("single_turn", description=(
+        "Environment: 'single_turn' (one reply scored by the reward function) or an import path "
+        "'pkg.module:Class' implementing asyncrl.envs.Environment."))
+    reward: str = Field("arithmetic", description=(
+        "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), or an "
+        "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
+    max_turns: int = Field(1, ge=1, description="Maximum assistant turns for multi-turn environments.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra environment arguments.")
+
+
+class SamplingConfig(_Base):
+    n: int = Field(8, ge=1, description="Rollouts per task (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use it too).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(8, ge=1, description="Maximum generated tokens per turn.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
+
+
+class EngineConfig(_Base):
+    type: Literal["hf", "vllm"] = Field("hf", description="Generation engine.")
+    device: str = Field("cpu", description="Torch device for the hf engine ('cpu', 'cuda', 'cuda:1').")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM memory share.")
+
+
+class ActorConfig(_Base):
+    num: int = Field(1, ge=1, description="Actor processes started by `asyncrl run`.")
+    tasks_per_batch: int = Field(8, ge=1, description="Tasks generated together in one engine call.")
+    threads: int = Field(1, ge=1, description="Torch CPU threads per actor.")
+    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between actor status messages.")
+
+
+class AdvantageConfig(_Base):
+    estimator: str = Field("grpo", description="Advantage estimator (registry name).")
+    norm_by_std: bool = Field(True, description="Divide by the group std (false: Dr.GRPO, A = R - mean).")
+
+
+class TrainConfig(_Base):
+    total_steps: int = Field(100, ge=1, description="Optimizer steps (policy versions) to train.")
+    batch_tasks: int = Field(8, ge=1, description="Tasks (episodes) per training batch.")
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the version advances once).")
+    policy_loss: str = Field("ppo", description="Policy loss (registry name).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = Field("token-mean", description="Loss aggregation.")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio <= 1 + clip_high (clip-higher).")
+    dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
+    recompute_proximal: bool = Field(True, description=(
+        "Decoupled PPO: recompute the proximal policy's log-probs before the update and weight each "
+        "token by min(exp(logp_prox - logp_behavior), is_cap). False: plain PPO against behaviour."))
+    is_cap: float = Field(5.0, gt=0, description="Cap on the behaviour importance weight.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (initial) model; 0: off.")
+    kl_type: Literal["k1", "k3"] = Field("k3", description="KL estimator (k3: low-variance).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient; 0: off.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
+    min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
+    threads: int = Field(1, ge=1, description="Torch CPU threads for the learner.")
+    device: str = Field("cpu", description="Learner torch device.")
+
+
+class BufferConfig(_Base):
+    max_staleness: int = Field(1, ge=0, description=(
+        "Largest allowed learner version minus behaviour version for trained data; 0 is synchronous."))
+    capacity: int = Field(4096, ge=1, description="Most episodes held in the buffer.")
+
+
+class SyncConfig(_Base):
+    type: Literal["zmq", "filesystem"] = Field("zmq", description=(
+        "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
+        "`dir` and sends actors only the path (actors must see the same filesystem)."))
+    dir: str | None = Field(None, description="Directory for filesystem sync (default: <run dir>/weights).")
+    keep: int = Field(3, ge=1, description="Filesystem sync: weight files kept.")
+    every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+
+
+class WireConfig(_Base):
+    host: str = Field("127.0.0.1", description=(
+        "Address the learner binds. Anything but loopback requires CURVE keys (curve_dir)."))
+    episodes_port: int = Field(0, ge=0, description="Episode PULL port (0: pick a free one).")
+    control_port: int = Field(0, ge=0, description="Acks/credits ROUTER port (0: pick a free one).")
+    weights_port: int = Field(0, ge=0, description="Weights PUB port (0: pick a free one).")
+    events_port: int = Field(0, ge=0, description="Events PUB port (0: pick a free one).")
+    hwm: int = Field(1000, ge=1, description="ZeroMQ high-water mark (messages) on episode sockets.")
+    curve_dir: str | None = Field(None, description="Directory with CURVE keys (`asyncrl keys`).")
+
+
+class CheckpointConfig(_Base):
+    every: int = Field(50, ge=0, description="Checkpoint every k steps (0: only at the end).")
+    keep: int = Field(2, ge=1, description="Checkpoints kept.")
+    resume: bool = Field(True, description="Resume from the run dir's latest checkpoint if present.")
+
+
+class EvalConfig(_Base):
+    every: int = Field(20, ge=0, description="Evaluate on held-out tasks every k steps (0: start and end only).")
+    size: int = Field(200, ge=1, description="Held-out tasks per evaluation (at most tasks.eval_size).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy decoding; otherwise sampling temperature.")
+
+
+class LogConfig(_Base):
+    episode_events_every: int = Field(1, ge=1, description="Write every k-th episode to the event log.")
+    progress: bool = Field(True, description="Show a progress bar.")
+
+
+class Config(_Base):
+    """Top-level configuration (``configs/*.yaml``)."""
+
+    name: str = Field("quickstart", description="Run name: files go to <run_root>/<name>.")
+    run_root: str = Field("runs", description="Parent directory of run directories.")
+    seed: int = Field(0, description="Random seed.")
+    algorithm: str = Field("grpo", description="Rollout workflow (registry name): grpo, absolute_zero, rlcr.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    tasks: TasksConfig = Field(default_factory=TasksConfig, description="Task dataset.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment and reward.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Rollout actors.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Learner.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
+    wire: WireConfig = Field(default_factory=WireConfig, description="Transport.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the learner.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+    algo: dict[str, Any] = Field(default_factory=dict, description=(
+        "Algorithm-specific settings, validated by the chosen algorithm's own config class."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.train.mini_batches > self.train.batch_tasks:
+            raise ValueError(f"train.mini_batches ({self.train.mini_batches}) cannot exceed "
+                             f"train.batch_tasks ({self.train.batch_tasks})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+    key, raw = item.split("=", 1)
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _known_fields(model_cls: type[BaseModel]) -> list[str]:
+    return sorted(model_cls.model_fields)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``key.sub=value`` items into a nested dict (creating levels as needed)."""
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(err: ValidationError, root: type[BaseModel] = None, prefix: str = "") -> str:
+    """One line per problem: the field path, and the allowed keys or the constraint broken."""
+    lines = []
+    for e in err.errors():
+        path = ".".join([*([prefix] if prefix else []), *(str(p) for p in e["loc"])]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent = _resolve_model(e["loc"][:-1], root or Config)
+            allowed = ", ".join(_known_fields(parent)) if parent else "see the config docs"
+            lines.append(f"unknown key '{path}'; allowed keys here: {allowed}")
+        else:
+            msg = e["msg"]
+            ctx = e.get("ctx") or {}
+            if "expected" in ctx:
+                msg = f"{msg} (allowed: {ctx['expected']})"
+            lines.append(f"'{path}': {msg}; got {e.get('input')!r}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _resolve_model(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
+    cls: type[BaseModel] = root
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def validate_section(model_cls: type[BaseModel], data: dict[str, Any], prefix: str) -> BaseModel:
+    """Validate an algorithm's own section (``algo``) with field paths prefixed by ``prefix``."""
+    try:
+        return model_cls.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, model_cls, prefix)) from None

@@ -1,0 +1,63 @@
+"""The generation-engine contract shared by the Hugging Face and vLLM back ends.
+
+An engine turns token-id prompts into sampled continuations and reports, for every generated token,
+the behaviour log-probability ``log softmax(logits / temperature)[token]`` under the weights it used
+(``version``). Log-probs are taken before any top-p filtering, so that they are what the learner
+recomputes with the same temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from ..config import SamplingConfig
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class Generation:
+    """One sampled continuation of one prompt.
+
+    ``token_ids`` and ``logprobs`` have the same length ``L`` (generated tokens only, no prompt, no
+    padding; the EOS token is included when it was generated).
+    """
+
+    token_ids: np.ndarray  # int32 [L]
+    logprobs: np.ndarray  # float32 [L]
+    text: str  # decoded generated text without special tokens
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int32)
+        self.logprobs = np.ascontiguousarray(self.logprobs, dtype=np.float32)
+        if self.token_ids.shape != self.logprobs.shape or self.token_ids.ndim != 1:
+            raise ValueError(f"Generation: token_ids {self.token_ids.shape} and logprobs "
+                             f"{self.logprobs.shape} must be 1-D of the same length")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, "
+                             f"got {self.finish_reason!r}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What actors need from a generation back end."""
+
+    version: int  # policy version of the weights in use
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 seed: int | None = None) -> list[Generation]:
+        """One ``Generation`` per prompt (callers repeat a prompt ``n`` times for a group)."""
+        ...
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights (names as in ``state_dict_for_sync``) and set ``version``."""
+        ...
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """The weights that ``update_weights`` accepts, by name."""
+        ...

@@ -1,0 +1,62 @@
+"""Held-out evaluation on the learner: accuracy (mean reward) on a fixed task list, run at the start,
+every ``eval.every`` steps and at the end, with the learner's current weights.
+
+A workflow may define ``evaluate(engine, tokenizer, env, tasks, sampling, cfg) -> dict`` to report
+its own figures (RLCR: calibration); numbers go to metrics as ``eval/<name>``, the whole dict
+(lists included, e.g. reliability-diagram bins) to the ``eval`` event."""
+
+from __future__ import annotations
+
+import time
+
+from ..actor.rollout import run_conversations, start_conversations
+from ..config import SamplingConfig
+from ..engine.hf import HFEngine
+from ..algos.base import get_workflow
+from ..envs.base import eval_tasks, make_env
+
+GREEDY_TEMPERATURE = 1e-4  # softmax(logits / 1e-4) puts all mass on the argmax
+
+
+class Evaluator:
+    def __init__(self, cfg, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.env = make_env(cfg.env)
+        n = min(cfg.eval.size, cfg.tasks.eval_size)
+        self.tasks = eval_tasks(cfg.tasks, cfg.seed)[:n] if n else []
+        temp = cfg.eval.temperature or GREEDY_TEMPERATURE
+        self.sampling = SamplingConfig(n=1, temperature=temp, top_p=1.0,
+                                       max_new_tokens=cfg.sampling.max_new_tokens, stop=cfg.sampling.stop)
+        self.workflow = get_workflow(cfg.algorithm, cfg)
+        self.history: list[dict] = []
+        self._last = None
+
+    def due(self, version: int) -> bool:
+        every = self.cfg.eval.every
+        return self._last is None or (every > 0 and version - self._last >= every)
+
+    def maybe_run(self, model, version: int, force: bool = False) -> dict:
+        if not self.tasks or not (force or self.due(version)) or self._last == version:
+            return {}
+        t0 = time.time()
+        engine = HFEngine(model, self.tokenizer, device=str(next(model.parameters()).device))
+        custom = getattr(self.workflow, "evaluate", None)
+        if custom is not None:
+            result = dict(custom(engine, self.tokenizer, self.env, self.tasks, self.sampling, self.cfg))
+        else:
+            result = self._accuracy(engine)
+        model.train()
+        result.update(version=version, greedy=not self.cfg.eval.temperature, eval_s=time.time() - t0)
+        self.history.append(result)
+        self._last = version
+        return result
+
+    def _accuracy(self, engine) -> dict:
+        convs = start_conversations(self.tokenizer, self.env, self.tasks, 1,
+                                    group_ids=[t.id for t in self.tasks])
+        run_conversations(engine, self.tokenizer, self.env, convs, self.sampling,
+                          self.cfg.env.max_turns, seed=self.cfg.seed)
+        rewards = [self.env.evaluate(c.task, c.history).get("reward", 0.0) for c in convs]
+        return {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "reward_mean": sum(rewards) / len(rewards), "size": len(rewards)}

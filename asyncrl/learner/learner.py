@@ -1,0 +1,238 @@
+"""``asyncrl learn``: the learner process.
+
+The loop reads like the architecture diagram: pump the wire (ingest episodes into the WAL-backed
+buffer, acknowledge, grant credits) -> take a batch within the staleness bound -> advantages,
+proximal log-probs, loss, AdamW -> version += 1 -> publish weights -> metrics, events, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config, dump_config
+from ..models.loading import load_policy
+from ..runlog import RunLog
+from ..types import Episode
+from .buffer import ReplayBuffer
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .evaluate import Evaluator
+from .net import LearnerNet
+from .progress import Progress, summary_table
+from .trainer import PolicyTrainer
+from .weights_fs import save_weights_file
+
+
+class Learner:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.train.threads)
+        self.run_dir = cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device)
+        self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature)
+        self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
+        self.version = 0
+        self.bad_messages = 0
+        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses())
+        self.log = RunLog(self.run_dir, on_event=self.net.publish_event)
+        self.evaluator = Evaluator(cfg, self.tokenizer)
+        self.rewards_per_step: list[float] = []
+        self._stop = False
+        self._ingested = 0
+        self._ingest_bytes = 0
+        self._episode_counter = 0
+        self._recent = deque(maxlen=50)  # (time, episodes, tokens) per step for rates
+        self._resume()
+        self.buffer.open_wal(self.version)
+        (self.run_dir / "addresses.json").write_text(json.dumps(self.net.addresses, indent=1))
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _previous_addresses(self) -> dict | None:
+        path = self.run_dir / "addresses.json"
+        if not (self.cfg.checkpoint.resume and path.exists()):
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume else None
+        if ckpt is None:
+            self.buffer.restore(None, set())
+            return
+        state = load_checkpoint(ckpt, self.model, self.trainer.optimizer)
+        self.version = int(state["version"])
+        self.rewards_per_step = list(state.get("rewards_per_step", []))
+        recovered = self.buffer.restore(ckpt / "buffer.bin", set(state["seen"]))
+        self.log.event("resume", self.version, checkpoint=str(ckpt), buffered=len(self.buffer),
+                       recovered_from_wal=recovered)
+
+    def _on_bad_message(self, channel: str, error: str) -> None:
+        self.bad_messages += 1
+        print(f"[learner] dropped a bad message on {channel}: {error}", flush=True)
+        if hasattr(self, "log"):
+            self.log.event("bad_message", self.version, channel=channel, error=error)
+
+    def request_stop(self, *_args) -> None:
+        self._stop = True
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        cfg = self.cfg
+        self.publish()
+        self.log.event("learner_start", self.version, addresses=self.net.addresses,
+                       model_dir=str(self.model_dir), total_steps=cfg.train.total_steps)
+        self.evaluate()
+        progress = Progress(cfg.train.total_steps, self.version, enabled=cfg.log.progress)
+        t_wait = 0.0
+        while self.version < cfg.train.total_steps and not self._stop:
+            t0 = time.time()
+            self.pump(timeout_ms=50)
+            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, cfg.buffer.max_staleness)
+            if episodes is None:
+                t_wait += time.time() - t0
+                continue
+            stats = self.train_on(episodes, wait_s=t_wait)
+            t_wait = 0.0
+            progress.update(self.version, stats)
+            self.pump(timeout_ms=0)
+            if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0:
+                self.checkpoint()
+        progress.close()
+        self.evaluate(force=True)
+        self.checkpoint()
+        self.net.stop_actors()
+        time.sleep(0.2)  # let the stop messages leave before the sockets close
+        summary = summary_table(self.rewards_per_step, self.evaluator.history)
+        self.log.event("learner_stop", self.version, interrupted=self._stop, summary=summary)
+        self.net.close()
+        self.log.close()
+        return summary
+
+    def pump(self, timeout_ms: int) -> None:
+        """Ingest arrivals, make them durable, acknowledge them, answer actors, grant credits."""
+        arrivals, control = self.net.poll(timeout_ms)
+        acks: dict[str, list[str]] = defaultdict(list)
+        for ep, frames in arrivals:
+            self.net.received_from(ep.actor_id, 1)
+            acks[ep.actor_id].append(ep.id)
+            if self.buffer.add(ep, frames):
+                self._ingested += 1
+                self._ingest_bytes += sum(memoryview(f).nbytes for f in frames)
+            else:
+                self.log.event("duplicate_episode", self.version, episode_id=ep.id, actor_id=ep.actor_id)
+        self.buffer.sync()
+        self.net.ack(acks)
+        for identity, msg in control:
+            state = self.net.register(identity, msg)
+            if msg.kind == "status":
+                self.log.event("actor_status", self.version, **{**msg.body, "actor_id": state.actor_id})
+        self.grant()
+
+    def grant(self) -> None:
+        cfg = self.cfg
+        if len(self.net.actors) < cfg.train.min_actors:
+            return
+        limit = (cfg.buffer.max_staleness + 1) * cfg.train.batch_tasks
+        free = min(limit, cfg.buffer.capacity) - self.net.in_flight - len(self.buffer)
+        if free > 0:
+            self.net.grant_credits(free, min_version=max(self.net.weights_version, 0))
+
+    def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
+        t0 = time.time()
+        staleness = [self.version - ep.policy_version for ep in episodes]
+        has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
+        batch = self.trainer.make_batch(episodes) if has_rows else None
+        stats = self.trainer.step(batch) if batch is not None else {}
+        self.version += 1
+        train_s = time.time() - t0
+        if self.version % self.cfg.sync.every == 0:
+            self.publish()
+        rewards = [t.reward for ep in episodes for t in ep.trajectories if t.sample_type != "proposer"]
+        reward_mean = float(np.mean(rewards)) if rewards else 0.0
+        self.rewards_per_step.append(reward_mean)
+        tokens = int(batch.response_mask.sum().item()) if batch is not None else 0
+        self._recent.append((time.time(), len(episodes), sum(len(ep.trajectories) for ep in episodes), tokens))
+        metrics = {"version": self.version, "reward_mean": reward_mean,
+                   "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
+                   "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
+                   "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
+                   "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
+                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats,
+                   **_mean_episode_metrics(episodes)}
+        metrics.update(self.evaluate())
+        self.log.metric(self.version, metrics)
+        self._log_episodes(episodes, staleness)
+        return metrics
+
+    def _rates(self) -> dict:
+        if len(self._recent) < 2:
+            return {}
+        span = self._recent[-1][0] - self._recent[0][0]
+        if span <= 0:
+            return {}
+        items = list(self._recent)[1:]
+        return {"episodes_per_s": sum(i[1] for i in items) / span,
+                "samples_per_s": sum(i[2] for i in items) / span,
+                "tokens_per_s": sum(i[3] for i in items) / span}
+
+    def _log_episodes(self, episodes: list[Episode], staleness: list[int]) -> None:
+        for ep, st in zip(episodes, staleness):
+            self._episode_counter += 1
+            if self._episode_counter % self.cfg.log.episode_events_every:
+                continue
+            self.log.event("episode", self.version, episode_id=ep.id, actor_id=ep.actor_id,
+                           task_id=ep.task.id if ep.task else None,
+                           prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
+                           staleness=st, decision=ep.decision, metrics=ep.metrics,
+                           trajectories=[{"id": t.id, "text": t.text, "reward": t.reward, "scores": t.scores,
+                                          "sample_type": t.sample_type, "group_id": t.group_id,
+                                          "policy_version": t.policy_version, "is_replay": t.is_replay,
+                                          "num_tokens": int(len(t.token_ids)),
+                                          "num_generated": t.num_generated}
+                                         for t in ep.trajectories])
+
+    def publish(self) -> None:
+        t0 = time.time()
+        state = {k: v.detach().cpu().contiguous() for k, v in self.model.named_parameters()}
+        path = save_weights_file(state, self.version, self.cfg.sync, self.run_dir)
+        self.net.publish_weights(state, self.version, path=path)
+        self.log.event("weights_published", self.version, version=self.version,
+                       bytes=int(sum(v.numel() * v.element_size() for v in state.values())),
+                       encode_s=time.time() - t0, subscribers=len(self.net.subscribers))
+
+    def evaluate(self, force: bool = False) -> dict:
+        result = self.evaluator.maybe_run(self.model, self.version, force=force)
+        if result:
+            self.log.event("eval", self.version, **result)
+        return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+
+    def checkpoint(self) -> Path:
+        path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
+                               self.buffer, {"rewards_per_step": self.rewards_per_step},
+                               keep=self.cfg.checkpoint.keep)
+        self.buffer.open_wal(self.version)
+        self.buffer.drop_wal_before(self.version)
+        self.log.event("checkpoint", self.version, path=str(path))
+        return path
+
+
+def _mean_episode_metrics(episodes: list[Episode]) -> dict:
+    sums: dict[str, list[float]] = defaultdict(list)
+    for ep in episodes:
+        for k, v in ep.metrics.items():
+            if isinstance(v, (int, float)):
+                sums[k].append(float(v))
+    return {k: float(np.mean(v)) for k, v in sums.items() if k != "reward_mean"}

@@ -1,0 +1,116 @@
+"""One optimizer step on a batch of episodes: advantages -> proximal log-probs -> loss -> AdamW.
+
+Decoupled PPO (AReaL): when ``recompute_proximal`` is on, the proximal log-probs are the current
+weights' (before the update) and each token is weighted by the detached behaviour weight
+``min(exp(logp_prox - logp_behavior), is_cap)``; with no staleness this is exactly PPO.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+
+from ..types import Episode, Trajectory
+from .batch import TrainBatch, collate, compute_logprobs
+from .core_algos import behavior_importance_weight, get_adv_estimator, get_policy_loss, kl_penalty
+
+
+def trajectory_advantages(trajs: list[Trajectory], adv_cfg) -> torch.Tensor:
+    """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
+    that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. ``metadata['adv_scale']``
+    scales the result (e.g. the Absolute Zero proposer weight)."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    est = get_adv_estimator(adv_cfg.estimator)
+    adv = est(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std)
+    for i, t in enumerate(trajs):
+        if t.advantage is not None:
+            adv[i] = float(t.advantage)
+        scale = t.metadata.get("adv_scale")
+        if scale is not None:
+            adv[i] = adv[i] * float(scale)
+    return adv
+
+
+class PolicyTrainer:
+    def __init__(self, model, tokenizer, train_cfg, temperature: float):
+        self.model = model
+        self.cfg = train_cfg
+        self.temperature = temperature
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+                                           weight_decay=train_cfg.weight_decay)
+        self.policy_loss = get_policy_loss(train_cfg.policy_loss)
+        self.ref_model = None
+        if train_cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+
+    def make_batch(self, episodes: list[Episode]) -> TrainBatch:
+        trajs = [t for ep in episodes for t in ep.trajectories]
+        adv = trajectory_advantages(trajs, self.cfg.advantage)
+        return collate(trajs, adv, self.pad_id, device=self.cfg.device)
+
+    def step(self, batch: TrainBatch, extra_loss_kwargs: dict | None = None) -> dict[str, float]:
+        """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps); returns mean stats."""
+        self.model.train()
+        single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
+        if self.cfg.recompute_proximal and not single_pass:
+            with torch.no_grad():
+                batch.old_logprobs, _ = compute_logprobs(self.model, batch, self.temperature)
+        sums: dict[str, float] = defaultdict(float)
+        count = 0
+        for _ in range(self.cfg.ppo_epochs):
+            for mb in batch.split(self.cfg.mini_batches):
+                stats = self._minibatch_step(mb, single_pass, extra_loss_kwargs or {})
+                for k, v in stats.items():
+                    sums[k] += v
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, extra: dict) -> dict[str, float]:
+        cfg = self.cfg
+        want_entropy = cfg.entropy_coef > 0
+        logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=want_entropy)
+        if cfg.recompute_proximal and single_pass:
+            mb.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
+        weight = None
+        if cfg.recompute_proximal:
+            weight = behavior_importance_weight(mb.old_logprobs, mb.behavior_logprobs, cfg.is_cap)
+        else:
+            mb.old_logprobs = mb.behavior_logprobs
+        old = mb.old_logprobs
+        if mb.exp_mask.any():  # replayed tokens use the recorded log-probs as their old policy
+            old = torch.where(mb.exp_mask.bool(), mb.recorded_logprobs, old)
+            if weight is not None:
+                weight = torch.where(mb.exp_mask.bool(), torch.ones_like(weight), weight)
+        loss, stats = self.policy_loss(
+            logp, old, mb.advantages, mb.response_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c, loss_agg_mode=cfg.loss_agg_mode, behavior_weight=weight,
+            exp_mask=mb.exp_mask if mb.exp_mask.any() else None, **extra)
+        stats = dict(stats)
+        if weight is not None:
+            m = mb.response_mask.bool()
+            w = weight[m]
+            if w.numel():
+                stats.update(is_weight_mean=w.mean().item(), is_weight_max=w.max().item(),
+                             is_weight_capped_frac=(w >= cfg.is_cap).float().mean().item())
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature)
+            kl = kl_penalty(logp, ref_logp, cfg.kl_type)
+            kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+            loss = loss + cfg.kl_coef * kl_val
+            stats["kl"] = kl_val.item()
+        if entropy is not None:
+            ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+            loss = loss - cfg.entropy_coef * ent
+            stats["entropy"] = ent.item()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        stats.update(loss=loss.item(), grad_norm=float(grad_norm))
+        return stats

@@ -1,0 +1,350 @@
+"""The embedded default policy: a tiny character-level Llama, warm-started on arithmetic.
+
+``build_embedded_model`` builds a ``LlamaForCausalLM`` from an ``EmbeddedModelConfig`` and trains it
+briefly (supervised, loss on the assistant completion only) until its *sampled* (temperature 1.0)
+accuracy on held-out two-digit additions reaches ``cfg.target_accuracy``, so that RL starts from
+partial accuracy. The stopping test uses the exact expected sampled accuracy (a teacher-forced pass,
+no sampling noise); the saved metadata also records a real sampled and a greedy measurement.
+
+The result is cached under ``cfg.cache_dir`` in a directory named after a hash of everything that
+determines the weights; a build is written to a temporary directory and renamed into place, under a
+file lock, so concurrent callers never see (or redo) a half-written model.
+
+Warm-start data is a mixture of named formats: ``register_warmstart_format(name, fn)`` with
+``fn(rng) -> (messages, completion)``; the prompt is ``messages`` rendered with the chat template
+plus the generation prompt, the target is ``completion + "<|end|>"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..config import EmbeddedModelConfig, SamplingConfig, TasksConfig
+from ..envs.arithmetic import arithmetic_reward, make_problem
+from ..types import Task
+from .tokenizer import build_char_tokenizer
+
+BUILD_VERSION = 2  # bump when the build procedure changes: it is part of the cache key
+META_FILE = "asyncrl_model.json"
+EVAL_EVERY = 25  # steps between held-out evaluations
+EVAL_EVERY_NEAR = 5  # ... once accuracy has reached half the target
+EVAL_SIZE = 200  # held-out problems
+EVAL_SEED = 1_000_003  # the held-out set does not depend on the build seed
+LR_WARMUP_STEPS = 20
+# RoPE base. Llama's 10000 leaves most rotary frequencies nearly constant over these ~15-token
+# sequences; with 100 every frequency turns and the digit-alignment attention forms far sooner
+# (units digit learned by ~300 warm-start steps instead of not at all in 600).
+ROPE_THETA = 100.0
+
+Messages = list[dict[str, str]]
+WarmstartFormat = Callable[[random.Random], "tuple[Messages, str]"]
+_FORMATS: dict[str, WarmstartFormat] = {}
+
+
+def register_warmstart_format(name: str, fn: WarmstartFormat) -> None:
+    """Register a warm-start format: ``fn(rng) -> (chat messages, assistant completion text)``.
+
+    The completion is the text of the final assistant turn, without the ``<|end|>`` EOS (added by
+    the builder). Earlier turns, including earlier assistant turns, go in ``messages``.
+    """
+    if not callable(fn):
+        raise TypeError(f"warm-start format {name!r} must be callable, got {type(fn).__name__}")
+    _FORMATS[name] = fn
+
+
+def warmstart_formats() -> list[str]:
+    """Names of the registered warm-start formats."""
+    return sorted(_FORMATS)
+
+
+def _arithmetic_format(rng: random.Random) -> tuple[Messages, str]:
+    task = make_problem(rng, TasksConfig())
+    return task.prompt, str(task.answer)
+
+
+register_warmstart_format("arithmetic", _arithmetic_format)
+
+
+# --------------------------------------------------------------------------------------- model
+def embedded_llama_config(cfg: EmbeddedModelConfig, vocab_size: int) -> LlamaConfig:
+    """The ``LlamaConfig`` of the embedded model (ids: pad 0, bos 2, eos 3 as in the tokenizer)."""
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"model.embedded.hidden_size ({cfg.hidden_size}) must be divisible by "
+                         f"model.embedded.num_heads ({cfg.num_heads})")
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        rope_theta=ROPE_THETA,
+    )
+
+
+def count_parameters(cfg: EmbeddedModelConfig) -> int:
+    """Parameters of the embedded model for ``cfg`` (tied weights once), without allocating it."""
+    llama = embedded_llama_config(cfg, len(build_char_tokenizer()))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama)
+    return sum(p.numel() for p in model.parameters())
+
+
+def cache_key(cfg: EmbeddedModelConfig, seed: int) -> str:
+    """Directory name for a build: readable shape + hash of all weight-determining settings."""
+    fields = cfg.model_dump(mode="json", exclude={"cache_dir"})
+    blob = json.dumps({"cfg": fields, "seed": seed, "build": BUILD_VERSION}, sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return f"tiny-llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{seed}-{digest}"
+
+
+def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True) -> Path:
+    """Build (or return from the cache) the embedded model; returns its directory.
+
+    The directory holds ``save_pretrained`` output for model and tokenizer plus ``asyncrl_model.json``
+    (config, seed, steps, measured accuracies). Deterministic for a given ``cfg`` and ``seed``.
+    """
+    unknown = [f for f in cfg.warmstart_formats if f not in _FORMATS]
+    if unknown:  # algorithms register their formats on import (e.g. rlcr): load them, then check
+        from ..algos.base import _load_builtin_algorithms
+
+        _load_builtin_algorithms()
+        unknown = [f for f in cfg.warmstart_formats if f not in _FORMATS]
+    if unknown:
+        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; registered: "
+                         f"{warmstart_formats()}")
+    root = Path(cfg.cache_dir).expanduser()
+    final = root / cache_key(cfg, seed)
+    if (final / META_FILE).exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f".{final.name}.lock"):
+        if (final / META_FILE).exists():  # another process built it while we waited
+            return final
+        _remove_orphans(root, final.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        try:
+            _build_into(tmp, cfg, seed, progress)
+            if final.exists():
+                _replace_dir(tmp, final)
+            else:
+                os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def read_model_info(path: str | Path) -> dict:
+    """The ``asyncrl_model.json`` of a built embedded model ({} for other model directories)."""
+    meta = Path(path) / META_FILE
+    return json.loads(meta.read_text()) if meta.exists() else {}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock (flock) on ``path``; a no-op where fcntl is unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove_orphans(root: Path, name: str) -> None:
+    """Delete temporary build directories of ``name`` left by killed builds (we hold the lock)."""
+    for tmp in root.glob(f".{name}.*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """``final`` exists without metadata (a crashed build from elsewhere): swap it out."""
+    stale = final.with_name(final.name + f".stale-{os.getpid()}")
+    os.replace(final, stale)
+    os.replace(tmp, final)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------- build
+@dataclass
+class _Example:
+    prompt_ids: list[int]
+    target_ids: list[int]  # completion + EOS
+
+
+def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool) -> None:
+    """Initialise, warm-start, evaluate and save the model into ``out``."""
+    start = time.perf_counter()
+    with _deterministic(seed, threads=2):
+        tokenizer = build_char_tokenizer()
+        model = LlamaForCausalLM(embedded_llama_config(cfg, len(tokenizer))).float()
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        result = warm_start(model, tokenizer, cfg, seed, progress)
+        result["sampled_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1.0, seed)
+        result["greedy_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1e-6, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = {"build_version": BUILD_VERSION, "seed": seed, "config": cfg.model_dump(mode="json"),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "build_seconds": round(time.perf_counter() - start, 2), **result}
+    (out / META_FILE).write_text(json.dumps(info, indent=2))
+
+
+@contextlib.contextmanager
+def _deterministic(seed: int, threads: int) -> Iterator[None]:
+    """Seed torch/numpy/random and fix the torch thread count for the duration."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def heldout_tasks(n: int = EVAL_SIZE) -> list[Task]:
+    """``n`` distinct held-out two-digit addition problems (fixed, independent of the build seed)."""
+    rng, seen, tasks = random.Random(EVAL_SEED), set(), []
+    while len(tasks) < n:
+        task = make_problem(rng, TasksConfig(ops=["+"]))
+        if task.prompt[0]["content"] not in seen:
+            seen.add(task.prompt[0]["content"])
+            tasks.append(task)
+    return tasks
+
+
+def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: bool) -> dict:
+    """Supervised steps until held-out sampled accuracy >= ``cfg.target_accuracy`` (or the cap).
+
+    The stopping criterion is the *expected* sampled accuracy (exact, see ``expected_accuracy``),
+    evaluated every ``EVAL_EVERY`` steps (every ``EVAL_EVERY_NEAR`` once past half the target).
+    Returns ``{"steps", "expected_accuracy", "history": [[step, expected accuracy], ...]}``.
+    """
+    evalset = heldout_tasks()
+    excluded = {_prompt_key(t.prompt) for t in evalset}
+    examples = _example_stream(tokenizer, cfg.warmstart_formats, random.Random(seed), excluded)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
+    acc, step = expected_accuracy(model, tokenizer, evalset), 0
+    history = [[0, acc]]
+    bar = tqdm(total=cfg.warmup_steps, desc="warm-start", disable=not progress, leave=False)
+    while step < cfg.warmup_steps and acc < cfg.target_accuracy:
+        loss = _train_step(model, opt, sched, [next(examples) for _ in range(cfg.warmup_batch_size)])
+        step += 1
+        bar.update(1)
+        every = EVAL_EVERY_NEAR if acc >= cfg.target_accuracy / 2 else EVAL_EVERY
+        if step % every == 0 or step == cfg.warmup_steps:
+            acc = expected_accuracy(model, tokenizer, evalset)
+            history.append([step, acc])
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}")
+    bar.close()
+    return {"steps": step, "expected_accuracy": acc, "history": history}
+
+
+def _prompt_key(messages: Messages) -> str:
+    return json.dumps(messages, sort_keys=True)
+
+
+def _example_stream(tokenizer, formats: list[str], rng: random.Random,
+                    excluded: set[str]) -> Iterator[_Example]:
+    """Endless tokenised examples drawn uniformly from ``formats``, skipping held-out prompts."""
+    eos = tokenizer.eos_token_id
+    while True:
+        messages, completion = _FORMATS[rng.choice(formats)](rng)
+        if _prompt_key(messages) in excluded:
+            continue
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        yield _Example(tokenizer.encode(prompt, add_special_tokens=False),
+                       tokenizer.encode(completion, add_special_tokens=False) + [eos])
+
+
+def collate(examples: list[_Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ``input_ids``, ``attention_mask``, ``labels`` long [B, S].
+
+    ``labels`` is -100 on prompt and padding tokens, so the loss covers the completion only.
+    """
+    width = max(len(e.prompt_ids) + len(e.target_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        seq, n_prompt = e.prompt_ids + e.target_ids, len(e.prompt_ids)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, n_prompt: len(seq)] = torch.tensor(e.target_ids)
+        mask[i, : len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _train_step(model, opt, sched, examples: list[_Example]) -> float:
+    """One AdamW step on the completion-token cross-entropy; returns the loss."""
+    model.train()
+    loss = model(**collate(examples, pad_id=0)).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def evaluate_accuracy(model, tokenizer, tasks: list[Task], temperature: float, seed: int,
+                      max_new_tokens: int = 8) -> float:
+    """Fraction of ``tasks`` answered exactly right, sampling one reply each at ``temperature``.
+
+    A temperature of ~1e-6 is greedy decoding. Uses its own seeded generator (no global RNG use).
+    """
+    from ..engine.hf import HFEngine  # local import: the engine does not depend on this module
+
+    engine = HFEngine(model, tokenizer, device=str(next(model.parameters()).device))
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True,
+                                                              tokenize=False), add_special_tokens=False)
+               for t in tasks]
+    sampling = SamplingConfig(n=1, temperature=temperature, max_new_tokens=max_new_tokens)
+    gens = engine.generate(prompts, sampling, seed=seed)
+    return float(np.mean([arithmetic_reward(t, g.text) for t, g in zip(tasks, gens)]))
+
+
+def expected_accuracy(model, tokenizer, tasks: list[Task]) -> float:
+    """Exact expected accuracy of temperature-1 sampling: mean over ``tasks`` of
+    ``prod_j p(answer_j | prompt, answer_<j)`` over the answer's tokens and the EOS.
+
+    One teacher-forced forward pass over a right-padded batch (``[N, S]``); no sampling noise.
+    """
+    eos = tokenizer.eos_token_id
+    examples = []
+    for t in tasks:
+        prompt = tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False)
+        examples.append(_Example(tokenizer.encode(prompt, add_special_tokens=False),
+                                 tokenizer.encode(str(t.answer), add_special_tokens=False) + [eos]))
+    batch = collate(examples, pad_id=0)
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    model.train(was_training)
+    labels = batch["labels"][:, 1:]  # [N, S-1]: token t+1 is predicted at position t
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token_logp = logp.gather(2, labels.clamp(min=0)[..., None])[..., 0] * (labels != -100)
+    return float(token_logp.sum(1).exp().mean())

@@ -1,0 +1,204 @@
+"""Core benchmark: learner ingest vs raw pyzmq, weight publish -> applied latency, async vs sync.
+
+    .venv/bin/python bench/bench_core.py [--steps 40] [--episodes 2000] [--skip-runs]
+
+Prints three tables:
+1. Learner ingest: the learner's real path (PULL -> decode -> WAL append -> fsync -> ack) for
+   pre-encoded episodes pushed by a sender thread, next to a raw pyzmq PUSH/PULL of the same bytes
+   measured in the same run, as a ratio.
+2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
+   process's engine (the embedded demo model), over loopback.
+3. Wall time for the same number of optimizer steps with the quick-start config, asynchronous
+   (max_staleness 1) versus synchronous (max_staleness 0), plus completions per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.config import load_config  # noqa: E402
+from asyncrl.learner.buffer import ReplayBuffer  # noqa: E402
+from asyncrl.learner.net import LearnerNet  # noqa: E402
+from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
+from asyncrl.wire.bench_util import measure_ingest  # noqa: E402
+from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg  # noqa: E402
+
+
+def demo_episode(n_traj: int, prompt_len: int, gen_len: int, rng) -> Episode:
+    task = Task(id="arith:12+34", prompt=[{"role": "user", "content": "12+34="}], answer=46)
+    T = prompt_len + gen_len
+    mask = np.r_[np.zeros(prompt_len), np.ones(gen_len)]
+    trajs = [Trajectory(token_ids=rng.integers(0, 100, T), loss_mask=mask,
+                        behavior_logprobs=-rng.random(T) * mask, policy_version=0,
+                        reward=float(i % 2), scores={"reward": float(i % 2)}, group_id="g", task_id=task.id,
+                        text="46") for i in range(n_traj)]
+    return Episode(trajectories=trajs, actor_id="bench", task=task)
+
+
+def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
+    rng = np.random.default_rng(0)
+    encoded = [encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng)) for _ in range(n)]
+    nbytes = sum(memoryview(f).nbytes for f in encoded[0])
+    cfg = load_config(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
+        buf = ReplayBuffer(Path(tmp), capacity=10**9)
+        buf.open_wal(0)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(net.addresses["episodes"])
+        time.sleep(0.2)
+
+        def sender():
+            for frames in encoded:
+                push.send_multipart(frames, copy=False)
+
+        t0 = time.perf_counter()
+        threading.Thread(target=sender, daemon=True).start()
+        got = 0
+        while got < n:
+            arrivals, _ = net.poll(1000)
+            for ep, frames in arrivals:
+                got += buf.add(ep, frames)
+            buf.sync()
+            net.ack({"bench": [ep.id for ep, _ in arrivals]})
+        learner_rate = n / (time.perf_counter() - t0)
+        push.close(0)
+        ctx.destroy(0)
+        net.close()
+    raw_rate = measure_ingest([bytes(memoryview(f)) for f in encoded[0]], n)
+    return {"trajectories/episode": n_traj, "bytes/episode": nbytes, "episodes": n,
+            "learner_episodes_per_s": learner_rate, "learner_MB_per_s": learner_rate * nbytes / 1e6,
+            "raw_pyzmq_msgs_per_s": raw_rate, "raw_MB_per_s": raw_rate * nbytes / 1e6,
+            "ratio_learner_to_raw": learner_rate / raw_rate}
+
+
+def weights_probe(address: str, rounds: int) -> None:
+    """Runs in the actor-side process: apply every weights message, report the time applied."""
+    import torch
+
+    from asyncrl.engine.hf import HFEngine
+    from asyncrl.models.loading import load_policy
+
+    torch.set_num_threads(1)
+    model, tok, _ = load_policy(load_config(None).model)
+    engine = HFEngine(model, tok)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send_multipart(encode_msg("subscribe", actor_id="probe", have=-1))
+    for _ in range(rounds + 1):
+        version, tensors = decode_weights(decode(sock.recv_multipart(copy=False)))
+        engine.update_weights(tensors, version)
+        sock.send_multipart(encode_msg("subscribe", actor_id="probe", have=version, applied_at=time.time()))
+    sock.close(0)
+    ctx.destroy(0)
+
+
+def bench_weights(rounds: int) -> dict:
+    import torch
+
+    from asyncrl.models.loading import load_policy
+
+    cfg = load_config(None)
+    model, _, _ = load_policy(cfg.model)
+    state = {k: v.detach().contiguous() for k, v in model.named_parameters()}
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    applied: dict[int, float] = {}
+
+    def record(channel, err):
+        raise RuntimeError(err)
+
+    net = LearnerNet(cfg.wire, record)
+    orig = net._on_subscribe
+
+    def on_subscribe(identity, msg):
+        if "applied_at" in msg.body:
+            applied[int(msg.body["have"])] = float(msg.body["applied_at"])
+        orig(identity, msg)
+
+    net._on_subscribe = on_subscribe
+    net.publish_weights(state, 0)
+    probe = subprocess.Popen([sys.executable, __file__, "--probe", net.addresses["weights"], str(rounds)])
+    sent: dict[int, float] = {}
+    while 0 not in applied:
+        net.poll(100)
+    for v in range(1, rounds + 1):
+        with torch.no_grad():
+            for t in state.values():
+                t.add_(1e-6)
+        sent[v] = time.time()
+        net.publish_weights(state, v)
+        while v not in applied:
+            net.poll(100)
+    probe.wait(timeout=60)
+    net.close()
+    lat = np.array([applied[v] - sent[v] for v in range(1, rounds + 1)]) * 1000
+    return {"weights_MB": nbytes / 1e6, "rounds": rounds, "publish_to_applied_ms_median": float(np.median(lat)),
+            "publish_to_applied_ms_p90": float(np.percentile(lat, 90))}
+
+
+def bench_runs(steps: int) -> list[dict]:
+    rows = []
+    for label, staleness, actors in (("sync (max_staleness 0)", 0, 1), ("async (max_staleness 1)", 1, 1),
+                                     ("async, 2 actors (max_staleness 2)", 2, 2)):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(ROOT / "configs/quickstart.yaml"),
+                   f"run_root={tmp}", "name=bench", f"train.total_steps={steps}", f"buffer.max_staleness={staleness}",
+                   f"actor.num={actors}", "eval.every=0", "eval.size=1", "log.progress=false", "checkpoint.every=0"]
+            t0 = time.time()
+            subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+            wall = time.time() - t0
+            metrics = [json.loads(line) for line in open(Path(tmp) / "bench" / "metrics.jsonl")]
+            events = [json.loads(line) for line in open(Path(tmp) / "bench" / "events.jsonl")]
+        start = next(e["t"] for e in events if e["kind"] == "learner_start")
+        loop = metrics[-1]["t"] - start
+        samples = sum(m["batch_trajectories"] for m in metrics)
+        rows.append({"mode": label, "steps": len(metrics), "process_wall_s": wall, "train_loop_wall_s": loop,
+                     "completions_per_s": samples / loop,
+                     "max_staleness_seen": max(m["staleness_max"] for m in metrics),
+                     "reward_first_10pct": float(np.mean([m["reward_mean"] for m in metrics[:max(1, steps // 10)]])),
+                     "reward_last_10pct": float(np.mean([m["reward_mean"] for m in metrics[-max(1, steps // 10):]]))})
+    return rows
+
+
+def _print(title: str, rows: list[dict]) -> None:
+    print(f"\n== {title}")
+    for r in rows:
+        print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--episodes", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--skip-runs", action="store_true")
+    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        weights_probe(args.probe[0], int(args.probe[1]))
+        return
+    _print("learner ingest (PULL -> decode -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
+           [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
+    _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
+           [bench_weights(args.rounds)])
+    if not args.skip_runs:
+        _print(f"quick-start config, {args.steps} steps: async vs synchronous", bench_runs(args.steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Environments, plugins and the multi-turn rollout loop with a real (tiny) model."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from asyncrl.actor.rollout import run_conversations, start_conversations
+from asyncrl.config import ConfigError, load_config
+from asyncrl.engine.base import Generation
+from asyncrl.envs.arithmetic import arithmetic_reward, make_problem
+from asyncrl.envs.base import load_task_file, make_env, normalize_answer, task_stream
+from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.types import Task
+
+
+def test_arithmetic_reward():
+    task = Task(id="t", prompt=[], answer=46)
+    assert arithmetic_reward(task, "46") == 1.0
+    assert arithmetic_reward(task, " 46 ") == 1.0
+    assert arithmetic_reward(task, "46x") == 0.0
+    assert arithmetic_reward(task, "047") == 0.0
+    assert arithmetic_reward(task, "") == 0.0
+
+
+def test_arithmetic_tasks_are_reproducible():
+    cfg = load_config(None).tasks
+    a = [make_problem(random.Random(3), cfg).id for _ in range(1)]
+    b = [make_problem(random.Random(3), cfg).id for _ in range(1)]
+    assert a == b
+    t = make_problem(random.Random(0), cfg)
+    assert t.prompt[0]["content"] == f"{t.metadata['a']}+{t.metadata['b']}="
+    assert t.answer == t.metadata["a"] + t.metadata["b"]
+
+
+def test_normalize_answer():
+    assert normalize_answer("The  Eiffel Tower!") == "eiffel tower"
+
+
+def test_task_file_and_plugin(tmp_path):
+    cfg = load_config(None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl",
+                             "env.type=examples.countdown:RetryEnv", "env.reward=examples.countdown:reward"])
+    stream = task_stream(cfg.tasks, seed=0)
+    task = next(stream)
+    assert task.prompt[0]["role"] == "user" and isinstance(task.answer, int)
+    env = make_env(cfg.env)
+    assert env.evaluate(task, [{"role": "assistant", "content": str(task.answer)}])["reward"] == 1.0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1="}\n')
+    with pytest.raises(ValueError, match="no field 'prompt'"):
+        load_task_file(str(bad))
+    bad.write_text('{"prompt": "1+1="\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+        load_task_file(str(bad))
+
+
+def test_unknown_plugin_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot import module 'nosuchpkg.envs'"):
+        make_env(load_config(None, ["env.type=nosuchpkg.envs:Env"]).env)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        make_env(load_config(None, ["env.reward=nope"]).env)
+    with pytest.raises(ConfigError, match="unknown key 'env.rewrd'"):
+        load_config(None, ["env.rewrd=x"])
+    with pytest.raises(ConfigError, match="'sampling.temperature'"):
+        load_config(None, ["sampling.temperature=-1"])
+
+
+class ScriptedEngine:
+    """Replays fixed replies (real tokenizer, no model), to check token bookkeeping exactly."""
+
+    version = 7
+
+    def __init__(self, tokenizer, replies):
+        self.tok, self.replies, self.calls = tokenizer, list(replies), 0
+
+    def generate(self, prompts, sampling, seed=None):
+        out = []
+        for _ in prompts:
+            text, stop = self.replies[self.calls]
+            self.calls += 1
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + ([self.tok.eos_token_id] if stop else [])
+            out.append(Generation(np.array(ids), -np.arange(1, len(ids) + 1, dtype=np.float32) / 10, text,
+                                  "stop" if stop else "length"))
+        return out
+
+
+def test_multi_turn_masks_cover_only_assistant_turns():
+    tok = build_char_tokenizer()
+    cfg = load_config(None, ["env.type=examples.countdown:RetryEnv", "env.reward=examples.countdown:reward"])
+    env = make_env(cfg.env)
+    task = Task(id="t", prompt=[{"role": "user", "content": "9-1="}], answer=8)
+    convs = start_conversations(tok, env, [task], 1, ["g"])
+    engine = ScriptedEngine(tok, [("7", True), ("8", True)])
+    run_conversations(engine, tok, env, convs, cfg.sampling, max_turns=2)
+    c = convs[0]
+    text = tok.decode(c.token_ids, skip_special_tokens=False)
+    assert text == "<|user|>9-1=<|end|><|assistant|>7<|end|><|user|>try again<|end|><|assistant|>8<|end|>"
+    p1 = len(tok("<|user|>9-1=<|end|><|assistant|>", add_special_tokens=False)["input_ids"])
+    hint = len(tok("<|user|>try again<|end|><|assistant|>", add_special_tokens=False)["input_ids"])
+    expected = [0] * p1 + [1, 1] + [0] * hint + [1, 1]
+    assert c.loss_mask == expected
+    assert c.logprobs[p1:p1 + 2] == pytest.approx([-0.1, -0.2])
+    traj = c.to_trajectory(engine.version, env.evaluate(task, c.history))
+    assert traj.reward == 1.0 and traj.scores["turns"] == 2.0 and traj.policy_version == 7
