@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup browser demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,13 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/asyncrl run --config configs/quickstart.yaml
 
-test: setup
+# Headless Chromium for the UI test (tests/test_ui.py); installed once, as root or with sudo.
+browser:
+	command -v chromium >/dev/null || ( \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -105,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
     p.add_argument("--out", required=True, help="directory for the key files")
     p.set_defaults(fn=cmd_keys)
-    p = sub.add_parser("ui", help="open the Gradio app on a run")
-    p.add_argument("--run", help="run directory (runs/<name>)")
-    p.add_argument("--connect", help="a live learner's events address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=7860)
+    p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
+    p.add_argument("--run", help="run directory (runs/<name>), followed while it is written")
+    p.add_argument("--connect", help="a live learner's events address (tcp://HOST:PORT; 'events' in "
+                                     "<run>/addresses.json)")
+    p.add_argument("--curve-dir", help="CURVE keys (asyncrl keys) when the learner uses wire.curve_dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default loopback)")
+    p.add_argument("--port", type=int, default=7860, help="port (0: any free port)")
     p.add_argument("--auth", help="user:password (required for a non-loopback --host)")
     p.set_defaults(fn=cmd_ui)
     return parser

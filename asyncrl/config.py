@@ -65,8 +65,9 @@ class TasksConfig(_Base):
 
 class EnvConfig(_Base):
     type: str = Field("single_turn", description=(
-        "Environment: 'single_turn' (one reply scored by the reward function) or an import path "
-        "'pkg.module:Class' implementing asyncrl.envs.Environment."))
+        "Environment: 'single_turn' (one reply scored by the reward function), 'calculator' (multi-turn: "
+        "the model may call a calculator with 'calc:EXPR' before answering; kwargs tool_prefix, "
+        "max_calls) or an import path 'pkg.module:Class' implementing asyncrl.envs.Environment."))
     reward: str = Field("arithmetic", description=(
         "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), or an "
         "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
@@ -134,6 +135,59 @@ class BufferConfig(_Base):
     capacity: int = Field(4096, ge=1, description="Most episodes held in the buffer.")
 
 
+class ReplayConfig(_Base):
+    """Experience replay (ExGRPO-style, seed 004; docs/replay.md). Composes with any algorithm whose
+    workflow honours per-task rollout counts (``supports_replay``; built in: grpo)."""
+
+    enabled: bool = Field(False, description="Turn experience replay on.")
+    start: Literal["progress", "solve_rate"] = Field("progress", description=(
+        "When replay starts: 'progress' (the seed: once version / train.total_steps >= "
+        "replay_start_ratio) or 'solve_rate' (ExGRPO: once a batch's fresh solve rate >= "
+        "start_solve_rate). Once started it stays on. The pool fills from the first step either way."))
+    replay_start_ratio: float = Field(0.35, ge=0, le=1, description=(
+        "start=progress: share of train.total_steps after which replay starts."))
+    start_solve_rate: float = Field(0.35, ge=0, le=1, description=(
+        "start=solve_rate: batch share of successful fresh rollouts that starts replay."))
+    exp_ratio: float = Field(0.5, ge=0, le=1, description=(
+        "Share of the tasks handed to actors that are replay tasks drawn from the pool; when the "
+        "pool is short, fresh tasks fill in, so the batch size never changes."))
+    offpolicy_trajectories_per_task: int = Field(1, ge=1, description=(
+        "k: replayed trajectories per replay task; the task gets n - k fresh rollouts, so its group "
+        "still has sampling.n members. Must be below sampling.n."))
+    max_trajectories_per_task: int = Field(10, ge=1, description=(
+        "Most stored trajectories per task; beyond it the replacement rule of exp_select_mode applies."))
+    experience_lbound: int = Field(0, ge=0, description=(
+        "A task enters the pool only with experience_lbound < successes < experience_rbound."))
+    experience_rbound: int | None = Field(None, ge=1, description=(
+        "Upper bound (exclusive) on successes to enter the pool; null: sampling.n."))
+    success_threshold: float = Field(1.0, description=(
+        "A rollout is a success when its reward >= this (the seed: reward == 1)."))
+    exp_select_mode: Literal["argmin", "argmax", "random"] = Field("argmin", description=(
+        "Which successful trajectory of a task is stored, and which are replayed, by mean token "
+        "entropy: 'argmin' (lowest, ExGRPO), 'argmax' (highest) or 'random'. When a task's list is "
+        "full: argmin replaces the highest-entropy one if the new one is lower, argmax the lowest "
+        "if the new one is higher, random drops the oldest (FIFO)."))
+    bucket_sampling: Literal["random", "gaussian"] = Field("random", description=(
+        "How a replay task's bucket is chosen: 'random' (uniform over non-empty buckets, the seed) or "
+        "'gaussian' (ExGRPO: weight exp(-(s/n - 0.5)^2 / (2 sigma^2)) over success count s)."))
+    bucket_sigma: float = Field(1.0, gt=0, description=(
+        "bucket_sampling=gaussian: sigma on the success-rate scale (ExGRPO uses 1.0)."))
+    withhold_solved: bool = Field(True, description=(
+        "Withhold fully solved tasks (the skip set) from the actors' fresh task streams."))
+    isolate_replay_groups: bool = Field(False, description=(
+        "The seed's unique off-policy group ids: each replayed trajectory is alone in its group, so "
+        "its GRPO advantage is ALWAYS 0 and it contributes no gradient. Off (ExGRPO): replayed "
+        "trajectories join their task's fresh group."))
+    exp_is_correct: bool = Field(True, description=(
+        "Replayed tokens take the recorded log-probs as their old policy (importance ratio against "
+        "the policy that recorded them). False: the current proximal policy, as on-policy tokens."))
+    off_cliprange_high: float = Field(1.0, ge=0, description=(
+        "Upper clip for replayed tokens: ratio <= 1 + off_cliprange_high (on-policy: train.clip_high)."))
+    off_policy_reshape: Literal["none", "p_div_p_0.1"] = Field("none", description=(
+        "'p_div_p_0.1': replayed tokens use ExGRPO's shaping -A * w / (w + 0.1), unclipped."))
+    state_event_every: int = Field(1, ge=1, description="Write a replay_state event every k steps.")
+
+
 class SyncConfig(_Base):
     type: Literal["zmq", "filesystem"] = Field("zmq", description=(
         "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
@@ -169,6 +223,11 @@ class EvalConfig(_Base):
 class LogConfig(_Base):
     episode_events_every: int = Field(1, ge=1, description="Write every k-th episode to the event log.")
     progress: bool = Field(True, description="Show a progress bar.")
+    sample_every: int = Field(10, ge=0, description=(
+        "Every k steps write a `sample` event: one trained trajectory's tokens, loss and exp masks, "
+        "behaviour log-probs and the learner's current log-probs (for the UI's Samples view); 0: off."))
+    sample_max_tokens: int = Field(512, ge=1, description=(
+        "Most tokens in a `sample` event; a longer trajectory keeps its last tokens."))
 
 
 class Config(_Base):
@@ -186,6 +245,8 @@ class Config(_Base):
     actor: ActorConfig = Field(default_factory=ActorConfig, description="Rollout actors.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Learner.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description=(
+        "Experience replay of successful trajectories (ExGRPO, seed 004); off by default."))
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
     wire: WireConfig = Field(default_factory=WireConfig, description="Transport.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
@@ -199,6 +260,11 @@ class Config(_Base):
         if self.train.mini_batches > self.train.batch_tasks:
             raise ValueError(f"train.mini_batches ({self.train.mini_batches}) cannot exceed "
                              f"train.batch_tasks ({self.train.batch_tasks})")
+        rp = self.replay
+        if rp.enabled and rp.offpolicy_trajectories_per_task >= self.sampling.n:
+            raise ValueError(f"replay.offpolicy_trajectories_per_task ({rp.offpolicy_trajectories_per_task}) "
+                             f"must be below sampling.n ({self.sampling.n}): a replay task keeps at least "
+                             f"one fresh rollout")
         return self
 
     @property

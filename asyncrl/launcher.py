@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +47,8 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     base = (["--config", config_path] if config_path else []) + [x for o in overrides for x in ("-o", o)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything like Ctrl-C
     learner = subprocess.Popen(_cli("learn", *base), env=env)
     procs.append(learner)
     try:
@@ -55,7 +59,13 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
                                                "--actor-id", f"actor-{i}", "--index", str(i)),
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
         if ui:
-            procs.append(subprocess.Popen(_cli("ui", "--run", str(run_dir), "--connect", addrs["events"]), env=env))
+            port = _free_port()
+            args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
+            if cfg.wire.curve_dir:
+                args += ["--curve-dir", cfg.wire.curve_dir]
+            procs.append(subprocess.Popen(_cli(*args), env=env))
+            print(f"[asyncrl] UI at http://127.0.0.1:{port}/ (starting; it stops with the run, then reopen it "
+                  f"with: asyncrl ui --run {run_dir})", flush=True)
         print(f"[asyncrl] learner at {addrs['control']}, {cfg.actor.num} actor(s); logs in {run_dir}", flush=True)
         while learner.poll() is None:
             for i, p in enumerate(procs[1:1 + cfg.actor.num]):
@@ -74,6 +84,16 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     finally:
         _stop_all(procs)
     return code
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _stop_all(procs: list[subprocess.Popen], grace: float = 15.0) -> None:

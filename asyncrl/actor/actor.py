@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 import zmq
@@ -25,6 +25,7 @@ from ..config import Config
 from ..engine.hf import HFEngine
 from ..envs.base import make_env, task_stream
 from ..models.loading import load_policy
+from ..types import Task
 from ..learner.weights_fs import load_weights_file
 from ..wire.codec import WireError, decode, decode_weights, encode_episode, encode_msg
 from ..wire.sockets import apply_curve_client, connect
@@ -54,6 +55,10 @@ class Actor:
         self.weight_updates = 0
         self._last_status = 0.0
         self._gen_s = 0.0
+        # experience replay: tasks the learner assigned (task, fresh rollouts, replayed k), generated
+        # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
+        self.assigned: deque[tuple[Task, int, int]] = deque()
+        self.withheld: set[str] = set()
 
     def _make_engine(self, model):
         if self.cfg.engine.type == "vllm":
@@ -108,6 +113,7 @@ class Actor:
         elif msg.kind == "credit":
             self.credits += int(body["n"])
             self.min_version = max(self.min_version, int(body.get("min_version", 0)))
+            self._on_replay_work(body)
         elif msg.kind == "stop":
             self.stopping = True
 
@@ -120,6 +126,8 @@ class Actor:
             self.weights = self._socket(zmq.DEALER, addrs["weights"])
         if new_session:
             self.credits = 0
+            self.assigned.clear()  # the learner lost its assignments; it resends its skip set too
+            self.withheld = set()
             self.min_version = 0  # a resumed learner may be at an older version than we last saw
             self.weights.send_multipart(encode_msg("subscribe", actor_id=self.actor_id,
                                                    have=self.engine.version), copy=False)
@@ -176,13 +184,62 @@ class Actor:
         self.status(force=True)
         self.close()
 
+    def _on_replay_work(self, body: dict) -> None:
+        """Replay fields of a credit message: assigned tasks and skip-set changes. A malformed item
+        is reported and dropped (the credit itself still counts)."""
+        items = body.get("replay_tasks") or []
+        if items and not getattr(self.workflow, "supports_replay", False):
+            print(f"[{self.actor_id}] the learner assigned replay tasks but workflow "
+                  f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
+                  flush=True)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            try:
+                task = Task.from_dict(item["task"])
+                n, k = int(item["n"]), int(item["k"])
+                if not 1 <= n <= self.cfg.sampling.n or k < 0:
+                    raise ValueError(f"n={n}, k={k}; expected 1 <= n <= sampling.n ({self.cfg.sampling.n})")
+            except (KeyError, TypeError, ValueError) as e:
+                print(f"[{self.actor_id}] dropped replay task {i} of a credit message: {e!r}; expected "
+                      f"{{task: {{id, prompt, answer, metadata}}, n: int, k: int}}", flush=True)
+                continue
+            self.assigned.append((task, n, k))
+        if body.get("withhold_reset"):
+            self.withheld = set()
+        self.withheld.update(str(x) for x in body.get("withhold_add") or [])
+        self.withheld.difference_update(str(x) for x in body.get("withhold_remove") or [])
+
+    def _fresh_task(self) -> Task:
+        """The next task of the stream that the learner does not withhold (fully solved); after
+        1000 withheld ones in a row, the next one anyway (a small dataset may be all solved)."""
+        for _ in range(1000):
+            task = next(self.tasks)
+            if task.id not in self.withheld:
+                return task
+        return next(self.tasks)
+
     def generate_batch(self) -> None:
         k = min(self.credits, self.cfg.actor.tasks_per_batch)
-        tasks = [next(self.tasks) for _ in range(k)]
+        replay = getattr(self.workflow, "supports_replay", False)
+        tasks, counts, ks = [], [], []
+        while self.assigned and len(tasks) < k:
+            task, n, kk = self.assigned.popleft()
+            tasks.append(task)
+            counts.append(n if replay else self.cfg.sampling.n)
+            ks.append(kk if replay else None)
+        while len(tasks) < k:
+            tasks.append(self._fresh_task())
+            counts.append(self.cfg.sampling.n)
+            ks.append(None)
         t0 = time.time()
         ctx = RolloutContext(self.engine, self.tokenizer, self.env, self.cfg, self.actor_id,
                              seed=self.seed + 100_003 * self.batches)
-        episodes = self.workflow.rollout(tasks, ctx)
+        if any(kk is not None for kk in ks):
+            episodes = self.workflow.rollout(tasks, ctx, counts=counts)
+            for ep, n, kk in zip(episodes, counts, ks):
+                if kk is not None:
+                    ep.decision["replay"] = {"k": kk, "fresh": n}
+        else:
+            episodes = self.workflow.rollout(tasks, ctx)
         self._gen_s += time.time() - t0
         self.batches += 1
         self.credits -= k

@@ -65,18 +65,30 @@ class Workflow:
 
 @register_workflow("grpo")
 class GRPOWorkflow(Workflow):
-    """``sampling.n`` rollouts per task through the environment; one Episode per task."""
+    """``sampling.n`` rollouts per task through the environment; one Episode per task.
 
-    def rollout(self, tasks: list[Task], ctx: RolloutContext) -> list[Episode]:
+    ``counts`` (optional, one per task) overrides the rollouts of a task: experience replay assigns
+    ``n - k`` fresh rollouts to a replay task whose ``k`` stored trajectories the learner adds."""
+
+    supports_replay = True
+
+    def rollout(self, tasks: list[Task], ctx: RolloutContext, counts: list[int] | None = None) -> list[Episode]:
         n = self.cfg.sampling.n
+        counts = [n] * len(tasks) if counts is None else [int(c) for c in counts]
+        if len(counts) != len(tasks) or any(c < 1 for c in counts):
+            raise ValueError(f"counts must hold one positive rollout count per task; got {counts} for "
+                             f"{len(tasks)} tasks")
         episode_ids = [new_id() for _ in tasks]
-        convs = start_conversations(ctx.tokenizer, ctx.env, tasks, n, group_ids=episode_ids)
+        convs = []
+        for task, eid, c in zip(tasks, episode_ids, counts):
+            convs += start_conversations(ctx.tokenizer, ctx.env, [task], c, group_ids=[eid])
         version = ctx.engine.version
         run_conversations(ctx.engine, ctx.tokenizer, ctx.env, convs, self.cfg.sampling,
                           self.cfg.env.max_turns, seed=ctx.seed)
         episodes = []
+        offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
         for i, (task, eid) in enumerate(zip(tasks, episode_ids)):
-            group = convs[i * n:(i + 1) * n]
+            group = convs[offsets[i]:offsets[i + 1]]
             trajs = [c.to_trajectory(version, ctx.env.evaluate(task, c.history)) for c in group]
             rewards = [t.reward for t in trajs]
             episodes.append(Episode(trajectories=trajs, actor_id=ctx.actor_id, task=task, id=eid,

@@ -93,7 +93,9 @@ class SingleTurnEnv:
         return scores_from(self.reward_fn(task, last))
 
 
-ENVS: dict[str, type] = {"single_turn": SingleTurnEnv}
+# built-in environments: a class, or an import path loaded on first use
+ENVS: dict[str, "type | str"] = {"single_turn": SingleTurnEnv,
+                                 "calculator": "asyncrl.envs.calculator:CalculatorEnv"}
 
 
 def make_env(env_cfg) -> Environment:
@@ -101,6 +103,8 @@ def make_env(env_cfg) -> Environment:
     spec = env_cfg.type
     if spec in ENVS:
         cls = ENVS[spec]
+        if isinstance(cls, str):
+            cls = resolve_import(cls, "env.type")
     elif ":" in spec or "." in spec:
         cls = resolve_import(spec, "env.type")
     else:

@@ -33,6 +33,7 @@ class TrainBatch:
     advantages: Tensor  # float [B, T-1], trajectory advantage on response tokens, 0 elsewhere
     exp_mask: Tensor  # float [B, T-1], 1 on replayed (off-policy) target tokens
     recorded_logprobs: Tensor  # float [B, T-1], replay's recorded log-probs (0 when absent)
+    recorded_mask: Tensor  # float [B, T-1], 1 where a recorded log-prob exists (NaN/absent: 0)
     rewards: Tensor  # float [B]
     policy_versions: Tensor  # long [B]
     sample_types: list[str]
@@ -89,7 +90,8 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     """Pad ``N`` trajectories into a :class:`TrainBatch` with ``advantages[N]`` on response tokens.
 
     ``exp_mask`` comes from ``Trajectory.exp_mask``; a replay trajectory (``is_replay``) without one
-    is off-policy on all its generated tokens, so its ``loss_mask`` is used.
+    is off-policy on all its generated tokens, so its ``loss_mask`` is used. NaN in
+    ``recorded_logprobs`` means "not recorded" (seed 6.4): ``recorded_mask`` is 0 there, the value 0.
     """
     if not trajectories:
         raise ValueError("collate needs at least one trajectory")
@@ -102,7 +104,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     B = len(trajectories)
     input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
-    rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec")}
+    rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec", "recm")}
     for i, (t, n) in enumerate(zip(trajectories, lengths)):
         input_ids[i, :n] = torch.as_tensor(t.token_ids, dtype=torch.long)
         attention_mask[i, :n] = 1
@@ -110,7 +112,10 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         rows["resp"].append(_shifted(t.loss_mask, n, W, torch.float32))
         rows["behav"].append(_shifted(t.behavior_logprobs, n, W, torch.float32))
         rows["exp"].append(_shifted(exp, n, W, torch.float32))
-        rows["rec"].append(_shifted(t.recorded_logprobs, n, W, torch.float32))
+        rec = _shifted(t.recorded_logprobs, n, W, torch.float32)
+        rows["recm"].append(torch.isfinite(rec).float() if t.recorded_logprobs is not None
+                            else torch.zeros(W))
+        rows["rec"].append(torch.nan_to_num(rec, nan=0.0, posinf=0.0, neginf=0.0))
     response_mask = torch.stack(rows["resp"])
     behavior = torch.stack(rows["behav"])
     batch = TrainBatch(
@@ -122,6 +127,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         advantages=adv[:, None] * response_mask,
         exp_mask=torch.stack(rows["exp"]),
         recorded_logprobs=torch.stack(rows["rec"]),
+        recorded_mask=torch.stack(rows["recm"]),
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
         policy_versions=torch.tensor([int(t.policy_version) for t in trajectories], dtype=torch.long),
         sample_types=[t.sample_type for t in trajectories],

@@ -23,7 +23,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
-                    keep: int) -> Path:
+                    keep: int, write_extra=None) -> Path:
+    """``write_extra(dir)``, if given, writes more files into the checkpoint before it is renamed into
+    place (the experience replay pool)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:08d}"
@@ -35,6 +37,8 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # local file, never sent over the wire
     buffer.save(tmp / "buffer.bin")
     state = {"version": version, "seen": sorted(buffer.seen), **extra_state}
+    if write_extra is not None:
+        write_extra(tmp)
     (tmp / "state.json").write_text(json.dumps(state))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -18,13 +18,15 @@ import torch
 
 from ..config import Config, dump_config
 from ..models.loading import load_policy
-from ..runlog import RunLog
+from ..runlog import EVENTS_SCHEMA, RunLog
 from ..types import Episode
+from .batch import collate, compute_logprobs
 from .buffer import ReplayBuffer
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluate import Evaluator
 from .net import LearnerNet
 from .progress import Progress, summary_table
+from .replay import ExperienceManager
 from .trainer import PolicyTrainer
 from .weights_fs import save_weights_file
 
@@ -38,7 +40,9 @@ class Learner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device)
-        self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature)
+        self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
+                                     replay_cfg=cfg.replay)
+        self.replay = _make_replay(cfg)
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
@@ -72,6 +76,9 @@ class Learner:
             return
         state = load_checkpoint(ckpt, self.model, self.trainer.optimizer)
         self.version = int(state["version"])
+        if self.replay is not None and self.replay.load(ckpt):
+            self.log.event("replay_state", self.version, reason="resume", digest=self.replay.digest(),
+                           **self.replay.state_event())
         self.rewards_per_step = list(state.get("rewards_per_step", []))
         recovered = self.buffer.restore(ckpt / "buffer.bin", set(state["seen"]))
         self.log.event("resume", self.version, checkpoint=str(ckpt), buffered=len(self.buffer),
@@ -148,19 +155,33 @@ class Learner:
         limit = (cfg.buffer.max_staleness + 1) * cfg.train.batch_tasks
         free = min(limit, cfg.buffer.capacity) - self.net.in_flight - len(self.buffer)
         if free > 0:
-            self.net.grant_credits(free, min_version=max(self.net.weights_version, 0))
+            self.net.grant_credits(free, min_version=max(self.net.weights_version, 0),
+                                   work=self._replay_work if self.replay is not None else None)
+
+    def _replay_work(self, actor, n: int) -> dict:
+        """Replay fields of a credit message for ``actor``'s ``n`` credits: assigned replay tasks
+        and the changes of the skip set (withheld task ids) since it was last told."""
+        body, actor.withheld_sent = self.replay.withheld_update(actor.withheld_sent)
+        tasks = self.replay.assign(n, self.version)
+        if tasks:
+            body["replay_tasks"] = tasks
+        return body
 
     def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
         t0 = time.time()
         staleness = [self.version - ep.policy_version for ep in episodes]
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
+        if self.replay is not None and has_rows:  # replay tasks get their k stored trajectories
+            self.replay.attach(episodes)
         batch = self.trainer.make_batch(episodes) if has_rows else None
         stats = self.trainer.step(batch) if batch is not None else {}
+        replay_metrics = self._replay_record(episodes, batch is not None)
         self.version += 1
         train_s = time.time() - t0
         if self.version % self.cfg.sync.every == 0:
             self.publish()
-        rewards = [t.reward for ep in episodes for t in ep.trajectories if t.sample_type != "proposer"]
+        rewards = [t.reward for ep in episodes for t in ep.trajectories
+                   if t.sample_type != "proposer" and not t.is_replay]  # fresh rollouts only
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
         self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0
@@ -170,12 +191,42 @@ class Learner:
                    "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
-                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats,
+                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **replay_metrics,
                    **_mean_episode_metrics(episodes)}
         metrics.update(self.evaluate())
         self.log.metric(self.version, metrics)
+        # live viewers without the run dir (asyncrl ui --connect) get the step's metrics too
+        self.net.publish_event({"schema": EVENTS_SCHEMA, "kind": "metrics", "t": time.time(),
+                                "step": self.version, "metrics": metrics})
         self._log_episodes(episodes, staleness)
+        self._log_sample(episodes)
         return metrics
+
+    def _replay_record(self, episodes: list[Episode], trained: bool) -> dict:
+        """The seed's step [8]: record this batch's fresh successes into the pool (with the
+        learner's log-probs and entropy), update buckets and skip set; metrics and the
+        ``replay_state`` event."""
+        if self.replay is None:
+            return {}
+        rows = self.trainer.last_rows if trained else None
+        logp, ent = (rows[0].float().numpy(), rows[1].float().numpy()) if rows is not None else (None, None)
+        out = self.replay.record(episodes, logp, ent, self.version)
+        if (self.version + 1) % self.cfg.replay.state_event_every == 0:
+            self.log.event("replay_state", self.version + 1, reason="step", **self.replay.state_event())
+        return out
+
+    def _log_sample(self, episodes: list[Episode]) -> None:
+        """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
+        every = self.cfg.log.sample_every
+        if not every or self.version % every:
+            return
+        rows = [(ep, t) for ep in episodes for t in ep.trajectories if t.num_generated > 0]
+        if not rows:
+            return
+        ep, traj = rows[(self.version // every) % len(rows)]
+        record = sample_record(self.model, self.tokenizer, traj, self.cfg.sampling.temperature,
+                               self.cfg.log.sample_max_tokens)
+        self.log.event("sample", self.version, episode_id=ep.id, **record)
 
     def _rates(self) -> dict:
         if len(self._recent) < 2:
@@ -222,11 +273,56 @@ class Learner:
     def checkpoint(self) -> Path:
         path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
                                self.buffer, {"rewards_per_step": self.rewards_per_step},
-                               keep=self.cfg.checkpoint.keep)
+                               keep=self.cfg.checkpoint.keep,
+                               write_extra=self.replay.save if self.replay is not None else None)
         self.buffer.open_wal(self.version)
         self.buffer.drop_wal_before(self.version)
         self.log.event("checkpoint", self.version, path=str(path))
+        if self.replay is not None:
+            self.log.event("replay_state", self.version, reason="checkpoint", checkpoint=str(path),
+                           digest=self.replay.digest(), **self.replay.state_event())
         return path
+
+
+def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -> dict:
+    """One trajectory per token for the ``sample`` event: token strings, ``loss_mask``, ``exp_mask``,
+    ``behavior_logprobs`` and ``current_logprobs`` (the model's now, after this step's update), all
+    aligned to the tokens; position 0 has no current log-prob (None). Only the last ``max_tokens``
+    tokens are kept (``offset`` is the index of the first one kept)."""
+    n = len(traj.token_ids)
+    batch = collate([traj], torch.zeros(1), tokenizer.pad_token_id or 0, device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logp, _ = compute_logprobs(model, batch, temperature)
+    model.train(was_training)
+    current = [None] + [round(float(x), 4) for x in logp[0, : n - 1].cpu()]
+    exp = traj.exp_mask if traj.exp_mask is not None else (traj.loss_mask if traj.is_replay else np.zeros(n))
+    start = max(0, n - max_tokens)
+    ids = [int(i) for i in traj.token_ids[start:]]
+    return {"trajectory_id": traj.id, "sample_type": traj.sample_type, "group_id": traj.group_id,
+            "policy_version": traj.policy_version, "reward": traj.reward, "advantage": traj.advantage,
+            "is_replay": traj.is_replay, "text": traj.text, "num_tokens": n, "offset": start,
+            "truncated": start > 0,
+            "tokens": tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False),
+            "token_ids": ids, "loss_mask": [int(x) for x in traj.loss_mask[start:]],
+            "exp_mask": [int(x) for x in np.asarray(exp)[start:]],
+            "behavior_logprobs": [round(float(x), 4) for x in traj.behavior_logprobs[start:]],
+            "current_logprobs": current[start:]}
+
+
+def _make_replay(cfg: Config) -> ExperienceManager | None:
+    """The ExperienceManager when ``replay.enabled``; the workflow must honour per-task rollout counts."""
+    if not cfg.replay.enabled:
+        return None
+    from ..algos.base import get_workflow
+
+    if not getattr(get_workflow(cfg.algorithm, cfg), "supports_replay", False):
+        raise SystemExit(f"replay.enabled needs a workflow that takes per-task rollout counts "
+                         f"(supports_replay); algorithm {cfg.algorithm!r} does not. Use algorithm: grpo "
+                         f"or set replay.enabled=false")
+    return ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
+                             max_staleness=cfg.buffer.max_staleness)
 
 
 def _mean_episode_metrics(episodes: list[Episode]) -> dict:

@@ -36,6 +36,7 @@ class ActorState:
     weights_version: int = -1
     status: dict = field(default_factory=dict)
     last_seen: float = field(default_factory=time.time)
+    withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
 
 
 class LearnerNet:
@@ -155,10 +156,13 @@ class LearnerNet:
             if a.actor_id == actor_id:
                 a.outstanding = max(0, a.outstanding - n)
 
-    def grant_credits(self, free: int, min_version: int) -> int:
+    def grant_credits(self, free: int, min_version: int, work=None) -> int:
         """Hand out up to ``free`` credits one at a time, round-robin over the actors below their
         capacity, starting after the actor served first last time, so that every connected actor
-        gets a share of each step's work (and so generates with each new ``min_version``)."""
+        gets a share of each step's work (and so generates with each new ``min_version``).
+
+        ``work(actor_state, n) -> dict``, if given, adds fields to an actor's credit message (the
+        learner's replay tasks and skip-set changes, see ``asyncrl.learner.replay``)."""
         actors = list(self.actors.items())
         if not actors:
             return 0
@@ -179,7 +183,8 @@ class LearnerNet:
                 break
         for ident, a in order:
             if grants[ident]:
-                self.send_control(ident, "credit", n=grants[ident], min_version=min_version)
+                extra = work(a, grants[ident]) if work is not None else {}
+                self.send_control(ident, "credit", n=grants[ident], min_version=min_version, **extra)
                 a.outstanding += grants[ident]
         return granted
 

@@ -34,9 +34,13 @@ def trajectory_advantages(trajs: list[Trajectory], adv_cfg) -> torch.Tensor:
 
 
 class PolicyTrainer:
-    def __init__(self, model, tokenizer, train_cfg, temperature: float):
+    def __init__(self, model, tokenizer, train_cfg, temperature: float, replay_cfg=None):
         self.model = model
         self.cfg = train_cfg
+        # experience replay (seed 004): off-policy loss settings, and recording of the learner's
+        # log-probs and entropy per row for the ExperienceManager (``last_rows`` after a step)
+        self.replay_cfg = replay_cfg if replay_cfg is not None and replay_cfg.enabled else None
+        self.last_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
@@ -57,23 +61,33 @@ class PolicyTrainer:
         """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps); returns mean stats."""
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
-        if self.cfg.recompute_proximal and not single_pass:
+        record = self.replay_cfg is not None
+        self.last_rows = None
+        if (self.cfg.recompute_proximal or record) and not single_pass:
             with torch.no_grad():
-                batch.old_logprobs, _ = compute_logprobs(self.model, batch, self.temperature)
+                logp0, ent0 = compute_logprobs(self.model, batch, self.temperature, with_entropy=record)
+            if self.cfg.recompute_proximal:
+                batch.old_logprobs = logp0
+            if record:
+                self.last_rows = (logp0.detach().cpu(), ent0.detach().cpu())
         sums: dict[str, float] = defaultdict(float)
-        count = 0
+        counts: dict[str, int] = defaultdict(int)
         for _ in range(self.cfg.ppo_epochs):
             for mb in batch.split(self.cfg.mini_batches):
                 stats = self._minibatch_step(mb, single_pass, extra_loss_kwargs or {})
                 for k, v in stats.items():
                     sums[k] += v
-                count += 1
-        return {k: v / count for k, v in sums.items()}
+                    counts[k] += 1
+        return {k: v / counts[k] for k, v in sums.items()}
 
     def _minibatch_step(self, mb: TrainBatch, single_pass: bool, extra: dict) -> dict[str, float]:
         cfg = self.cfg
+        rp = self.replay_cfg
         want_entropy = cfg.entropy_coef > 0
-        logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=want_entropy)
+        logp, entropy = compute_logprobs(self.model, mb, self.temperature,
+                                         with_entropy=want_entropy or (rp is not None and single_pass))
+        if rp is not None and single_pass:  # the weights before this update: the log-prob pass to record
+            self.last_rows = (logp.detach().cpu(), entropy.detach().cpu())
         if cfg.recompute_proximal and single_pass:
             mb.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
         weight = None
@@ -82,15 +96,33 @@ class PolicyTrainer:
         else:
             mb.old_logprobs = mb.behavior_logprobs
         old = mb.old_logprobs
-        if mb.exp_mask.any():  # replayed tokens use the recorded log-probs as their old policy
-            old = torch.where(mb.exp_mask.bool(), mb.recorded_logprobs, old)
+        has_exp = bool(mb.exp_mask.any())
+        replay_stats: dict[str, float] = {}
+        if has_exp:
+            # replayed tokens take the recorded log-probs as their old policy (exp_is_correct), where
+            # one was recorded; they carry no staleness weight (their ratio is the off-policy one)
+            use_rec = mb.exp_mask * mb.recorded_mask
+            if rp is not None and not rp.exp_is_correct:
+                use_rec = torch.zeros_like(use_rec)
+            m = (use_rec * mb.response_mask).bool()
+            if m.any():
+                replay_stats["replay/recorded_vs_current_logprob_diff"] = float(
+                    (old[m] - mb.recorded_logprobs[m]).abs().mean())
+            old = torch.where(use_rec.bool(), mb.recorded_logprobs, old)
             if weight is not None:
                 weight = torch.where(mb.exp_mask.bool(), torch.ones_like(weight), weight)
+            if rp is not None:
+                extra = {**extra, "off_clip_high": rp.off_cliprange_high,
+                         "off_policy_reshape": None if rp.off_policy_reshape == "none" else rp.off_policy_reshape}
         loss, stats = self.policy_loss(
             logp, old, mb.advantages, mb.response_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             dual_clip_c=cfg.dual_clip_c, loss_agg_mode=cfg.loss_agg_mode, behavior_weight=weight,
-            exp_mask=mb.exp_mask if mb.exp_mask.any() else None, **extra)
+            exp_mask=mb.exp_mask if has_exp else None, **extra)
         stats = dict(stats)
+        if rp is not None:
+            stats = _replay_names(stats)
+            stats.update(replay_stats)
+            stats.setdefault("replay/off_token_ratio", 0.0)
         if weight is not None:
             m = mb.response_mask.bool()
             w = weight[m]
@@ -104,7 +136,7 @@ class PolicyTrainer:
             kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
             loss = loss + cfg.kl_coef * kl_val
             stats["kl"] = kl_val.item()
-        if entropy is not None:
+        if entropy is not None and want_entropy:
             ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
             loss = loss - cfg.entropy_coef * ent
             stats["entropy"] = ent.item()
@@ -114,3 +146,15 @@ class PolicyTrainer:
         self.optimizer.step()
         stats.update(loss=loss.item(), grad_norm=float(grad_norm))
         return stats
+
+
+_REPLAY_KEYS = {"on_pg_loss": "replay/on_pg_loss", "off_pg_loss": "replay/off_pg_loss",
+                "on_clipfrac": "replay/on_clipfrac", "off_clipfrac": "replay/off_clipfrac",
+                "off_token_ratio": "replay/off_token_ratio", "off_ratio_mean": "replay/ratio_mean",
+                "off_ratio_min": "replay/ratio_min", "off_ratio_max": "replay/ratio_max"}
+
+
+def _replay_names(stats: dict[str, float]) -> dict[str, float]:
+    """The policy loss's on/off-policy statistics under their ``replay/`` metric names
+    (``replay/ratio_*`` is the importance ratio on replayed tokens)."""
+    return {_REPLAY_KEYS.get(k, k): v for k, v in stats.items()}

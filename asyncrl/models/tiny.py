@@ -80,6 +80,15 @@ def _arithmetic_format(rng: random.Random) -> tuple[Messages, str]:
 register_warmstart_format("arithmetic", _arithmetic_format)
 
 
+def _calculator_format(rng: random.Random) -> tuple[Messages, str]:
+    from ..envs.calculator import calculator_warmstart_example
+
+    return calculator_warmstart_example(rng)
+
+
+register_warmstart_format("calculator", _calculator_format)  # the multi-turn calculator env
+
+
 # --------------------------------------------------------------------------------------- model
 def embedded_llama_config(cfg: EmbeddedModelConfig, vocab_size: int) -> LlamaConfig:
     """The ``LlamaConfig`` of the embedded model (ids: pad 0, bos 2, eos 3 as in the tokenizer)."""

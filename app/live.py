@@ -1,0 +1,95 @@
+"""Feeding a :class:`RunStore` live: a run directory poller and a subscriber to the learner's
+``events`` PUB socket (ZeroMQ SUB; messages decoded with :func:`asyncrl.wire.codec.decode`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from asyncrl.analysis import RunReader, RunStore
+from asyncrl.wire.codec import WireError, decode
+from asyncrl.wire.sockets import apply_curve_client
+
+
+class DirPoller(threading.Thread):
+    """Reads what the learner appended to the run directory every ``interval`` seconds."""
+
+    def __init__(self, run_dir, store: RunStore, interval: float = 1.0):
+        super().__init__(daemon=True, name="asyncrl-ui-files")
+        self.reader = RunReader(run_dir, store)
+        self.interval = interval
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.reader.poll()
+            except OSError as e:  # e.g. the directory was removed: report, keep trying
+                self.reader.store._warn(f"reading {self.reader.dir}: {e}")
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+class EventSubscriber(threading.Thread):
+    """SUB socket on the learner's events address; every ``event`` message's ``body.event`` record
+    goes into the store (``metrics`` records too). Malformed messages are counted and skipped."""
+
+    def __init__(self, address: str, store: RunStore, curve_dir: str | None = None):
+        super().__init__(daemon=True, name="asyncrl-ui-events")
+        if "://" not in address:
+            raise ValueError(f"--connect wants a ZeroMQ address such as tcp://127.0.0.1:5555, got {address!r}")
+        self.address = address
+        self.store = store
+        self.curve_dir = curve_dir
+        self.received = 0
+        self.bad = 0
+        self.last: float | None = None
+        self.error: str | None = None
+        self._halt = threading.Event()
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve_dir:
+            apply_curve_client(self.sock, curve_dir)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(address)
+
+    def status(self) -> dict:
+        return {"address": self.address, "received": self.received, "last": self.last,
+                "error": self.error if self.error else (f"{self.bad} malformed messages skipped" if self.bad else None)}
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._halt.is_set():
+                if not dict(poller.poll(250)):
+                    continue
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        finally:
+            self.sock.close(0)
+
+    def _handle(self, frames) -> None:
+        try:
+            msg = decode(frames)
+            if msg.kind != "event" or not isinstance(msg.body.get("event"), dict):
+                raise WireError(f"expected an 'event' message with body.event, got {msg.kind!r}")
+        except WireError as e:
+            self.bad += 1
+            self.error = f"last bad message: {e}"
+            return
+        self.received += 1
+        self.last = time.time()
+        self.store.add_events([msg.body["event"]])
+
+    def stop(self) -> None:
+        self._halt.set()

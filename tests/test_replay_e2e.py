@@ -1,0 +1,108 @@
+"""Experience replay end to end: real learner and actor processes over loopback ZeroMQ, the multi-turn
+calculator environment, a checkpoint, SIGKILL and resume with the pool, buckets and skip set intact."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.learner.checkpoint import latest_checkpoint
+from asyncrl.learner.replay import ExperienceManager
+
+from .conftest import read_jsonl, wait_for_file
+from .test_pipeline import COMMON, _start, _stop
+
+pytestmark = pytest.mark.slow
+
+REPLAY = ["replay.enabled=true", "replay.replay_start_ratio=0.1", "replay.exp_ratio=0.5",
+          "replay.offpolicy_trajectories_per_task=1", "tasks.max_operand=3",  # 16 tasks: they recur
+          "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",  # two assistant turns each
+          "sampling.max_new_tokens=5"]
+
+
+def _wait(pred, proc, what: str, timeout: float = 180) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the learner exited ({proc.returncode}) before {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
+    total = 12
+    overrides = [*tiny_overrides, *COMMON, *REPLAY, f"run_root={tmp_path}", "name=replay",
+                 f"train.total_steps={total}", "checkpoint.every=3", "buffer.max_staleness=2"]
+    run_dir = tmp_path / "replay"
+    learner = _start(["learn", *overrides], tmp_path / "learner1.log")
+    procs = [learner]
+    try:
+        addrs = wait_for_file(run_dir / "addresses.json", learner)
+        actor = _start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log")
+        procs.append(actor)
+
+        def checkpointed_and_past_it() -> bool:
+            ev = read_jsonl(run_dir / "events.jsonl")
+            ck = [e["step"] for e in ev if e["kind"] == "replay_state" and e.get("reason") == "checkpoint"]
+            m = read_jsonl(run_dir / "metrics.jsonl")
+            return bool(ck) and bool(m) and m[-1]["version"] > max(ck)
+
+        _wait(checkpointed_and_past_it, learner, "a checkpoint and one more step")
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=10)
+        before = read_jsonl(run_dir / "events.jsonl")
+        # read back the checkpoint the learner will resume from, in this process, before it is rotated
+        cfg = load_config(None, overrides)
+        from_files = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=total)
+        ckpt = latest_checkpoint(run_dir)
+        assert from_files.load(ckpt)
+        learner2 = _start(["learn", *overrides], tmp_path / "learner2.log")
+        procs.append(learner2)
+        learner2.wait(timeout=300)
+        assert learner2.returncode == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        actor.wait(timeout=30)
+    finally:
+        _stop(procs)
+
+    # the state written at each checkpoint, as the learner had it in memory (digest covers the
+    # buckets, the skip set, every stored trajectory with its recorded log-probs, and the task dicts)
+    saved = {e["checkpoint"]: e for e in before if e["kind"] == "replay_state" and e.get("reason") == "checkpoint"}
+    events = read_jsonl(run_dir / "events.jsonl")
+    resume = [e for e in events if e["kind"] == "resume"][0]
+    restored = [e for e in events if e["kind"] == "replay_state" and e.get("reason") == "resume"][0]
+    at_ckpt = saved[resume["checkpoint"]]
+    assert restored["digest"] == at_ckpt["digest"]
+    for k in ("buckets", "pool_tasks", "skip_tasks", "pool_trajectories", "active"):
+        assert restored[k] == at_ckpt[k], k
+    # and read back from the files in this process: the same state, member by member
+    assert str(ckpt) == resume["checkpoint"]
+    m = from_files
+    assert m.digest() == at_ckpt["digest"]
+    assert m.bucket_sizes() == at_ckpt["buckets"] and len(m.skip_uid_set) == at_ckpt["skip_tasks"]
+    assert at_ckpt["pool_tasks"] + at_ckpt["skip_tasks"] > 0, "nothing to compare: empty pool and skip set"
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    final = [x for x in metrics if x["version"] == total]
+    assert final and {"replay/pool_tasks", "replay/skip_tasks", "replay/pool_trajectories",
+                      "replay/replayed_share", "replay/active", "replay/off_token_ratio"} <= set(final[0])
+    # started once progress reached 0.1 * 12 steps: the step trained at version 2 (logged as 3) on
+    active = {x["version"]: x["replay/active"] for x in metrics}
+    assert active[1] == 0.0 and all(active[v] == 1.0 for v in range(3, total + 1))
+    # replay really happened, on multi-turn trajectories: replayed rows in training, off-policy tokens
+    replayed = [x for x in metrics if x.get("replay/replayed_trajectories", 0) > 0]
+    assert replayed, "no replayed trajectory was ever trained"
+    assert all(x["replay/off_token_ratio"] > 0 and x["replay/ratio_max"] > 0 for x in replayed)
+    eps = [e for e in events if e["kind"] == "episode"]
+    rep = [t for e in eps for t in e["trajectories"] if t["is_replay"]]
+    assert rep and all(t["reward"] == 1.0 for t in rep)
+    for e in eps:  # a replay group has n members: n - k fresh plus k replayed, in one group
+        if e["decision"].get("replay"):
+            assert len(e["trajectories"]) == cfg.sampling.n
+            assert len({t["group_id"] for t in e["trajectories"]}) == 1
+    states = [e for e in events if e["kind"] == "replay_state" and e.get("reason") == "step"]
+    assert {"buckets", "pool_tasks", "skip_tasks", "pool_trajectories"} <= set(states[-1])

@@ -1,0 +1,253 @@
+"""``asyncrl ui``: a real Gradio server on real runs, looked at with headless Chromium; the live
+events subscriber over a real ZeroMQ socket; ``asyncrl run --ui``; the bind/auth rules."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import zmq
+
+from asyncrl.analysis import RunStore, load_run
+from asyncrl.wire.codec import encode_msg
+
+from ._ui_runs import (LineReader, make_runs, screenshot, start_ui, stop, ui_url, visible_text,
+                       wait_dom)
+from .conftest import ROOT, cli, subprocess_env
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory, model_cache, tiny_overrides):
+    return make_runs(tmp_path_factory, model_cache)
+
+
+def _version(dom: str) -> int:
+    m = re.search(r'id="policy-version">(\d+)<', dom)
+    return int(m.group(1)) if m else -1
+
+
+@pytest.mark.slow
+def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
+    azr_dir, rlcr_dir = demo_runs["absolute_zero"], demo_runs["rlcr"]
+    azr, rlcr = load_run(azr_dir), load_run(rlcr_dir)
+    procs = [start_ui("--run", str(azr_dir)), start_ui("--run", str(rlcr_dir))]
+    profile = tmp_path / "chromium"
+    try:
+        azr_url, rlcr_url = (ui_url(reader) for _, reader in procs)
+
+        # Overview: the learner's policy version and the actor list
+        dom = wait_dom(azr_url + "?view=overview", profile, lambda d: _version(d) > 0, what="a policy version")
+        assert _version(dom) == azr.version == 3
+        text = visible_text(dom)
+        assert "actor-0" in text and "absolute_zero" in text and "finished" in text
+        assert 'data-testid="matplotlib"' in dom and "data:image/png" in dom  # the curves
+
+        # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
+        dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups")
+        groups = azr.azr_groups()
+        table = dom[dom.index('id="azr-groups"'):]
+        table = table[: table.index("</table>")]
+        assert table.count('class="arl-row"') == len(groups) == 12
+        text = visible_text(dom)
+        for prompt in groups["seed_prompt"]:
+            assert prompt in text
+        kept = groups[groups["kept"]]
+        assert len(kept) and all(q in text for q in kept["sampled_question"])
+        assert "LEARNABLE" in text and "sampled" in text  # the questions table's flags
+        assert "does not use Absolute Zero" not in text
+
+        # an Absolute Zero run has no confidence trees, and says so
+        dom = wait_dom(azr_url + "?view=trees", profile, lambda d: "arl-note" in d, what="the RLCR note")
+        assert "does not use RLCR" in visible_text(dom)
+
+        # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
+        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d, what="confidence trees")
+        nodes = rlcr.rlcr_nodes()
+        assert dom.count('class="arl-tree rlcr-tree"') == nodes["episode_id"].nunique() == 6
+        assert dom.count('class="rlcr-confidence"') == len(nodes) == 6 * 2 * 2
+        text = visible_text(dom)
+        for prompt in nodes["prompt"].unique():
+            assert prompt in text
+        assert "Brier reward" in text and "advantage" in text
+        assert 'id="calibration-plot"' in dom and "data:image/png" in dom
+
+        # Samples: the per-token view of the latest sample event
+        dom = wait_dom(rlcr_url + "?view=samples", profile, lambda d: 'id="sample-view"' in d, what="a sample")
+        sample = rlcr.records("sample")[-1]
+        assert dom.count('class="arl-tok"') >= len(sample["tokens"])
+        assert f"Step {sample['step']}: {sample['sample_type']} trajectory" in visible_text(dom)
+
+        for url, name in ((azr_url + "?view=overview", "ui-overview.png"), (azr_url + "?view=tasks", "ui-tasks.png"),
+                          (rlcr_url + "?view=trees", "ui-trees.png")):
+            screenshot(url, name, profile)
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+    assert all(proc.returncode == 0 for proc, _ in procs)
+
+
+@pytest.mark.slow
+def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=live", "train.total_steps=100000",
+                 "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=4", "eval.every=0",
+                 "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.5"]
+    proc = subprocess.Popen(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides),
+                            cwd=ROOT, env=subprocess_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    reader = LineReader(proc)
+    profile = tmp_path / "chromium"
+    try:
+        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/)").group(1)
+        served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from tcp://").group(1)
+        assert served == announced
+        dom = wait_dom(served + "?view=overview", profile,
+                       lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),
+                       what="a live policy version >= 2 and received events")
+        assert "finished" not in visible_text(dom)
+        screenshot(served + "?view=overview", "ui-live.png", profile)
+    finally:
+        code = stop(proc, signal.SIGINT, timeout=120)
+    assert code == 130, "".join(reader.lines)[-3000:]
+    port = int(re.search(r":(\d+)/", announced).group(1))
+    with socket.socket() as s:  # the UI stopped with the run
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.slow
+def test_ui_with_auth_requires_a_login(demo_runs):
+    proc, reader = start_ui("--run", str(demo_runs["absolute_zero"]), "--auth", "alice:s3cret")
+    try:
+        url = ui_url(reader)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + "config", timeout=30)
+        assert err.value.code == 401
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        bad = urllib.parse.urlencode({"username": "alice", "password": "wrong"}).encode()
+        with pytest.raises(urllib.error.HTTPError):
+            opener.open(url + "login", data=bad, timeout=30)
+        good = urllib.parse.urlencode({"username": "alice", "password": "s3cret"}).encode()
+        assert opener.open(url + "login", data=good, timeout=30).status == 200
+        assert opener.open(url + "config", timeout=30).status == 200
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "0.0.0.0"], "requires --auth user:password"),
+    (["--host", "192.168.1.5", "--auth", "nocolon"], "--auth must be user:password"),
+    (["--auth", "user:"], "--auth must be user:password"),
+    (["--connect", "127.0.0.1:5555"], "wants a ZeroMQ address"),
+    (["--port", "70000"], "--port must be in 0..65535"),
+])
+def test_ui_rejects_bad_options_with_a_clear_error(tmp_path, capsys, args, message):
+    from app.main import main
+
+    assert main(["--run", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ui_needs_a_run_or_an_address(tmp_path, capsys):
+    from app.main import main
+
+    assert main([]) == 2
+    assert "give --run" in capsys.readouterr().err
+    assert main(["--run", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_event_subscriber_decodes_the_learner_event_stream():
+    from app.live import EventSubscriber
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    store = RunStore()
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", store)
+    sub.start()
+    status = {"schema": 1, "kind": "actor_status", "t": 1.0, "step": 4, "actor_id": "actor-7", "version": 3}
+    metrics = {"schema": 1, "kind": "metrics", "t": 2.0, "step": 5, "metrics": {"version": 5, "loss": 0.25}}
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and not (store.records("actor_status") and len(store.metrics)):
+            # PUB drops messages until the subscription has arrived: keep sending (de-duplicated)
+            pub.send_multipart(encode_msg("event", event=status))
+            pub.send_multipart(encode_msg("event", event=metrics))
+            pub.send_multipart([b"\x93not a header"])
+            pub.send_multipart(encode_msg("hello", actor_id="x"))
+            time.sleep(0.1)
+        assert store.records("actor_status") == [status]  # once, however often it was received
+        assert store.metrics.loc[5, "loss"] == 0.25 and store.version == 5
+        assert sub.received >= 2 and sub.bad >= 2
+        assert "actor-7" in store.actors(now=2.0)["actor_id"].tolist()
+    finally:
+        sub.stop()
+        sub.join(timeout=10)
+        pub.close(0)
+    assert not sub.is_alive()
+
+
+@pytest.mark.slow
+def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
+    from app import views as V
+
+    azr = load_run(demo_runs["absolute_zero"])
+    q = azr.azr_questions()
+    learnable = V.filter_questions(q, "learnable")
+    assert len(learnable) and learnable["learnable"].all() and learnable["final"].all()
+    assert V.filter_questions(q, "invalid")["valid"].sum() == 0
+    assert len(V.filter_questions(q, "all", final_only=False)) == min(len(q), V.MAX_QUESTION_ROWS)
+    with pytest.raises(ValueError, match="unknown status filter"):
+        V.filter_questions(q, "bogus")
+    table, keys = V.questions_table(V.filter_questions(q, "sampled"))
+    assert len(table) == len(keys) == azr.azr_groups()["kept"].sum()
+    detail = V.question_detail_html(azr, keys[0])
+    row = q[(q["episode_id"] == keys[0][0]) & (q["attempt"] == keys[0][1]) & (q["index"] == keys[0][2])].iloc[0]
+    assert 'id="solver-responses"' in detail and detail.count("arl-row") >= len(row["responses"])
+    assert "sampled for training" in detail
+    # the app's click handler: a row of the questions table -> that question's responses
+    import gradio as gr
+
+    from app.main import build_app
+
+    handlers = {f.name: f.fn for f in build_app(azr).fns.values()}
+    clicked = handlers["on_select"](keys, gr.SelectData(None, {"index": [0, 4], "value": ""}))
+    assert clicked == detail
+    assert "Click a question" in handlers["on_select"]([], gr.SelectData(None, {"index": [0, 0], "value": ""}))
+    assert "does not use RLCR" in V.rlcr_absent_note(azr)
+    rlcr = load_run(demo_runs["rlcr"])
+    assert not V.is_azr(rlcr) and V.is_rlcr(rlcr)
+    assert "does not use Absolute Zero" in V.azr_absent_note(rlcr)
+    assert "no per-token samples" in V.sample_html(RunStore(), None)
+    first = rlcr.records("sample")[0]
+    html = V.sample_html(rlcr, 0)
+    assert f"Step {first['step']}:" in html and html.count('class="arl-tok"') == len(first["tokens"]) + 3  # + legend
+    assert html.count("arl-row") == sum(1 for m, e in zip(first["loss_mask"], first["exp_mask"]) if m or e)
+    assert "has no experience replay" in V.replay_html(rlcr)
+
+
+def test_replay_view_shows_replay_state_and_metrics_when_present():
+    from app import views as V
+
+    store = RunStore()
+    store.add_metrics([{"step": s, "t": float(s), "version": s, "buffer_size": 3 + s, "replay/pool_tasks": 10 * s,
+                        "replay/skip_tasks": s, "replay/pool_trajectories": 40 * s, "replay/replayed_share": 0.25,
+                        "replay/active": 1} for s in (1, 2)])
+    store.add_events([{"schema": 1, "kind": "replay_state", "t": 2.0, "step": 2, "buckets": {"0": 4, "1": 2, "8": 1},
+                       "pool_tasks": 20, "skip_tasks": 2, "pool_trajectories": 80}])
+    assert V.has_replay(store)
+    html = V.replay_html(store)
+    assert "no experience replay" not in html
+    for label, value in (("buffer size (episodes)", "5"), ("pool tasks", "20"), ("skip set tasks", "2"),
+                         ("pool trajectories", "80")):
+        assert f'<div class="k">{label}</div><div class="v">{value}</div>' in html
+    fig = V.replay_figure(store)
+    bars = [p.get_height() for p in fig.axes[3].patches]
+    assert bars == [4, 2, 1]  # the latest buckets, by success count
