@@ -9,7 +9,10 @@ COPY configs ./configs
 COPY bench ./bench
 COPY tests ./tests
 COPY examples ./examples
-RUN make setup
+COPY notebooks ./notebooks
+COPY docs ./docs
+# PyPI's default torch wheel for Linux is a CUDA build of several GB: take the CPU one.
+RUN make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # Build the embedded model at image build time so the demo starts training at once.
 RUN .venv/bin/asyncrl init-model --config configs/quickstart.yaml
 CMD ["make", "demo"]

@@ -559,7 +559,8 @@ def staleness_counts(episodes: pd.DataFrame) -> pd.Series:
 # ------------------------------------------------------------------------------------- demo runs
 TINY_MODEL_OVERRIDES = ["model.embedded.hidden_size=32", "model.embedded.num_layers=1",
                         "model.embedded.num_heads=2", "model.embedded.intermediate_size=64",
-                        "model.embedded.warmup_steps=20", "model.embedded.warmup_batch_size=16"]
+                        "model.embedded.warmup_steps=20", "model.embedded.warmup_batch_size=16",
+                        "model.embedded.warmup_lr=3e-3"]
 
 _DEMO = {
     "grpo": ("configs/quickstart.yaml", ["train.batch_tasks=4", "actor.tasks_per_batch=4", "sampling.n=4",

@@ -67,7 +67,7 @@ def test_default_parameter_count():
 
 def _tiny_cfg(tmp_path, **kw) -> EmbeddedModelConfig:
     base = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=32,
-                warmup_steps=20, warmup_batch_size=16, cache_dir=str(tmp_path))
+                warmup_steps=20, warmup_batch_size=16, warmup_lr=3e-3, cache_dir=str(tmp_path))
     return EmbeddedModelConfig(**{**base, **kw})
 
 
