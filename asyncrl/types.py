@@ -85,6 +85,14 @@ class Trajectory:
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def off_policy_mask(self) -> np.ndarray | None:
+        """Tokens trained as replayed (off-policy): ``exp_mask``, else all generated tokens of a
+        replay trajectory (``loss_mask``), else None (all on-policy)."""
+        if self.exp_mask is not None:
+            return self.exp_mask
+        return self.loss_mask if self.is_replay else None
+
 
 @dataclass
 class Episode:

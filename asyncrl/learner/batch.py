@@ -108,7 +108,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     for i, (t, n) in enumerate(zip(trajectories, lengths)):
         input_ids[i, :n] = torch.as_tensor(t.token_ids, dtype=torch.long)
         attention_mask[i, :n] = 1
-        exp = t.exp_mask if t.exp_mask is not None else (t.loss_mask if t.is_replay else None)
+        exp = t.off_policy_mask
         rows["resp"].append(_shifted(t.loss_mask, n, W, torch.float32))
         rows["behav"].append(_shifted(t.behavior_logprobs, n, W, torch.float32))
         rows["exp"].append(_shifted(exp, n, W, torch.float32))

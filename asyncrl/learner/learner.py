@@ -297,7 +297,7 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
         logp, _ = compute_logprobs(model, batch, temperature)
     model.train(was_training)
     current = [None] + [round(float(x), 4) for x in logp[0, : n - 1].cpu()]
-    exp = traj.exp_mask if traj.exp_mask is not None else (traj.loss_mask if traj.is_replay else np.zeros(n))
+    exp = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n)
     start = max(0, n - max_tokens)
     ids = [int(i) for i in traj.token_ids[start:]]
     return {"trajectory_id": traj.id, "sample_type": traj.sample_type, "group_id": traj.group_id,
