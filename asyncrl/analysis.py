@@ -21,7 +21,9 @@ appended since the last call and leaves an unfinished last line for the next one
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -606,10 +608,17 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
     args = [*TINY_MODEL_OVERRIDES, *overrides, f"run_root={Path(run_root).resolve()}", f"name={name}",
             f"train.total_steps={steps}", "log.progress=false", "log.sample_every=1", "checkpoint.every=0",
             "checkpoint.resume=false", "actor.heartbeat_s=0.5", *(extra_overrides or [])]
-    res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "-c", str(root / config), *args],
-                         cwd=root, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise RuntimeError(f"the demo run failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "-c", str(root / config), *args],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: killed whole below
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # timed out or interrupted: the launcher and its children
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the demo run failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
     return run_dir
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .lifecycle import watch_parent
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    watch_parent()  # started by `asyncrl run`: die with it (asyncrl.lifecycle)
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:

@@ -58,6 +58,10 @@ class TasksConfig(_Base):
     path: str | None = Field(None, description="Task file for type 'file' (.jsonl, .json or .parquet).")
     prompt_field: str = Field("prompt", description="Field holding the prompt (string or chat messages).")
     answer_field: str = Field("answer", description="Field holding the ground truth.")
+    prompt_format: Literal["auto", "chat", "raw"] = Field("auto", description=(
+        "How prompts become tokens: 'chat' (the tokenizer's chat template), 'raw' (plain text with the "
+        "tokenizer's BOS, for base models; later environment turns appended as newline-separated text) "
+        "or 'auto' (chat when the tokenizer has a chat template, else raw)."))
     min_operand: int = Field(0, ge=0, description="Arithmetic: smallest operand.")
     max_operand: int = Field(99, ge=0, description="Arithmetic: largest operand.")
     ops: list[Literal["+", "-", "*"]] = Field(["+"], description="Arithmetic: operators to draw from.")

@@ -1,14 +1,23 @@
 """``asyncrl run``: start the learner and N actors as processes, show progress, stop cleanly.
 
 The learner binds its sockets and writes ``addresses.json`` into the run dir; actors are then started
-with its control address. Actor output goes to ``<run>/actor-<i>.log``. Ctrl-C (or SIGTERM) stops
-every process; after ``total_steps`` the learner tells the actors to stop and all exit.
+with its control address. Actor output goes to ``<run>/actor-<i>.log``. After ``total_steps`` the
+learner tells the actors to stop and all exit.
+
+Stopping (the same whatever state the launch is in):
+- SIGINT (Ctrl-C) and SIGTERM are handled explicitly, so they work even when the launcher started
+  with SIGINT ignored (every background job of a non-interactive shell inherits that). The first
+  one sends SIGTERM to every child (an orderly stop: the learner checkpoints) and waits up to
+  ``STOP_GRACE_S``, then kills what is left; a second one kills the children at once.
+- The children die with the launcher even when it cannot clean up (SIGKILL, OOM kill): see
+  ``asyncrl.lifecycle``.
+- There is no start-up deadline: building the embedded model on first use can take many minutes.
+  The launcher waits as long as the learner is alive and says every ``WAIT_REPORT_S`` that it is.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,23 +27,71 @@ import time
 from pathlib import Path
 
 from .config import Config
+from .lifecycle import child_env
+
+STOP_GRACE_S = 30.0
+WAIT_REPORT_S = 60.0
+
+
+class LearnerExited(RuntimeError):
+    """The learner ended before it bound its sockets."""
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while waiting (raised by :class:`StopSignals.check`)."""
+
+
+class StopSignals:
+    """Counts SIGINT/SIGTERM without raising inside arbitrary code: loops poll :meth:`check`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.count += 1
+        self.signum = self.signum or signum
+        if self.count == 2:
+            print("\n[asyncrl] second stop signal: killing the children now", flush=True)
+
+    def check(self) -> None:
+        if self.count:
+            raise StopRequested
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum or signal.SIGINT)
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "asyncrl.cli", *args]
 
 
-def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float = 600) -> dict:
-    """The learner's addresses.json once written; fails early if the learner exits first."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
+def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | None = None,
+                       stop: StopSignals | None = None, report_s: float | None = None) -> dict:
+    """The learner's addresses.json once written. Waits as long as the learner lives (or
+    ``timeout`` seconds when given); raises LearnerExited if it ends first, StopRequested on a
+    stop signal. Every ``report_s`` seconds it prints that the learner is still starting."""
+    t0 = last_report = time.time()
+    while timeout is None or time.time() - t0 < timeout:
         if path.exists():
             try:
                 return json.loads(path.read_text())
             except json.JSONDecodeError:
-                pass
+                pass  # being written
         if learner.poll() is not None:
-            raise RuntimeError(f"the learner exited with code {learner.returncode} before binding its sockets")
+            raise LearnerExited(f"the learner exited with code {learner.returncode} before binding its sockets")
+        if stop is not None:
+            stop.check()
+        if report_s and time.time() - last_report >= report_s:
+            last_report = time.time()
+            print(f"[asyncrl] the learner (pid {learner.pid}) is still starting after {last_report - t0:.0f} s "
+                  f"(loading or building the model); waiting", flush=True)
         time.sleep(0.2)
     raise TimeoutError(f"no {path} after {timeout:.0f}s")
 
@@ -45,49 +102,62 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     addr_file = run_dir / "addresses.json"
     addr_file.unlink(missing_ok=True)
     base = (["--config", config_path] if config_path else []) + [x for o in overrides for x in ("-o", o)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = child_env()
+    env["PYTHONUNBUFFERED"] = "1"
+    stop = StopSignals()
+    stop.install()
     procs: list[subprocess.Popen] = []
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything like Ctrl-C
-    learner = subprocess.Popen(_cli("learn", *base), env=env)
-    procs.append(learner)
     try:
-        addrs = wait_for_addresses(addr_file, learner)
-        for i in range(cfg.actor.num):
-            log = open(run_dir / f"actor-{i}.log", "a")
-            procs.append(subprocess.Popen(_cli("serve", *base, "--connect", addrs["control"],
-                                               "--actor-id", f"actor-{i}", "--index", str(i)),
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        learner = subprocess.Popen(_cli("learn", *base), env=env)
+        procs.append(learner)
+        addrs = wait_for_addresses(addr_file, learner, stop=stop, report_s=WAIT_REPORT_S)
+        actors = [_start_actor(run_dir, base, addrs, i, env) for i in range(cfg.actor.num)]
+        procs += actors
         if ui:
-            port = _free_port()
-            args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
-            if cfg.wire.curve_dir:
-                args += ["--curve-dir", cfg.wire.curve_dir]
-            procs.append(subprocess.Popen(_cli(*args), env=env))
-            print(f"[asyncrl] UI at http://127.0.0.1:{port}/ (starting; it stops with the run, then reopen it "
-                  f"with: asyncrl ui --run {run_dir})", flush=True)
+            procs.append(_start_ui(cfg, run_dir, addrs, env))
         print(f"[asyncrl] learner at {addrs['control']}, {cfg.actor.num} actor(s); logs in {run_dir}", flush=True)
-        while learner.poll() is None:
-            for i, p in enumerate(procs[1:1 + cfg.actor.num]):
-                if p.poll() not in (None, 0):
-                    print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see "
-                          f"{run_dir / f'actor-{i}.log'}", flush=True)
-                    raise RuntimeError("an actor failed")
-            time.sleep(0.5)
-        code = learner.returncode
-    except KeyboardInterrupt:
-        print("\n[asyncrl] stopping (Ctrl-C)...", flush=True)
-        code = 130
-    except RuntimeError as e:
+        code = _supervise(learner, actors, run_dir, stop)
+    except StopRequested:
+        code = stop.exit_code
+    except LearnerExited as e:
         print(f"[asyncrl] {e}", flush=True)
         code = 1
     finally:
-        _stop_all(procs)
+        if stop.count:
+            print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting up to {STOP_GRACE_S:g} s "
+                  f"for the learner to checkpoint (stop again to kill now)", flush=True)
+        stop_all(procs, stop)
     return code
 
 
-def _interrupt(*_args) -> None:
-    raise KeyboardInterrupt
+def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict) -> subprocess.Popen:
+    with open(run_dir / f"actor-{i}.log", "a") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(_cli("serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}",
+                                     "--index", str(i)), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.Popen:
+    port = _free_port()
+    args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
+    if cfg.wire.curve_dir:
+        args += ["--curve-dir", cfg.wire.curve_dir]
+    proc = subprocess.Popen(_cli(*args), env=env)
+    print(f"[asyncrl] UI at http://127.0.0.1:{port}/ (starting; it stops with the run, then reopen it "
+          f"with: asyncrl ui --run {run_dir})", flush=True)
+    return proc
+
+
+def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_dir: Path, stop: StopSignals) -> int:
+    """Wait for the learner to finish; an actor that fails ends the run (exit code 1)."""
+    while learner.poll() is None:
+        stop.check()
+        for i, p in enumerate(actors):
+            if p.poll() not in (None, 0):
+                print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see {run_dir / f'actor-{i}.log'}",
+                      flush=True)
+                return 1
+        time.sleep(0.2)
+    return learner.returncode
 
 
 def _free_port() -> int:
@@ -96,14 +166,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_all(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
+def stop_all(procs: list[subprocess.Popen], stop: StopSignals | None = None, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM every live process, wait up to ``grace`` seconds (less if a second stop signal comes),
+    then SIGKILL what is left. Never raises."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.time() + grace
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        if stop is not None and stop.count >= 2:
+            break
+        time.sleep(0.1)
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
-            p.wait()
+        p.wait()

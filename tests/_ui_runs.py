@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, cli, subprocess_env
+from .conftest import ROOT, cli, kill_tree, subprocess_env
 
 ARTIFACTS = ROOT / "test-artifacts"
 _RUNS: dict[str, Path] = {}
@@ -49,7 +49,12 @@ def chromium() -> str:
 def _browser(args: list[str], profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
            f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--window-size=1400,1600", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        kill_tree(proc)  # chromium's renderer and GPU processes too
 
 
 def dump_dom(url: str, profile: Path) -> str:
@@ -122,8 +127,13 @@ class LineReader:
 
 
 def start_ui(*args: str) -> tuple[subprocess.Popen, LineReader]:
-    proc = subprocess.Popen(cli("ui", "--port", "0", *args), cwd=ROOT, env=subprocess_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_logged(cli("ui", "--port", "0", *args))
+
+
+def start_logged(cmd: list[str]) -> tuple[subprocess.Popen, LineReader]:
+    """``cmd`` in its own session (see ``stop``), its output lines collected by a LineReader."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     return proc, LineReader(proc)
 
 
@@ -132,6 +142,8 @@ def ui_url(reader: LineReader) -> str:
 
 
 def stop(proc: subprocess.Popen, sig=None, timeout: float = 60) -> int:
+    """Send ``sig`` (SIGTERM) to ``proc`` and wait for it; then kill whatever is left of its tree.
+    Fails if it did not stop by itself within ``timeout`` seconds."""
     import signal as _signal
 
     if proc.poll() is None:
@@ -139,6 +151,6 @@ def stop(proc: subprocess.Popen, sig=None, timeout: float = 60) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"process {proc.args} did not stop within {timeout}s")
+        raise AssertionError(f"process {proc.args} did not stop within {timeout}s") from None
+    finally:
+        kill_tree(proc)

@@ -3,7 +3,6 @@ and the learner's handling of episodes whose trajectories were all filtered out.
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
@@ -12,7 +11,7 @@ from asyncrl.learner.buffer import ReplayBuffer
 from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
-from .conftest import ROOT, cli, read_jsonl, subprocess_env
+from .conftest import ROOT, read_jsonl, run_cli
 
 CONFIG = str(ROOT / "configs" / "absolute_zero.yaml")
 SEED_METRICS = [
@@ -39,8 +38,7 @@ def _e2e_overrides(tiny_overrides, tmp_path) -> list[str]:
 
 @pytest.mark.slow
 def test_self_play_run_over_real_processes(tmp_path, tiny_overrides):
-    res = subprocess.run(cli("run", "-c", CONFIG, *_e2e_overrides(tiny_overrides, tmp_path)), cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    res = run_cli("run", "-c", CONFIG, *_e2e_overrides(tiny_overrides, tmp_path), cwd=ROOT, timeout=300)
     run_dir = tmp_path / "azr"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import pandas as pd
@@ -13,8 +12,8 @@ import pytest
 from asyncrl.analysis import (RunReader, RunStore, TruncatedRecordWarning, load_events, load_metrics, load_run,
                               read_records, reliability_frame)
 
-from ._ui_runs import LineReader, make_runs, stop
-from .conftest import ROOT, cli, subprocess_env
+from ._ui_runs import make_runs, start_logged, stop
+from .conftest import ROOT, cli
 
 
 @pytest.fixture(scope="session")
@@ -120,9 +119,7 @@ def test_reads_a_run_while_it_is_being_written(tmp_path, tiny_overrides):
     overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=live", "train.total_steps=100000",
                  "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=4", "eval.every=0",
                  "log.progress=false", "checkpoint.every=0"]
-    proc = subprocess.Popen(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *overrides), cwd=ROOT,
-                            env=subprocess_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    output = LineReader(proc)
+    proc, output = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *overrides))
     run_dir = tmp_path / "live"
     store = RunStore()
     seen_steps: list[int] = []

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from asyncrl.wire.codec import encode_msg
 
-from .conftest import cli, read_jsonl, subprocess_env, wait_for_file
+from .conftest import kill_tree, read_jsonl, run_cli, start_cli, wait_for_file
 
 pytestmark = pytest.mark.slow
 
@@ -22,11 +22,11 @@ COMMON = ["sampling.n=4", "sampling.max_new_tokens=4", "actor.tasks_per_batch=4"
 
 
 def _start(args, log_path):
-    log = open(log_path, "w")
-    return subprocess.Popen(cli(*args), env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    return start_cli(*args, log=log_path)
 
 
 def _stop(procs):
+    """Ask every process to stop (SIGTERM), then kill whatever is left of each process tree."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -34,7 +34,8 @@ def _stop(procs):
         try:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            p.kill()
+            pass
+        kill_tree(p)
 
 
 def _initial_weights(model_cache):
@@ -125,8 +126,7 @@ def test_bad_messages_do_not_stop_the_learner(tmp_path, tiny_overrides):
 
 
 def test_unknown_config_key_is_a_clear_error(tmp_path):
-    res = subprocess.run(cli("learn", "-c", "configs/quickstart.yaml", "train.learning_rate=1e-5"),
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = run_cli("learn", "-c", "configs/quickstart.yaml", "train.learning_rate=1e-5", timeout=120)
     assert res.returncode == 2
     assert "unknown key 'train.learning_rate'" in res.stderr
     assert "lr" in res.stderr  # the allowed keys are listed
@@ -135,8 +135,7 @@ def test_unknown_config_key_is_a_clear_error(tmp_path):
 def test_filesystem_weight_sync(tmp_path, tiny_overrides):
     overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=fs", "train.total_steps=4",
                  "sync.type=filesystem", "sync.keep=2"]
-    res = subprocess.run(cli("run", *overrides), env=subprocess_env(), capture_output=True, text=True,
-                         timeout=240)
+    res = run_cli("run", *overrides, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     files = sorted((tmp_path / "fs" / "weights").glob("weights-*.safetensors"))
     assert [f.name for f in files] == ["weights-00000003.safetensors", "weights-00000004.safetensors"]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from .conftest import cli, read_jsonl, subprocess_env
+from .conftest import read_jsonl, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +19,7 @@ def test_rlcr_run_trains_both_sample_types(tmp_path, tiny_overrides):
                  f"algo.num_generations_answer={g_a}", f"algo.num_generations_confidence={g_c}",
                  "algo.answer_max_new_tokens=24", "algo.confidence_max_new_tokens=16",
                  "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.2"]
-    res = subprocess.run(cli("run", "-c", "configs/rlcr.yaml", *overrides), env=subprocess_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = run_cli("run", "-c", "configs/rlcr.yaml", *overrides, timeout=300)
     run_dir = tmp_path / "rlcr"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -18,9 +17,9 @@ import zmq
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
-from ._ui_runs import (LineReader, make_runs, screenshot, start_ui, stop, ui_url, visible_text,
+from ._ui_runs import (make_runs, start_logged, screenshot, start_ui, stop, ui_url, visible_text,
                        wait_dom)
-from .conftest import ROOT, cli, subprocess_env
+from .conftest import ROOT, cli
 
 
 @pytest.fixture(scope="session")
@@ -98,10 +97,7 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
     overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=live", "train.total_steps=100000",
                  "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=4", "eval.every=0",
                  "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.5"]
-    proc = subprocess.Popen(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides),
-                            cwd=ROOT, env=subprocess_env(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    reader = LineReader(proc)
+    proc, reader = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides))
     profile = tmp_path / "chromium"
     try:
         announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/)").group(1)

@@ -38,7 +38,7 @@ class Actor:
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
         torch.set_num_threads(cfg.actor.threads)
         torch.manual_seed(self.seed)
-        model, self.tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.engine.device)
+        model, self.tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.engine.device, cfg.tasks.prompt_format)
         self.engine = self._make_engine(model)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)

@@ -3,6 +3,7 @@
 Token ids are accumulated turn by turn rather than re-tokenising the transcript, so the learner
 trains on exactly the tokens the engine sampled. Generated tokens get ``loss_mask = 1`` and their
 behaviour log-probs; prompt tokens and environment turns get 0.
+Prompts are rendered by ``asyncrl.models.prompts`` (chat template or plain text).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..envs.base import Environment
+from ..models.prompts import delta_tokens, render_tokens
 from ..types import Task, Trajectory
 
 
@@ -42,21 +44,6 @@ class Conversation:
             text=self.texts[-1] if len(self.texts) == 1 else "\n".join(self.texts),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, **(metadata or {})},
         )
-
-
-def render_tokens(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def delta_tokens(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
-    """Tokens that the chat template adds for ``new`` messages after ``history`` (plus the next
-    assistant header). Rendered as the text difference so templates with preambles stay exact."""
-    prev = tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
-    full = tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
-    delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
-        new, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])
 
 
 def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, group_ids: list[str],

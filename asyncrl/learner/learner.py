@@ -39,7 +39,8 @@ class Learner:
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device)
+        self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device,
+                                                                cfg.tasks.prompt_format)
         self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
                                      replay_cfg=cfg.replay)
         self.replay = _make_replay(cfg)
@@ -118,7 +119,8 @@ class Learner:
             if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0:
                 self.checkpoint()
         progress.close()
-        self.evaluate(force=True)
+        if not self._stop:  # a stop request ends promptly: no final evaluation, just the checkpoint
+            self.evaluate(force=True)
         self.checkpoint()
         self.net.stop_actors()
         time.sleep(0.2)  # let the stop messages leave before the sockets close

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
 
 from ..config import Config, ModelConfig
+from .prompts import set_prompt_format
 from .tiny import build_embedded_model, read_model_info
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,10 +35,11 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = T
     return path
 
 
-def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu"):
+def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu", prompt_format: str = "auto"):
     """Load ``(model, tokenizer, path)``; the model is in ``model_cfg.dtype`` on ``device``, eval mode.
 
-    A tokenizer without a pad token gets its EOS token as pad.
+    A tokenizer without a pad token gets its EOS token as pad. ``prompt_format`` (``tasks.prompt_format``)
+    decides how prompts are rendered for the tokenizer (``asyncrl.models.prompts.set_prompt_format``).
     """
     path = resolve_model_path(model_cfg, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(path, **{_DTYPE_KW: _DTYPES[model_cfg.dtype]})
@@ -46,6 +48,7 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu"):
         if tokenizer.eos_token is None:
             raise ValueError(f"the tokenizer in {path} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
+    set_prompt_format(tokenizer, prompt_format, where=f" in {path}")
     return model.to(device).eval(), tokenizer, path
 
 

@@ -1,0 +1,85 @@
+"""Process lifecycle: children of ``asyncrl run`` never outlive it.
+
+``asyncrl run`` starts the learner, the actors and the UI with ``ASYNCRL_PARENT_PID`` set to its own
+pid. A child that finds it calls :func:`watch_parent`, which arms two independent mechanisms:
+
+1. Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: the kernel sends SIGTERM the moment the parent dies
+   (SIGKILL and OOM kills included). The parent may already be gone by the time the child arms it,
+   so the child checks its parent pid right after.
+2. A portable fallback, a daemon thread that polls ``os.getppid()`` (a child is re-parented when its
+   parent dies) and sends the process SIGTERM itself.
+
+SIGTERM asks for the process's own orderly stop (the learner checkpoints, the actor stops after its
+batch). If the process is still alive ``grace_s`` later (stuck in a reward function, say), the
+watcher ends it with ``os._exit``: nothing acknowledged is lost that way, because the learner's
+write-ahead log is fsynced before every acknowledgement and checkpoints are renamed into place.
+
+Processes started by hand (``asyncrl learn``/``serve`` in a shell) have no such parent and are not
+watched: actors waiting for a restarting learner is how a run resumes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_ENV = "ASYNCRL_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child that must die with this process (see :func:`watch_parent`)."""
+    out = dict(os.environ if env is None else env)
+    out[PARENT_ENV] = str(os.getpid())
+    return out
+
+
+def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> int | None:
+    """Arm the parent-death watch if ``ASYNCRL_PARENT_PID`` names this process's parent.
+
+    Returns the watched parent pid (None when not started by ``asyncrl run``). The variable is
+    removed from ``os.environ`` so that this process's own children are not watched against it.
+    If the parent is already gone, this process is sent SIGTERM at once.
+    """
+    raw = os.environ.pop(PARENT_ENV, None)
+    if not raw:
+        return None
+    try:
+        parent = int(raw)
+    except ValueError:
+        print(f"[asyncrl] ignoring {PARENT_ENV}={raw!r}: expected a process id", file=sys.stderr)
+        return None
+    _set_pdeathsig(signal.SIGTERM)
+    thread = threading.Thread(target=_watch, args=(parent, grace_s, poll_s), name="asyncrl-parent-watch",
+                              daemon=True)
+    thread.start()
+    return parent
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Ask the Linux kernel to send ``sig`` when the parent dies; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(parent: int, grace_s: float, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    print(f"[asyncrl] pid {os.getpid()}: parent {parent} is gone; stopping", file=sys.stderr, flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the process's own orderly stop (a no-op twice)
+    except OSError:
+        pass
+    time.sleep(grace_s)
+    print(f"[asyncrl] pid {os.getpid()}: still running {grace_s:g} s after its parent died; exiting now",
+          file=sys.stderr, flush=True)
+    os._exit(1)
