@@ -6,3 +6,34 @@ from asyncrl.types import Task
 def short_reply_reward(task: Task, response: str) -> float:
     """A reward with variance even for an untrained model: 1 for replies of at most 3 characters."""
     return 1.0 if len(response) <= 3 else 0.0
+
+
+def _call_number(task: Task, response: str) -> int:
+    """A stable pseudo-random number per (task, response), so that misbehaviour is spread evenly."""
+    import zlib
+
+    return zlib.crc32(f"{task.id}|{response}".encode()) % 10
+
+
+def flaky_reward(task: Task, response: str):
+    """Misbehaves on about 3 calls in 10: raises, returns NaN, returns a string; else short_reply_reward."""
+    k = _call_number(task, response)
+    if k == 0:
+        raise RuntimeError("flaky reward failed")
+    if k == 1:
+        return float("nan")
+    if k == 2:
+        return "1.0"
+    return short_reply_reward(task, response)
+
+
+def broken_reward(task: Task, response: str) -> float:
+    raise KeyError("answer")
+
+
+def hanging_reward(task: Task, response: str) -> float:
+    """Never returns (a reward that waits on a dead service)."""
+    import threading
+
+    threading.Event().wait()
+    return 0.0

@@ -11,7 +11,8 @@ from asyncrl.actor.rollout import run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.base import Generation
 from asyncrl.envs.arithmetic import arithmetic_reward, make_problem
-from asyncrl.envs.base import load_task_file, make_env, normalize_answer, task_stream
+from asyncrl.envs.base import make_env, normalize_answer
+from asyncrl.envs.tasks import load_task_file, task_stream
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
 
@@ -50,10 +51,10 @@ def test_task_file_and_plugin(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1="}\n')
     with pytest.raises(ValueError, match="no field 'prompt'"):
-        load_task_file(str(bad))
+        load_task_file(str(bad), cfg.tasks)
     bad.write_text('{"prompt": "1+1="\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
-        load_task_file(str(bad))
+        load_task_file(str(bad), cfg.tasks)
 
 
 def test_unknown_plugin_is_a_clear_error():

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..envs.base import Environment
+from ..envs.guard import EnvFailure
 from ..models.prompts import delta_tokens, render_tokens
 from ..types import Task, Trajectory
 
@@ -33,6 +34,7 @@ class Conversation:
     turns: int = 0
     texts: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    failure: str | None = None  # the environment failed on it (asyncrl.envs.guard): not trained on
 
     def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None) -> Trajectory:
         return Trajectory(
@@ -50,12 +52,16 @@ def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, 
                         sample_type: str = "policy") -> list[Conversation]:
     convs = []
     for task, gid in zip(tasks, group_ids):
-        history = env.reset(task)
+        try:
+            history, failure = env.reset(task), None
+        except EnvFailure as e:  # recorded on the conversations, which are then not generated
+            history, failure = [dict(m) for m in task.prompt], str(e)
         ids = render_tokens(tokenizer, history)
         for _ in range(n):
             convs.append(Conversation(task=task, history=[dict(m) for m in history], token_ids=list(ids),
                                       loss_mask=[0] * len(ids), logprobs=[0.0] * len(ids),
-                                      group_id=gid, sample_type=sample_type))
+                                      group_id=gid, sample_type=sample_type, done=failure is not None,
+                                      failure=failure))
     return convs
 
 
@@ -78,7 +84,11 @@ def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversat
             conv.finish_reasons.append(gen.finish_reason)
             conv.history.append({"role": "assistant", "content": gen.text})
             conv.turns += 1
-            result = env.step(conv.task, conv.history, gen.text)
+            try:
+                result = env.step(conv.task, conv.history, gen.text)
+            except EnvFailure as e:
+                conv.failure, conv.done = str(e), True
+                continue
             if result.done or turn == max_turns - 1:
                 conv.done = True
                 continue

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..actor.rollout import run_conversations, start_conversations
+from ..config import ConfigError
 from ..envs.base import Environment
+from ..envs.guard import EnvFailure
 from ..types import Episode, Task, new_id
 
 
@@ -40,7 +42,7 @@ def get_workflow(name: str, cfg) -> "Workflow":
     if name not in WORKFLOWS:
         _load_builtin_algorithms()
     if name not in WORKFLOWS:
-        raise ValueError(f"algorithm: unknown workflow {name!r}; available: {', '.join(sorted(WORKFLOWS))}")
+        raise ConfigError(f"algorithm: unknown algorithm {name!r}; available: {', '.join(sorted(WORKFLOWS))}")
     return WORKFLOWS[name](cfg)
 
 
@@ -72,6 +74,12 @@ class GRPOWorkflow(Workflow):
 
     supports_replay = True
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg.algo:
+            raise ConfigError(f"algorithm grpo takes no algo.* settings, got {', '.join(f'algo.{k}' for k in cfg.algo)}; "
+                              f"algo.* configures absolute_zero and rlcr (GRPO is set by train.*, sampling.*)")
+
     def rollout(self, tasks: list[Task], ctx: RolloutContext, counts: list[int] | None = None) -> list[Episode]:
         n = self.cfg.sampling.n
         counts = [n] * len(tasks) if counts is None else [int(c) for c in counts]
@@ -89,9 +97,38 @@ class GRPOWorkflow(Workflow):
         offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
         for i, (task, eid) in enumerate(zip(tasks, episode_ids)):
             group = convs[offsets[i]:offsets[i + 1]]
-            trajs = [c.to_trajectory(version, ctx.env.evaluate(task, c.history)) for c in group]
-            rewards = [t.reward for t in trajs]
+            trajs, failures = scored_trajectories(group, ctx.env, version)
             episodes.append(Episode(trajectories=trajs, actor_id=ctx.actor_id, task=task, id=eid,
-                                    created_at=time.time(),
-                                    metrics={"reward_mean": sum(rewards) / len(rewards)}))
+                                    created_at=time.time(), decision=failure_record(failures, version),
+                                    metrics=episode_metrics([t.reward for t in trajs], len(failures))))
         return episodes
+
+
+def scored_trajectories(convs: list, env, version: int) -> tuple[list, list[str]]:
+    """Trajectories of the conversations the environment scored, and the failure messages of the
+    others (a failed reset, step or evaluate: ``asyncrl.envs.guard``); failed ones are not trained on."""
+    trajs, failures = [], []
+    for c in convs:
+        if c.failure is None:
+            try:
+                trajs.append(c.to_trajectory(version, env.evaluate(c.task, c.history)))
+                continue
+            except EnvFailure as e:
+                c.failure = str(e)
+        failures.append(c.failure)
+    return trajs, failures
+
+
+def failure_record(failures: list[str], version: int) -> dict:
+    """The ``decision`` fields for an episode with failed conversations (none: ``{}``). An episode
+    whose conversations all failed keeps its policy version here (it has no trajectories)."""
+    if not failures:
+        return {}
+    return {"failures": failures[:8], "num_failures": len(failures), "policy_version": version}
+
+
+def episode_metrics(rewards: list[float], failures: int) -> dict[str, float]:
+    out = {"env/failures": float(failures)}
+    if rewards:
+        out["reward_mean"] = sum(rewards) / len(rewards)
+    return out

@@ -12,8 +12,9 @@ import time
 from ..actor.rollout import run_conversations, start_conversations
 from ..config import SamplingConfig
 from ..engine.hf import HFEngine
-from ..algos.base import get_workflow
-from ..envs.base import eval_tasks, make_env
+from ..algos.base import get_workflow, scored_trajectories
+from ..envs.base import make_env
+from ..envs.tasks import eval_tasks
 
 GREEDY_TEMPERATURE = 1e-4  # softmax(logits / 1e-4) puts all mass on the argmax
 
@@ -22,9 +23,9 @@ class Evaluator:
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.env = make_env(cfg.env)
+        self.env = make_env(cfg.env, stop_on_failures=False)  # evaluation records failures, never stops
         n = min(cfg.eval.size, cfg.tasks.eval_size)
-        self.tasks = eval_tasks(cfg.tasks, cfg.seed)[:n] if n else []
+        self.tasks = eval_tasks(cfg.tasks)[:n] if n else []
         temp = cfg.eval.temperature or GREEDY_TEMPERATURE
         self.sampling = SamplingConfig(n=1, temperature=temp, top_p=1.0,
                                        max_new_tokens=cfg.sampling.max_new_tokens, stop=cfg.sampling.stop)
@@ -57,6 +58,10 @@ class Evaluator:
                                     group_ids=[t.id for t in self.tasks])
         run_conversations(engine, self.tokenizer, self.env, convs, self.sampling,
                           self.cfg.env.max_turns, seed=self.cfg.seed)
-        rewards = [self.env.evaluate(c.task, c.history).get("reward", 0.0) for c in convs]
-        return {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-                "reward_mean": sum(rewards) / len(rewards), "size": len(rewards)}
+        trajs, failures = scored_trajectories(convs, self.env, 0)
+        rewards = [t.reward for t in trajs] + [0.0] * len(failures)  # a failed reward counts as wrong
+        out = {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+               "reward_mean": sum(rewards) / len(rewards), "size": len(rewards), "failures": len(failures)}
+        if failures:
+            out["failure_examples"] = failures[:3]
+        return out

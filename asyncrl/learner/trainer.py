@@ -58,7 +58,9 @@ class PolicyTrainer:
         return collate(trajs, adv, self.pad_id, device=self.cfg.device)
 
     def step(self, batch: TrainBatch, extra_loss_kwargs: dict | None = None) -> dict[str, float]:
-        """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps); returns mean stats."""
+        """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps); returns mean stats.
+        A mini-batch whose loss or gradient norm is not finite is not applied; ``skipped_nonfinite``
+        is the share of such mini-batches."""
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
         record = self.replay_cfg is not None
@@ -143,8 +145,12 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
-        stats.update(loss=loss.item(), grad_norm=float(grad_norm))
+        finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
+            self.optimizer.zero_grad(set_to_none=True)
+        stats.update(loss=loss.item(), grad_norm=float(grad_norm), skipped_nonfinite=float(not finite))
         return stats
 
 

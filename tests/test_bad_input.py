@@ -1,0 +1,231 @@
+"""Bad input from users: every case is one clear line naming the file, field or function, nothing is
+left half-written, and broken reward functions are recorded rather than fatal."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.envs.base import make_env
+from asyncrl.envs.guard import EnvFailure, TooManyFailures
+from asyncrl.envs.tasks import describe_heldout, split_tasks
+from asyncrl.learner.trainer import PolicyTrainer
+from asyncrl.models.tiny import build_char_tokenizer
+from asyncrl.types import Episode, Task, Trajectory
+
+from .conftest import ROOT, kill_tree, read_jsonl, run_cli, start_cli
+
+TASK = Task(id="t1", prompt=[{"role": "user", "content": "1+1="}], answer=2)
+REPLY = [{"role": "assistant", "content": "2"}]
+
+
+# ---- start-up: one line, nothing written --------------------------------------------------------
+
+def _refused(tmp_path, *args: str, command: str = "run") -> str:
+    """Run ``asyncrl COMMAND`` expecting a start-up refusal; returns its one-line message."""
+    res = run_cli(command, f"run_root={tmp_path / 'runs'}", "name=bad", *args, cwd=ROOT, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "runs").exists(), "a run directory was written before the check"
+    return res.stderr.strip()
+
+
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: 1e-5\n  batch_tasks: [1, 2\nsampling:\n  n: 4\n")
+    msg = _refused(tmp_path, "-c", str(bad))
+    assert msg.startswith(f"asyncrl run: {bad}:4:") and "YAML syntax error" in msg
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "caf\xe9", "answer": 3}\n', r"tasks\.jsonl:2: not UTF-8 \(byte 0xe9"),
+    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n', r"tasks\.jsonl:2: no 'answer'"),
+    (b'{"prompt": "1+1=", "answer": 2}\n{"question": "2+2=", "answer": 4}\n', r"tasks\.jsonl:2: no field 'prompt'"),
+    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', r"tasks\.jsonl:2: not valid JSON"),
+    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "' + b"x" * 2_000_000 + b'", "answer": 1}\n',
+     r"tasks\.jsonl:2: record of 2,000,0\d\d bytes, more than tasks\.max_record_bytes"),
+], ids=["not-utf8", "no-answer", "no-prompt", "bad-json", "huge-record"])
+def test_a_bad_task_file_is_refused_before_anything_starts(tmp_path, content, expected):
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(content)
+    msg = _refused(tmp_path, "tasks.type=file", f"tasks.path={path}")
+    assert __import__("re").search(expected, msg), msg
+
+
+def test_a_missing_task_file_and_a_too_long_prompt_are_one_line(tmp_path):
+    assert "does not exist" in _refused(tmp_path, "tasks.type=file", f"tasks.path={tmp_path / 'nope.jsonl'}")
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "1+" * (10 * i) + "1=", "answer": i + 1}) + "\n"
+                            for i in range(30)))
+    msg = _refused(tmp_path, "tasks.type=file", f"tasks.path={path}", "tasks.max_prompt_tokens=40")
+    assert "its prompt is" in msg and "tasks.max_prompt_tokens" in msg and "task q" in msg
+    # the default limit: the embedded model's 128 positions minus sampling.max_new_tokens
+    assert "the model's context (128)" in _refused(tmp_path, "tasks.type=file", f"tasks.path={path}")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["env.reward=tests.plugins_for_tests:no_such_reward"], "env.reward: module 'tests.plugins_for_tests' has no attribute"),
+    (["env.type=nosuchpkg.envs:Env"], "env.type: cannot import module 'nosuchpkg.envs'"),
+    (["algorithm=grpoo"], "algorithm: unknown algorithm 'grpoo'"),
+    (["algo.foo=1"], "algorithm grpo takes no algo.* settings, got algo.foo"),
+    (["-c", "configs/rlcr.yaml", "algo.lamda_conf=1"], "unknown key 'algo.lamda_conf'"),
+], ids=["reward-attr", "env-module", "algorithm", "grpo-algo-key", "rlcr-algo-key"])
+def test_config_mistakes_are_caught_before_the_model_is_built(tmp_path, args, expected):
+    t0 = time.time()
+    msg = _refused(tmp_path, *args)
+    assert expected in msg, msg
+    assert time.time() - t0 < 90  # no model build (minutes) happened first
+
+
+# ---- reward functions at run time ----------------------------------------------------------------
+
+def _env(reward: str, **over):
+    cfg = load_config(None, [f"env.reward={reward}", *(f"env.{k}={v}" for k, v in over.items())])
+    return make_env(cfg.env)
+
+
+@pytest.mark.parametrize("reward, expected", [
+    ("tests.plugins_for_tests:broken_reward", "env.reward tests.plugins_for_tests:broken_reward (evaluate, task t1) "
+                                              "raised KeyError: 'answer'"),
+    ("tests.test_bad_input:nan_reward", "nan_reward returned nan for score 'reward'; expected a finite float"),
+    ("tests.test_bad_input:string_reward", "env.reward tests.test_bad_input:string_reward returned '1.0' (str); "
+                                           "expected a finite float"),
+    ("tests.test_bad_input:dict_without_reward", "returned a dict without 'reward' (['score'])"),
+], ids=["raises", "nan", "string", "no-reward-key"])
+def test_a_bad_reward_is_one_failure_naming_the_function_and_the_task(reward, expected):
+    env = _env(reward)
+    with pytest.raises(EnvFailure) as err:
+        env.evaluate(TASK, REPLY)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert env.failures == 1 and env.calls == 1
+
+
+def nan_reward(task, response):
+    return math.nan
+
+
+def string_reward(task, response):
+    return "1.0"
+
+
+def dict_without_reward(task, response):
+    return {"score": 1.0}
+
+
+def test_a_reward_that_never_returns_times_out():
+    env = _env("tests.plugins_for_tests:hanging_reward", call_timeout_s=0.5)
+    t0 = time.time()
+    with pytest.raises(EnvFailure, match=r"no result after 0.5 s \(env.call_timeout_s\)"):
+        env.evaluate(TASK, REPLY)
+    assert time.time() - t0 < 10
+
+
+def test_too_many_failures_stop_an_actor_with_the_last_error():
+    env = _env("tests.plugins_for_tests:broken_reward", max_failure_rate=0.5)
+    for _ in range(20):
+        with pytest.raises(EnvFailure):
+            env.evaluate(TASK, REPLY)
+    with pytest.raises(TooManyFailures, match="20 of the last 20 calls .* failed .*last error: .*KeyError"):
+        env.evaluate(TASK, REPLY)
+    learner_side = make_env(load_config(None, ["env.reward=tests.plugins_for_tests:broken_reward"]).env,
+                            stop_on_failures=False)
+    for _ in range(25):  # evaluation records failures and never stops
+        with pytest.raises(EnvFailure):
+            learner_side.evaluate(TASK, REPLY)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_flaky_reward_trains_and_records_the_failures(tmp_path, tiny_overrides):
+    res = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, f"run_root={tmp_path}", "name=flaky",
+                  "env.reward=tests.plugins_for_tests:flaky_reward", "train.total_steps=4", "train.batch_tasks=4",
+                  "actor.tasks_per_batch=4", "sampling.n=4", "sampling.max_new_tokens=4", "eval.size=16",
+                  "eval.every=2", "log.progress=false", "checkpoint.every=0", cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "flaky" / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["env/failures"] for m in metrics) > 0  # recorded, and training went on
+    events = read_jsonl(tmp_path / "flaky" / "events.jsonl")
+    failed = [f for e in events if e["kind"] == "episode" for f in e["decision"].get("failures", [])]
+    assert failed and all("flaky_reward" in f for f in failed), failed[:3]
+    assert any("raised RuntimeError" in f for f in failed) or any("nan" in f for f in failed)
+    evals = [e for e in events if e["kind"] == "eval"]
+    assert evals and all(e["failures"] > 0 for e in evals), evals
+    for e in events:  # no NaN reached the trained trajectories
+        if e["kind"] == "episode":
+            assert all(t["reward"] is not None and math.isfinite(t["reward"]) for t in e["trajectories"])
+
+
+@pytest.mark.slow
+def test_a_hanging_reward_does_not_block_a_stop(tmp_path, tiny_overrides):
+    proc = start_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
+                     "name=hang", "env.reward=tests.plugins_for_tests:hanging_reward", "env.call_timeout_s=600",
+                     "train.total_steps=50", "eval.size=4", "log.progress=false", "checkpoint.every=0",
+                     log=tmp_path / "hang.log")
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (tmp_path / "hang" / "events.jsonl").exists():
+            assert proc.poll() is None, (tmp_path / "hang.log").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # the learner's first evaluation is now waiting on the reward
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert code == 128 + signal.SIGTERM, (tmp_path / "hang.log").read_text()[-3000:]
+    finally:
+        kill_tree(proc)
+
+
+# ---- the learner never applies a non-finite update --------------------------------------------
+
+def test_a_batch_with_a_non_finite_loss_is_skipped_not_applied():
+    from asyncrl.config import TrainConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_char_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64))
+    trainer = PolicyTrainer(model, tok, TrainConfig(), temperature=1.0)
+    ids = np.array(tok.encode("<|user|>1+1=<|end|><|assistant|>2<|end|>"), dtype=np.int32)
+    mask = np.zeros(len(ids), np.uint8)
+    mask[-2:] = 1
+    trajs = [Trajectory(ids, mask, np.where(mask, -1.0, 0.0).astype(np.float32), 0, reward=r, group_id="g")
+             for r in (0.0, 1.0)]
+    trajs[0].behavior_logprobs[-1] = np.nan  # a poisoned behaviour log-prob
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = trainer.step(trainer.make_batch([Episode(trajectories=trajs)]))
+    assert stats["skipped_nonfinite"] == 1.0 and not math.isfinite(stats["loss"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "a NaN update was applied"
+    assert not trainer.optimizer.state  # AdamW never stepped
+
+
+# ---- held-out means held out -------------------------------------------------------------------
+
+def test_held_out_tasks_are_never_in_the_training_stream(tmp_path):
+    from asyncrl.envs.tasks import task_stream
+
+    cfg = load_config(None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl", "tasks.eval_size=200"])
+    train, held = split_tasks(cfg.tasks)
+    assert len(held) == 20 and len(train) == 180  # tasks.holdout_fraction 0.1 of 200
+    stream = task_stream(cfg.tasks, seed=5)
+    seen = {next(stream).id for _ in range(2000)}
+    assert seen == {t.id for t in train} and not seen & {t.id for t in held}
+    assert "20 of 200 tasks carved from examples/countdown_tasks.jsonl" in describe_heldout(cfg.tasks, held, train)
+
+    arith = load_config(None, [])
+    _, held = split_tasks(arith.tasks)
+    stream = task_stream(arith.tasks, seed=1)
+    assert not {next(stream).id for _ in range(5000)} & {t.id for t in held}
+
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"prompt": "3+4=", "answer": 7}) + "\n")
+    cfg = load_config(None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl",
+                             f"tasks.eval_path={eval_file}"])
+    train, held = split_tasks(cfg.tasks)
+    assert len(train) == 200 and [t.answer for t in held] == [7]
+    assert f"from {eval_file} (tasks.eval_path)" in describe_heldout(cfg.tasks, held, train)
