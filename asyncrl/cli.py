@@ -31,11 +31,39 @@ def cmd_init_model(args) -> int:
     return 0
 
 
+def _add_start_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in the run dir from its newest intact checkpoint (checkpoint.resume=true)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="delete the previous run's files in the run dir first, then start fresh")
+
+
+def _start_refused(args, error: Exception) -> int:
+    """A start refused by the run directory's state (asyncrl.rundir) or an unusable checkpoint/WAL."""
+    print(f"asyncrl {args.command}: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _start_errors() -> tuple[type[Exception], ...]:
+    from .learner.buffer import RecordError
+    from .learner.checkpoint import CheckpointError
+    from .rundir import RunDirError
+
+    return RunDirError, CheckpointError, RecordError
+
+
 def cmd_learn(args) -> int:
     from .learner.learner import Learner
 
+    if args.resume:
+        args.override.append("checkpoint.resume=true")
     cfg, _ = _load(args)
-    summary = Learner(cfg).run()
+    try:
+        learner = Learner(cfg, overwrite=args.overwrite)
+    except _start_errors() as e:
+        return _start_refused(args, e)
+    summary = learner.run()
     print(json.dumps({"summary": summary}))
     return 0
 
@@ -57,11 +85,18 @@ def cmd_serve(args) -> int:
 
 def cmd_run(args) -> int:
     from .launcher import launch
+    from .rundir import prepare
 
+    if args.resume:  # the learner child gets the same overrides, so it resumes too
+        args.override.append("checkpoint.resume=true")
     cfg, overrides = _load(args)
     if args.actors is not None:
         overrides.append(f"actor.num={args.actors}")
         cfg = load_config(args.config, overrides)
+    try:  # before anything starts: the lock, fresh/resume/overwrite, damaged checkpoints, frozen keys
+        prepare(cfg, overwrite=args.overwrite)
+    except _start_errors() as e:
+        return _start_refused(args, e)
     return launch(cfg, args.config, overrides, ui=args.ui)
 
 
@@ -90,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_init_model)
     p = sub.add_parser("learn", help="run the learner")
     _add_config_args(p)
+    _add_start_args(p)
     p.set_defaults(fn=cmd_learn)
     p = sub.add_parser("serve", help="run a rollout actor")
     _add_config_args(p)
@@ -101,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the learner and actors together")
     _add_config_args(p)
     p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
+    _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")

@@ -217,7 +217,10 @@ class WireConfig(_Base):
 class CheckpointConfig(_Base):
     every: int = Field(50, ge=0, description="Checkpoint every k steps (0: only at the end).")
     keep: int = Field(2, ge=1, description="Checkpoints kept.")
-    resume: bool = Field(True, description="Resume from the run dir's latest checkpoint if present.")
+    resume: bool = Field(False, description=(
+        "Continue the run in the run dir from its newest intact checkpoint (`--resume`). False: the run "
+        "dir must hold no earlier run (else the start is refused; `--overwrite` deletes the old one)."))
+
 
 
 class EvalConfig(_Base):

@@ -56,8 +56,9 @@ def test_restore_from_checkpoint_and_wal_with_torn_tail(tmp_path):
     with open(tmp_path / "wal-00000001.bin", "ab") as f:
         f.write(b"\x03\x00\x00\x00\x10")  # a torn record from a crash mid-write
     fresh = ReplayBuffer(tmp_path, capacity=100)
-    recovered = fresh.restore(tmp_path / "buffer.bin", seen)
-    assert recovered == 1
+    report = fresh.restore(tmp_path / "buffer.bin", seen)
+    assert report.recovered == 1 and report.from_checkpoint == 1
+    assert [(t.path.name, t.bytes_cut) for t in report.truncated] == [("wal-00000001.bin", 5)]
     assert sorted(e.id for e, _ in fresh.episodes.values()) == ["after", "pending"]
     ep = fresh.take(2, version=1, max_staleness=1)[0]
     assert ep.trajectories[0].loss_mask.tolist() == [0, 0, 1, 1]

@@ -61,7 +61,7 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
         from_files = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=total)
         ckpt = latest_checkpoint(run_dir)
         assert from_files.load(ckpt)
-        learner2 = _start(["learn", *overrides], tmp_path / "learner2.log")
+        learner2 = _start(["learn", *overrides, "--resume"], tmp_path / "learner2.log")
         procs.append(learner2)
         learner2.wait(timeout=300)
         assert learner2.returncode == 0, (tmp_path / "learner2.log").read_text()[-3000:]

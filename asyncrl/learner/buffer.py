@@ -1,13 +1,29 @@
 """Policy-version-tagged replay buffer with a write-ahead log.
 
 Promises:
-- ``add`` appends the episode's wire frames to the WAL; after ``sync()`` returns, every episode added
-  before it is on disk, and only then does the learner acknowledge it to the actor.
+- ``add`` appends the episode's wire frames to the WAL as one checksummed record; after ``sync()``
+  returns, every episode added before it is on disk, and only then does the learner acknowledge it.
+  A write that fails part-way is cut back, so the file always ends on a whole record.
 - Episode ids are de-duplicated across restarts (``seen`` is part of the checkpoint), so an actor
   resending an unacknowledged episode never gets it trained twice.
 - ``take`` returns the oldest usable episodes first and drops those staler than ``max_staleness``.
-- A checkpoint stores the unconsumed episodes and ``seen``; WAL segments older than the checkpoint are
-  then deleted. Resuming reads the checkpoint, then any WAL entries it has not seen.
+- A checkpoint stores the unconsumed episodes and ``seen``; the learner deletes WAL segments older
+  than the oldest checkpoint it keeps (so a damaged newest checkpoint can fall back to an older one
+  without losing what was acknowledged since). Resuming reads the checkpoint, then every WAL record
+  it has not seen; a segment's bad tail (torn write, garbage, zero fill) is reported and cut off
+  before anything is appended.
+
+Record format (the WAL, a checkpoint's ``buffer.bin`` and the replay pool), little-endian::
+
+    magic  4 bytes  b"ARW1"
+    length u32      payload bytes (at most MAX_RECORD_BYTES)
+    crc    u32      CRC32C (Castagnoli) of the length field's 4 bytes followed by the payload
+    payload         u32 frame count, then per frame: u64 byte length, the bytes
+
+CRC32C is the checksum of iSCSI (RFC 3720) and of the LevelDB/RocksDB log format; it covers the length
+so that a damaged length is caught before it is trusted, and a zero-filled region never passes
+(its magic is wrong). A length larger than the cap or than the rest of the file stops reading before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -15,43 +31,174 @@ from __future__ import annotations
 import os
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+import crc32c
 
 from ..types import Episode
 from ..wire.codec import WireError, decode, decode_episode
 
+RECORD_MAGIC = b"ARW1"
+# A record is one episode (or one replay-pool task): token ids and log-probs of a few sequences. A
+# gigabyte is far beyond any legal one and keeps a damaged length from ever allocating more.
+MAX_RECORD_BYTES = 1 << 30
+_HEAD = struct.Struct("<4sII")  # magic, payload length, crc
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+class RecordError(ValueError):
+    """A record file that cannot be read; the message names the file, the byte offset and why."""
+
+
+def encode_record(frames: list) -> bytes:
+    """One record (header + payload) holding ``frames`` (bytes, memoryview or zmq.Frame)."""
+    views = [memoryview(fr.buffer if hasattr(fr, "buffer") else fr).cast("B") for fr in frames]
+    parts = [_U32.pack(len(views))]
+    for v in views:
+        parts += [_U64.pack(v.nbytes), v]
+    payload = b"".join(parts)
+    if len(payload) > MAX_RECORD_BYTES:
+        raise ValueError(f"a record of {len(payload)} bytes is over the limit of {MAX_RECORD_BYTES}")
+    length = _U32.pack(len(payload))
+    return _HEAD.pack(RECORD_MAGIC, len(payload), crc32c.crc32c(payload, crc32c.crc32c(length))) + payload
+
+
 def write_frames(f, frames: list) -> None:
-    f.write(_U32.pack(len(frames)))
-    for fr in frames:
-        buf = memoryview(fr.buffer if hasattr(fr, "buffer") else fr).cast("B")
-        f.write(_U64.pack(buf.nbytes))
-        f.write(buf)
+    """Append one record holding ``frames`` to the open binary file ``f``."""
+    f.write(encode_record(frames))
 
 
-def read_frame_records(path: Path) -> Iterator[list[bytes]]:
-    """Frame lists from a WAL/buffer file; stops quietly at a torn final record."""
+def _split_frames(payload: bytes) -> list[bytes] | None:
+    """The frames of a checksummed payload, or None if its frame table does not add up."""
+    if len(payload) < 4:
+        return None
+    (n,) = _U32.unpack_from(payload, 0)
+    pos, frames = 4, []
+    for _ in range(n):
+        if pos + 8 > len(payload):
+            return None
+        (ln,) = _U64.unpack_from(payload, pos)
+        pos += 8
+        if ln > len(payload) - pos:
+            return None
+        frames.append(payload[pos:pos + ln])
+        pos += ln
+    return frames if pos == len(payload) else None
+
+
+@dataclass
+class RecordScan:
+    """What reading a record file found: ``good_bytes`` is the end of the last good record; when it
+    is short of ``size``, ``problem`` says why reading stopped there."""
+
+    path: Path
+    size: int = 0
+    good_bytes: int = 0
+    records: int = 0
+    problem: str | None = None
+
+    @property
+    def bytes_cut(self) -> int:
+        return self.size - self.good_bytes
+
+
+def _next_record(f, offset: int, size: int) -> tuple[list[bytes] | None, str | None]:
+    """The record at ``offset`` (file positioned there): (frames, None), or (None, why it is bad)."""
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size:
+        return None, f"a torn record header ({len(head)} of {_HEAD.size} bytes)"
+    magic, length, crc = _HEAD.unpack(head)
+    if magic != RECORD_MAGIC:
+        what = "zero bytes" if head == bytes(len(head)) else f"bytes {head[:4].hex()}"
+        return None, f"no record marker ({what} instead of {RECORD_MAGIC!r})"
+    if length > MAX_RECORD_BYTES:
+        return None, f"a record length of {length} bytes, over the limit of {MAX_RECORD_BYTES}"
+    if offset + _HEAD.size + length > size:
+        return None, (f"a torn record ({size - offset - _HEAD.size} of its {length} payload bytes "
+                      f"are in the file)")
+    payload = f.read(length)
+    if crc32c.crc32c(payload, crc32c.crc32c(_U32.pack(length))) != crc:
+        return None, "a record whose checksum does not match (damaged bytes)"
+    frames = _split_frames(payload)
+    if frames is None:
+        return None, "a record whose frame table does not match its length"
+    return frames, None
+
+
+def scan_records(path: Path, scan: RecordScan | None = None) -> Iterator[list[bytes]]:
+    """Frame lists of a record file, in order, stopping at the first bad record. Pass a
+    :class:`RecordScan` to learn where it stopped and why (filled in as reading goes)."""
+    path = Path(path)
+    scan = scan if scan is not None else RecordScan(path)
     with open(path, "rb") as f:
-        while True:
-            head = f.read(4)
-            if len(head) < 4:
+        scan.size = os.fstat(f.fileno()).st_size
+        while scan.good_bytes < scan.size:
+            frames, problem = _next_record(f, scan.good_bytes, scan.size)
+            if frames is None:
+                scan.problem = problem
+                _refuse_old_format(path, scan)
                 return
-            (n,) = _U32.unpack(head)
-            frames = []
-            for _ in range(n):
-                lh = f.read(8)
-                if len(lh) < 8:
-                    return
-                (ln,) = _U64.unpack(lh)
-                data = f.read(ln)
-                if len(data) < ln:
-                    return
-                frames.append(data)
+            scan.good_bytes = f.tell()
+            scan.records += 1
             yield frames
+
+
+def _refuse_old_format(path: Path, scan: RecordScan) -> None:
+    """A file whose very first bytes are a frame count and a length (asyncrl's first WAL format,
+    without checksums) is refused by name rather than cut to nothing."""
+    if scan.good_bytes or scan.size < 12:
+        return
+    with open(path, "rb") as f:
+        head = f.read(12)
+    (n,) = _U32.unpack_from(head, 0)
+    (ln,) = _U64.unpack_from(head, 4)
+    if 1 <= n <= 64 and 0 < ln <= scan.size:
+        raise RecordError(f"{path}: written by an older asyncrl (records without checksums, format 0); "
+                          f"this version reads format {RECORD_MAGIC.decode()} only: resume that run with "
+                          f"the asyncrl that wrote it, or start over (--overwrite)")
+
+
+def read_frame_records(path: Path, strict: bool = True) -> Iterator[list[bytes]]:
+    """Frame lists from a record file. ``strict`` (checkpoint files, written whole): a bad record
+    raises :class:`RecordError` naming the file and offset. Otherwise (a WAL that may end in a torn
+    write) reading stops quietly at the first bad record."""
+    scan = RecordScan(Path(path))
+    yield from scan_records(path, scan)
+    if strict and scan.problem is not None:
+        raise RecordError(f"{path}: {scan.problem} at byte {scan.good_bytes} of {scan.size} "
+                          f"(after {scan.records} good records)")
+
+
+@dataclass
+class RestoreReport:
+    """What ``restore`` rebuilt: episodes from the checkpoint's buffer file, episodes recovered from
+    the WAL, WAL records that would not decode, and the bad tails cut off (``RecordScan`` each)."""
+
+    from_checkpoint: int = 0
+    recovered: int = 0
+    undecodable: int = 0
+    truncated: list[RecordScan] = field(default_factory=list)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cut(path: Path, size: int) -> None:
+    """Truncate ``path`` to ``size`` bytes, durably."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ReplayBuffer:
@@ -62,7 +209,8 @@ class ReplayBuffer:
         self.episodes: OrderedDict[str, tuple[Episode, list]] = OrderedDict()
         self.seen: set[str] = set()
         self.dropped_stale = 0
-        self._wal = None
+        self._fd: int | None = None
+        self._wal_size = 0
         self._wal_path: Path | None = None
         self._dirty = False
 
@@ -71,25 +219,45 @@ class ReplayBuffer:
 
     # -- writing --------------------------------------------------------------------------------
     def open_wal(self, segment: int) -> None:
-        if self._wal is not None:
-            self._wal.close()
+        """Append from now on to ``wal-<segment>.bin`` (created if new). Call ``restore`` first when
+        the segment may exist: it cuts a bad tail, after which appending is safe."""
+        self.close()
         self._wal_path = self.dir / f"wal-{segment:08d}.bin"
-        self._wal = open(self._wal_path, "ab")
+        new = not self._wal_path.exists()
+        self._fd = os.open(self._wal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._wal_size = os.fstat(self._fd).st_size
+        if new:
+            _fsync_dir(self.dir)  # the segment's directory entry survives a power cut too
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
 
     def add(self, episode: Episode, frames: list) -> bool:
-        """Append to the WAL and the buffer. False (and nothing written) for a duplicate id."""
+        """Append to the WAL and the buffer. False (and nothing written) for a duplicate id. If the
+        write fails (disk full, ...) the WAL is cut back to its last whole record and the error is
+        raised, with the episode neither buffered nor marked seen (its actor will resend it)."""
         if episode.id in self.seen:
             return False
-        write_frames(self._wal, frames)
+        record = encode_record(frames)
+        try:
+            written = 0
+            while written < len(record):  # os.write may write part of it (e.g. at a size limit)
+                written += os.write(self._fd, memoryview(record)[written:])
+        except BaseException:
+            os.ftruncate(self._fd, self._wal_size)
+            raise
+        self._wal_size += len(record)
         self._dirty = True
         self.seen.add(episode.id)
         self.episodes[episode.id] = (episode, frames)
         return True
 
     def sync(self) -> None:
-        if self._dirty and self._wal is not None:
-            self._wal.flush()
-            os.fsync(self._wal.fileno())
+        if self._dirty and self._fd is not None:
+            os.fsync(self._fd)
             self._dirty = False
 
     # -- reading --------------------------------------------------------------------------------
@@ -111,35 +279,48 @@ class ReplayBuffer:
 
     # -- checkpoint / resume --------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        """Write the unconsumed episodes to ``path`` (same record format as the WAL) and fsync it."""
         with open(path, "wb") as f:
             for _, frames in self.episodes.values():
                 write_frames(f, frames)
             f.flush()
             os.fsync(f.fileno())
 
+    def wal_segments(self) -> list[Path]:
+        return sorted(self.dir.glob("wal-*.bin"), key=lambda p: int(p.stem.split("-")[1]))
+
     def drop_wal_before(self, segment: int) -> None:
-        for p in self.dir.glob("wal-*.bin"):
+        """Delete WAL segments numbered below ``segment`` (the step of the oldest kept checkpoint)."""
+        for p in self.wal_segments():
             if int(p.stem.split("-")[1]) < segment:
                 p.unlink()
 
-    def restore(self, buffer_file: Path | None, seen: set[str]) -> int:
-        """Rebuild from a checkpoint's buffer file plus WAL entries it has not seen. Returns how
-        many episodes came from the WAL."""
+    def restore(self, buffer_file: Path | None, seen: set[str]) -> RestoreReport:
+        """Rebuild from a checkpoint's buffer file (read strictly: it was verified against the
+        checkpoint's manifest) plus every WAL record it has not seen. Each WAL segment is read up to
+        its first bad record and cut back to there (``report.truncated``), so appending after a
+        crash never leaves good records behind garbage."""
+        report = RestoreReport()
         self.seen = set(seen)
         if buffer_file is not None and buffer_file.exists():
-            for frames in read_frame_records(buffer_file):
+            for frames in read_frame_records(buffer_file, strict=True):
                 ep = decode_episode(decode(frames))
                 self.episodes[ep.id] = (ep, frames)
                 self.seen.add(ep.id)
-        recovered = 0
-        for wal in sorted(self.dir.glob("wal-*.bin")):
-            for frames in read_frame_records(wal):
+                report.from_checkpoint += 1
+        for wal in self.wal_segments():
+            scan = RecordScan(wal)
+            for frames in scan_records(wal, scan):
                 try:
                     ep = decode_episode(decode(frames))
                 except WireError:
+                    report.undecodable += 1
                     continue
                 if ep.id not in self.seen:
                     self.seen.add(ep.id)
                     self.episodes[ep.id] = (ep, frames)
-                    recovered += 1
-        return recovered
+                    report.recovered += 1
+            if scan.problem is not None:
+                _cut(wal, scan.good_bytes)
+                report.truncated.append(scan)
+        return report

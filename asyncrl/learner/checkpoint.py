@@ -1,62 +1,208 @@
 """Learner checkpoints: ``<run>/checkpoints/step_<version>/`` with the model (safetensors via
-``save_pretrained``), optimizer state, learner state (version, seen episode ids) and the unconsumed
-buffer. Written to a temp dir and renamed, so a crash never leaves a half checkpoint behind."""
+``save_pretrained``), optimizer state, learner state (version, seen episode ids), the unconsumed
+buffer and ``manifest.json``.
+
+Promises:
+- A checkpoint is built in ``.tmp_step_<version>``: every file is written and fsynced, then the
+  manifest (each file's size and CRC32C) is written last, then the directory is renamed into place.
+  A failure while writing (disk full, ...) removes the temp directory and re-raises.
+- ``select_checkpoint`` verifies checkpoints newest first against their manifests and returns the
+  newest intact one, with the damaged ones it skipped and the file at fault in each.
+- ``load_checkpoint`` errors name the file that failed to load.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-import torch
+import crc32c
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the checkpoint and the file at fault."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name.split("_")[1])
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories (``step_<n>``), oldest first; temp and quarantined ones are not listed."""
     root = checkpoint_root(run_dir)
-    cands = sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1])) if root.exists() else []
-    cands = [c for c in cands if (c / "state.json").exists()]
-    return cands[-1] if cands else None
+    if not root.exists():
+        return []
+    cands = [p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()]
+    return sorted(cands, key=checkpoint_step)
+
+
+def file_crc32c(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            value = crc32c.crc32c(chunk, value)
+    return value
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file listed in the manifest has its recorded size and CRC32C; otherwise one
+    line naming the file at fault and what is wrong with it."""
+    path = Path(path)
+    man_path = path / MANIFEST
+    if not man_path.exists():
+        return f"{man_path}: missing (an interrupted write, or a checkpoint from before manifests)"
+    try:
+        manifest = json.loads(man_path.read_text())
+        files = manifest["files"]
+        assert manifest.get("format") == MANIFEST_FORMAT and isinstance(files, dict) and files
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{man_path}: not a manifest of format {MANIFEST_FORMAT}"
+    for rel, want in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f}: missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f}: {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if f"{file_crc32c(f):08x}" != want["crc32c"]:
+            return f"{f}: checksum does not match the manifest (damaged bytes)"
+    return None
+
+
+def select_checkpoint(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact checkpoint (None if there is none) and the damaged newer ones skipped on
+    the way, each with the problem found."""
+    damaged = []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt, damaged
+        damaged.append((ckpt, problem))
+    return None, damaged
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint, or None."""
+    return select_checkpoint(run_dir)[0]
+
+
+def quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint aside (``damaged-step_<n>[.k]``, kept for inspection) so that it is
+    neither resumed from, counted among the kept ones, nor overwritten."""
+    target = path.with_name(f"damaged-{path.name}")
+    k = 1
+    while target.exists():
+        target = path.with_name(f"damaged-{path.name}.{k}")
+        k += 1
+    path.rename(target)
+    return target
 
 
 def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
                     keep: int, write_extra=None) -> Path:
-    """``write_extra(dir)``, if given, writes more files into the checkpoint before it is renamed into
-    place (the experience replay pool)."""
+    """Write ``step_<version>`` and keep the newest ``keep`` checkpoints. ``write_extra(dir)``, if
+    given, writes more files into the checkpoint before it is sealed (the experience replay pool)."""
+    import torch
+
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:08d}"
     tmp = root / f".tmp_step_{version:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # local file, never sent over the wire
-    buffer.save(tmp / "buffer.bin")
-    state = {"version": version, "seen": sorted(buffer.seen), **extra_state}
-    if write_extra is not None:
-        write_extra(tmp)
-    (tmp / "state.json").write_text(json.dumps(state))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # local file, never sent over the wire
+        buffer.save(tmp / "buffer.bin")
+        if write_extra is not None:
+            write_extra(tmp)
+        state = {"version": version, "seen": sorted(buffer.seen), **extra_state}
+        (tmp / "state.json").write_text(json.dumps(state))
+        _seal(tmp, version)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _seal(directory: Path, version: int) -> None:
+    """fsync every file, then write the manifest (size and CRC32C of each) last."""
+    files = {}
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        _fsync_path(f)
+        files[f.relative_to(directory).as_posix()] = {"size": f.stat().st_size, "crc32c": f"{file_crc32c(f):08x}"}
+    manifest = {"format": MANIFEST_FORMAT, "version": version, "files": files}
+    with open(directory / MANIFEST, "w") as fh:
+        fh.write(json.dumps(manifest, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
+    for d in {f.parent for f in directory.rglob("*")} | {directory}:
+        _fsync_path(d)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (a second save at the same step) is moved
+    aside first and removed after, so a crash in between leaves one of the two in place."""
+    old = final.with_name(f".old_{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_path(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_partial(run_dir: Path) -> list[Path]:
+    """Remove what an interrupted save left (``.tmp_step_*``, ``.old_step_*``); returns them."""
+    root = checkpoint_root(run_dir)
+    left = sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".old_step_*")) if root.exists() else []
+    for p in left:
+        shutil.rmtree(p, ignore_errors=True)
+    return left
+
+
 def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Load weights and optimizer state into ``model``/``optimizer``; returns ``state.json``. Any
+    failure raises CheckpointError naming the file."""
+    import torch
     from safetensors.torch import load_file
 
     weights = {}
     for f in sorted((path / "model").glob("*.safetensors")):
-        weights.update(load_file(f))
+        weights.update(_load(f, load_file))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     real_missing = [m for m in missing if not m.endswith("lm_head.weight")]  # tied embeddings
     if real_missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    return json.loads((path / "state.json").read_text())
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    optimizer.load_state_dict(_load(path / "optimizer.pt", lambda f: torch.load(f, weights_only=True)))
+    return _load(path / "state.json", lambda f: json.loads(f.read_text()))
+
+
+def _load(f: Path, reader):
+    try:
+        return reader(f)
+    except Exception as e:  # safetensors, torch and json each raise their own types
+        raise CheckpointError(f"{f}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from e

@@ -16,13 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config, dump_config
+from ..config import Config
 from ..models.loading import load_policy
+from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
 from ..runlog import EVENTS_SCHEMA, RunLog
 from ..types import Episode
 from .batch import collate, compute_logprobs
 from .buffer import ReplayBuffer
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (checkpoint_step, clean_partial, list_checkpoints, load_checkpoint, quarantine,
+                         save_checkpoint)
 from .evaluate import Evaluator
 from .net import LearnerNet
 from .progress import Progress, summary_table
@@ -32,13 +34,16 @@ from .weights_fs import save_weights_file
 
 
 class Learner:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, overwrite: bool = False):
+        """Claim the run directory (``asyncrl.rundir``: refused before anything is written if it is
+        locked or holds a run that ``cfg.checkpoint.resume`` does not continue; ``overwrite`` deletes
+        the old run first), build the model, then resume from the plan's checkpoint and WAL."""
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = cfg.run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self._start_events: list[tuple[str, dict]] = []  # found before the event log opens
+        self.plan = self._claim_run_dir(overwrite)
         self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device,
                                                                 cfg.tasks.prompt_format)
         self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
@@ -61,9 +66,42 @@ class Learner:
         (self.run_dir / "addresses.json").write_text(json.dumps(self.net.addresses, indent=1))
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def _claim_run_dir(self, overwrite: bool) -> StartPlan:
+        """Check (read-only), lock the run dir for this process's life, decide again under the lock,
+        then set the directory up for the plan: damaged checkpoints moved aside, metrics of
+        rolled-back steps moved out of ``metrics.jsonl``, this segment's config snapshot."""
+        prepare(self.cfg, overwrite=overwrite)
+        self.run_lock = RunLock(self.run_dir)
+        self.run_lock.acquire()
+        plan = plan_start(self.cfg)
+        if plan.mode == "fresh" and self.cfg.checkpoint.resume:
+            print(f"[learner] nothing to resume in {self.run_dir}: starting a fresh run", flush=True)
+        for path, problem in plan.damaged:
+            moved = quarantine(path)
+            self._start_note("checkpoint_damaged", f"checkpoint {path.name} is damaged: {problem}; moved to "
+                             f"{moved.name}", path=str(path), problem=problem, moved_to=str(moved))
+        clean_partial(self.run_dir)
+        if plan.mode == "resume":
+            discarded = discard_metrics_after(self.run_dir, plan.step)
+            if discarded:
+                self._start_note("metrics_discarded", f"{discarded} metrics line(s) after step {plan.step} "
+                                 f"moved to metrics.discarded.jsonl", count=discarded, after_step=plan.step)
+        snapshot = write_snapshot(self.cfg, plan)
+        if plan.changes:
+            keys = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in plan.changes)
+            self._start_note("config_changed", f"config changed since {plan.previous_config.name}: {keys}",
+                             previous=plan.previous_config.name, snapshot=snapshot.name,
+                             changes=[{"key": k, "old": old, "new": new} for k, old, new in plan.changes])
+        return plan
+
+    def _start_note(self, kind: str, line: str, **fields) -> None:
+        """Print a start-up finding now; log it as an event once the event log is open."""
+        print(f"[learner] {line}", flush=True)
+        self._start_events.append((kind, fields))
+
     def _previous_addresses(self) -> dict | None:
         path = self.run_dir / "addresses.json"
-        if not (self.cfg.checkpoint.resume and path.exists()):
+        if not (self.plan.mode == "resume" and path.exists()):
             return None
         try:
             return json.loads(path.read_text())
@@ -71,19 +109,29 @@ class Learner:
             return None
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume else None
-        if ckpt is None:
-            self.buffer.restore(None, set())
-            return
-        state = load_checkpoint(ckpt, self.model, self.trainer.optimizer)
-        self.version = int(state["version"])
-        if self.replay is not None and self.replay.load(ckpt):
+        """Load the plan's checkpoint (if any) and rebuild the buffer from it and the WAL."""
+        ckpt = self.plan.checkpoint
+        state = load_checkpoint(ckpt, self.model, self.trainer.optimizer) if ckpt is not None else {}
+        self.version = int(state.get("version", self.plan.step))
+        if ckpt is not None and self.replay is not None and self.replay.load(ckpt):
             self.log.event("replay_state", self.version, reason="resume", digest=self.replay.digest(),
                            **self.replay.state_event())
         self.rewards_per_step = list(state.get("rewards_per_step", []))
-        recovered = self.buffer.restore(ckpt / "buffer.bin", set(state["seen"]))
-        self.log.event("resume", self.version, checkpoint=str(ckpt), buffered=len(self.buffer),
-                       recovered_from_wal=recovered)
+        report = self.buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])))
+        for scan in report.truncated:
+            self._start_note("wal_truncated", f"{scan.path}: cut {scan.bytes_cut} byte(s) at offset "
+                             f"{scan.good_bytes} after {scan.records} good record(s): {scan.problem}",
+                             file=str(scan.path), offset=scan.good_bytes, bytes_cut=scan.bytes_cut,
+                             records_kept=scan.records, reason=scan.problem)
+        for kind, fields in self._start_events:
+            self.log.event(kind, self.version, **fields)
+        if self.plan.mode == "resume":
+            where = f"checkpoint {ckpt}" if ckpt is not None else "no checkpoint (no step was trained)"
+            print(f"[learner] resumed from step {self.version} ({where}; {len(self.buffer)} episode(s) buffered, "
+                  f"{report.recovered} recovered from the WAL)", flush=True)
+            self.log.event("resume", self.version, checkpoint=str(ckpt) if ckpt is not None else None,
+                           buffered=len(self.buffer), recovered_from_wal=report.recovered,
+                           undecodable_wal_records=report.undecodable)
 
     def _on_bad_message(self, channel: str, error: str) -> None:
         self.bad_messages += 1
@@ -278,7 +326,9 @@ class Learner:
                                keep=self.cfg.checkpoint.keep,
                                write_extra=self.replay.save if self.replay is not None else None)
         self.buffer.open_wal(self.version)
-        self.buffer.drop_wal_before(self.version)
+        # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
+        # checkpoint damaged can fall back to an older one without losing acknowledged episodes
+        self.buffer.drop_wal_before(checkpoint_step(list_checkpoints(self.run_dir)[0]))
         self.log.event("checkpoint", self.version, path=str(path))
         if self.replay is not None:
             self.log.event("replay_state", self.version, reason="checkpoint", checkpoint=str(path),

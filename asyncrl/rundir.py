@@ -1,0 +1,292 @@
+"""The run directory's start-up rules: one learner at a time, fresh means fresh, resuming is explicit.
+
+Promises:
+- ``plan_start`` only reads. It refuses (``RunDirError``, one line) a start that would mix runs: a
+  run directory holding a run's state (checkpoints, WAL, metrics, events) without ``resume``; a
+  resume whose model or algorithm differs from the run's; a resume with no intact checkpoint after
+  steps were trained (their weights were never saved). Otherwise it says what the start will do.
+- ``RunLock`` is an exclusive lock (the ``filelock`` package, an OS lock released when the process
+  dies, even by SIGKILL) on ``<run>/learner.lock``, with the holder's pid in ``<run>/learner.pid``.
+  A second holder is refused with a message naming the first one's pid.
+- ``prepare`` is what ``asyncrl run`` and ``asyncrl learn`` call before starting anything: it checks
+  the lock and the plan, and for ``overwrite`` removes the old run's files (only the files asyncrl
+  writes; anything else in the directory is left alone).
+- Config snapshots: ``config.yaml`` is the config of the run's first segment (a learner's life);
+  each resume at step N writes ``config.resume-<N>.yaml``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from filelock import FileLock, Timeout
+
+from .config import Config, dump_config
+from .learner.checkpoint import checkpoint_step, list_checkpoints, select_checkpoint
+
+LOCK_FILE = "learner.lock"
+PID_FILE = "learner.pid"
+# Files and folders asyncrl writes into a run directory; --overwrite removes exactly these.
+RUN_FILES = ("checkpoints", "buffer", "weights", "metrics.jsonl", "metrics.discarded.jsonl", "events.jsonl",
+             "config.yaml", "config.resume-*.yaml", "addresses.json", "actor-*.log", PID_FILE)
+# Keys a resume may not change: the checkpoint's weights belong to this model and this algorithm.
+FROZEN_ON_RESUME = ("model", "algorithm")
+# Keys never compared: where the run is, whether it resumes, and where the built model is cached.
+IGNORED_ON_RESUME = ("name", "run_root", "checkpoint.resume", "model.embedded.cache_dir")
+CHOICES = "--resume to continue it, a new name=..., or --overwrite to delete it and start again"
+
+
+class RunDirError(Exception):
+    """A start refused because of the run directory's state; the message is one line."""
+
+
+@dataclass
+class StartPlan:
+    """What a learner start will do: ``mode`` is ``fresh`` or ``resume``; a resume continues at
+    ``step`` from ``checkpoint`` (None: no checkpoint and no step trained yet, only the WAL) after
+    quarantining ``damaged`` checkpoints; ``changes`` are config keys that differ from the
+    previous segment's snapshot ``previous_config`` as (key, old, new)."""
+
+    run_dir: Path
+    mode: str
+    step: int = 0
+    checkpoint: Path | None = None
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    previous_config: Path | None = None
+    state: list[str] = field(default_factory=list)
+
+
+# -- what a run directory holds ------------------------------------------------------------------
+def run_state(run_dir: Path) -> list[str]:
+    """A short description of each kind of run state present (empty: nothing to lose)."""
+    run_dir = Path(run_dir)
+    found = []
+    ckpts = list_checkpoints(run_dir)
+    if ckpts:
+        found.append(f"{len(ckpts)} checkpoint(s), newest step {checkpoint_step(ckpts[-1])}")
+    wal = [p for p in (run_dir / "buffer").glob("wal-*.bin") if p.stat().st_size > 0]
+    if wal:
+        found.append(f"a write-ahead log ({sum(p.stat().st_size for p in wal)} bytes)")
+    steps = trained_steps(run_dir)
+    if steps:
+        found.append(f"metrics up to step {steps}")
+    elif (run_dir / "events.jsonl").exists() and (run_dir / "events.jsonl").stat().st_size > 0:
+        found.append("an event log")
+    return found
+
+
+def trained_steps(run_dir: Path) -> int:
+    """The highest step in ``metrics.jsonl`` (0 when none)."""
+    best = 0
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    best = max(best, int(json.loads(line).get("step", 0)))
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a torn last line
+    return best
+
+
+# -- the lock ------------------------------------------------------------------------------------
+class RunLock:
+    """Exclusive lock on a run directory for this process's life (see the module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._lock = FileLock(self.run_dir / LOCK_FILE, timeout=0)
+
+    def acquire(self) -> None:
+        """Take the lock (creating the run directory) and record this pid; RunDirError if held."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire()
+        except Timeout:
+            raise RunDirError(_in_use(self.run_dir)) from None
+        (self.run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+        atexit.register(self.release)  # the OS drops the lock at exit anyway; this removes the pid file
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            (self.run_dir / PID_FILE).unlink(missing_ok=True)
+            self._lock.release()
+
+
+def check_unlocked(run_dir: Path) -> None:
+    """RunDirError naming the holder's pid if a learner holds the lock; writes nothing."""
+    if not (Path(run_dir) / LOCK_FILE).exists():
+        return
+    probe = FileLock(Path(run_dir) / LOCK_FILE, timeout=0)
+    try:
+        probe.acquire()
+    except Timeout:
+        raise RunDirError(_in_use(run_dir)) from None
+    probe.release()
+
+
+def _in_use(run_dir: Path) -> str:
+    try:
+        pid = (Path(run_dir) / PID_FILE).read_text().strip() or "unknown"
+    except OSError:
+        pid = "unknown"
+    return (f"{run_dir} is in use by another learner (pid {pid}); stop it first, or give this run "
+            f"another name=...")
+
+
+# -- the decision --------------------------------------------------------------------------------
+def plan_start(cfg: Config) -> StartPlan:
+    """Decide fresh or resume for ``cfg`` (``checkpoint.resume``); reads only (see module doc)."""
+    run_dir = cfg.run_dir
+    state = run_state(run_dir)
+    if not state:
+        return StartPlan(run_dir, "fresh", state=state)
+    if not cfg.checkpoint.resume:
+        raise RunDirError(f"{run_dir} already holds a run ({'; '.join(state)}): use {CHOICES}")
+    ckpt, damaged = select_checkpoint(run_dir)
+    step = checkpoint_step(ckpt) if ckpt is not None else 0
+    if ckpt is None and trained_steps(run_dir) > 0:
+        why = f" (damaged: {damaged[0][1]})" if damaged else ""
+        raise RunDirError(f"cannot resume {run_dir}: it has no intact checkpoint{why}, and metrics.jsonl shows "
+                          f"{trained_steps(run_dir)} step(s) trained whose weights were never saved; start again "
+                          f"with --overwrite or a new name=..., or set checkpoint.every to save more often")
+    previous = previous_snapshot(run_dir, step)
+    changes = config_changes(previous, cfg) if previous is not None else []
+    frozen = [k for k, _, _ in changes if _is_frozen(k)]
+    if frozen:
+        raise RunDirError(f"cannot resume {run_dir} with a different {', '.join(frozen)} (the checkpoint was "
+                          f"trained with {previous.name}'s); keep it, or start a new run with name=...")
+    return StartPlan(run_dir, "resume", step=step, checkpoint=ckpt, damaged=damaged, changes=changes,
+                     previous_config=previous, state=state)
+
+
+def prepare(cfg: Config, overwrite: bool = False) -> StartPlan:
+    """Everything a start checks before anything is written: the lock, then the plan. With
+    ``overwrite`` (and not resuming) the old run's files are removed under the lock first."""
+    if overwrite and cfg.checkpoint.resume:
+        raise RunDirError("--overwrite and --resume (checkpoint.resume=true) contradict each other: choose one")
+    check_unlocked(cfg.run_dir)
+    if overwrite and run_state(cfg.run_dir):
+        lock = RunLock(cfg.run_dir)
+        lock.acquire()
+        try:
+            removed = remove_run_files(cfg.run_dir)
+        finally:
+            lock.release()
+        print(f"[asyncrl] --overwrite: removed {len(removed)} file(s)/folder(s) of the previous run in "
+              f"{cfg.run_dir}", flush=True)
+    return plan_start(cfg)
+
+
+def remove_run_files(run_dir: Path) -> list[Path]:
+    """Delete what asyncrl wrote in ``run_dir`` (``RUN_FILES``); returns the paths removed."""
+    removed = []
+    for pattern in RUN_FILES:
+        for p in sorted(Path(run_dir).glob(pattern)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+    return removed
+
+
+# -- config snapshots ----------------------------------------------------------------------------
+def snapshot_path(run_dir: Path, step: int, resumed: bool) -> Path:
+    return Path(run_dir) / (f"config.resume-{step}.yaml" if resumed else "config.yaml")
+
+
+def _snapshots(run_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in Path(run_dir).glob("config.resume-*.yaml"):
+        tail = p.name[len("config.resume-"):-len(".yaml")]
+        if tail.isdigit():
+            out.append((int(tail), p))
+    return sorted(out)
+
+
+def previous_snapshot(run_dir: Path, step: int) -> Path | None:
+    """The config of the segment that trained up to ``step``: the newest ``config.resume-<M>``
+    with M < step, else ``config.yaml`` (None if there is none)."""
+    earlier = [p for m, p in _snapshots(run_dir) if m < step]
+    if earlier:
+        return earlier[-1]
+    first = Path(run_dir) / "config.yaml"
+    return first if first.exists() else None
+
+
+def write_snapshot(cfg: Config, plan: StartPlan) -> Path:
+    """Write this segment's config snapshot; a resume at step N also removes the snapshots of
+    segments that started at or after N (their steps were rolled back)."""
+    resumed = plan.mode == "resume"
+    if resumed:
+        for m, p in _snapshots(plan.run_dir):
+            if m >= plan.step:
+                p.unlink()
+    path = snapshot_path(plan.run_dir, plan.step, resumed)
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: data}
+
+
+def config_changes(previous: Path, cfg: Config) -> list[tuple[str, Any, Any]]:
+    """Keys whose values differ between the snapshot ``previous`` and ``cfg``, as (key, old, new)."""
+    try:
+        old = _flatten(yaml.safe_load(previous.read_text()) or {})
+    except (OSError, yaml.YAMLError) as e:
+        raise RunDirError(f"cannot compare the config with {previous}: {e}") from None
+    new = _flatten(cfg.model_dump(mode="json"))
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys
+            if old.get(k) != new.get(k) and not any(k == i or k.startswith(i + ".") for i in IGNORED_ON_RESUME)]
+
+
+def _is_frozen(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in FROZEN_ON_RESUME)
+
+
+# -- metrics of rolled-back steps ----------------------------------------------------------------
+def discard_metrics_after(run_dir: Path, step: int) -> int:
+    """Move ``metrics.jsonl`` lines past ``step`` (trained after the checkpoint a resume starts from,
+    so their weights are gone) to ``metrics.discarded.jsonl``; returns how many. The file is cut at
+    the first such line, so step numbers never repeat."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        data = f.read()
+    offset, cut = 0, None
+    for line in data.splitlines(keepends=True):
+        try:
+            s = int(json.loads(line).get("step", 0))
+        except (ValueError, TypeError, AttributeError):
+            s = step + 1 if not line.endswith(b"\n") else None  # a torn last line goes too
+        if s is not None and s > step:
+            cut = offset
+            break
+        offset += len(line)
+    if cut is None:
+        return 0
+    tail = data[cut:]
+    with open(Path(run_dir) / "metrics.discarded.jsonl", "ab") as f:
+        f.write(tail if tail.endswith(b"\n") else tail + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.truncate(path, cut)
+    return tail.count(b"\n") + (0 if tail.endswith(b"\n") else 1)

@@ -1,0 +1,414 @@
+"""Fault injection for durability (issue 19 items 1, 3, 4, 5; issue 11 item 2): torn, garbage and
+zero-filled WAL tails; failed writes; damaged checkpoints; a second learner; reused run names;
+explicit resume. Each case that involves acknowledged episodes counts their ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.learner.buffer import (RecordError, RecordScan, ReplayBuffer, encode_record, read_frame_records,
+                                    scan_records)
+from asyncrl.learner.checkpoint import (MANIFEST, list_checkpoints, save_checkpoint, select_checkpoint,
+                                        verify_checkpoint)
+from asyncrl.rundir import RunDirError, plan_start
+from asyncrl.types import Episode, Trajectory
+from asyncrl.wire.codec import decode, decode_episode, encode_episode
+
+from .conftest import ROOT, cli, read_jsonl, subprocess_env, wait_for_file
+from .test_pipeline import COMMON, _start, _stop
+from .test_resume import _buffer_ids, _kill, _wait_version, _wal_ids, effective_training
+
+
+def _episode(eid: str, version: int = 0, n: int = 6) -> Episode:
+    t = Trajectory(token_ids=np.arange(n), loss_mask=[0, 0] + [1] * (n - 2), behavior_logprobs=[0.0] * n,
+                   policy_version=version, reward=1.0, group_id=eid)
+    return Episode(trajectories=[t], id=eid)
+
+
+def _write_wal(directory, ids, segment: int = 0) -> ReplayBuffer:
+    buf = ReplayBuffer(directory, capacity=10_000)
+    buf.open_wal(segment)
+    for eid in ids:
+        ep = _episode(eid)
+        assert buf.add(ep, encode_episode(ep))
+    buf.sync()
+    buf.close()
+    return buf
+
+
+def _restored_ids(directory) -> tuple[set[str], list[RecordScan]]:
+    buf = ReplayBuffer(directory, capacity=10_000)
+    report = buf.restore(None, set())
+    return set(buf.episodes), report.truncated
+
+
+def _resume_append_crash_resume(directory, kept: set[str], tag: str) -> None:
+    """After a first restore: append acknowledged episodes, crash mid-write (half a record at the
+    tail), restore again: everything acknowledged is there, the half record is not."""
+    buf = ReplayBuffer(directory, capacity=10_000)
+    buf.restore(None, set())
+    buf.open_wal(0)
+    after = {f"{tag}-after-{i}" for i in range(3)}
+    for eid in sorted(after):
+        ep = _episode(eid)
+        buf.add(ep, encode_episode(ep))
+    buf.sync()
+    buf.close()
+    torn = encode_record(encode_episode(_episode(f"{tag}-torn")))
+    with open(directory / "wal-00000000.bin", "ab") as f:
+        f.write(torn[: len(torn) // 2])
+    ids, cut = _restored_ids(directory)
+    assert ids == kept | after, f"{tag}: lost {sorted(kept | after - ids)}"
+    assert len(cut) == 1 and cut[0].bytes_cut == len(torn) // 2
+
+
+# -- WAL records -----------------------------------------------------------------------------------
+def test_torn_tail_at_every_byte_of_the_last_record(tmp_path):
+    src = tmp_path / "src"
+    _write_wal(src, ["a", "b", "c"])
+    wal = src / "wal-00000000.bin"
+    data = wal.read_bytes()
+    last_start = len(data) - len(encode_record(encode_episode(_episode("c"))))
+    for cut_at in range(last_start + 1, len(data)):  # every torn length of the last record
+        d = tmp_path / f"cut{cut_at}"
+        d.mkdir()
+        (d / wal.name).write_bytes(data[:cut_at])
+        ids, cut = _restored_ids(d)
+        assert ids == {"a", "b"}, cut_at
+        assert [(c.good_bytes, c.bytes_cut) for c in cut] == [(last_start, cut_at - last_start)]
+        assert (d / wal.name).stat().st_size == last_start  # cut back before anything is appended
+        _resume_append_crash_resume(d, {"a", "b"}, f"cut{cut_at}")
+        shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("tail", ["random", "huge_length", "magic_then_garbage", "zeros", "zero_page"])
+def test_garbage_and_zero_tails_are_cut_without_huge_allocations(tmp_path, tail):
+    ids = [f"e{i}" for i in range(5)]
+    _write_wal(tmp_path, ids)
+    rng = random.Random(tail)
+    junk = {"random": bytes(rng.randrange(256) for _ in range(300)),
+            "huge_length": b"ARW1" + b"\xff" * 8 + bytes(40),
+            "magic_then_garbage": b"ARW1" + (200).to_bytes(4, "little") + b"\x00" * 4 + bytes(rng.randrange(256) for _ in range(200)),
+            "zeros": bytes(25),
+            "zero_page": bytes(4096)}[tail]
+    wal = tmp_path / "wal-00000000.bin"
+    good = wal.stat().st_size
+    with open(wal, "ab") as f:
+        f.write(junk)
+    assert len(list(read_frame_records(wal, strict=False))) == 5  # no empty records from zeros
+    tracemalloc.start()
+    got, cut = _restored_ids(tmp_path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 << 20, f"restoring a {good}-byte WAL allocated {peak} bytes"
+    assert got == set(ids)
+    assert [(c.good_bytes, c.bytes_cut) for c in cut] == [(good, len(junk))], cut
+    _resume_append_crash_resume(tmp_path, set(ids), tail)
+
+
+def test_a_damaged_byte_stops_reading_at_that_record(tmp_path):
+    _write_wal(tmp_path, ["a", "b", "c"])
+    wal = tmp_path / "wal-00000000.bin"
+    data = bytearray(wal.read_bytes())
+    second = len(encode_record(encode_episode(_episode("a"))))
+    data[second + 20] ^= 0x01  # one flipped bit in b's payload
+    wal.write_bytes(bytes(data))
+    scan = RecordScan(wal)
+    assert len(list(scan_records(wal, scan))) == 1
+    assert scan.good_bytes == second and "checksum" in scan.problem
+    with pytest.raises(RecordError, match=f"{wal}.*checksum.*at byte {second}"):
+        list(read_frame_records(wal))  # a checkpoint file is read strictly
+
+
+def test_a_wal_of_the_old_format_is_refused_by_name(tmp_path):
+    ep = _episode("old")
+    frames = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")) for f in encode_episode(ep)]
+    old = len(frames).to_bytes(4, "little") + b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+    (tmp_path / "wal-00000000.bin").write_bytes(old)
+    with pytest.raises(RecordError, match="wal-00000000.bin: written by an older asyncrl"):
+        ReplayBuffer(tmp_path, 100).restore(None, set())
+    assert (tmp_path / "wal-00000000.bin").read_bytes() == old  # nothing cut
+
+
+_FULL_DISK_WAL = """
+import json, resource, signal, sys
+from pathlib import Path
+import numpy as np
+from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.types import Episode, Trajectory
+from asyncrl.wire.codec import encode_episode
+def _episode(eid, n):
+    return Episode(id=eid, trajectories=[Trajectory(token_ids=np.arange(n), loss_mask=[1] * n,
+                                                    behavior_logprobs=[0.0] * n, policy_version=0)])
+buf = ReplayBuffer(Path(sys.argv[1]), 10_000)
+buf.open_wal(0)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+acked = []
+for i in range(10_000):
+    ep = _episode(f"e{i}", n=50)
+    try:
+        buf.add(ep, encode_episode(ep))
+        buf.sync()
+    except OSError as e:
+        print(json.dumps({"acked": acked, "errno": e.errno}))
+        break
+    acked.append(ep.id)
+"""
+
+
+def test_a_write_that_fails_part_way_is_cut_back(tmp_path):
+    """A real failed write (the file-size limit, as a full disk would): the WAL still ends on a
+    whole record, holds exactly the episodes acknowledged, and takes appends after a restore."""
+    limit = 5000  # not a multiple of the record size: the write that fails has written part
+    res = subprocess.run([sys.executable, "-c", _FULL_DISK_WAL, str(tmp_path), str(limit)], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    wal = tmp_path / "wal-00000000.bin"
+    scan = RecordScan(wal)
+    ids = [decode_episode(decode(f)).id for f in scan_records(wal, scan)]
+    assert scan.problem is None and scan.size < limit
+    assert ids == out["acked"] and len(ids) >= 2
+    _resume_append_crash_resume(tmp_path, set(ids), "efbig")
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def policy(tiny_overrides):
+    from asyncrl.models.loading import load_policy
+
+    cfg = load_config(None, tiny_overrides)
+    model, tokenizer, _ = load_policy(cfg.model, cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(8).unsqueeze(0)).logits.mean().backward()
+    opt.step()  # a real optimizer state (exp_avg, exp_avg_sq per parameter)
+    return model, tokenizer, opt
+
+
+def _two_checkpoints(run_dir, policy) -> ReplayBuffer:
+    model, tokenizer, opt = policy
+    buf = ReplayBuffer(run_dir / "buffer", 1000)
+    buf.open_wal(0)
+    for step in (2, 4):
+        for i in range(6):
+            ep = _episode(f"s{step}-{i}", version=step)
+            buf.add(ep, encode_episode(ep))
+        save_checkpoint(run_dir, step, model, tokenizer, opt, buf, {}, keep=2)
+    return buf
+
+
+@pytest.mark.parametrize("victim", ["model/model.safetensors", "optimizer.pt", "state.json", "buffer.bin",
+                                   MANIFEST])
+def test_a_truncated_checkpoint_file_is_named_and_the_older_one_chosen(tmp_path, policy, victim):
+    _two_checkpoints(tmp_path, policy)
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    assert verify_checkpoint(newest) is None
+    f = newest / victim
+    os.truncate(f, f.stat().st_size // 2)
+    chosen, damaged = select_checkpoint(tmp_path)
+    assert chosen == tmp_path / "checkpoints" / "step_00000002"
+    assert len(damaged) == 1 and damaged[0][0] == newest and str(f) in damaged[0][1], damaged
+    assert len(_buffer_ids(chosen)) == 6  # the older checkpoint's buffer reads whole
+
+
+def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_overrides):
+    _two_checkpoints(tmp_path, policy)
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        from pathlib import Path
+        from asyncrl.config import load_config
+        from asyncrl.learner.buffer import ReplayBuffer
+        from asyncrl.learner.checkpoint import save_checkpoint
+        from asyncrl.models.loading import load_policy
+        cfg = load_config(None, {tiny_overrides!r})
+        model, tok, _ = load_policy(cfg.model, cfg.seed)
+        opt = torch.optim.AdamW(model.parameters())
+        buf = ReplayBuffer(Path(sys.argv[1]) / "buffer", 100)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+        try:
+            save_checkpoint(Path(sys.argv[1]), 6, model, tok, opt, buf, {{}}, keep=2)
+        except Exception as e:
+            print("raised", type(e).__name__)
+    """)
+    weights = (tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors").stat().st_size
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(weights // 2)], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert "raised" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    assert verify_checkpoint(root / "step_00000004") is None
+
+
+# -- start-up decisions (read-only) ----------------------------------------------------------------
+def _cfg(tmp_path, *extra):
+    return load_config(None, [f"run_root={tmp_path}", "name=r", *extra])
+
+
+def test_a_run_dir_with_state_needs_resume_or_overwrite(tmp_path):
+    assert plan_start(_cfg(tmp_path)).mode == "fresh"  # nothing there
+    _write_wal(tmp_path / "r" / "buffer", ["a"])
+    with pytest.raises(RunDirError, match="already holds a run.*--resume.*name=.*--overwrite"):
+        plan_start(_cfg(tmp_path))
+    plan = plan_start(_cfg(tmp_path, "checkpoint.resume=true"))  # a WAL, no step trained: resume at 0
+    assert (plan.mode, plan.step, plan.checkpoint) == ("resume", 0, None)
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(RunDirError, match="no intact checkpoint.*2 step\\(s\\) trained"):
+        plan_start(_cfg(tmp_path, "checkpoint.resume=true"))
+
+
+# -- real processes --------------------------------------------------------------------------------
+def _tree(run_dir) -> dict:
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*")}
+
+
+def _cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_second_learner_is_refused_naming_the_first(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=one", "train.total_steps=50"]
+    run_dir = tmp_path / "one"
+    first = _start(["learn", *overrides], tmp_path / "first.log")
+    try:
+        addrs = wait_for_file(run_dir / "addresses.json", first)
+        before = _tree(run_dir)
+        for command in (["learn", *overrides, "--resume"], ["run", *overrides, "--resume"], ["learn", *overrides]):
+            res = _cli(*command, timeout=120)
+            assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+            line = res.stderr.strip()
+            assert "\n" not in line and f"in use by another learner (pid {first.pid})" in line, line
+        assert first.poll() is None, "the first learner stopped"
+        assert json.loads((run_dir / "addresses.json").read_text()) == addrs
+        after = _tree(run_dir)
+        assert {k: v for k, v in after.items() if k != "events.jsonl"} == \
+               {k: v for k, v in before.items() if k != "events.jsonl"}  # the first learner may log
+    finally:
+        _stop([first])
+
+
+@pytest.mark.slow
+def test_a_reused_name_is_refused_with_nothing_written_and_overwrite_starts_fresh(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=reuse", "train.total_steps=3"]
+    run_dir = tmp_path / "reuse"
+    res = _cli("run", *overrides)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    old_ids = _wal_ids(run_dir) | {e["episode_id"] for e in read_jsonl(run_dir / "events.jsonl")
+                                   if e["kind"] == "episode"}
+    assert old_ids
+    before = _tree(run_dir)
+    for command in ("run", "learn"):
+        res = _cli(command, *overrides, "train.lr=5e-4", timeout=120)
+        assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+        line = res.stderr.strip()
+        assert "\n" not in line and "already holds a run" in line
+        assert "--resume" in line and "name=" in line and "--overwrite" in line
+        assert _tree(run_dir) == before, f"asyncrl {command} wrote into the run dir before refusing"
+
+    res = _cli("run", *overrides, "train.lr=5e-4", "--overwrite")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "--overwrite: removed" in res.stdout
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["kind"] for e in events].count("learner_start") == 1 and not any(e["kind"] == "resume" for e in events)
+    trained = {e["episode_id"] for e in events if e["kind"] == "episode"}
+    assert trained and not (trained & old_ids), "the fresh run trained the old run's episodes"
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert "lr: 0.0005" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_resume_continues_steps_and_records_changed_config(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=cont", "checkpoint.every=2"]
+    run_dir = tmp_path / "cont"
+    res = _cli("run", *overrides, "train.total_steps=4")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    first_config = (run_dir / "config.yaml").read_text()
+    res = _cli("run", *overrides, "train.total_steps=6", "train.lr=5e-4", "--resume")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "resumed from step 4" in res.stdout
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "config.yaml").read_text() == first_config  # the first segment's snapshot
+    assert "lr: 0.0005" in (run_dir / "config.resume-4.yaml").read_text()
+    changed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "config_changed"]
+    assert len(changed) == 1 and {c["key"]: (c["old"], c["new"]) for c in changed[0]["changes"]} == {
+        "train.lr": (0.001, 0.0005), "train.total_steps": (4, 6)}
+
+    before = _tree(run_dir)
+    res = _cli("run", *overrides, "train.total_steps=8", "model.embedded.hidden_size=64", "--resume", timeout=120)
+    assert res.returncode == 2 and "model.embedded.hidden_size" in res.stderr, res.stderr[-2000:]
+    assert _tree(run_dir) == before
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_falls_back_keeping_the_wal(tmp_path, tiny_overrides):
+    total = 9
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=dmg", f"train.total_steps={total}",
+                 "checkpoint.every=2", "buffer.max_staleness=1000", "buffer.capacity=12"]
+    run_dir = tmp_path / "dmg"
+    learner = _start(["learn", *overrides], tmp_path / "learner1.log")
+    procs = [learner]
+    try:
+        addrs = wait_for_file(run_dir / "addresses.json", learner)
+        procs.append(_start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log"))
+        _wait_version(run_dir, learner, 5)  # checkpoints at steps 2 and 4
+        _kill(learner)
+        older, newest = list_checkpoints(run_dir)[-2:]
+        acked = _wal_ids(run_dir) | _buffer_ids(older)  # the WAL is kept back to the older checkpoint
+        victim = newest / "model" / "model.safetensors"
+        os.truncate(victim, victim.stat().st_size // 2)
+        learner2 = _start(["learn", *overrides, "--resume"], tmp_path / "learner2.log")
+        procs.append(learner2)
+        learner2.wait(timeout=300)
+        assert learner2.returncode == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        procs[1].wait(timeout=60)
+    finally:
+        _stop(procs)
+    events = read_jsonl(run_dir / "events.jsonl")
+    damaged = [e for e in events if e["kind"] == "checkpoint_damaged"]
+    assert len(damaged) == 1 and str(victim) in damaged[0]["problem"]
+    assert str(victim) in (tmp_path / "learner2.log").read_text()
+    resume = [e for e in events if e["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["checkpoint"] == str(older)
+    trained = effective_training(events)
+    assert len(trained) == len(set(trained))
+    acknowledged = acked | {e["episode_id"] for e in events if e["kind"] == "episode"}
+    lost = acknowledged - set(trained) - _buffer_ids(list_checkpoints(run_dir)[-1])
+    assert len(acknowledged) >= 20 and not lost, f"{len(lost)} of {len(acknowledged)} acknowledged episodes lost"
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, total + 1))
+
+
+@pytest.mark.slow
+def test_resume_without_a_checkpoint_after_trained_steps_is_refused(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=nock", "train.total_steps=100"]
+    run_dir = tmp_path / "nock"
+    learner = _start(["learn", *overrides], tmp_path / "learner.log")  # checkpoint.every=0 (COMMON)
+    procs = [learner]
+    try:
+        addrs = wait_for_file(run_dir / "addresses.json", learner)
+        procs.append(_start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log"))
+        _wait_version(run_dir, learner, 2)
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=10)
+    finally:
+        _stop(procs)
+    before = _tree(run_dir)
+    res = _cli("learn", *overrides, "--resume", timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "no intact checkpoint" in res.stderr and "--overwrite" in res.stderr
+    assert _tree(run_dir) == before
