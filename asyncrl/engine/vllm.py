@@ -1,0 +1,128 @@
+"""Generation with vLLM inside the actor process (``engine.type: vllm``).
+
+The same ``Generation`` contract as the Hugging Face engine (``asyncrl.engine.base``):
+
+- prompts go in as token ids, one request per prompt (a GRPO group repeats its prompt; vLLM's prefix
+  cache shares the prompt's KV blocks), seeded per request so a batch is reproducible;
+- for every generated token, the behaviour log-prob ``log_softmax(logits / T)[token]``: vLLM is
+  started with ``logprobs_mode="processed_logprobs"``, which returns log-probs after the temperature
+  (the learner's recomputation with the same weights matches within float error). With
+  ``sampling.top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus, which the
+  learner does not recompute; such configs are refused at start-up (``check_engine_config``);
+- the EOS token is kept as the last token (finish reason ``stop``); a stop string also ends with
+  ``stop`` and stays in the tokens and text; running out of ``max_new_tokens`` is ``length``.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights are loaded straight into the
+model, and nothing is pickled across a process boundary. Weight updates take the learner's tensors
+(Hugging Face parameter names, CPU or GPU) and load them in place without reloading the model:
+``model_runner.reload_weights`` where vLLM has it (its layer-wise reload, needed once a model has been
+post-processed, vLLM >= 0.30), else ``model.load_weights`` (vLLM 0.24). The prefix cache is reset
+after every update: cached KV blocks belong to the old weights. Supported: vLLM 0.24 to 0.32.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, SamplingConfig
+from .base import Generation
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+def check_engine_config(cfg) -> None:
+    """Settings the vLLM engine cannot honour exactly: a one-line ConfigError."""
+    if cfg.engine.type == "vllm" and cfg.sampling.top_p < 1.0:
+        raise ConfigError(f"engine.type=vllm with sampling.top_p={cfg.sampling.top_p:g}: vLLM returns nucleus-"
+                          f"renormalised log-probs, which the learner's importance weights do not match; use "
+                          f"sampling.top_p=1 or engine.type=hf")
+
+
+class VLLMEngine:
+    """``Engine`` over ``vllm.LLM`` (in-process). ``version`` is the policy version in use."""
+
+    def __init__(self, model_dir: str | Path, tokenizer, engine_cfg, max_model_len: int, seed: int = 0,
+                 dtype: str = "float32") -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm reads its settings
+        from vllm import LLM
+
+        self.tokenizer = tokenizer
+        self.version = 0
+        self.eos_ids = sorted(_eos_ids(model_dir, tokenizer))
+        self.expected = _expected_weights(model_dir)
+        self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
+                       max_model_len=engine_cfg.max_model_len or max_model_len,
+                       gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
+                       tensor_parallel_size=engine_cfg.tensor_parallel_size,
+                       enforce_eager=engine_cfg.enforce_eager, logprobs_mode="processed_logprobs")
+
+    # ----------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
+        """One continuation per prompt (token-id lists); deterministic for a given ``seed``."""
+        if not prompts:
+            return []
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                                 include_stop_str_in_output=True, stop_token_ids=self.eos_ids, logprobs=0,
+                                 detokenize=bool(sampling.stop), seed=None if seed is None else seed + i)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False)
+        return [self._to_generation(o.outputs[0]) for o in outs]
+
+    def _to_generation(self, out) -> Generation:
+        ids = np.asarray(out.token_ids, dtype=np.int32)
+        # with logprobs=0 each position holds the sampled token's entry (vLLM may add the top-1 too)
+        lps = np.asarray([pos[int(t)].logprob for t, pos in zip(ids, out.logprobs)], dtype=np.float32)
+        text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        return Generation(ids, lps, text, _FINISH.get(out.finish_reason, "length"))
+
+    # ----------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load ``named_tensors`` (Hugging Face names, as the learner's ``named_parameters``) in
+        place and set ``version``. Unknown names or wrong shapes raise ValueError before anything
+        is loaded."""
+        bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
+               if n not in self.expected or tuple(t.shape) != self.expected[n]]
+        if bad:
+            raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
+                             f"{sorted(self.expected)[:3]}")
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        weights = iter(named_tensors.items())
+        if hasattr(runner, "reload_weights"):
+            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            runner.model.load_weights(weights)
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+
+
+def _expected_weights(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the Hugging Face model in ``model_dir`` (built on the meta
+    device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _eos_ids(model_dir: str | Path, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if not ids:
+        raise ValueError(f"the tokenizer and model in {model_dir} define no EOS token")
+    return ids
