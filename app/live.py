@@ -1,14 +1,16 @@
 """Feeding a :class:`RunStore` live: a run directory poller and a subscriber to the learner's
-``events`` PUB socket (ZeroMQ SUB; messages decoded with :func:`asyncrl.wire.codec.decode`)."""
+``events`` PUB socket (ZeroMQ SUB; messages decoded with :func:`asyncrl.wire.codec.decode`); and
+the catalog of runs an app shows (one run, or a folder of runs to pick from)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
-from asyncrl.analysis import RunReader, RunStore
+from asyncrl.analysis import RunReader, RunStore, list_runs
 from asyncrl.wire.codec import WireError, decode
 from asyncrl.wire.sockets import apply_curve_client
 
@@ -80,16 +82,67 @@ class EventSubscriber(threading.Thread):
 
     def _handle(self, frames) -> None:
         try:
-            msg = decode(frames)
-            if msg.kind != "event" or not isinstance(msg.body.get("event"), dict):
-                raise WireError(f"expected an 'event' message with body.event, got {msg.kind!r}")
+            msg = decode(frames, kinds=("event",))  # typed: body.event is a JSON map
         except WireError as e:
             self.bad += 1
             self.error = f"last bad message: {e}"
             return
         self.received += 1
         self.last = time.time()
-        self.store.add_events([msg.body["event"]])
+        self.store.add_events([msg.body.event])
 
     def stop(self) -> None:
         self._halt.set()
+
+
+class RunCatalog:
+    """The runs an app can show: one run (a :class:`RunStore`, fed by the caller), or a folder of
+    runs (``asyncrl ui --run runs/``): every run directory under it (``asyncrl.analysis.list_runs``,
+    looked up again on each call), each read by its own :class:`DirPoller` from the first time it
+    is picked."""
+
+    def __init__(self, store: RunStore | None = None, name: str = "run", folder=None,
+                 max_events_per_kind: int | None = None, interval: float = 1.0):
+        if (store is None) == (folder is None):
+            raise ValueError("RunCatalog wants either one run's store or a folder of runs")
+        self.folder = None if folder is None else Path(folder)
+        self.single = None if store is None else (name, store)
+        self.max_events_per_kind = max_events_per_kind
+        self.interval = interval
+        self._open: dict[str, tuple[RunStore, DirPoller]] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        if self.single is not None:
+            return [self.single[0]]
+        try:
+            return [p.name for p in list_runs(self.folder)]
+        except FileNotFoundError:
+            return []
+
+    def stores(self, names: list[str] | None) -> dict[str, RunStore]:
+        """``name -> store`` of the picked runs in order (the first is the main one); the single
+        run whatever is picked; unknown names are left out."""
+        if self.single is not None:
+            return {self.single[0]: self.single[1]}
+        known = set(self.names())
+        out = {}
+        for name in names or []:
+            if name in known and name not in out:
+                out[name] = self._store(name)
+        return out
+
+    def _store(self, name: str) -> RunStore:
+        with self._lock:
+            if name not in self._open:
+                store = RunStore(max_events_per_kind=self.max_events_per_kind)
+                poller = DirPoller(self.folder / name, store, self.interval)
+                poller.reader.poll()
+                poller.start()
+                self._open[name] = (store, poller)
+            return self._open[name][0]
+
+    def stop(self) -> None:
+        with self._lock:
+            for _, poller in self._open.values():
+                poller.stop()

@@ -1,9 +1,11 @@
-"""``asyncrl ui``: a Gradio app on a run directory (``--run``) and/or a live learner's events socket
-(``--connect``). Views: Overview, Proposed tasks (Absolute Zero), Confidence trees (RLCR), Replay
-buffer, Samples. They update live (``gr.Timer``) without a page reload.
+"""``asyncrl ui``: a Gradio app on a run directory (``--run runs/<name>``), a folder of runs to pick
+from and overlay (``--run runs/``), and/or a live learner's events socket (``--connect``). Views:
+Overview (with the metric explorer), Proposed tasks (Absolute Zero), Confidence trees (RLCR),
+Replay buffer, Samples, Config. They update live (``gr.Timer``) without a page reload.
 
-``/?view=overview|tasks|trees|replay|samples`` opens the page on that view (the initial data comes
-with the page load, so a headless browser's ``--dump-dom`` sees it).
+``/?view=overview|tasks|trees|replay|samples|config`` opens the page on that view, ``&runs=a,b``
+picks runs of a folder, ``&metrics=x,y`` the explorer's metrics (the initial data comes with the
+page load, so a headless browser's ``--dump-dom`` sees it).
 
 Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:password``.
 """
@@ -20,7 +22,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from asyncrl.wire.sockets import is_loopback  # noqa: E402
 
-VIEWS = ("overview", "tasks", "trees", "replay", "samples")
+VIEWS = ("overview", "tasks", "trees", "replay", "samples", "config")
 MAX_EVENTS_PER_KIND = 5000  # the UI keeps the latest events of each kind (metrics: all steps)
 
 
@@ -57,62 +59,123 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def build_app(store, live=None, title: str = "asyncrl"):
-    """The Gradio Blocks over ``store`` (an :class:`asyncrl.analysis.RunStore`)."""
+def _query_list(request, name: str) -> list[str]:
+    raw = request.query_params.get(name) if request is not None else None
+    return [x for x in (raw or "").split(",") if x]
+
+
+def build_app(source, live=None, title: str = "asyncrl"):
+    """The Gradio Blocks over ``source``: a :class:`app.live.RunCatalog` (one run or a folder of
+    runs) or one :class:`asyncrl.analysis.RunStore`.
+
+    Query parameters: ``view`` (the tab), ``runs`` (comma-separated run names to pick, folder of
+    runs only), ``metrics`` (comma-separated metrics for the explorer)."""
     import gradio as gr
 
+    from asyncrl.analysis import RunStore
+
     from . import views as V
+    from .live import RunCatalog
+
+    catalog = source if isinstance(source, RunCatalog) else RunCatalog(source, name=title)
+    empty = RunStore()
+
+    def main_store(sel):
+        stores = catalog.stores(sel)
+        return next(iter(stores.values())) if stores else empty
 
     def live_status():
         return live.status() if live is not None else None
 
-    def light():
-        return V.overview_html(store, live_status()), V.actors_html(store)
+    def runs_note(sel):
+        if catalog.folder is None or catalog.stores(sel):
+            return ""
+        names = catalog.names()
+        listed = ", ".join(f"<code>{V.esc(n)}</code>" for n in names)
+        return V.note(f"<span id=\"runs-list\">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>"
+                      f"{': ' + listed if names else ''}</span>. Pick one or more above (the first is shown in "
+                      f"every view; all are overlaid in the metric explorer)."
+                      if names else f"No runs in <code>{V.esc(catalog.folder)}</code> yet (a run directory holds "
+                      f"config.yaml, metrics.jsonl or events.jsonl); the list updates as runs appear.")
 
-    def azr_outputs(status, final_only, search):
-        present = V.is_azr(store)
-        if not present:
+    def light(sel):
+        store = main_store(sel)
+        return runs_note(sel) + V.overview_html(store, live_status()), V.actors_html(store)
+
+    def azr_outputs(sel, status, final_only, search):
+        store = main_store(sel)
+        if not V.is_azr(store):
             return (V.azr_absent_note(store), gr.update(visible=False), "", gr.update(value=None), [])
         q = V.filter_questions(store.azr_questions(), status or "all", bool(final_only), search or "")
         table, keys = V.questions_table(q)
         return "", gr.update(visible=True), V.azr_groups_html(store), table, keys
 
-    def rlcr_outputs(limit, search):
+    def rlcr_outputs(sel, limit, search):
+        store = main_store(sel)
         if not V.is_rlcr(store):
             return V.rlcr_absent_note(store), gr.update(visible=False), None, ""
         return "", gr.update(visible=True), V.calibration_figure(store), V.trees_html(store, int(limit or 10), search or "")
 
-    def sample_outputs(choice):
+    def sample_outputs(sel, choice):
+        store = main_store(sel)
         choices = V.sample_choices(store)
         valid = {c[1] for c in choices}
         value = choice if choice in valid else (choices[0][1] if choices else None)
         return gr.update(choices=choices, value=value), V.sample_html(store, value)
 
-    def heavy(rev, status, final_only, search, limit, tsearch, choice):
-        if rev == store.revision:
-            return [gr.skip()] * 15
-        rev = store.revision
-        return [V.overview_figure(store), *azr_outputs(status, final_only, search),
-                *rlcr_outputs(limit, tsearch), V.replay_html(store), V.replay_figure(store),
-                *sample_outputs(choice), rev]
+    def explorer(sel, picked, smoothing):
+        stores = catalog.stores(sel)
+        choices = V.metric_choices(stores)
+        picked = [m for m in (picked or []) if m in choices] or V.default_curves(choices)
+        return gr.update(choices=choices, value=picked), V.explorer_frame(stores, picked, smoothing or 0.0)
 
-    def on_load(request: gr.Request, status, final_only, search, limit, tsearch, choice):
+    def revision_key(sel) -> str:
+        stores = catalog.stores(sel)
+        return "|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(catalog.names())
+
+    def heavy(key, sel, status, final_only, search, limit, tsearch, choice, picked, smoothing):
+        new_key = revision_key(sel)
+        if key == new_key:
+            return [gr.skip()] * 19
+        store = main_store(sel)
+        names = catalog.names()
+        runs = gr.update(choices=names, value=[n for n in (sel or []) if n in names])
+        return [V.overview_figure(store), *azr_outputs(sel, status, final_only, search),
+                *rlcr_outputs(sel, limit, tsearch), V.replay_html(store), V.replay_figure(store),
+                *sample_outputs(sel, choice), *explorer(sel, picked, smoothing), V.config_html(store), runs, new_key]
+
+    def on_load(request: gr.Request, status, final_only, search, limit, tsearch, choice, smoothing):
         view = (request.query_params.get("view") if request is not None else None) or "overview"
         selected = view if view in VIEWS else "overview"
-        return [gr.Tabs(selected=selected), *light(), *heavy(-1, status, final_only, search, limit, tsearch, choice)]
+        sel = [n for n in _query_list(request, "runs") if n in catalog.names()]
+        picked = _query_list(request, "metrics")
+        return [gr.Tabs(selected=selected), sel, *light(sel),
+                *heavy("", sel, status, final_only, search, limit, tsearch, choice, picked, smoothing)]
 
-    def on_select(keys, evt: gr.SelectData):
+    def on_select(keys, evt: gr.SelectData, sel=None):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         key = tuple(keys[row]) if keys and row is not None and 0 <= row < len(keys) else None
-        return V.question_detail_html(store, key)
+        return V.question_detail_html(main_store(sel), key)
 
     with gr.Blocks(title=title) as demo:
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(title)}</h2>')
+        runs_dd = gr.Dropdown(catalog.names(), value=[], multiselect=True, visible=catalog.folder is not None,
+                              label="runs (the first is shown in every view; all are overlaid in the metric explorer)",
+                              elem_id="runs-picker")
         with gr.Tabs(selected="overview") as tabs:
             with gr.Tab("Overview", id="overview"):
                 ov_html = gr.HTML(elem_id="overview")
                 ov_actors = gr.HTML(elem_id="actors-view")
                 ov_plot = gr.Plot(show_label=False, format="png", elem_id="overview-plot")
+                gr.Markdown("**Metric explorer**: any logged metric, several runs overlaid; hover for values, "
+                            "drag across the plot to zoom in, double-click to zoom out.")
+                with gr.Row():
+                    mx_pick = gr.Dropdown([], value=[], multiselect=True, label="metrics", scale=4,
+                                          elem_id="metric-picker")
+                    mx_smooth = gr.Slider(0, 0.99, value=0.0, step=0.01, label="smoothing (EMA weight)", scale=1,
+                                          elem_id="smoothing")
+                mx_plot = gr.LinePlot(x="step", y="value", color="series", tooltip="all", height=360,
+                                      elem_id="metric-explorer", label="metrics")
             with gr.Tab("Proposed tasks", id="tasks"):
                 az_note = gr.HTML()
                 with gr.Column(visible=False) as az_col:
@@ -123,7 +186,7 @@ def build_app(store, live=None, title: str = "asyncrl"):
                         az_search = gr.Textbox(label="search (question, proposal, seed prompt)")
                     az_table = gr.Dataframe(interactive=False, wrap=True, elem_id="azr-questions",
                                             label="Proposed questions (newest first); click one for its responses")
-                    az_detail = gr.HTML(V.question_detail_html(store, None), elem_id="azr-detail")
+                    az_detail = gr.HTML(V.question_detail_html(empty, None), elem_id="azr-detail")
             with gr.Tab("Confidence trees", id="trees"):
                 rl_note = gr.HTML()
                 with gr.Column(visible=False) as rl_col:
@@ -138,48 +201,69 @@ def build_app(store, live=None, title: str = "asyncrl"):
             with gr.Tab("Samples", id="samples"):
                 sm_choice = gr.Dropdown(choices=[], label="sample (newest first)")
                 sm_html = gr.HTML(elem_id="samples-view")
+            with gr.Tab("Config", id="config"):
+                cfg_html = gr.HTML(elem_id="config-tab")
         keys = gr.State([])
-        rev = gr.State(-1)
+        rev = gr.State("")
         filters = [az_status, az_final, az_search, rl_limit, rl_search, sm_choice]
         heavy_out = [ov_plot, az_note, az_col, az_groups, az_table, keys, rl_note, rl_col, rl_plot, rl_trees,
-                     rp_html, rp_plot, sm_choice, sm_html, rev]
+                     rp_html, rp_plot, sm_choice, sm_html, mx_pick, mx_plot, cfg_html, runs_dd, rev]
         # the first data comes with the page load (not over the queue), so --dump-dom sees it
-        demo.load(on_load, inputs=filters, outputs=[tabs, ov_html, ov_actors, *heavy_out], queue=False,
-                  show_progress="hidden")
-        gr.Timer(2.0).tick(light, outputs=[ov_html, ov_actors], show_progress="hidden")
-        gr.Timer(5.0).tick(heavy, inputs=[rev, *filters], outputs=heavy_out, show_progress="hidden")
+        demo.load(on_load, inputs=[*filters, mx_smooth], outputs=[tabs, runs_dd, ov_html, ov_actors, *heavy_out],
+                  queue=False, show_progress="hidden")
+        gr.Timer(2.0).tick(light, inputs=[runs_dd], outputs=[ov_html, ov_actors], show_progress="hidden")
+        gr.Timer(5.0).tick(heavy, inputs=[rev, runs_dd, *filters, mx_pick, mx_smooth], outputs=heavy_out,
+                           show_progress="hidden")
+        runs_dd.input(lambda sel, *a: [*light(sel), *heavy("", sel, *a)],
+                      inputs=[runs_dd, *filters, mx_pick, mx_smooth], outputs=[ov_html, ov_actors, *heavy_out],
+                      show_progress="hidden")
+        for c in (mx_pick, mx_smooth):
+            c.input(lambda sel, picked, sm: explorer(sel, picked, sm)[1], inputs=[runs_dd, mx_pick, mx_smooth],
+                    outputs=[mx_plot], show_progress="hidden")
+        def zoom(evt: gr.SelectData):
+            return gr.LinePlot(x_lim=list(evt.index))
+
+        mx_plot.select(zoom, None, [mx_plot])
+        mx_plot.double_click(lambda: gr.LinePlot(x_lim=None), None, [mx_plot])
         for c in (az_status, az_final, az_search):
-            c.change(azr_outputs, inputs=[az_status, az_final, az_search],
+            c.change(azr_outputs, inputs=[runs_dd, az_status, az_final, az_search],
                      outputs=[az_note, az_col, az_groups, az_table, keys], show_progress="hidden")
-        az_table.select(on_select, inputs=[keys], outputs=[az_detail])
+        az_table.select(on_select, inputs=[keys, runs_dd], outputs=[az_detail])
         for c in (rl_limit, rl_search):
-            c.change(rlcr_outputs, inputs=[rl_limit, rl_search], outputs=[rl_note, rl_col, rl_plot, rl_trees],
+            c.change(rlcr_outputs, inputs=[runs_dd, rl_limit, rl_search], outputs=[rl_note, rl_col, rl_plot, rl_trees],
                      show_progress="hidden")
-        sm_choice.input(lambda c: V.sample_html(store, c), inputs=[sm_choice], outputs=[sm_html])
+        sm_choice.input(lambda sel, c: V.sample_html(main_store(sel), c), inputs=[runs_dd, sm_choice],
+                        outputs=[sm_html])
     return demo
 
 
 def serve(args) -> int:
-    from asyncrl.analysis import RunStore
+    from asyncrl.analysis import RunStore, is_run_dir
 
-    from .live import DirPoller, EventSubscriber
+    from .live import DirPoller, EventSubscriber, RunCatalog
     from .views import CSS
 
     auth = check_args(args)
-    store = RunStore(max_events_per_kind=MAX_EVENTS_PER_KIND)
     threads = []
-    if args.run:
-        poller = DirPoller(args.run, store)
-        poller.reader.poll()  # the page has data from the first load
-        threads.append(poller)
+    folder = args.run and not is_run_dir(args.run) and not args.connect  # a folder of runs to pick from
+    if folder:
+        catalog = RunCatalog(folder=args.run, max_events_per_kind=MAX_EVENTS_PER_KIND)
+        title = f"runs in {Path(args.run).resolve().name}"
+    else:
+        store = RunStore(max_events_per_kind=MAX_EVENTS_PER_KIND)
+        if args.run:
+            poller = DirPoller(args.run, store)
+            poller.reader.poll()  # the page has data from the first load
+            threads.append(poller)
+        title = Path(args.run).resolve().name if args.run else args.connect
+        catalog = RunCatalog(store, name=title)
     live = None
     if args.connect:
-        live = EventSubscriber(args.connect, store, curve_dir=getattr(args, "curve_dir", None))
+        live = EventSubscriber(args.connect, catalog.single[1], curve_dir=getattr(args, "curve_dir", None))
         threads.append(live)
     for t in threads:
         t.start()
-    title = Path(args.run).resolve().name if args.run else args.connect
-    demo = build_app(store, live, title=title)
+    demo = build_app(catalog, live, title=title)
     port = args.port or free_port(args.host)
     try:
         demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
@@ -188,9 +272,10 @@ def serve(args) -> int:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{port}/"
-    print(f"asyncrl ui: serving {url} "
-          f"({'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
-          f"{'live events from ' + args.connect if args.connect else ''}); Ctrl-C stops", flush=True)
+    what = (f"folder of runs {args.run}: {len(catalog.names())} run(s) to pick from" if folder else
+            f"{'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
+            f"{'live events from ' + args.connect if args.connect else ''}")
+    print(f"asyncrl ui: serving {url} ({what}); Ctrl-C stops", flush=True)
     stop = {"now": False}
 
     def _stop(*_):
@@ -204,6 +289,7 @@ def serve(args) -> int:
     finally:
         for t in threads:
             t.stop()
+        catalog.stop()
         demo.close()
     return 0
 

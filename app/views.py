@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from asyncrl.analysis import RunStore, reliability_frame, staleness_counts  # noqa: E402
+from asyncrl.analysis import (NA, RunStore, calibration_summary, curves_frame, eval_series,  # noqa: E402
+                               metric_columns, reliability_frame, run_state, staleness_counts)
 
 MAX_QUESTION_ROWS = 400
 STATUS_FILTERS = ["all", "learnable", "not learnable", "invalid", "sampled"]
@@ -31,7 +32,11 @@ CSS = """
 .arl-note{padding:10px 14px;border-left:4px solid #0969da;background:#f0f6ff;margin:6px 0}
 table.arl{border-collapse:collapse;font-size:.9em;margin:6px 0}
 table.arl td,table.arl th{border:1px solid #d0d7de;padding:3px 7px;text-align:left;vertical-align:top}
-table.arl th{background:#f6f8fa}
+table.arl th{background:#f6f8fa;white-space:nowrap;word-break:keep-all}
+#azr-questions th,#azr-questions th *{word-break:keep-all!important;overflow-wrap:normal!important;hyphens:none!important}
+.arl-state-running{color:#0969da}.arl-state-finished{color:#1a7f37}
+.arl-state-interrupted{color:#9a6700}.arl-state-crashed,.arl-state-silent{color:#cf222e}
+pre.arl-config{font-size:.85em;background:#f6f8fa;padding:8px;border-radius:6px;max-height:600px;overflow:auto}
 details.arl-tree{border:1px solid #d0d7de;border-radius:6px;margin:5px 0;padding:4px 8px}
 details.arl-tree details{margin-left:18px;border-left:2px solid #d0d7de;padding-left:8px}
 .arl-ok{color:#1a7f37;font-weight:600}.arl-bad{color:#cf222e;font-weight:600}
@@ -49,6 +54,8 @@ def note(text: str) -> str:
 
 
 def fmt(x: Any, digits: int = 3) -> str:
+    """A number for a table cell: ``-`` when absent (None), ``n/a`` when NaN (a figure over zero
+    samples), else ``digits`` decimals without trailing zeros."""
     if x is None:
         return "-"
     if isinstance(x, (bool, np.bool_)):
@@ -60,8 +67,18 @@ def fmt(x: Any, digits: int = 3) -> str:
     except (TypeError, ValueError):
         return esc(x)
     if math.isnan(f):
-        return "-"
+        return NA
     return f"{f:.{digits}g}" if abs(f) < 1e-3 and f != 0 else f"{f:.{digits}f}".rstrip("0").rstrip(".") or "0"
+
+
+def fmt_rate(x: Any) -> str:
+    """A rate for a card: three significant figures at most, thousands separated (``1,234``, ``56.7``)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    f = float(x)
+    if abs(f) >= 100:
+        return f"{f:,.0f}"
+    return f"{f:.3g}"
 
 
 def html_table(df: pd.DataFrame, table_id: str | None = None, raw_cols: tuple[str, ...] = ()) -> str:
@@ -89,29 +106,47 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
-def _curves(ax, m: pd.DataFrame, cols: list[str], title: str) -> None:
+SPARSE_POINTS = 30  # a series with fewer points is drawn with markers
+
+
+def _series(ax, x, y, label: str) -> None:
+    """One connected line over the points that exist (a metric logged on some steps only is not
+    broken by the steps without it); markers when the points are few."""
+    ok = pd.notna(y)
+    x, y = np.asarray(x, dtype=float)[np.asarray(ok)], np.asarray(y, dtype=float)[np.asarray(ok)]
+    ax.plot(x, y, marker="o" if len(x) < SPARSE_POINTS else None, markersize=3, label=label)
+
+
+def _curves(ax, m: pd.DataFrame, cols: list[str], title: str, extra: dict[str, pd.DataFrame] | None = None) -> None:
+    """``cols`` of the metrics over steps, plus ``extra`` series (label -> frame of step, value)."""
     ax.set_title(title, fontsize=10)
-    present = [c for c in cols if c in m.columns and m[c].notna().any()]
-    if not present:
+    present = [c for c in cols if c in m.columns and pd.to_numeric(m[c], errors="coerce").notna().any()]
+    extra = {k: v for k, v in (extra or {}).items() if len(v)}
+    if not present and not extra:
         _empty(ax, "not logged in this run")
         return
     for c in present:
-        ax.plot(m["step"], m[c], marker="." if len(m) < 30 else None, label=c)
+        _series(ax, m["step"], pd.to_numeric(m[c], errors="coerce"), c)
+    for label, frame in extra.items():
+        _series(ax, frame["step"], frame["value"], label)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
-    if len(present) > 1:
+    if len(present) + len(extra) > 1:
         ax.legend(fontsize=7)
 
 
 # ------------------------------------------------------------------------------------- overview
 def run_status(store: RunStore, live: dict | None = None) -> str:
-    if store.records("learner_stop"):
-        return "finished"
-    if live and live.get("received"):
-        return "live"
-    if store.last_update and time.time() - store.last_update < 60:
-        return "running"
-    return "waiting" if not store.revision else "idle"
+    """running, finished, interrupted, crashed, waiting or silent (``asyncrl.analysis.run_state``)."""
+    return run_state(store).state
+
+
+def _episodes_card(store: RunStore) -> str:
+    """Episode events received; when the UI keeps only the latest ones, says so (never a cap as a count)."""
+    n, kept = store.counts.get("episode", 0), len(store.records("episode"))
+    every = (store.config.get("log") or {}).get("episode_events_every", 1)
+    text = f"{n:,}" + (f" <small>(latest {kept:,} kept)</small>" if kept < n else "")
+    return text + (f" <small>(every {every}th)</small>" if every and every != 1 else "")
 
 
 def overview_html(store: RunStore, live: dict | None = None) -> str:
@@ -119,53 +154,123 @@ def overview_html(store: RunStore, live: dict | None = None) -> str:
     last = m.iloc[-1] if len(m) else pd.Series(dtype=object)
     start = store.records("learner_start")
     total = start[-1].get("total_steps") if start else store.config.get("train", {}).get("total_steps")
-    eps = store.records("episode")
+    state = run_state(store)
     cards = [("policy version", f'<span id="policy-version">{store.version}</span>'),
              ("steps logged", f'<span id="steps">{len(m)}</span>' + (f" / {esc(total)}" if total else "")),
-             ("episodes/s", fmt(last.get("episodes_per_s"), 3)), ("tokens/s", fmt(last.get("tokens_per_s"), 4)),
-             ("samples/s", fmt(last.get("samples_per_s"), 3)), ("reward (last step)", fmt(last.get("reward_mean"))),
-             ("episodes logged", str(len(eps))), ("algorithm", esc(store.algorithm or "?")),
-             ("run", f'<span id="run-status">{run_status(store, live)}</span>')]
+             ("episodes/s", fmt_rate(last.get("episodes_per_s"))), ("tokens/s", fmt_rate(last.get("tokens_per_s"))),
+             ("samples/s", fmt_rate(last.get("samples_per_s"))), ("reward (last step)", fmt(last.get("reward_mean"))),
+             ("episodes logged", _episodes_card(store)), ("algorithm", esc(store.algorithm or "?")),
+             ("run", f'<span id="run-status" class="arl-state-{state.state}" title="{esc(state.reason)}">'
+                     f'{state.state}</span>')]
+    if "env/failures" in m and len(m):
+        cards.append(("failed episodes (env)", fmt(int(pd.to_numeric(m["env/failures"], errors="coerce").fillna(0).sum()))))
     body = "".join(f'<div class="arl-card"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in cards)
     extra = ""
     if live is not None:
         ago = f", last {time.time() - live['last']:.1f} s ago" if live.get("last") else ""
         extra = (f'<div class="k">live events from <code>{esc(live.get("address"))}</code>: '
                  f'{live.get("received", 0)} received{ago}{"; " + esc(live["error"]) if live.get("error") else ""}</div>')
-    warn = ""
+    warn = "".join(note(f'<span class="arl-warning">Warning: {esc(w.get("message"))}</span>')
+                   for w in store.records("warning")[-3:])  # e.g. algo.sandbox.isolation: none
     if store.warnings:
-        warn = note("Skipped records: " + "<br>".join(esc(w) for w in store.warnings[-3:]))
-    return f'<div class="arl-cards" id="overview-cards">{body}</div>{extra}{warn}'
+        warn += note("Skipped records: " + "<br>".join(esc(w) for w in store.warnings[-3:]))
+    why = f'<div class="k" id="run-state-reason">run {state.state}: {esc(state.reason)}</div>'
+    return f'<div class="arl-cards" id="overview-cards">{body}</div>{why}{extra}{warn}'
+
+
+ACTOR_COLUMNS = {"actor_id": "actor", "status": "status", "weights_version": "weights version", "lag": "lag",
+                 "batches": "batches", "weight_updates": "weight updates", "credits": "credits",
+                 "unacked": "unacked", "capacity": "capacity", "generate_s": "generate (s)",
+                 "last_status_s_ago": "last status (s ago)"}
 
 
 def actors_html(store: RunStore) -> str:
+    """The actors' latest status. Once the run is over (finished, interrupted, crashed) the lag
+    behind the learner means nothing any more: it is left blank and the status says why."""
     df = store.actors()
     if df.empty:
         return note("No actor has reported its status yet.")
-    if store.records("learner_stop"):
-        df["status"] = "run ended"
-    return "<b>Actors</b>" + html_table(df, "actors")
+    state = run_state(store).state
+    if state not in ("running", "waiting"):
+        df["status"] = f"run {state}"
+        df["lag"] = None
+    return "<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
+
+
+HELDOUT_LABEL = "held-out accuracy"
 
 
 def overview_figure(store: RunStore) -> Figure:
+    """The fixed panels. The held-out accuracy is a connected series over the evaluations' own
+    versions (the one before training included), whatever the number of steps."""
     m = store.metrics
-    fig, ax = _figure(8, cols=4)
-    _curves(ax[0], m, ["reward_mean", "eval/accuracy"], "reward")
+    fig, ax = _figure(12, cols=4)
+    _curves(ax[0], m, ["reward_mean"], "reward", extra={HELDOUT_LABEL: eval_series(store, "accuracy")})
     _curves(ax[1], m, ["loss", "pg_loss"], "loss")
     _curves(ax[2], m, ["approx_kl", "kl"], "KL")
     _curves(ax[3], m, ["clipfrac", "dual_clip_frac"], "clip fraction")
     _curves(ax[4], m, ["ratio_mean", "ratio_min", "ratio_max", "is_weight_mean"], "importance ratio")
-    _curves(ax[5], m, ["episodes_per_s", "samples_per_s"], "throughput (per s)")
-    _curves(ax[6], m, ["tokens_per_s"], "tokens/s")
+    _curves(ax[5], m, ["entropy"], "entropy (per token)")
+    _curves(ax[6], m, ["response_length_mean", "response_length_max"], "response length (tokens)")
+    _curves(ax[7], m, ["groups/identical_reward_share"], "groups with identical rewards (share)")
+    _curves(ax[8], m, ["episodes_per_s", "samples_per_s"], "throughput (per s)")
+    _curves(ax[9], m, ["tokens_per_s"], "tokens/s")
+    _curves(ax[10], m, ["train_s", "wait_s"], "learner time per step (s)")
     counts = staleness_counts(store.episodes())
-    ax[7].set_title("staleness of trained episodes", fontsize=10)
+    ax[11].set_title("staleness of trained episodes", fontsize=10)
     if counts.empty:
-        _empty(ax[7], "no episodes yet")
+        _empty(ax[11], "no episodes yet")
     else:
-        ax[7].bar(counts.index.astype(str), counts.values, color="#8250df")
-        ax[7].set_xlabel("learner version - policy version", fontsize=8)
-        ax[7].tick_params(labelsize=8)
+        ax[11].bar(counts.index.astype(str), counts.values, color="#8250df")
+        ax[11].set_xlabel("learner version - policy version", fontsize=8)
+        ax[11].tick_params(labelsize=8)
     return fig
+
+
+# ------------------------------------------------------------------------------------- metric explorer
+DEFAULT_CURVES = ["reward_mean", "eval/accuracy"]
+
+
+def metric_choices(stores: dict[str, RunStore]) -> list[str]:
+    """Every numeric metric logged by any of ``stores`` (all columns of their metrics.jsonl)."""
+    names: set[str] = set()
+    for store in stores.values():
+        names.update(metric_columns(store.metrics))
+    return sorted(names)
+
+
+def default_curves(choices: list[str]) -> list[str]:
+    return [c for c in DEFAULT_CURVES if c in choices] or choices[:1]
+
+
+def explorer_frame(stores: dict[str, RunStore], names: list[str], smoothing: float = 0.0) -> pd.DataFrame:
+    """The picked metrics of every selected run as one long frame for an overlaid line plot."""
+    return curves_frame(stores, list(names or []), float(smoothing or 0.0))
+
+
+def config_html(store: RunStore) -> str:
+    """The run's config snapshots (``config.yaml``, and ``config.resume-<N>.yaml`` per resumed
+    segment), as written by the learner."""
+    run_dir = store.run_dir
+    snaps = []
+    if run_dir is not None:
+        first = run_dir / "config.yaml"
+        if first.exists():
+            snaps.append(("config.yaml (the run's first segment)", first))
+        resumes = sorted(run_dir.glob("config.resume-*.yaml"),
+                         key=lambda p: int(p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1].isdigit() else 0)
+        snaps += [(f"{p.name} (the segment resumed at step {p.stem.rsplit('-', 1)[1]})", p) for p in resumes]
+    if not snaps:
+        return note("No config snapshot: this view has no run directory (live events only), or the learner has "
+                    "not written <code>config.yaml</code> yet.")
+    parts = []
+    for title, path in snaps:
+        try:
+            text = path.read_text()
+        except OSError as e:
+            text = f"(cannot read: {e})"
+        parts.append(f"<b>{esc(title)}</b><pre class=\"arl-config\">{esc(text)}</pre>")
+    return f'<div id="config-view">{"".join(parts)}</div>'
 
 
 # ------------------------------------------------------------------------------------- proposed tasks
@@ -193,6 +298,24 @@ def azr_groups_html(store: RunStore, limit: int = 30) -> str:
 
 def _dims(q: pd.DataFrame) -> list[str]:
     return [c.split(":", 1)[1] for c in q.columns if c.startswith("ratio:")]
+
+
+def _counted(window: str | None, dim: str) -> str:
+    """What a dimension's ratio counts, from its window text ``'<0.5 in [0.3, 0.7]'``: e.g.
+    ``completion<0.5`` (the share of responses whose completion score is below 0.5: the wrong ones)."""
+    if not isinstance(window, str) or " in " not in window:
+        return f"{dim} ratio"
+    return f"{dim}{window.split(' in ', 1)[0]}"
+
+
+def ratio_header(q: pd.DataFrame, dim: str) -> str:
+    """Column header of a dimension's ratio: the share it counts and its pass window, e.g.
+    ``share completion<0.5 (pass [0.3, 0.7])``."""
+    windows = q[f"window:{dim}"].dropna()
+    if windows.nunique() != 1:
+        return f"{dim} share"
+    w = windows.iloc[0]
+    return f"share {_counted(w, dim)} (pass {w.split(' in ', 1)[1]})" if " in " in w else f"{dim} share"
 
 
 def filter_questions(q: pd.DataFrame, status: str = "all", final_only: bool = True, search: str = "") -> pd.DataFrame:
@@ -231,7 +354,7 @@ def questions_table(q: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple]]:
         "answer": q["answer"].fillna(""), "valid": q["valid"].map({True: "yes", False: "no"})})
     for d in dims:
         windows = q[f"window:{d}"].dropna()
-        name = f"{d} ratio ({windows.iloc[0]})" if windows.nunique() == 1 else f"{d} ratio"
+        name = ratio_header(q, d)
         out[name] = [f"{fmt(r, 2)} {'pass' if p else 'FAIL'}" + ("" if windows.nunique() == 1 else f" ({w})")
                      for r, p, w in zip(q[f"ratio:{d}"], q[f"passed:{d}"], q[f"window:{d}"])]
     out["learnable"] = q["learnable"].map({True: "LEARNABLE", False: "no"}).values
@@ -259,7 +382,8 @@ def question_detail_html(store: RunStore, key: tuple | None) -> str:
             f"{', sampled for training' if r['sampled'] else ''}")
     if not r["valid"]:
         return f'<div id="question-detail">{head}<br>invalid: {esc(r["reason"])}</div>'
-    dim_rows = pd.DataFrame({"dimension": dims, "ratio": [r[f"ratio:{d}"] for d in dims],
+    dim_rows = pd.DataFrame({"dimension": dims, "share of responses": [r[f"ratio:{d}"] for d in dims],
+                             "counts": [_counted(r[f"window:{d}"], d) for d in dims],
                              "window": [r[f"window:{d}"] for d in dims],
                              "passed": ["yes" if r[f"passed:{d}"] else "no" for d in dims]})
     resp = pd.DataFrame({"#": range(len(r["responses"])), "response": r["responses"],
@@ -338,16 +462,22 @@ def calibration_figure(store: RunStore) -> Figure:
     ax[0].set_ylim(0, 1)
     ax[0].set_xlabel("stated confidence", fontsize=8)
     ax[0].set_ylabel("accuracy", fontsize=8)
-    ax[0].set_title(f"reliability, eval at version {last.get('version', last['step'])} "
-                    f"(n={int(bins['count'].sum())}, ECE {fmt(last.get('ece'))})", fontsize=10)
+    cs = calibration_summary(last.to_dict())
+    ece, brier = (NA if cs[k] is None else fmt(cs[k]) for k in ("ece", "brier"))
+    ax[0].set_title(f"reliability, eval at version {last.get('version', last['step'])}: ECE {ece}, "
+                    f"Brier {brier}\n({cs['parsed']} of {cs['size']} confidences parsed; "
+                    f"unparsed count as 0)", fontsize=9)
     for x, n in zip(centers[filled], bins["count"][filled]):
         ax[0].text(x, 0.02, str(int(n)), ha="center", fontsize=7)
     ax[0].legend(fontsize=7)
     x = with_bins["version"] if "version" in with_bins else with_bins["step"]
+    summaries = [calibration_summary(r) for r in with_bins.to_dict("records")]
     for col in ("ece", "brier", "accuracy"):
-        if col in with_bins:
-            ax[1].plot(x, with_bins[col].astype(float), marker="o", label=col)
-    ax[1].set_title("calibration over evaluations", fontsize=10)
+        y = [np.nan if c[col] is None else float(c[col]) for c in summaries]
+        ax[1].plot(x, y, marker="o", label=col)
+    parsed = [c["parsed"] / c["size"] if c["size"] else np.nan for c in summaries]
+    ax[1].plot(x, parsed, marker="x", linestyle=":", color="gray", label="share of confidences parsed")
+    ax[1].set_title("calibration over evaluations (ECE, Brier: n/a with none parsed)", fontsize=9)
     ax[1].set_xlabel("policy version", fontsize=8)
     ax[1].legend(fontsize=7)
     return fig
@@ -393,7 +523,7 @@ def replay_html(store: RunStore) -> str:
 
 def replay_figure(store: RunStore) -> Figure:
     m = store.metrics
-    fig, ax = _figure(5, cols=5)
+    fig, ax = _figure(5, cols=3, height=3.4)
     _curves(ax[0], m, ["buffer_size", "in_flight"], "buffer size / in flight (episodes)")
     eps = store.episodes()
     ax[1].set_title("trained episodes by policy version (last 20 steps)", fontsize=10)

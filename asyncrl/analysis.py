@@ -30,6 +30,7 @@ import threading
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -42,7 +43,8 @@ __all__ = ["TruncatedRecordWarning", "RunStore", "RunReader", "Run", "load_run",
            "load_metrics", "read_records", "metrics_frame", "events_frames", "episodes_frame",
            "trajectories_frame", "azr_groups_frame", "azr_questions_frame", "rlcr_nodes_frame",
            "evals_frame", "reliability_frame", "actors_frame", "staleness_counts", "demo_run",
-           "TINY_MODEL_OVERRIDES"]
+           "TINY_MODEL_OVERRIDES", "RunState", "run_state", "is_run_dir", "list_runs", "metric_columns",
+           "smooth", "curves_frame", "eval_series", "calibration_summary", "NA"]
 
 
 class TruncatedRecordWarning(UserWarning):
@@ -122,19 +124,22 @@ class RunStore:
 
     Events are de-duplicated by ``(kind, t, step, episode_id, actor_id)`` so that the same record
     read from ``events.jsonl`` and received on the events socket counts once; metrics keep the last
-    record per step. ``revision`` grows with every change (views cache on it).
+    record per step. With ``max_events_per_kind`` only the latest events of each kind are kept;
+    ``counts`` still counts them all. ``revision`` grows with every change (views cache on it).
     """
 
     def __init__(self, max_events_per_kind: int | None = None):
         self._lock = threading.RLock()
         self._events: dict[str, list[dict]] = defaultdict(list)
         self._seen: set[tuple] = set()
+        self.counts: dict[str, int] = defaultdict(int)  # events received per kind (kept or not)
         self._metrics: dict[int, dict] = {}
         self.config: dict[str, Any] = {}
         self.revision = 0
         self.max_events_per_kind = max_events_per_kind
         self.warnings: list[str] = []
         self.last_update = 0.0
+        self.run_dir: Path | None = None  # set by a RunReader: where the learner's pid file is
         self._cache: dict[str, tuple[int, Any]] = {}
 
     def add_events(self, records: Iterable[dict]) -> int:
@@ -154,6 +159,7 @@ class RunStore:
                 if key in self._seen:
                     continue
                 self._seen.add(key)
+                self.counts[rec["kind"]] += 1
                 lst = self._events[rec["kind"]]
                 lst.append(rec)
                 if self.max_events_per_kind and len(lst) > self.max_events_per_kind:
@@ -280,6 +286,7 @@ class RunReader:
     def __init__(self, run_dir: str | Path, store: RunStore | None = None):
         self.dir = Path(run_dir)
         self.store = store if store is not None else RunStore()
+        self.store.run_dir = self.dir
         self._metrics = _Tail(self.dir / "metrics.jsonl")
         self._events = _Tail(self.dir / "events.jsonl")
         self._config_mtime = None
@@ -556,6 +563,182 @@ def staleness_counts(episodes: pd.DataFrame) -> pd.Series:
     if episodes.empty or "staleness" not in episodes:
         return pd.Series(dtype="int64")
     return episodes["staleness"].dropna().astype(int).value_counts().sort_index()
+
+
+# ------------------------------------------------------------------------------------- run state
+NA = "n/a"  # how a figure over zero samples is shown (never 0)
+SILENT_AFTER_S = 120.0  # a live-only view with no news for this long: state "silent"
+PID_FILE = "learner.pid"  # written by the learner's run lock (asyncrl.rundir) while it lives
+
+
+@dataclass
+class RunState:
+    """``state``: waiting (no learner yet), running, finished, interrupted (stopped by a signal or
+    a failed actor before ``total_steps``), crashed (no ``learner_stop`` event and the learner is
+    gone), or silent (a live-only view that has heard nothing for a while). ``reason``: one line."""
+
+    state: str
+    reason: str
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _learner_pid(run_dir: Path | None) -> int | None:
+    if run_dir is None:
+        return None
+    try:
+        text = (Path(run_dir) / PID_FILE).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def run_state(store: "RunStore", now: float | None = None) -> RunState:
+    """The run's state from its records and, for a run directory, the learner's pid file.
+
+    The latest ``learner_start`` decides which segment is looked at (a resumed run has a
+    ``learner_stop`` of its earlier segment). Without a stop event: the pid file's process alive
+    means running; a pid file naming a dead process (killed) or no pid file (the learner exited
+    without its orderly stop, e.g. on an exception) means crashed."""
+    now = time.time() if now is None else now
+    starts, stops = store.records("learner_start"), store.records("learner_stop")
+    last_start = max((float(r.get("t") or 0) for r in starts), default=None)
+    stop = stops[-1] if stops else None
+    if stop is not None and (last_start is None or float(stop.get("t") or 0) >= last_start):
+        steps = (stop.get("summary") or {}).get("steps_trained")
+        trained = f"{steps} step(s) trained" if steps is not None else f"stopped at step {stop.get('step')}"
+        if stop.get("interrupted"):
+            return RunState("interrupted", f"the learner was stopped before total_steps ({trained})")
+        return RunState("finished", f"the learner finished at step {stop.get('step')} ({trained})")
+    if store.run_dir is None:  # only the live events socket
+        if not store.revision:
+            return RunState("waiting", "no event received yet")
+        age = now - store.last_update
+        if age > SILENT_AFTER_S:
+            return RunState("silent", f"no event for {age:.0f} s and no learner_stop event")
+        return RunState("running", f"last event {age:.0f} s ago")
+    pid = _learner_pid(store.run_dir)
+    if pid is not None and _pid_alive(pid):
+        return RunState("running" if starts else "waiting",
+                        f"learner pid {pid} is alive" + ("" if starts else " (starting: loading the model)"))
+    if not starts and not store.metric_records():
+        return RunState("waiting", "no learner has started in this directory yet")
+    if pid is not None:
+        return RunState("crashed", f"no learner_stop event and the learner (pid {pid}) is gone (killed?)")
+    return RunState("crashed", "no learner_stop event and no learner holds the run (it exited without "
+                               "stopping cleanly; see its output)")
+
+
+# ------------------------------------------------------------------------------------- runs and curves
+RUN_MARKERS = ("metrics.jsonl", "events.jsonl", "config.yaml", "addresses.json", PID_FILE)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A directory holding any file a learner writes (``RUN_MARKERS``)."""
+    path = Path(path)
+    return path.is_dir() and any((path / m).exists() for m in RUN_MARKERS)
+
+
+def list_runs(root: str | Path) -> list[Path]:
+    """The run directories directly under ``root`` (a folder of runs such as ``runs/``), by name."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    return sorted((p for p in root.iterdir() if is_run_dir(p)), key=lambda p: p.name)
+
+
+_NOT_CURVES = {"step", "t", "version"}
+
+
+def metric_columns(metrics: pd.DataFrame) -> list[str]:
+    """Every numeric column of a metrics frame that holds a value (``step``, ``t``, ``version`` left
+    out), sorted by name."""
+    out = []
+    for c in metrics.columns:
+        if c in _NOT_CURVES:
+            continue
+        col = pd.to_numeric(metrics[c], errors="coerce") if metrics[c].dtype == object else metrics[c]
+        if pd.api.types.is_numeric_dtype(col) and col.notna().any():
+            out.append(str(c))
+    return sorted(out)
+
+
+def smooth(values: pd.Series, weight: float) -> pd.Series:
+    """Exponential moving average with debiasing (TensorBoard's smoothing): ``weight`` in [0, 1),
+    0 leaves the values as they are; NaN values are skipped, not spread."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    v = pd.to_numeric(values, errors="coerce").astype(float)
+    if weight == 0:
+        return v
+    out, last, n = [], 0.0, 0
+    for x in v:
+        if np.isnan(x):
+            out.append(np.nan)
+            continue
+        last, n = last * weight + (1 - weight) * x, n + 1
+        out.append(last / (1 - weight ** n))
+    return pd.Series(out, index=v.index)
+
+
+def eval_series(store: "RunStore", name: str = "accuracy") -> pd.DataFrame:
+    """One held-out figure over its own evaluations: ``step`` (the policy version evaluated) and
+    ``value``, one row per ``eval`` event that has it (the evaluation at version 0 included)."""
+    ev = store.evals()
+    if ev.empty or name not in ev:
+        return pd.DataFrame(columns=["step", "value"])
+    x = ev["version"] if "version" in ev else ev["step"]
+    out = pd.DataFrame({"step": pd.to_numeric(x, errors="coerce"), "value": pd.to_numeric(ev[name], errors="coerce")})
+    return out.dropna().drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+
+
+def curves_frame(runs: dict[str, "RunStore"], names: list[str], smoothing: float = 0.0) -> pd.DataFrame:
+    """Long frame (``step``, ``value``, ``series``, ``run``, ``metric``) of the metrics ``names`` of
+    each run, for overlaid curves: a metric logged only on some steps (``eval/*``) is a connected
+    series over its own steps, never broken by the steps without it."""
+    parts = []
+    for run, store in runs.items():
+        m = store.metrics
+        for name in names:
+            s = eval_series(store, name[len("eval/"):]) if name.startswith("eval/") else None
+            if s is None or s.empty:  # eval/* from the eval events: the evaluation before training too
+                if name not in m:
+                    continue
+                s = pd.DataFrame({"step": m["step"].astype(float), "value": pd.to_numeric(m[name], errors="coerce")})
+            s = s.dropna().astype({"step": float, "value": float})
+            if s.empty:
+                continue
+            s["value"] = smooth(s["value"], smoothing).values
+            label = name if len(runs) == 1 else f"{run} · {name}"
+            parts.append(s.assign(series=label, run=run, metric=name))
+    if not parts:
+        return pd.DataFrame(columns=["step", "value", "series", "run", "metric"])
+    return pd.concat(parts, ignore_index=True)
+
+
+def calibration_summary(eval_record: dict) -> dict:
+    """An RLCR ``eval`` record's calibration figures with how many confidences they rest on:
+    ``parsed`` of ``size``; with no confidence parsed, ECE, Brier and AUROC are ``None`` (n/a: an
+    unparsed confidence is scored as 0, so over zero parsed ones the figures would say nothing)."""
+    size = int(eval_record.get("size") or 0)
+    fail = eval_record.get("confidence_parse_fail")
+    parsed = int(round(size * (1 - float(fail)))) if fail is not None and size else (size if fail is None else 0)
+    out = {"size": size, "parsed": parsed, "accuracy": eval_record.get("accuracy")}
+    for k in ("ece", "brier", "auroc", "confidence_mean"):
+        v = eval_record.get(k)
+        out[k] = None if parsed == 0 or v is None or (isinstance(v, float) and np.isnan(v)) else float(v)
+    return out
 
 
 # ------------------------------------------------------------------------------------- demo runs

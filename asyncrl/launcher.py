@@ -18,6 +18,7 @@ Stopping (the same whatever state the launch is in):
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -107,23 +108,30 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     stop = StopSignals()
     stop.install()
     procs: list[subprocess.Popen] = []
+    training_over = False
     try:
         learner = subprocess.Popen(_cli("learn", *base), env=env)
         procs.append(learner)
         addrs = wait_for_addresses(addr_file, learner, stop=stop, report_s=WAIT_REPORT_S)
         actors = [_start_actor(run_dir, base, addrs, i, env) for i in range(cfg.actor.num)]
         procs += actors
-        if ui:
-            procs.append(_start_ui(cfg, run_dir, addrs, env))
+        ui_proc = _start_ui(cfg, run_dir, addrs, env) if ui else None
+        procs += [ui_proc] if ui_proc is not None else []
         print(f"[asyncrl] learner at {addrs['control']}, {cfg.actor.num} actor(s); logs in {run_dir}", flush=True)
         code = _supervise(learner, actors, run_dir, stop)
+        if ui_proc is not None:  # the dashboard outlives the training until the user stops it
+            stop_all([learner, *actors], stop)
+            training_over = True
+            _serve_until_stopped(ui_proc, code, stop)
     except StopRequested:
         code = stop.exit_code
     except LearnerExited as e:
         print(f"[asyncrl] {e}", flush=True)
         code = 1
     finally:
-        if stop.count:
+        if stop.count and training_over:
+            print(f"\n[asyncrl] stopping the UI ({signal.Signals(stop.signum).name})", flush=True)
+        elif stop.count:
             print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting up to {STOP_GRACE_S:g} s "
                   f"for the learner to checkpoint (stop again to kill now)", flush=True)
         stop_all(procs, stop)
@@ -142,9 +150,22 @@ def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.
     if cfg.wire.curve_dir:
         args += ["--curve-dir", cfg.wire.curve_dir]
     proc = subprocess.Popen(_cli(*args), env=env)
-    print(f"[asyncrl] UI at http://127.0.0.1:{port}/ (starting; it stops with the run, then reopen it "
-          f"with: asyncrl ui --run {run_dir})", flush=True)
+    proc.url = f"http://127.0.0.1:{port}/"
+    print(f"[asyncrl] UI at {proc.url} (starting; it keeps serving after the training ends, until "
+          f"Ctrl-C)", flush=True)
     return proc
+
+
+def _serve_until_stopped(ui: subprocess.Popen, code: int, stop: StopSignals) -> None:
+    """After the training ended (exit ``code``): keep the UI up until a stop signal (or until the UI
+    process itself exits)."""
+    ended = "finished" if code == 0 else f"ended with exit code {code}"
+    print(f"[asyncrl] training {ended}; the UI is still serving at {ui.url} - press Ctrl-C (or send "
+          f"SIGTERM to pid {os.getpid()}) to stop it", flush=True)
+    while ui.poll() is None and not stop.count:
+        time.sleep(0.2)
+    if ui.returncode not in (None, 0):
+        print(f"[asyncrl] the UI exited with code {ui.returncode}", flush=True)
 
 
 def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_dir: Path, stop: StopSignals) -> int:

@@ -3,15 +3,23 @@
 Every line is one JSON object with ``schema`` (EVENTS_SCHEMA), ``kind``, ``t`` (unix seconds) and
 ``step`` (learner policy version when written). Lines are flushed as written so that readers (the
 UI, notebooks) can follow a live run; a reader must tolerate a truncated last line.
+
+Metrics can also go to experiment trackers (``log.trackers``: tensorboard, wandb, trackio), each
+through its own project's client library, imported only when named: :func:`check_trackers` turns a
+missing library into a one-line error naming the pip package, before anything is built.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from .config import ConfigError
 
 EVENTS_SCHEMA = 1
 
@@ -43,18 +51,123 @@ class JsonlWriter:
         self._f.close()
 
 
-class RunLog:
-    """Writes ``metrics.jsonl`` and ``events.jsonl``; ``on_event`` hooks stream events live."""
+# ------------------------------------------------------------------------------------- trackers
+# name -> (module that must be importable, pip package that provides it)
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "trackio": ("trackio", "trackio")}
 
-    def __init__(self, run_dir: Path, on_event: Callable[[dict[str, Any]], None] | None = None):
+
+class TrackerError(ConfigError):
+    """A tracker named in ``log.trackers`` that cannot be used; one line."""
+
+
+def check_trackers(names: list[str]) -> None:
+    """TrackerError (one line, naming the pip package) for an unknown or uninstalled tracker.
+    Only looks the modules up: nothing is imported or started."""
+    for name in names:
+        if name not in TRACKERS:
+            raise TrackerError(f"log.trackers: unknown tracker {name!r}; choose from {sorted(TRACKERS)}")
+        module, package = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise TrackerError(f"log.trackers: {name} needs the {package!r} package, which is not installed: "
+                               f"pip install {package} (or remove {name} from log.trackers)")
+
+
+def _scalars(values: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics record (bools and non-numbers left out)."""
+    out = {}
+    for k, v in values.items():
+        if hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+class TensorBoardSink:
+    """Scalars into ``<run>/tensorboard`` with PyTorch's TensorBoard writer (needs ``tensorboard``)."""
+
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run named after the asyncrl run (files under ``<run>/wandb``; offline with
+    ``WANDB_MODE=offline``)."""
+
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, reinit="create_new")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioSink:
+    """A Trackio run (stored where Trackio keeps its runs: ``TRACKIO_DIR``, by default under the
+    Hugging Face cache; ``trackio show`` opens its dashboard)."""
+
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(project=project, name=name, config=config, embed=False)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "trackio": TrackioSink}
+
+
+def open_trackers(names: list[str], run_dir: Path, name: str, project: str, config: dict) -> list:
+    """One sink per tracker in ``names`` (checked with :func:`check_trackers` first)."""
+    check_trackers(names)
+    return [_SINKS[n](Path(run_dir), name, project, config) for n in names]
+
+
+class RunLog:
+    """Writes ``metrics.jsonl`` and ``events.jsonl``; ``on_event`` hooks stream events live;
+    ``trackers`` (from :func:`open_trackers`) get every metrics record's finite numbers. A tracker
+    that fails is reported once and dropped: it never stops the run, the JSON lines stay complete."""
+
+    def __init__(self, run_dir: Path, on_event: Callable[[dict[str, Any]], None] | None = None,
+                 trackers: list | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlWriter(self.dir / "metrics.jsonl")
         self.events = JsonlWriter(self.dir / "events.jsonl")
         self.on_event = on_event
+        self.trackers = list(trackers or [])
 
     def metric(self, step: int, values: dict[str, Any]) -> None:
         self.metrics.write({"step": step, "t": time.time(), **values})
+        if self.trackers:
+            scalars = _scalars(values)
+            for sink in list(self.trackers):
+                try:
+                    sink.log(step, scalars)
+                except Exception as e:  # noqa: BLE001 - a tracker's own failure must not end the run
+                    self.trackers.remove(sink)
+                    print(f"[learner] tracker {type(sink).__name__} failed ({e}); no more metrics go to it",
+                          file=sys.stderr, flush=True)
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         record = {"schema": EVENTS_SCHEMA, "kind": kind, "t": time.time(), "step": step, **fields}
@@ -65,6 +178,12 @@ class RunLog:
     def close(self) -> None:
         self.metrics.close()
         self.events.close()
+        for sink in self.trackers:
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"[learner] closing tracker {type(sink).__name__} failed: {e}", file=sys.stderr, flush=True)
+        self.trackers = []
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -137,17 +137,22 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
 
 
 def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                     with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Forward a Hugging Face causal LM over ``batch``; log-probs of the targets.
 
     Returns ``(logprobs[B, T-1], entropy[B, T-1] or None)`` from ``logits[:, :-1] / temperature``
     and targets ``input_ids[:, 1:]``. Grad flows if enabled by the caller (``torch.no_grad()`` for
     the proximal/reference passes). Padded positions hold finite junk; mask them.
+    ``entropy_grad=False`` computes the entropy without a graph (for logging: no memory is kept for
+    a backward pass through it).
     """
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logits = out.logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, batch.input_ids[:, 1:])
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
     return logprobs, entropy

@@ -27,37 +27,93 @@ class Progress:
         self.bar.close()
 
 
-def summary_table(rewards: list[float], evals: list[dict]) -> dict:
-    """First vs last 10% of steps (mean batch reward), and first vs last held-out evaluation.
-    Prints a small table and returns the figures."""
-    out: dict = {"steps": len(rewards)}
+# held-out figures the summary compares start -> end, when the evaluation reports them (RLCR: calibration)
+SUMMARY_EVAL_FIGURES = (("accuracy", "held-out accuracy"), ("ece", "held-out ECE"), ("brier", "held-out Brier score"))
+
+
+def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]]:
+    """Figures and table rows (measure, start, end, change) of the first and last evaluation. An
+    RLCR figure over zero parsed confidences is n/a, and the parse counts are shown beside it."""
+    from ..analysis import NA, calibration_summary
+
+    out: dict = {}
+    rows = []
+    first, last = evals[0], evals[-1]
+    calib = "confidence_parse_fail" in last
+    a, b = (calibration_summary(e) if calib else e for e in (first, last))
+    for key, label in SUMMARY_EVAL_FIGURES:
+        if key not in last:
+            continue
+        x, y = a.get(key), b.get(key)
+        out[f"eval_{key}_start"], out[f"eval_{key}_end"] = x, y
+        show = [f"{v:.3f}" if v is not None else NA for v in (x, y)]
+        change = f"{y - x:+.3f}" if x is not None and y is not None else NA
+        rows.append((label, *show, change))
+    if calib:
+        out["confidences_parsed_start"], out["confidences_parsed_end"] = a["parsed"], b["parsed"]
+        rows.append(("held-out confidences parsed", f"{a['parsed']}/{a['size']}", f"{b['parsed']}/{b['size']}", ""))
+    return out, rows
+
+
+def summary_table(rewards: list[float], evals: list[dict], trained_steps: int | None = None,
+                  total_steps: int | None = None, stopped: str | None = None, heldout: str | None = None) -> dict:
+    """The end-of-run summary: first vs last 10% of steps (mean batch reward) and first vs last
+    held-out evaluation (accuracy; ECE and Brier when the evaluation reports them). Prints a small
+    table and returns the figures.
+
+    ``trained_steps``: steps trained by this learner (a resumed run's ``rewards`` also hold the
+    earlier segments'); with 0 no learning summary is printed, only why (``stopped``: why the
+    learner stopped early, e.g. a stop signal). ``heldout`` is printed under the table."""
+    trained = len(rewards) if trained_steps is None else trained_steps
+    out: dict = {"steps": len(rewards), "steps_trained": trained}
+    if stopped:
+        out["stopped"] = stopped
+    if trained == 0:
+        why = stopped or (f"the run was already at total_steps ({total_steps})" if total_steps is not None
+                          else "no batch was trained")
+        print(f"[learner] no learning summary: this run trained 0 steps ({why})", flush=True)
+        if heldout:
+            print(f"[learner] {heldout}", flush=True)
+        return out
     if rewards:
         k = max(1, len(rewards) // 10)
         out["reward_first_10pct"] = float(np.mean(rewards[:k]))
         out["reward_last_10pct"] = float(np.mean(rewards[-k:]))
         out["reward_gain"] = out["reward_last_10pct"] - out["reward_first_10pct"]
     evals = [e for e in evals if "accuracy" in e]
-    if evals:
+    eval_rows: list = []
+    if len(evals) >= 2:
+        figures, eval_rows = _eval_rows(evals)
+        out.update(figures)
+    elif evals:
         out["eval_accuracy_start"] = evals[0]["accuracy"]
-        out["eval_accuracy_end"] = evals[-1]["accuracy"]
     try:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="asyncrl run summary")
-        table.add_column("measure")
-        table.add_column("start", justify="right")
-        table.add_column("end", justify="right")
-        table.add_column("change", justify="right")
-        if rewards:
-            table.add_row(f"batch reward (first/last 10% of {len(rewards)} steps)",
-                          f"{out['reward_first_10pct']:.3f}", f"{out['reward_last_10pct']:.3f}",
-                          f"{out['reward_gain']:+.3f}")
-        if evals:
-            table.add_row("held-out accuracy", f"{out['eval_accuracy_start']:.3f}",
-                          f"{out['eval_accuracy_end']:.3f}",
-                          f"{out['eval_accuracy_end'] - out['eval_accuracy_start']:+.3f}")
-        Console(file=sys.stdout).print(table)
+        _print_summary(out, rewards, evals, eval_rows, trained, total_steps, stopped, heldout)
     except Exception:  # a summary must never crash the end of a run
         print(out)
     return out
+
+
+def _print_summary(out, rewards, evals, eval_rows, trained, total_steps, stopped, heldout) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = "asyncrl run summary"
+    if stopped:
+        title += f" (stopped after {trained} of {total_steps} steps: {stopped})" if total_steps else f" ({stopped})"
+    table = Table(title=title)
+    for col, justify in (("measure", "left"), ("start", "right"), ("end", "right"), ("change", "right")):
+        table.add_column(col, justify=justify)
+    if rewards:
+        table.add_row(f"batch reward (first/last 10% of {len(rewards)} steps)",
+                      f"{out['reward_first_10pct']:.3f}", f"{out['reward_last_10pct']:.3f}",
+                      f"{out['reward_gain']:+.3f}")
+    for row in eval_rows:
+        table.add_row(*row)
+    if len(evals) == 1:
+        table.add_row(f"held-out accuracy (version {evals[0].get('version', 0)} only)",
+                      f"{evals[0]['accuracy']:.3f}", "-", "-")
+    console = Console(file=sys.stdout)
+    console.print(table)
+    if heldout:
+        console.print(heldout, markup=False, highlight=False)

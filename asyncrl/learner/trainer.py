@@ -86,8 +86,9 @@ class PolicyTrainer:
         cfg = self.cfg
         rp = self.replay_cfg
         want_entropy = cfg.entropy_coef > 0
-        logp, entropy = compute_logprobs(self.model, mb, self.temperature,
-                                         with_entropy=want_entropy or (rp is not None and single_pass))
+        # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
+        logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=True,
+                                         entropy_grad=want_entropy)
         if rp is not None and single_pass:  # the weights before this update: the log-prob pass to record
             self.last_rows = (logp.detach().cpu(), entropy.detach().cpu())
         if cfg.recompute_proximal and single_pass:
@@ -138,10 +139,10 @@ class PolicyTrainer:
             kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
             loss = loss + cfg.kl_coef * kl_val
             stats["kl"] = kl_val.item()
-        if entropy is not None and want_entropy:
-            ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+        ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+        if want_entropy:
             loss = loss - cfg.entropy_coef * ent
-            stats["entropy"] = ent.item()
+        stats["entropy"] = ent.item()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
