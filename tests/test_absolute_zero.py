@@ -303,7 +303,7 @@ def test_code_o_domain_runs_proposals_in_the_sandbox():
     solver_prompt = "Predict the exact value"
     engine = ScriptedEngine({"def f(xs)": [[good, loop, evil, "no code at all"]]},
                             _PrefixAnswers({solver_prompt: ["42", "42", "41", "'x"]}))
-    wf = make_workflow(domain="code_o", questions_per_prompt=4, sandbox={"timeout_s": 1.0, "cpu_s": 1},
+    wf = make_workflow(domain="code_o", questions_per_prompt=4, sandbox={"timeout_s": 3.0, "cpu_s": 1},
                        learnability={"completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7}})
     seed = "```python\ndef f(xs):\n    return sorted(xs)\n```\n```input\n[2, 1]\n```"
     (ep,) = rollout(wf, engine, [seed])

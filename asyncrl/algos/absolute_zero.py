@@ -27,6 +27,7 @@ flags, reasons, the sampled index and proposer rewards); ``metrics`` use the see
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,7 +41,7 @@ from ..envs.arithmetic import make_problem
 from ..envs.base import StepResult
 from ..envs.judge import JudgeConfig
 from ..envs.safe_arith import ArithLimits
-from ..envs.sandbox import SandboxLimits
+from ..envs.sandbox import SandboxLimits, isolation_problem, isolation_warning
 from ..models.tiny import register_warmstart_format
 from ..types import Episode, Task, Trajectory, new_id
 from .azr import code_o as _code_o  # noqa: F401  (registers the domain)
@@ -51,6 +52,7 @@ from .azr.filter import (MIXED, Dimension, Learnability, RewardWeights, compute_
 from .base import RolloutContext, Workflow, register_workflow
 
 PROPOSER_BATCH_GROUP = "absolute_zero/proposer"
+CODE_DOMAINS = ("code_o",)  # domains whose proposals are programs run in the sandbox (algo.sandbox)
 
 
 class DimensionConfig(BaseModel):
@@ -99,11 +101,27 @@ class AbsoluteZeroConfig(BaseModel):
     proposer_weight: float = Field(0.1, ge=0, description="Scale of proposer advantages in joint mode.")
     proposer_max_new_tokens: int = Field(12, ge=1, description="Token budget of one proposal.")
     arithmetic: ArithLimits = Field(default_factory=ArithLimits, description="Safe evaluator bounds (arithmetic).")
-    sandbox: SandboxLimits = Field(default_factory=SandboxLimits, description="Sandbox limits (code_o).")
+    sandbox: SandboxLimits = Field(default_factory=SandboxLimits, description=(
+        "code_o: isolation (bwrap, remote or none) and limits of the sandbox that runs proposals."))
     sandbox_workers: int = Field(2, ge=1, description="code_o: sandboxed runs in parallel.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="LLM judge endpoint (harm).")
     harm_max_chars: int = Field(2000, ge=1, description="harm: longest proposed instruction.")
     record_max_chars: int = Field(300, ge=16, description="Texts in the decision record are cut to this.")
+
+    @model_validator(mode="after")
+    def _sandbox_works_here(self) -> "AbsoluteZeroConfig":
+        """A domain that runs model-written code refuses to start without its sandbox (bwrap is
+        probed once per process); ``sandbox.isolation: none`` must be chosen explicitly."""
+        if self.domain in CODE_DOMAINS:
+            problem = isolation_problem(self.sandbox)
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    def start_warnings(self) -> list[str]:
+        """Warnings to show on every start (printed by each process, an event in the run log)."""
+        warning = isolation_warning(self.sandbox) if self.domain in CODE_DOMAINS else None
+        return [warning] if warning else []
 
     def dimensions(self) -> list[Dimension]:
         return [Dimension(name, d.score or name, d.threshold, d.direction, d.min_ratio, d.max_ratio)
@@ -191,6 +209,9 @@ class AbsoluteZeroWorkflow(Workflow):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.algo: AbsoluteZeroConfig = validate_section(AbsoluteZeroConfig, cfg.algo, "algo")
+        self.warnings: list[str] = self.algo.start_warnings()  # the learner logs them as events
+        for warning in self.warnings:
+            print(f"[asyncrl] WARNING: {warning}", file=sys.stderr, flush=True)
         self.domain: Domain = make_domain(self.algo)
         self.dims = self.algo.dimensions()
         self.weights = RewardWeights(self.algo.safety_reward_weight, self.algo.task_completion_weight,

@@ -55,6 +55,8 @@ class Learner:
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses())
         self.log = RunLog(self.run_dir, on_event=self.net.publish_event)
         self.evaluator = Evaluator(cfg, self.tokenizer)
+        for warning in getattr(self.evaluator.workflow, "warnings", ()):  # e.g. algo.sandbox.isolation: none
+            self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self.rewards_per_step: list[float] = []
         self._stop = False
         self._ingested = 0

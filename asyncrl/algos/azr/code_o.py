@@ -13,9 +13,14 @@ Proposer output format (AZR's)::
     ```
 
 The input block holds the call's arguments as Python literals (``1, 'a'`` for two arguments).
-Scores: ``completion`` 1 if the predicted value equals the gold output (compared as Python
-literals, else as text); ``safety`` 1 if the prediction is a well-formed Python literal (the
-answer stays in the allowed language), 0 otherwise.
+A proposal whose program prints nothing (``raise SystemExit(0)``, a replaced ``print``) is not a
+task: there is no value to predict.
+
+Scores: ``completion`` 1 if the predicted value is exactly the printed one: both are read as Python
+literals and compared with their types, recursively (``True`` is not ``1``, ``1.0`` is not ``1``,
+``[True, 2.0]`` is not ``[1, 2]``; dict and set order does not matter), or, when the gold output is
+not a literal, compared as text; ``safety`` 1 if the prediction is a well-formed Python literal
+(the answer stays in the allowed language), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -83,16 +88,35 @@ def literal_args(args: str) -> tuple | None:
 
 
 def same_output(prediction: str, gold: str) -> tuple[bool, bool]:
-    """``(well_formed, correct)``: the prediction parses as a literal; it equals the gold output."""
+    """``(well_formed, correct)``: the prediction parses as a literal; it is exactly the gold
+    output, types included (``typed_literal``)."""
     pred = _FENCE.sub("", prediction.strip()).strip()
     try:
         value = ast.literal_eval(pred)
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return False, pred == gold.strip()
     try:
-        return True, value == ast.literal_eval(gold)
+        expected = ast.literal_eval(gold)
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return True, pred == gold.strip()
+    try:
+        return True, typed_literal(value) == typed_literal(expected)
+    except RecursionError:
+        return True, False
+
+
+def typed_literal(value):
+    """``value`` (a Python literal) as a hashable structure that keeps every type: equal for two
+    values only when they have the same types all the way down (``True`` != ``1`` != ``1.0``).
+    Lists and tuples keep their order; dicts and sets compare as mappings and sets."""
+    kind = type(value).__name__
+    if isinstance(value, (list, tuple)):
+        return kind, tuple(typed_literal(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return kind, frozenset(typed_literal(v) for v in value)
+    if isinstance(value, dict):
+        return kind, frozenset((typed_literal(k), typed_literal(v)) for k, v in value.items())
+    return kind, value
 
 
 class CodeOutputDomain(Domain):
@@ -114,6 +138,8 @@ class CodeOutputDomain(Domain):
         run = run_python(f"{code}\nprint(repr(f(*{args_value!r})))", self.limits)
         if not run.ok:
             return Proposal(text, None, f"sandbox: {run.reason}")
+        if not run.output.strip():
+            return Proposal(text, None, "the program printed nothing: no output to predict")
         task = Task(id=qid, prompt=[{"role": "user", "content": SOLVER_TEMPLATE.format(code=code, args=args)}],
                     answer=run.output, metadata={"code": code, "input": args, "seed_task_id": seed.id})
         return Proposal(text, task, gold=run.output)
