@@ -325,3 +325,29 @@ def test_a_proposal_whose_f_writes_a_file_is_rejected_and_writes_nothing(tmp_pat
     res = run_python(code, SandboxLimits(), check=False)
     assert not res.ok and "FileNotFoundError" in res.reason, res
     assert not target.exists()
+
+
+def test_a_caller_killed_mid_run_takes_the_whole_sandbox_with_it(tmp_path):
+    """The actor dies (SIGKILL) while its sandbox runs: bwrap (``--die-with-parent``) and every
+    process in the run's PID namespace go too."""
+    marker = "asyncrl-hostile-" + uuid.uuid4().hex[:12]
+    program = ESCAPE + "".join(
+        f"{ln}\n" for ln in SPAWN.format(sleep=SLEEP_S, marker=marker).splitlines()) + "import time\ntime.sleep(60)\n"
+    caller = Caller(tmp_path)
+    try:
+        proc = caller.ensure()
+        proc.stdin.write(json.dumps({"code": program, "check": False,
+                                     "limits": {"block_fork": False, "timeout_s": 60, "cpu_s": 30}}) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + LEFTOVER_DEADLINE_S * 3
+        while not _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_with(marker), "the sandboxed child never started"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _wait_no_processes(marker) == []
+        assert os.listdir(caller.tmpdir) == []
+    finally:
+        caller.stop()
+        for pid in _processes_with(marker):
+            os.kill(pid, 9)
