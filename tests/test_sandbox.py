@@ -9,9 +9,14 @@ import time
 
 import pytest
 
-from asyncrl.envs.sandbox import SandboxLimits, check_code, run_python
+from asyncrl.envs.sandbox import SandboxLimits, check_code, isolation_problem, run_python
 
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_mb=256, max_output_bytes=4096)  # cpu_s stops loops
+
+
+def test_bwrap_works_here():
+    """The default isolation needs bubblewrap (``make bwrap``); every sandbox test relies on it."""
+    assert isolation_problem(SandboxLimits()) is None, isolation_problem(SandboxLimits())
 
 
 def test_a_good_program_runs_and_prints_its_result():

@@ -13,11 +13,8 @@ import sys
 import pytest
 
 from asyncrl.config import ConfigError, config_from_dict, load_config
-from asyncrl.envs.sandbox import SandboxLimits, isolation_problem
 
 from .conftest import ROOT, read_jsonl
-
-needs_bwrap = pytest.mark.skipif(isolation_problem(SandboxLimits()) is not None, reason="bwrap does not work here")
 
 # Runs in a process whose PATH holds no bwrap: what a machine without bubblewrap sees.
 WITHOUT_BWRAP = r"""
@@ -61,7 +58,6 @@ def test_without_bwrap_a_code_run_refuses_to_start_and_says_how_to_install_it(tm
     assert "WARNING: sandbox.isolation is 'none'" in res.stderr  # printed on start
 
 
-@needs_bwrap
 def test_isolation_none_is_warned_about_and_bwrap_is_not(capsys):
     assert _workflow(domain="code_o").warnings == []
     assert _workflow(domain="arithmetic", sandbox={"isolation": "none"}).warnings == []
@@ -70,13 +66,11 @@ def test_isolation_none_is_warned_about_and_bwrap_is_not(capsys):
     assert f"[asyncrl] WARNING: {wf.warnings[0]}" in capsys.readouterr().err
 
 
-@needs_bwrap
 def test_unknown_isolation_is_a_config_error():
     with pytest.raises(ConfigError, match="algo.sandbox.isolation"):
         _workflow(domain="code_o", sandbox={"isolation": "docker"})
 
 
-@needs_bwrap
 def test_the_learner_logs_the_warning_and_the_ui_shows_it(tmp_path, tiny_overrides):
     from app.views import overview_html
     from asyncrl.analysis import RunStore
