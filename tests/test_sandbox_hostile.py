@@ -348,3 +348,19 @@ def test_a_caller_killed_mid_run_takes_the_whole_sandbox_with_it(tmp_path):
         caller.stop()
         for pid in _processes_with(marker):
             os.kill(pid, 9)
+
+
+def test_a_run_killed_at_its_timeout_leaves_no_process():
+    """The wall-clock timeout kills bwrap; its PID namespace, a child in its own session included, goes too."""
+    from asyncrl.envs.sandbox import run_python
+
+    marker = "asyncrl-hostile-" + uuid.uuid4().hex[:12]
+    program = ESCAPE + SPAWN.format(sleep=SLEEP_S, marker=marker) + "while True:\n    pass\n"
+    try:
+        res = run_python(program, SandboxLimits(timeout_s=1.0, cpu_s=30, block_fork=False, determinism_runs=1),
+                         check=False)
+        assert not res.ok and res.reason.startswith("timeout"), res
+        assert _wait_no_processes(marker) == []
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, 9)
