@@ -98,6 +98,9 @@ def test_the_static_check_allows_the_throwaway_name_and_plain_code():
     code = "for _ in range(3):\n    pass\ndef helper(x):\n    return x + 1\nprint(helper(1))"
     assert check_code(code) is None
     assert run_python(code, FAST).output == "2"
+    code = "import re\nprint(re.compile('a+').match('aaab').group())"  # an attribute named like a builtin
+    assert check_code(code) is None
+    assert run_python(code, FAST).output == "aaa"
 
 
 def test_the_child_runs_with_an_empty_environment():

@@ -19,11 +19,12 @@ itself). ``limits.isolation`` picks the boundary:
 Layers inside every local run, in order:
 
 1. Static check before anything runs (``check_code``): the AST may import only whitelisted
-   modules (``ALLOWED_IMPORTS``) and may not use names in ``BANNED_NAMES`` (``eval``, ``open``,
-   ``getattr``, and the string-based access routes ``operator.attrgetter``/``methodcaller``,
-   ``string.Formatter.get_field`` and the annotation evaluators ``typing.get_type_hints`` and
-   ``functools.singledispatch``), nor any attribute, imported name, match-pattern attribute or
-   name that starts with ``_`` (``_`` alone is allowed).
+   modules (``ALLOWED_IMPORTS``), may not use the builtins in ``BANNED_BUILTINS`` (``eval``,
+   ``open``, ``getattr``, ...) nor, as a name or an attribute, the string-based access routes in
+   ``BANNED_ACCESS`` (``operator.attrgetter``/``methodcaller``, ``string.Formatter.get_field``, and
+   ``typing.get_type_hints``/``functools.singledispatch``, which ``eval`` string annotations), nor
+   any attribute, imported name, match-pattern attribute or name that starts with ``_`` (``_``
+   alone is allowed).
 2. ``resource`` limits set by a trusted stub before it execs the program: CPU seconds, address
    space, file size (stdout goes to a file, so gigabytes of output end in SIGXFSZ), open files,
    core size, and RLIMIT_NPROC 0 (which the kernel does not apply to root, hence the seccomp filter).
@@ -58,13 +59,11 @@ from .sandbox_remote import RemoteSandboxConfig, RemoteSandboxError, run_code
 ALLOWED_IMPORTS = ("math", "itertools", "functools", "collections", "heapq", "bisect", "string",
                    "re", "operator", "fractions", "decimal", "statistics", "typing", "dataclasses",
                    "copy", "random")
-BANNED_NAMES = ("eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals",
-                "locals", "vars", "getattr", "setattr", "delattr", "memoryview", "help", "exit", "quit",
-                # attribute access by a string the AST cannot see
-                "attrgetter", "methodcaller", "get_field", "Formatter",
-                # these evaluate string annotations with eval()
-                "get_type_hints", "singledispatch", "singledispatchmethod")
-BANNED_CALLS = BANNED_NAMES  # the name this list had before it covered attributes too
+BANNED_BUILTINS = ("eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals",
+                   "locals", "vars", "getattr", "setattr", "delattr", "memoryview", "help", "exit", "quit")
+BANNED_ACCESS = ("attrgetter", "methodcaller", "get_field", "Formatter",  # attribute access by a string
+                 "get_type_hints", "singledispatch", "singledispatchmethod")  # these eval() string annotations
+BANNED_NAMES = BANNED_BUILTINS + BANNED_ACCESS
 
 # Runs in the child before the untrusted code: no processes, no network, whatever is imported.
 _PRELUDE = r'''
@@ -170,7 +169,7 @@ def _check_node(node: ast.AST) -> str | None:
     if isinstance(node, ast.Attribute):
         if _private(node.attr):
             return f"access to attribute {node.attr!r} is not allowed (no private or dunder attributes)"
-        if node.attr in BANNED_NAMES:
+        if node.attr in BANNED_ACCESS:  # re.compile and the like stay allowed
             return f"use of {node.attr!r} is not allowed"
     elif isinstance(node, ast.Name):
         if node.id in BANNED_NAMES:
