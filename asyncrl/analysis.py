@@ -668,7 +668,10 @@ def metric_columns(metrics: pd.DataFrame) -> list[str]:
     for c in metrics.columns:
         if c in _NOT_CURVES:
             continue
-        col = pd.to_numeric(metrics[c], errors="coerce") if metrics[c].dtype == object else metrics[c]
+        col = metrics[c]
+        if pd.api.types.is_bool_dtype(col) or (col.dtype == object and col.map(lambda v: isinstance(v, bool)).any()):
+            continue  # flags (e.g. eval/greedy) are not curves
+        col = pd.to_numeric(col, errors="coerce") if col.dtype == object else col
         if pd.api.types.is_numeric_dtype(col) and col.notna().any():
             out.append(str(c))
     return sorted(out)
@@ -747,7 +750,8 @@ TINY_MODEL_OVERRIDES = ["model.embedded.hidden_size=32", "model.embedded.num_lay
                         "model.embedded.warmup_steps=20", "model.embedded.warmup_batch_size=16",
                         "model.embedded.warmup_lr=3e-3"]
 
-_DEMO = {
+# quick=True: a very small model and batches, a few steps: the shape of every view in seconds (tests)
+_QUICK = {
     "grpo": ("configs/quickstart.yaml", ["train.batch_tasks=4", "actor.tasks_per_batch=4", "sampling.n=4",
                                          "eval.size=8", "eval.every=2"]),
     "absolute_zero": ("configs/absolute_zero.yaml", [
@@ -762,19 +766,37 @@ _DEMO = {
         "algo.num_generations_confidence=2", "algo.answer_max_new_tokens=24",
         "algo.confidence_max_new_tokens=16"]),
 }
+# the notebooks' default demos: settings that learn within minutes on two CPU cores (overrides, steps)
+_LEARNING = {
+    "grpo": (["eval.every=50", "eval.size=100", "log.sample_every=10"], 200),
+    "absolute_zero": (["model.embedded.warmstart_formats=[arithmetic]", "train.batch_tasks=4",
+                       "actor.tasks_per_batch=4", "eval.size=50", "eval.every=10", "algo.mode=joint",
+                       "algo.proposer_update=group", "algo.questions_per_prompt=8", "algo.rollout_n=4",
+                       "algo.max_repropose_attempts=3", "algo.arithmetic.min_operators=0",
+                       "log.sample_every=5"], 30),
+    "rlcr": (["model.embedded.warmup_steps=300", "model.embedded.warmup_batch_size=32", "actor.tasks_per_batch=4",
+              "train.batch_tasks=4", "eval.size=100", "eval.every=10", "algo.num_generations_answer=4",
+              "algo.num_generations_confidence=2", "train.lr=3e-4", "log.sample_every=5"], 40),
+}
 
 
-def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str | None = None, steps: int = 4,
+def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str | None = None, steps: int | None = None,
              extra_overrides: list[str] | None = None, project_root: str | Path | None = None,
-             reuse: bool = True, timeout: float = 900) -> Path:
-    """A small real run of ``algorithm`` (grpo, absolute_zero, rlcr) on a very small embedded model
-    (``asyncrl run`` in a subprocess, a few steps, a minute or so on 2 CPU cores); returns its run
-    directory. With ``reuse``, a finished run already there (a ``learner_stop`` event) is returned
-    as is."""
-    if algorithm not in _DEMO:
-        raise ValueError(f"no demo run for algorithm {algorithm!r}; choose one of {sorted(_DEMO)}")
+             reuse: bool = True, timeout: float = 3600, quick: bool = False) -> Path:
+    """A real run of ``algorithm`` (grpo, absolute_zero, rlcr) with the embedded model (``asyncrl
+    run`` in a subprocess); returns its run directory. By default the settings learn within minutes
+    on two CPU cores (the embedded model is built once and cached); ``quick`` uses a very small
+    model and a few steps instead (seconds: every view has data, nothing is learned). With
+    ``reuse``, a finished run already there (a ``learner_stop`` event) is returned as is."""
+    if algorithm not in _QUICK:
+        raise ValueError(f"no demo run for algorithm {algorithm!r}; choose one of {sorted(_QUICK)}")
     root = Path(project_root) if project_root else Path(__file__).resolve().parents[1]
-    config, overrides = _DEMO[algorithm]
+    config, quick_overrides = _QUICK[algorithm]
+    if quick:
+        overrides, steps = [*TINY_MODEL_OVERRIDES, *quick_overrides], steps or 4
+    else:
+        overrides, default_steps = _LEARNING[algorithm]
+        steps = steps or default_steps
     if not (root / config).exists():
         raise FileNotFoundError(f"{root / config} not found: pass project_root= (the asyncrl checkout)")
     name = name or f"demo-{algorithm}"
@@ -788,9 +810,10 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
         shutil.rmtree(run_dir)  # an unfinished (or, without reuse, an old) demo run: start afresh
     run_dir.mkdir(parents=True)
     marker.write_text("made by asyncrl.analysis.demo_run\n")
-    args = [*TINY_MODEL_OVERRIDES, *overrides, f"run_root={Path(run_root).resolve()}", f"name={name}",
-            f"train.total_steps={steps}", "log.progress=false", "log.sample_every=1", "checkpoint.every=0",
-            "checkpoint.resume=false", "actor.heartbeat_s=0.5", *(extra_overrides or [])]
+    args = [*overrides, f"run_root={Path(run_root).resolve()}", f"name={name}",
+            f"train.total_steps={steps}", "log.progress=false", "checkpoint.every=0", "checkpoint.resume=false",
+            "actor.heartbeat_s=0.5",
+            *(["log.sample_every=1"] if quick else []), *(extra_overrides or [])]
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "-c", str(root / config), *args],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: killed whole below

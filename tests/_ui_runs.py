@@ -32,7 +32,7 @@ def make_runs(tmp_path_factory, model_cache: Path) -> dict[str, Path]:
             root = tmp_path_factory.mktemp("ui-runs")
             extra = [f"model.embedded.cache_dir={model_cache}"]
             with ThreadPoolExecutor(2) as ex:
-                futures = {alg: ex.submit(demo_run, alg, root, steps=3, extra_overrides=extra, reuse=False)
+                futures = {alg: ex.submit(demo_run, alg, root, steps=3, extra_overrides=extra, reuse=False, quick=True)
                            for alg in ("absolute_zero", "rlcr")}
                 _RUNS.update({alg: f.result() for alg, f in futures.items()})
     return dict(_RUNS)

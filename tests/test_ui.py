@@ -3,6 +3,7 @@ events subscriber over a real ZeroMQ socket; ``asyncrl run --ui``; the bind/auth
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -17,9 +18,9 @@ import zmq
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
-from ._ui_runs import (make_runs, start_logged, screenshot, start_ui, stop, ui_url, visible_text,
+from ._ui_runs import (LineReader, make_runs, start_logged, screenshot, start_ui, stop, ui_url, visible_text,
                        wait_dom)
-from .conftest import ROOT, cli
+from .conftest import ROOT, cli, read_jsonl
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +178,7 @@ def test_event_subscriber_decodes_the_learner_event_stream():
             pub.send_multipart(encode_msg("event", event=status))
             pub.send_multipart(encode_msg("event", event=metrics))
             pub.send_multipart([b"\x93not a header"])
-            pub.send_multipart(encode_msg("hello", actor_id="x"))
+            pub.send_multipart(encode_msg("hello", actor_id="x", capacity=1))  # not an event
             time.sleep(0.1)
         assert store.records("actor_status") == [status]  # once, however often it was received
         assert store.metrics.loc[5, "loss"] == 0.25 and store.version == 5
@@ -247,3 +248,154 @@ def test_replay_view_shows_replay_state_and_metrics_when_present():
     fig = V.replay_figure(store)
     bars = [p.get_height() for p in fig.axes[3].patches]
     assert bars == [4, 2, 1]  # the latest buckets, by success count
+
+
+# ------------------------------------------------------------------------------------- issue 11
+def _tiny_run_args(tmp_path, tiny_overrides, name: str, steps: int, *extra: str) -> list[str]:
+    return ["run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
+            f"name={name}", f"train.total_steps={steps}", "train.batch_tasks=2", "actor.tasks_per_batch=2",
+            "sampling.n=2", "eval.size=4", "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.5",
+            *extra]
+
+
+@pytest.mark.slow
+def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path, tiny_overrides):
+    """``asyncrl ui --run <folder of runs>`` lists the runs instead of waiting for one; picked runs
+    are overlaid in the metric explorer; the held-out accuracy of a 40-step run is a curve; the
+    config is shown."""
+    from asyncrl.analysis import demo_run
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for alg in ("absolute_zero", "rlcr"):
+        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    demo_run("grpo", folder, name="grpo40", steps=40, reuse=False, quick=True,
+             extra_overrides=[tiny_overrides[0], "eval.every=10"])
+    proc, reader = start_ui("--run", str(folder))
+    profile = tmp_path / "chromium"
+    try:
+        url = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 3 run\(s\) to pick from\)").group(1)
+        dom = wait_dom(url, profile, lambda d: 'id="runs-list"' in d, what="the list of runs")
+        text = visible_text(dom)
+        assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
+
+        picked = url + "?runs=grpo40,absolute_zero&metrics=reward_mean,eval/accuracy"
+        dom = wait_dom(picked, profile, lambda d: _version(d) == 40, what="the first picked run's version")
+        assert 'id="metric-explorer"' in dom
+        for series in ("grpo40 · reward_mean", "absolute_zero · reward_mean", "grpo40 · eval/accuracy"):
+            assert series in dom, series  # the overlaid curves' legend
+        assert "finished" in visible_text(dom)
+        screenshot(picked, "ui-compare.png", profile)
+
+        dom = wait_dom(url + "?view=config&runs=rlcr", profile, lambda d: 'id="config-view"' in d, what="the config")
+        text = visible_text(dom)
+        assert "config.yaml (the run's first segment)" in text and "algorithm: rlcr" in text
+    finally:
+        stop(proc)
+    assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_overrides):
+    """Item 10: the dashboard stays up after the last step; Ctrl-C stops it (exit 0: the training
+    succeeded). Item 11: the same run's metrics went to TensorBoard through its own writer."""
+    args = _tiny_run_args(tmp_path, tiny_overrides, "done", 3, "eval.every=0", "log.trackers=[tensorboard]")
+    proc, reader = start_logged(cli(*args, "--ui"))
+    profile = tmp_path / "chromium"
+    try:
+        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:\d+/)").group(1)
+        reader.wait_for(r"\[asyncrl\] training finished; the UI is still serving at " + re.escape(announced))
+        dom = wait_dom(announced + "?view=overview", profile, lambda d: "finished" in visible_text(d),
+                       what="the finished run")
+        assert _version(dom) == 3
+        screenshot(announced + "?view=overview", "ui-after-training.png", profile)
+        time.sleep(1)
+        assert proc.poll() is None  # still serving
+    finally:
+        code = stop(proc, signal.SIGINT, timeout=120)
+    assert code == 0, "".join(reader.lines)[-3000:]
+    port = int(re.search(r":(\d+)/", announced).group(1))
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "done" / "tensorboard"))
+    acc.Reload()
+    logged = load_run(tmp_path / "done").metrics
+    assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
+    assert [round(e.value, 5) for e in acc.Scalars("entropy")] == [round(v, 5) for v in logged["entropy"]]
+
+
+@pytest.mark.slow
+def test_a_killed_learner_shows_as_crashed(tmp_path, tiny_overrides):
+    """Item 4: SIGKILL the learner mid-run: no learner_stop, its pid file names a dead process; the
+    UI says crashed (not finished)."""
+    from .conftest import kill_tree
+
+    proc, reader = start_logged(cli(*_tiny_run_args(tmp_path, tiny_overrides, "killed", 100000, "eval.every=0")))
+    run_dir = tmp_path / "killed"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len(read_jsonl(run_dir / "metrics.jsonl")) < 2:
+            assert proc.poll() is None, "".join(reader.lines)[-3000:]
+            time.sleep(0.5)
+        pid = int((run_dir / "learner.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0  # the launcher saw its learner die and stopped the actors
+    finally:
+        kill_tree(proc)
+    from asyncrl.analysis import run_state
+
+    state = run_state(load_run(run_dir))
+    assert state.state == "crashed" and f"pid {pid}" in state.reason
+    ui, ui_reader = start_ui("--run", str(run_dir))
+    profile = tmp_path / "chromium"
+    try:
+        url = ui_url(ui_reader)
+        dom = wait_dom(url + "?view=overview", profile, lambda d: 'class="arl-state-crashed"' in d, what="crashed")
+        text = visible_text(dom)
+        assert "finished" not in text and "no learner_stop event" in text
+        screenshot(url + "?view=overview", "ui-crashed.png", profile)
+    finally:
+        stop(ui)
+
+
+@pytest.mark.slow
+def test_a_learner_stopped_before_training_prints_no_learning_summary(tmp_path, tiny_overrides):
+    """Item 4, the CLI: a learner that trained 0 steps says so and why, and prints no reward or
+    accuracy 'change'."""
+    from .conftest import start_cli
+
+    args = ["learn", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
+            "name=idle", "log.progress=false", "eval.size=4"]
+    proc = start_cli(*args)
+    reader = LineReader(proc)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and "learner_start" not in _read(tmp_path / "idle" / "events.jsonl"):
+            assert proc.poll() is None, "".join(reader.lines)[-3000:]
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)  # no actor was ever started: nothing can have been trained
+        reader.wait_for(r"no learning summary: this run trained 0 steps \(stopped by a stop signal at step 0\)")
+        assert proc.wait(timeout=120) == 0
+    finally:
+        kill_tree_quiet(proc)
+    out = "".join(reader.lines)
+    assert "asyncrl run summary" not in out and "batch reward" not in out
+    from asyncrl.analysis import run_state
+
+    assert run_state(load_run(tmp_path / "idle")).state == "interrupted"
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def kill_tree_quiet(proc) -> None:
+    from .conftest import kill_tree
+
+    kill_tree(proc)
