@@ -217,14 +217,19 @@ def build_app(source, live=None, title: str = "asyncrl"):
         runs_dd.input(lambda sel, *a: [*light(sel), *heavy("", sel, *a)],
                       inputs=[runs_dd, *filters, mx_pick, mx_smooth], outputs=[ov_html, ov_actors, *heavy_out],
                       show_progress="hidden")
+        def redraw(sel, picked, smoothing):
+            return explorer(sel, picked, smoothing)[1]
+
+        def unzoom():
+            return gr.LinePlot(x_lim=None)
+
         for c in (mx_pick, mx_smooth):
-            c.input(lambda sel, picked, sm: explorer(sel, picked, sm)[1], inputs=[runs_dd, mx_pick, mx_smooth],
-                    outputs=[mx_plot], show_progress="hidden")
+            c.input(redraw, inputs=[runs_dd, mx_pick, mx_smooth], outputs=[mx_plot], show_progress="hidden")
         def zoom(evt: gr.SelectData):
             return gr.LinePlot(x_lim=list(evt.index))
 
         mx_plot.select(zoom, None, [mx_plot])
-        mx_plot.double_click(lambda: gr.LinePlot(x_lim=None), None, [mx_plot])
+        mx_plot.double_click(unzoom, None, [mx_plot])
         for c in (az_status, az_final, az_search):
             c.change(azr_outputs, inputs=[runs_dd, az_status, az_final, az_search],
                      outputs=[az_note, az_col, az_groups, az_table, keys], show_progress="hidden")

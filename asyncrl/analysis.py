@@ -769,11 +769,7 @@ _QUICK = {
 # the notebooks' default demos: settings that learn within minutes on two CPU cores (overrides, steps)
 _LEARNING = {
     "grpo": (["eval.every=50", "eval.size=100", "log.sample_every=10"], 200),
-    "absolute_zero": (["model.embedded.warmstart_formats=[arithmetic]", "train.batch_tasks=4",
-                       "actor.tasks_per_batch=4", "eval.size=50", "eval.every=10", "algo.mode=joint",
-                       "algo.proposer_update=group", "algo.questions_per_prompt=8", "algo.rollout_n=4",
-                       "algo.max_repropose_attempts=3", "algo.arithmetic.min_operators=0",
-                       "log.sample_every=5"], 30),
+    "absolute_zero": (["eval.every=10", "eval.size=100", "log.sample_every=5"], 40),
     "rlcr": (["model.embedded.warmup_steps=300", "model.embedded.warmup_batch_size=32", "actor.tasks_per_batch=4",
               "train.batch_tasks=4", "eval.size=100", "eval.every=10", "algo.num_generations_answer=4",
               "algo.num_generations_confidence=2", "train.lr=3e-4", "log.sample_every=5"], 40),

@@ -318,3 +318,57 @@ def test_small_fixes_cards_counts_headers_and_replay_plots(tmp_path):
     w, h = fig.get_size_inches()
     assert w / h < 2.5  # three panels a row: readable at the page's width (was 5 in one strip, 8:1)
     assert "white-space:nowrap" in V.CSS and "word-break:keep-all" in V.CSS
+
+
+# ------------------------------------------------------------------------------------- item 6 (CLI)
+RLCR_SMALL_MODEL = ["model.embedded.hidden_size=32", "model.embedded.num_layers=2", "model.embedded.num_heads=2",
+                    "model.embedded.intermediate_size=64", "model.embedded.warmup_steps=120",
+                    "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=5e-3"]
+
+
+@pytest.mark.slow
+def test_init_model_prints_the_accuracy_of_the_format_it_was_warm_started_for(model_cache, tiny_overrides):
+    """An RLCR model answers in tags: its plain-arithmetic accuracy says nothing (0.000 for a model
+    that is right in its own format). init-model measures it as the run does: answers and
+    confidences parsed from the tags, calibration beside the accuracy."""
+    import re
+
+    from .conftest import ROOT, run_cli
+
+    res = run_cli("init-model", "-c", str(ROOT / "configs" / "rlcr.yaml"), f"model.embedded.cache_dir={model_cache}",
+                  *RLCR_SMALL_MODEL, "log.progress=false", "eval.size=50", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = re.search(r"held-out accuracy as a rlcr run measures it \(50 tasks, T=1\): (\d\.\d{3}); ECE (\S+), Brier (\S+) "
+                  r"\((\d+) of 50 confidences parsed; answer format failures (\d+)%\)", res.stdout)
+    assert m, res.stdout
+    assert int(m.group(4)) > 0 and int(m.group(5)) < 100  # the tag format was measured: tags were found
+    assert "plain arithmetic" not in res.stdout  # not warm-started for it: no misleading 0.000
+    # a plain-arithmetic model still prints its build-time figures, and only those
+    res = run_cli("init-model", *tiny_overrides, "log.progress=false", timeout=300)
+    assert res.returncode == 0 and "held-out accuracy, plain arithmetic (a+b=): sampled (T=1)" in res.stdout
+    assert "as a grpo run measures it" not in res.stdout
+
+
+def test_explorer_handlers_pick_smooth_and_zoom(tmp_path):
+    """The app's own handlers: picking metrics, the smoothing control, drag-to-zoom and reset."""
+    import gradio as gr
+
+    from app.live import RunCatalog
+    from app.main import build_app
+
+    _write_run(tmp_path / "a", steps=30, eval_every=10)
+    _write_run(tmp_path / "b", steps=20, eval_every=10)
+    catalog = RunCatalog(folder=tmp_path)
+    try:
+        handlers = {f.name: f.fn for f in build_app(catalog, title="t").fns.values()}
+        raw = handlers["redraw"](["a", "b"], ["entropy"], 0.0)
+        smoothed = handlers["redraw"](["a", "b"], ["entropy"], 0.9)
+        assert set(raw["series"]) == {"a · entropy", "b · entropy"} and len(raw) == 50
+        a_raw, a_smooth = (f[f["run"] == "a"]["value"].to_numpy() for f in (raw, smoothed))
+        assert a_raw[-1] == pytest.approx(1.0) and a_smooth[-1] > a_raw[-1] + 0.05  # lags a falling curve
+        zoomed = handlers["zoom"](gr.SelectData(None, {"index": [5, 12], "value": None}))
+        assert list(zoomed.x_lim) == [5, 12]
+        assert handlers["unzoom"]().x_lim is None
+        assert handlers["redraw"](["nope"], ["entropy"], 0.0).empty  # a run that is not in the folder
+    finally:
+        catalog.stop()

@@ -54,3 +54,32 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(demo_runs, name):
 def test_a_notebook_for_another_algorithm_says_so(demo_runs):
     with pytest.raises(CellExecutionError, match="this notebook needs an RLCR run"):
         _execute("calibration", demo_runs["absolute_zero"])
+
+
+# the notebooks' default demos (RUN_DIR = None): the run each one makes, and what it must show
+DEMOS = {"run_overview": "grpo", "calibration": "rlcr", "self_play_curriculum": "absolute_zero"}
+
+
+def test_notebooks_make_their_demo_with_the_default_settings():
+    for name, algorithm in DEMOS.items():
+        source = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells[2].source
+        assert f"demo_run('{algorithm}', run_root=PROJECT / \"runs\")" in source, name  # no quick, no step cut
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "rlcr"])
+def test_default_demos_learn(algorithm, model_cache, tmp_path):
+    """The default demo runs show learning, not flat zero curves: GRPO's batch reward and held-out
+    accuracy rise; RLCR's held-out ECE and Brier fall, over confidences that were parsed."""
+    from asyncrl.analysis import demo_run, load_run
+
+    run = load_run(demo_run(algorithm, tmp_path, extra_overrides=[f"model.embedded.cache_dir={model_cache}"]))
+    s = run.records("learner_stop")[-1]["summary"]
+    assert s["steps_trained"] == len(run.metrics) > 0
+    if algorithm == "grpo":
+        assert s["reward_last_10pct"] > s["reward_first_10pct"] > 0, s
+        assert s["eval_accuracy_end"] > s["eval_accuracy_start"] > 0, s
+    else:
+        assert s["confidences_parsed_start"] > 50 and s["confidences_parsed_end"] > 50, s  # of 100
+        assert s["eval_ece_end"] < 0.75 * s["eval_ece_start"], s
+        assert s["eval_brier_end"] < 0.75 * s["eval_brier_start"], s

@@ -299,7 +299,8 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
 def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_overrides):
     """Item 10: the dashboard stays up after the last step; Ctrl-C stops it (exit 0: the training
     succeeded). Item 11: the same run's metrics went to TensorBoard through its own writer."""
-    args = _tiny_run_args(tmp_path, tiny_overrides, "done", 3, "eval.every=0", "log.trackers=[tensorboard]")
+    args = _tiny_run_args(tmp_path, tiny_overrides, "done", 3, "eval.every=0", "log.trackers=[tensorboard]",
+                          "env.reward=examples.countdown:reward")  # a reward with named scores
     proc, reader = start_logged(cli(*args, "--ui"))
     profile = tmp_path / "chromium"
     try:
@@ -325,6 +326,10 @@ def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_ov
     logged = load_run(tmp_path / "done").metrics
     assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
     assert [round(e.value, 5) for e in acc.Scalars("entropy")] == [round(v, 5) for v in logged["entropy"]]
+    # item 9: every step has its entropy, response length, no-signal group share and the reward's named scores
+    for col in ("entropy", "response_length_mean", "groups/identical_reward_share", "score/format"):
+        assert logged[col].notna().all() and len(logged) == 3, col
+    assert logged["score/format"].between(0, 1).all()
 
 
 @pytest.mark.slow
