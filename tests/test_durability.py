@@ -248,7 +248,7 @@ def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_ove
     weights = (tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors").stat().st_size
     res = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(weights // 2)], cwd=ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert "raised" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]
+    assert "raised" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]  # SafetensorError (EFBIG)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
     assert verify_checkpoint(root / "step_00000004") is None

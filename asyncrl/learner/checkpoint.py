@@ -54,10 +54,22 @@ def file_crc32c(path: Path) -> int:
     return value
 
 
+_verified: dict[tuple, str | None] = {}  # a start checks twice (before and after taking the lock)
+
+
 def verify_checkpoint(path: Path) -> str | None:
     """None when every file listed in the manifest has its recorded size and CRC32C; otherwise one
-    line naming the file at fault and what is wrong with it."""
+    line naming the file at fault and what is wrong with it. Results are remembered for this
+    process while no file of the checkpoint changes size or modification time."""
     path = Path(path)
+    key = (str(path),) + tuple(sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                                      for f in path.rglob("*") if f.is_file()))
+    if key not in _verified:
+        _verified[key] = _verify(path)
+    return _verified[key]
+
+
+def _verify(path: Path) -> str | None:
     man_path = path / MANIFEST
     if not man_path.exists():
         return f"{man_path}: missing (an interrupted write, or a checkpoint from before manifests)"
