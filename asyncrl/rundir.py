@@ -154,10 +154,11 @@ def plan_start(cfg: Config) -> StartPlan:
     ckpt, damaged = select_checkpoint(run_dir)
     step = checkpoint_step(ckpt) if ckpt is not None else 0
     if ckpt is None and trained_steps(run_dir) > 0:
-        why = f" (damaged: {damaged[0][1]})" if damaged else ""
+        why = (f" (newest: {damaged[0][1]})" if damaged else
+               " (the weights of its trained steps were never saved; checkpoint.every saves more often)")
         raise RunDirError(f"cannot resume {run_dir}: it has no intact checkpoint{why}, and metrics.jsonl shows "
-                          f"{trained_steps(run_dir)} step(s) trained whose weights were never saved; start again "
-                          f"with --overwrite or a new name=..., or set checkpoint.every to save more often")
+                          f"{trained_steps(run_dir)} step(s) trained, which a resume would repeat; start again "
+                          f"with --overwrite or a new name=...")
     previous = previous_snapshot(run_dir, step)
     changes = config_changes(previous, cfg) if previous is not None else []
     frozen = [k for k, _, _ in changes if _is_frozen(k)]
