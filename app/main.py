@@ -69,7 +69,10 @@ def build_app(source, live=None, title: str = "asyncrl"):
     runs) or one :class:`asyncrl.analysis.RunStore`.
 
     Query parameters: ``view`` (the tab), ``runs`` (comma-separated run names to pick, folder of
-    runs only), ``metrics`` (comma-separated metrics for the explorer)."""
+    runs only), ``metrics`` (comma-separated metrics for the explorer).
+
+    One long function on purpose: the layout and the event wiring of a Gradio Blocks app refer to
+    each other's components, and read best side by side; the content comes from ``app.views``."""
     import gradio as gr
 
     from asyncrl.analysis import RunStore
@@ -174,7 +177,7 @@ def build_app(source, live=None, title: str = "asyncrl"):
                                           elem_id="metric-picker")
                     mx_smooth = gr.Slider(0, 0.99, value=0.0, step=0.01, label="smoothing (EMA weight)", scale=1,
                                           elem_id="smoothing")
-                mx_plot = gr.LinePlot(x="step", y="value", color="series", tooltip="all", height=360,
+                mx_plot = gr.LinePlot(x="step", y="value", color="series", tooltip="all",
                                       elem_id="metric-explorer", label="metrics")
             with gr.Tab("Proposed tasks", id="tasks"):
                 az_note = gr.HTML()

@@ -267,14 +267,15 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
 
     folder = tmp_path / "runs"
     folder.mkdir()
-    for alg in ("absolute_zero", "rlcr"):
-        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
-    demo_run("grpo", folder, name="grpo40", steps=40, reuse=False, quick=True,
-             extra_overrides=[tiny_overrides[0], "eval.every=10"])
-    proc, reader = start_ui("--run", str(folder))
+    proc, reader = start_ui("--run", str(folder))  # nothing there yet: it says so, and lists runs as they come
     profile = tmp_path / "chromium"
     try:
-        url = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 3 run\(s\) to pick from\)").group(1)
+        url = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 0 run\(s\) to pick from\)").group(1)
+        dom = wait_dom(url, profile, lambda d: "No runs in" in d, what="the empty folder's note")
+        for alg in ("absolute_zero", "rlcr"):
+            (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+        demo_run("grpo", folder, name="grpo40", steps=40, reuse=False, quick=True,
+                 extra_overrides=[tiny_overrides[0], "eval.every=10"])
         dom = wait_dom(url, profile, lambda d: 'id="runs-list"' in d, what="the list of runs")
         text = visible_text(dom)
         assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
