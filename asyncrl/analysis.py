@@ -797,19 +797,21 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
         raise FileNotFoundError(f"{root / config} not found: pass project_root= (the asyncrl checkout)")
     name = name or f"demo-{algorithm}"
     run_dir = Path(run_root).resolve() / name
-    if reuse and any(r.get("kind") == "learner_stop" for r in _quiet_records(run_dir / "events.jsonl")):
-        return run_dir
-    marker = run_dir / ".asyncrl-demo"
-    if run_dir.exists():
-        if not marker.exists():
-            raise FileExistsError(f"{run_dir} exists and is not a demo run; choose another name or run_root")
-        shutil.rmtree(run_dir)  # an unfinished (or, without reuse, an old) demo run: start afresh
-    run_dir.mkdir(parents=True)
-    marker.write_text("made by asyncrl.analysis.demo_run\n")
     args = [*overrides, f"run_root={Path(run_root).resolve()}", f"name={name}",
             f"train.total_steps={steps}", "log.progress=false", "checkpoint.every=0", "checkpoint.resume=false",
             "actor.heartbeat_s=0.5",
             *(["log.sample_every=1"] if quick else []), *(extra_overrides or [])]
+    marker = run_dir / ".asyncrl-demo"
+    made_with = json.dumps({"made by": "asyncrl.analysis.demo_run", "config": config, "overrides": args})
+    if reuse and _read_text(marker) == made_with and any(
+            r.get("kind") == "learner_stop" for r in _quiet_records(run_dir / "events.jsonl")):
+        return run_dir  # finished, with these very settings
+    if run_dir.exists():
+        if not marker.exists():
+            raise FileExistsError(f"{run_dir} exists and is not a demo run; choose another name or run_root")
+        shutil.rmtree(run_dir)  # unfinished, made with other settings, or not to be reused: start afresh
+    run_dir.mkdir(parents=True)
+    marker.write_text(made_with)
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "-c", str(root / config), *args],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: killed whole below
@@ -822,6 +824,13 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
     if proc.returncode != 0:
         raise RuntimeError(f"the demo run failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
     return run_dir
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _quiet_records(path: Path) -> list[dict]:

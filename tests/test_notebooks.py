@@ -83,3 +83,18 @@ def test_default_demos_learn(algorithm, model_cache, tmp_path):
         assert s["confidences_parsed_start"] > 50 and s["confidences_parsed_end"] > 50, s  # of 100
         assert s["eval_ece_end"] < 0.75 * s["eval_ece_start"], s
         assert s["eval_brier_end"] < 0.75 * s["eval_brier_start"], s
+
+
+@pytest.mark.slow
+def test_demo_run_reuses_only_a_run_made_with_the_same_settings(tmp_path, tiny_overrides):
+    """An old demo run (say a few steps of a tiny model) is never shown as the learning demo: a
+    finished demo is reused only when it was made with the very same settings."""
+    from asyncrl.analysis import demo_run, load_run
+
+    extra = [tiny_overrides[0]]
+    first = demo_run("grpo", tmp_path, name="d", steps=2, quick=True, extra_overrides=extra)
+    stamp = (first / "metrics.jsonl").stat().st_mtime_ns
+    assert demo_run("grpo", tmp_path, name="d", steps=2, quick=True, extra_overrides=extra) == first
+    assert (first / "metrics.jsonl").stat().st_mtime_ns == stamp  # reused as it was
+    again = demo_run("grpo", tmp_path, name="d", steps=3, quick=True, extra_overrides=extra)
+    assert again == first and len(load_run(again).metrics) == 3  # other settings: made afresh
