@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .wire.sockets import WireSecurityError
 from .lifecycle import watch_parent
 
 
@@ -103,9 +104,16 @@ def cmd_run(args) -> int:
 def cmd_keys(args) -> int:
     from .wire.sockets import make_curve_keys
 
-    paths = make_curve_keys(args.out)
-    print("CURVE keys written:\n  " + "\n  ".join(paths))
-    print(f"Use them with: -o wire.curve_dir={args.out} (copy the directory to every actor machine)")
+    names = args.names or [str(i) for i in range(args.actors)]
+    bundles = make_curve_keys(args.out, names)
+    server = bundles.pop("server")
+    print(f"CURVE keys in {args.out}:\n  {server}  the learner's pair and the actor keys it admits "
+          f"(stays on the learner's machine): -o wire.curve_dir={server}")
+    for name, path in bundles.items():
+        print(f"  {path}  {name}'s pair and the learner's public key (copy to that actor's machine): "
+              f"-o wire.curve_dir={path}")
+    print(f"On one machine (asyncrl run), -o wire.curve_dir={args.out} gives each process its own bundle. "
+          f"Run this again with more --names to add actors; the server pair is kept.")
     return 0
 
 
@@ -141,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
-    p.add_argument("--out", required=True, help="directory for the key files")
+    p.add_argument("--out", required=True, help="directory for the key bundles (DIR/server, DIR/actor-<name>)")
+    p.add_argument("--actors", type=int, default=1, help="make bundles actor-0 .. actor-(N-1) (default 1)")
+    p.add_argument("--names", nargs="+", metavar="NAME", help="make bundles actor-NAME instead")
     p.set_defaults(fn=cmd_keys)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     p.add_argument("--run", help="run directory (runs/<name>), followed while it is written")
@@ -161,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:
+        print(f"asyncrl {args.command}: {e}", file=sys.stderr)
+        return 2
+    except WireSecurityError as e:
         print(f"asyncrl {args.command}: {e}", file=sys.stderr)
         return 2
 

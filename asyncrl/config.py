@@ -99,7 +99,14 @@ class ActorConfig(_Base):
     num: int = Field(1, ge=1, description="Actor processes started by `asyncrl run`.")
     tasks_per_batch: int = Field(8, ge=1, description="Tasks generated together in one engine call.")
     threads: int = Field(1, ge=1, description="Torch CPU threads per actor.")
-    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between actor status messages.")
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "Seconds between actor status messages (sent from a thread of their own, so a long generation "
+        "batch keeps the actor's lease; see wire.lease_s)."))
+    learner_timeout_s: float = Field(30.0, gt=0, description=(
+        "Say that the learner is gone after this long without word from it (then every 10 times as long)."))
+    exit_after_learner_gone_s: float | None = Field(None, gt=0, description=(
+        "Exit (code 1) after this long without word from the learner. Null: wait for it forever (a "
+        "restarted learner resumes and the actor resends what was not acknowledged)."))
 
 
 class AdvantageConfig(_Base):
@@ -133,6 +140,9 @@ class TrainConfig(_Base):
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
     threads: int = Field(1, ge=1, description="Torch CPU threads for the learner.")
     device: str = Field("cpu", description="Learner torch device.")
+    exit_after_no_actors_s: float | None = Field(None, gt=0, description=(
+        "Stop (checkpoint, exit code 1) after this long with no actor connected. Null: wait for actors "
+        "forever."))
 
 
 class BufferConfig(_Base):
@@ -211,7 +221,27 @@ class WireConfig(_Base):
     weights_port: int = Field(0, ge=0, description="Weights PUB port (0: pick a free one).")
     events_port: int = Field(0, ge=0, description="Events PUB port (0: pick a free one).")
     hwm: int = Field(1000, ge=1, description="ZeroMQ high-water mark (messages) on episode sockets.")
-    curve_dir: str | None = Field(None, description="Directory with CURVE keys (`asyncrl keys`).")
+    curve_dir: str | None = Field(None, description=(
+        "CURVE keys made by `asyncrl keys --out DIR`: DIR/server on the learner, DIR/actor-<name> on an "
+        "actor, or DIR itself (the learner takes DIR/server, actor <id> takes DIR/<id>)."))
+    lease_s: float = Field(20.0, gt=0, description=(
+        "Credits are leases: an actor (or weight subscriber) silent this long is dropped and its "
+        "outstanding credits return to the pool; any message from it renews the lease, and a dropped "
+        "actor is admitted again on its next message."))
+    max_capacity: int = Field(64, ge=1, description="Most credits one actor may hold (a hello's capacity is capped).")
+    max_actors: int = Field(256, ge=1, description="Most actors admitted at once; further hellos are refused.")
+    max_trajectories_per_episode: int = Field(1024, ge=1, description=(
+        "Largest episode accepted, in trajectories (with max_tokens_per_trajectory it sets the "
+        "learner's ZMQ_MAXMSGSIZE: a larger frame disconnects its sender)."))
+    max_tokens_per_trajectory: int | None = Field(None, ge=1, description=(
+        "Longest trajectory accepted, in tokens. Null: 4 x the model's max_position_embeddings."))
+    max_header_kb: int = Field(1024, ge=1, description=(
+        "Largest msgpack header of an episode (its non-array fields: texts, decision, metadata), KiB."))
+    max_control_kb: int = Field(256, ge=1, description="Largest control, weights-channel or event message, KiB.")
+    bad_log_first: int = Field(3, ge=0, description=(
+        "Rejected messages: the first this many of each reason are printed and logged one by one..."))
+    bad_log_every_s: float = Field(10.0, gt=0, description=(
+        "...and the rest are counted and summarised every this many seconds (a messages_suppressed event)."))
 
 
 class CheckpointConfig(_Base):
@@ -269,6 +299,9 @@ class Config(_Base):
         if self.train.mini_batches > self.train.batch_tasks:
             raise ValueError(f"train.mini_batches ({self.train.mini_batches}) cannot exceed "
                              f"train.batch_tasks ({self.train.batch_tasks})")
+        if self.actor.heartbeat_s * 2 > self.wire.lease_s:
+            raise ValueError(f"actor.heartbeat_s ({self.actor.heartbeat_s}) must be at most half of "
+                             f"wire.lease_s ({self.wire.lease_s}), or healthy actors lose their credits")
         rp = self.replay
         if rp.enabled and rp.offpolicy_trajectories_per_task >= self.sampling.n:
             raise ValueError(f"replay.offpolicy_trajectories_per_task ({rp.offpolicy_trajectories_per_task}) "

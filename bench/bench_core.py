@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_core.py [--steps 40] [--episodes 2000] [--skip-runs]
 
 Prints three tables:
-1. Learner ingest: the learner's real path (PULL -> decode -> WAL append -> fsync -> ack) for
+1. Learner ingest: the learner's real path (PULL -> decode -> validate -> WAL append -> fsync -> ack) for
    pre-encoded episodes pushed by a sender thread, next to a raw pyzmq PUSH/PULL of the same bytes
    measured in the same run, as a ratio.
 2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.learner.buffer import ReplayBuffer  # noqa: E402
 from asyncrl.learner.net import LearnerNet  # noqa: E402
+from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
 from asyncrl.wire.bench_util import measure_ingest  # noqa: E402
 from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg  # noqa: E402
@@ -55,6 +56,7 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     cfg = load_config(None)
     with tempfile.TemporaryDirectory() as tmp:
         net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
+        validator = EpisodeValidator(vocab_size=128, limits=net.limits)
         buf = ReplayBuffer(Path(tmp), capacity=10**9)
         buf.open_wal(0)
         ctx = zmq.Context()
@@ -71,10 +73,13 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
         got = 0
         while got < n:
             arrivals, _ = net.poll(1000)
-            for ep, frames in arrivals:
-                got += buf.add(ep, frames)
+            for arrival in arrivals:
+                problem = validator.check(arrival, version=0)
+                if problem is not None:
+                    raise RuntimeError(f"bench episode rejected: {problem}")
+                got += buf.add(arrival.episode, arrival.frames)
             buf.sync()
-            net.ack({"bench": [ep.id for ep, _ in arrivals]})
+            net.ack({"bench": [a.episode.id for a in arrivals]})
         learner_rate = n / (time.perf_counter() - t0)
         push.close(0)
         ctx.destroy(0)
@@ -125,10 +130,10 @@ def bench_weights(rounds: int) -> dict:
     net = LearnerNet(cfg.wire, record)
     orig = net._on_subscribe
 
-    def on_subscribe(identity, msg):
-        if "applied_at" in msg.body:
-            applied[int(msg.body["have"])] = float(msg.body["applied_at"])
-        orig(identity, msg)
+    def on_subscribe(identity, body):
+        if body.applied_at is not None:
+            applied[body.have] = body.applied_at
+        orig(identity, body)
 
     net._on_subscribe = on_subscribe
     net.publish_weights(state, 0)

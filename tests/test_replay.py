@@ -384,21 +384,24 @@ def test_state_survives_save_and_load(tmp_path):
 
 # ---------------------------------------------------------------------------- the actor's side
 def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
-    from collections import deque
+    from collections import Counter, deque
 
     from asyncrl.actor.actor import Actor
+    from asyncrl.wire.codec import WireError, decode, encode_msg
 
     a = Actor.__new__(Actor)  # no model or sockets: only the replay bookkeeping of credit messages
     a.cfg, a.actor_id = load_config(None, ["sampling.n=4"]), "actor-0"
-    a.workflow, a.assigned, a.withheld = GRPOWorkflow(a.cfg), deque(), set()
+    a.workflow, a.assigned, a.withheld, a._bad = GRPOWorkflow(a.cfg), deque(), set(), Counter()
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])
     task = Task("p", [{"role": "user", "content": "1+1="}], 2)
-    a._on_replay_work({"replay_tasks": [{"task": task.to_dict(), "n": 3, "k": 1}, {"task": {}, "n": 3},
-                                        {"task": task.to_dict(), "n": 9, "k": 1}],
-                       "withhold_reset": True, "withhold_add": ["x", "z"]})
+    credit = decode(encode_msg("credit", n=2, min_version=0, withhold={"reset": True, "add": ["x", "z"]},
+                               replay=[{"task": task.to_dict(), "n": 3, "k": 1},
+                                       {"task": task.to_dict(), "n": 9, "k": 1}])).body
+    a._on_replay_work(credit)
     assert list(a.assigned) == [(task, 3, 1)]
-    err = capsys.readouterr().out
-    assert "dropped replay task 1" in err and "dropped replay task 2" in err and "n <= sampling.n (4)" in err
+    assert "replay task 1: n=9, expected at most sampling.n (4)" in capsys.readouterr().out
+    with pytest.raises(WireError, match=r"field 'replay\[0\].task': object missing required field 'id'"):
+        encode_msg("credit", n=1, min_version=0, replay=[{"task": {}, "n": 3, "k": 1}])  # typed: never sent
     assert a._fresh_task().id == "y"
-    a._on_replay_work({"withhold_remove": ["z"]})
+    a._on_replay_work(decode(encode_msg("credit", n=1, min_version=0, withhold={"remove": ["z"]})).body)
     assert a.withheld == {"x"} and a._fresh_task().id == "z"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -13,9 +16,11 @@ from asyncrl.types import Episode, Task, Trajectory
 from asyncrl.wire.codec import (SCHEMA_VERSION, SchemaVersionError, WireError, decode,
                                 decode_episode, decode_weights, encode, encode_episode,
                                 encode_msg, encode_weights)
+from asyncrl.wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, ReplayTask, Status, Stop,
+                                   Subscribe, TaskBody, Weights, Welcome, Withhold)
 from asyncrl.wire.sockets import (WireSecurityError, apply_curve_client, apply_curve_server, bind,
-                                  check_bind_host, is_loopback, make_curve_keys, recv_message,
-                                  recv_routed, send_frames, send_routed, start_curve_auth)
+                                  check_bind_host, drain, is_loopback, make_curve_keys, recv_frames,
+                                  recv_message, recv_routed, send_frames, send_routed, start_curve_auth)
 
 TIMEOUT_MS = 2000
 
@@ -125,12 +130,29 @@ def test_empty_episode_round_trips():
 def test_generic_arrays_and_control_messages():
     arrays = {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "b": np.array([True, False]),
               "c": np.arange(4, dtype=">f4"), "s": np.float32(2.5)}
-    msg = decode(encode("x", {"n": 1}, arrays))
-    assert msg.kind == "x" and msg.body == {"n": 1}
+    msg = decode(encode("weights", {"version": 1}, arrays))
+    assert msg.kind == "weights" and msg.body == Weights(version=1)
     for k, v in arrays.items():
         assert np.array_equal(msg.arrays[k], v) and msg.arrays[k].shape == np.shape(v)
-    ack = decode(encode_msg("credit", n=4, min_version=3))
-    assert (ack.kind, ack.body, ack.arrays) == ("credit", {"n": 4, "min_version": 3}, {})
+    credit = decode(encode_msg("credit", n=4, min_version=3))
+    assert (credit.kind, credit.body, credit.arrays) == ("credit", Credit(n=4, min_version=3), {})
+
+
+@pytest.mark.parametrize("body", [
+    Hello(actor_id="a", capacity=3, version=2, pid=7),
+    Welcome(session="s", addresses={"episodes": "tcp://127.0.0.1:1"}, lease_s=20.0),
+    Credit(n=2, min_version=1, replay=[ReplayTask(task=TaskBody(id="t", prompt=[{"role": "user", "content": "1+1"}],
+                                                                answer={"gold": [2]}), n=3, k=1)],
+           withhold=Withhold(reset=True, add=["t1"], remove=["t0"])),
+    Ack(ids=["e1"], rejected=[Rejected(id="e2", reason="token_range: token id 99")]),
+    Status(actor_id="a", identity="a:1", capacity=4, version=3, batches=2, generate_s=1.5, stopping=True),
+    Alive(session="s", version=4), Stop(reason="done"), Subscribe(actor_id="a", have=-1),
+    Weights(version=3, path="/tmp/w.safetensors"), Event(event={"kind": "x", "nested": {"a": [1, None, "s"]}}),
+])
+def test_every_message_kind_round_trips_typed(body):
+    msg = decode(encode(body.KIND, body))
+    assert type(msg.body) is type(body) and msg.body == body
+    assert decode(encode_msg(body.KIND, **msgspec.structs.asdict(body))).body == body  # from fields too
 
 
 def test_weights_round_trip_load_state_dict(ctx):
@@ -155,22 +177,55 @@ def test_weights_from_bytes_are_writable_copies():
 
 
 def _header(**overrides) -> bytes:
-    h = {"schema": SCHEMA_VERSION, "kind": "k", "body": {}, "arrays": []}
+    h = {"schema": SCHEMA_VERSION, "kind": "stop", "body": {}, "arrays": []}
     h.update(overrides)
-    return msgpack.packb({k: v for k, v in h.items() if v is not ...})
+    return msgpack.packb({k: v for k, v in h.items() if v is not ...}, use_bin_type=True)
+
+
+def _deep(n: int):
+    v: object = 0
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+_W = {"kind": "weights", "body": {"version": 1}}
 
 
 @pytest.mark.parametrize("frames, err, words", [
     ([b"\xc1\xff garbage"], WireError, "not a msgpack header"),
-    ([msgpack.packb([1, 2])], WireError, "header is a list"),
-    ([_header(schema=2)], SchemaVersionError, "schema version 2, this process speaks 1"),
-    ([_header(body=...)], WireError, "missing keys ['body']"),
-    ([_header(arrays=[{"name": "x", "dtype": "complex64", "shape": [1]}]), b"12345678"],
+    ([msgpack.packb([1, 2])], WireError, "message header: expected object, got array"),
+    ([_header(schema=99)], SchemaVersionError, "schema version 99, this process speaks 2"),
+    ([_header(body=...)], WireError, "missing required field 'body'"),
+    ([_header(kind="nope")], WireError, "unknown message kind 'nope'"),
+    ([_header(kind="hello", body={"actor_id": "x", "capacity": "lots"})], WireError,
+     "message 'hello' field 'capacity': expected int, got str"),
+    ([_header(kind="hello", body={"actor_id": "x", "capacity": None})], WireError,
+     "message 'hello' field 'capacity': expected int, got None"),
+    ([_header(kind="hello", body={"actor_id": "x", "capacity": 0})], WireError, "expected int >= 1"),
+    ([_header(kind="hello", body={"actor_id": "x"})], WireError,
+     "message 'hello': object missing required field 'capacity'"),
+    ([_header(kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1, "version": 0,
+                                    "kind": "boom"})], WireError, "unknown field 'kind'"),
+    ([_header(kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1,
+                                    "version": float("inf")})], WireError, "field 'version': expected int, got float"),
+    ([_header(kind="subscribe", body={"actor_id": "x", "have": "x"})], WireError,
+     "message 'subscribe' field 'have': expected int"),
+    ([_header(kind="event", body={"event": {"note": b"\x00\xff"}})], WireError,
+     "message 'event' field 'event[...]': expected bool | int | float | str | object | array | null, got bytes"),
+    ([_header(kind="event", body={"event": {"deep": _deep(990)}})], WireError, "nest at most 12 levels"),
+    ([_header(kind="stop", arrays=[{"name": "x", "dtype": "int32", "shape": [1]}]), b"1234"], WireError,
+     "only ['episode', 'weights'] messages carry arrays"),
+    ([_header(**_W, arrays=[{"name": "x", "dtype": "complex64", "shape": [1]}]), b"12345678"],
      WireError, "unknown dtype 'complex64'"),
-    ([_header(arrays=[{"name": "x", "dtype": "int32", "shape": [2]}])], WireError,
+    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}])], WireError,
      "0 array frames but its header lists 1"),
-    ([_header(arrays=[{"name": "x", "dtype": "int32", "shape": [2]}]), b"123"], WireError,
+    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}]), b"123"], WireError,
      "'x' frame has 3 bytes, expected 8"),
+    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2**32, 2**32]}]), b""], WireError,
+     f"'x' frame has 0 bytes, expected {4 * 2**64}"),  # the product must not wrap around to 0
+    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [-1]}]), b""], WireError,
+     "message header field 'arrays[0].shape[0]': expected int >= 0"),
     ([], WireError, "empty message"),
 ])
 def test_decode_errors(frames, err, words):
@@ -179,40 +234,75 @@ def test_decode_errors(frames, err, words):
     assert words in str(e.value)
 
 
+def test_decode_limits_header_size_and_kind():
+    frames = encode_msg("event", event={"text": "x" * 5000})
+    assert decode(frames, max_header_bytes=6000).body.event["text"] == "x" * 5000
+    with pytest.raises(WireError, match="header is 50.. bytes; this channel takes at most 4096") as e:
+        decode(frames, max_header_bytes=4096)
+    assert e.value.reason == "too_large"
+    with pytest.raises(WireError, match="a 'event' message on a channel that takes \\['hello'\\]"):
+        decode(frames, kinds=("hello",))
+
+
 def test_schema_error_names_both_versions():
     with pytest.raises(SchemaVersionError) as e:
-        decode([_header(schema=2)])
-    assert (e.value.remote, e.value.local) == (2, 1)
+        decode([_header(schema=99)])
+    assert (e.value.remote, e.value.local) == (99, SCHEMA_VERSION)
     assert "upgrade the older side" in str(e.value)
 
 
-def test_episode_field_errors():
-    def broken(mutate):
-        msg = decode(encode_episode(_episode()))
-        mutate(msg)
-        with pytest.raises(WireError) as e:
-            decode_episode(msg)
-        return str(e.value)
+def test_schema_1_episodes_still_decode_other_kinds_do_not():
+    """Write-ahead logs and checkpoints written before schema 2 hold schema-1 episodes (same layout)."""
+    ep = _episode()
+    frames = encode_episode(ep)
+    header = msgpack.unpackb(frames[0])
+    frames[0] = msgpack.packb({**header, "schema": 1})
+    _assert_episode_equal(ep, decode_episode(decode(frames)))
+    with pytest.raises(SchemaVersionError):
+        decode([_header(schema=1)])
 
-    assert "'trajectories.policy_version' is missing" in broken(
-        lambda m: m.body["trajectories"].pop("policy_version"))
-    assert "'trajectories[1].is_replay' is a str" in broken(
-        lambda m: m.body["trajectories"]["is_replay"].__setitem__(1, "yes"))
-    assert "'trajectories.length' has 2 entries, expected 3" in broken(
-        lambda m: m.body["trajectories"]["length"].pop())
-    assert "'token_ids' has 15 elements but the trajectory lengths sum to 16" in broken(
-        lambda m: m.body["trajectories"]["length"].__setitem__(0, 6))
-    assert "array 'exp_mask' is missing" in broken(lambda m: m.arrays.pop("exp_mask"))
-    assert "'episode.task' is invalid" in broken(
-        lambda m: m.body["episode"].__setitem__("task", {}))
-    assert "expected an 'episode' message" in broken(lambda m: setattr(m, "kind", "ack"))
+
+def _broken_episode(mutate) -> str:
+    """The error of an episode whose msgpack header (a dict) was changed by ``mutate``."""
+    frames = encode_episode(_episode())
+    header = msgpack.unpackb(frames[0])
+    mutate(header, frames)
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(WireError) as e:
+        decode_episode(decode(frames))
+    return str(e.value)
+
+
+def test_episode_field_errors():
+    cols = lambda h: h["body"]["trajectories"]  # noqa: E731
+    assert "field 'trajectories': object missing required field 'policy_version'" in _broken_episode(
+        lambda h, f: cols(h).pop("policy_version"))
+    assert "field 'trajectories.is_replay[1]': expected bool, got str" in _broken_episode(
+        lambda h, f: cols(h)["is_replay"].__setitem__(1, "yes"))
+    assert "field 'trajectories.length' has 2 entries, expected 3" in _broken_episode(
+        lambda h, f: cols(h)["length"].pop())
+    assert "'token_ids' has 15 elements but the trajectory lengths sum to 16" in _broken_episode(
+        lambda h, f: cols(h)["length"].__setitem__(0, 6))
+    assert "array 'exp_mask' is missing" in _broken_episode(
+        lambda h, f: (h["arrays"].pop(), f.pop()))
+    assert "field 'episode.task': object missing required field 'id'" in _broken_episode(
+        lambda h, f: h["body"]["episode"].__setitem__("task", {}))
+    assert "field 'episode.decision[...]': expected bool | int | float | str | object | array | null, got bytes" in _broken_episode(
+        lambda h, f: h["body"]["episode"]["decision"].__setitem__("blob", b"\x00"))
+    assert "unknown field 'extra'" in _broken_episode(lambda h, f: h["body"]["episode"].__setitem__("extra", 1))
+    with pytest.raises(WireError, match="expected an 'episode' message"):
+        decode_episode(decode(encode_msg("stop")))
 
 
 def test_encode_rejects_bad_values():
     with pytest.raises(WireError, match="dtype complex64"):
-        encode("x", {}, {"z": np.zeros(2, np.complex64)})
-    with pytest.raises(WireError, match="not msgpack-serialisable"):
-        encode_msg("x", obj=object())
+        encode("weights", {"version": 1}, {"z": np.zeros(2, np.complex64)})
+    with pytest.raises(WireError, match="cannot encode message 'hello' field 'actor_id': expected str"):
+        encode_msg("hello", actor_id=object(), capacity=1)
+    with pytest.raises(WireError, match="unknown message kind 'x'"):
+        encode_msg("x")
+    with pytest.raises(WireError, match="needs a Hello body, got Stop"):
+        encode("hello", Stop())
 
 
 # --- sockets ----------------------------------------------------------------------------------
@@ -220,15 +310,15 @@ def test_encode_rejects_bad_values():
 def test_bad_message_then_good_one_on_pull(ctx):
     pull, push = _pair(ctx)
     push.send_multipart([b"not msgpack \xc1"])
-    send_frames(push, encode_msg("ack", episode_ids=["e1"]))
+    send_frames(push, encode_msg("ack", ids=["e1"]))
     errors, got = [], None
     for _ in range(2):
         try:
             got = _recv(pull)
         except WireError as e:
             errors.append(str(e))
-    assert len(errors) == 1 and "not a msgpack header" in errors[0]
-    assert got.kind == "ack" and got.body == {"episode_ids": ["e1"]}
+    assert len(errors) == 1 and "message header: expected object, got int" in errors[0]
+    assert got.kind == "ack" and got.body == Ack(ids=["e1"])
 
 
 def test_router_dealer_routing(ctx):
@@ -237,10 +327,10 @@ def test_router_dealer_routing(ctx):
     send_frames(dealer, encode_episode(ep))
     ident, msg = _recv(router, recv_routed)
     _assert_episode_equal(ep, decode_episode(msg))
-    send_routed(router, ident, encode_msg("ack", episode_ids=[decode_episode(msg).id]))
-    assert _recv(dealer).body == {"episode_ids": [ep.id]}
+    send_routed(router, ident, encode_msg("ack", ids=[decode_episode(msg).id]))
+    assert _recv(dealer).body == Ack(ids=[ep.id])
     dealer.send_multipart([b"\x91\x01"])  # a msgpack list: bad header, identity still reported
-    with pytest.raises(WireError, match="header is a list") as e:
+    with pytest.raises(WireError, match="message header: expected object, got array") as e:
         _recv(router, recv_routed)
     assert e.value.identity == ident
 
@@ -264,28 +354,107 @@ def test_is_loopback(host, expected):
     assert is_loopback(host) is expected
 
 
+def test_recv_frames_drops_a_message_with_too_many_parts(ctx):
+    pull, push = _pair(ctx)
+    push.send_multipart([b"x"] * 1000)
+    send_frames(push, encode_msg("stop"))
+    assert pull.poll(TIMEOUT_MS)
+    with pytest.raises(WireError, match="message of 1000 frames; this channel takes at most 6") as e:
+        recv_frames(pull, max_parts=6)
+    assert e.value.reason == "too_large"
+    assert decode(_recv(pull, lambda s: recv_frames(s, max_parts=6))).kind == "stop"  # the next one is intact
+
+
+def test_drain_isolates_failures_and_stops_at_its_limit(ctx):
+    pull, push = _pair(ctx)
+    for i in range(5):
+        send_frames(push, encode_msg("stop", reason=str(i)))
+    assert pull.poll(TIMEOUT_MS)
+    deadline = time.time() + 10
+    while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.time() < deadline:
+        got, errors = [], []
+
+        def handle(frames):
+            reason = decode(frames).body.reason
+            if reason == "1":
+                raise KeyError("a handler bug")
+            got.append(reason)
+
+        taken = drain(pull, handle, limit=3, on_error=errors.append)
+        assert taken <= 3
+        if got or errors:
+            break
+    assert got[:1] == ["0"] and isinstance(errors[0], KeyError)  # message 1 lost alone
+    rest = []
+    drain(pull, lambda fr: rest.append(decode(fr).body.reason), limit=10)
+    assert got + rest == ["0", "2", "3", "4"][:len(got + rest)] and len(got + rest) >= 2
+
+
+def test_drain_lets_os_errors_through(ctx):
+    pull, push = _pair(ctx)
+    send_frames(push, encode_msg("stop"))
+    assert pull.poll(TIMEOUT_MS)
+
+    def full_disk(frames):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        drain(pull, full_disk, limit=1, on_error=lambda e: None)
+
+
+def test_curve_bundles_keep_the_server_secret_on_the_server(tmp_path):
+    bundles = make_curve_keys(str(tmp_path / "keys"), ["0", "gpu"])
+    files = {name: sorted(p.name for p in (tmp_path / "keys" / name).iterdir()) for name in bundles}
+    assert files == {"server": ["authorized", "server.key", "server.key_secret"],
+                     "actor-0": ["actor.key", "actor.key_secret", "server.key"],
+                     "actor-gpu": ["actor.key", "actor.key_secret", "server.key"]}
+    assert sorted(p.name for p in (tmp_path / "keys" / "server" / "authorized").iterdir()) == [
+        "actor-0.key", "actor-gpu.key"]
+    server_public = (tmp_path / "keys" / "server" / "server.key").read_bytes()
+    assert (tmp_path / "keys" / "actor-gpu" / "server.key").read_bytes() == server_public
+    make_curve_keys(str(tmp_path / "keys"), ["new"])  # adding an actor keeps the server pair
+    assert (tmp_path / "keys" / "server" / "server.key").read_bytes() == server_public
+    assert (tmp_path / "keys" / "server" / "authorized" / "actor-new.key").is_file()
+
+
+def test_old_single_directory_keys_are_refused_with_how_to_regenerate(ctx, tmp_path):
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(str(tmp_path), name)
+    for fn in (lambda: check_bind_host("0.0.0.0", str(tmp_path)),
+               lambda: apply_curve_client(ctx.socket(zmq.DEALER), str(tmp_path))):
+        with pytest.raises(WireSecurityError, match="old single-directory CURVE layout.*asyncrl keys --out"):
+            fn()
+
+
 def test_curve_exchange_and_auth(ctx, tmp_path):
-    paths = make_curve_keys(str(tmp_path))
-    assert [p.rsplit("/", 1)[1] for p in paths] == ["server.key", "server.key_secret",
-                                                    "client.key", "client.key_secret"]
-    check_bind_host("0.0.0.0", str(tmp_path))  # keys present: allowed
-    auth = start_curve_auth(ctx.ctx, str(tmp_path))
+    keys = tmp_path / "keys"
+    make_curve_keys(str(keys), ["0"])
+    check_bind_host("0.0.0.0", str(keys))  # keys present: allowed (DIR or DIR/server)
+    check_bind_host("0.0.0.0", str(keys / "server"))
+    auth = start_curve_auth(ctx.ctx, str(keys))
     try:
         server, client, stranger = (ctx.socket(t) for t in (zmq.PULL, zmq.PUSH, zmq.PUSH))
-        apply_curve_server(server, str(tmp_path))
+        apply_curve_server(server, str(keys / "server"))
         addr = bind(server, "127.0.0.1", 0)
-        apply_curve_client(client, str(tmp_path))
+        apply_curve_client(client, str(keys), "actor-0")  # DIR plus the actor id finds DIR/actor-0
         client.connect(addr)
-        send_frames(client, encode_msg("hello", actor_id="a0"))
-        assert _recv(server).body == {"actor_id": "a0"}
-        # a client with a key not in the directory is rejected by the authenticator
+        send_frames(client, encode_msg("hello", actor_id="a0", capacity=1))
+        assert _recv(server).body == Hello(actor_id="a0", capacity=1)
+        # a client with a key pair the server never authorised is refused, and reported
         other = tmp_path / "other"
-        make_curve_keys(str(other))
-        apply_curve_client(stranger, str(other))
-        stranger.curve_serverkey = zmq.auth.load_certificate(paths[0])[0]
+        make_curve_keys(str(other), ["0"])
+        apply_curve_client(stranger, str(other / "actor-0"))
+        stranger.curve_serverkey = zmq.auth.load_certificate(str(keys / "server" / "server.key"))[0]
         stranger.connect(addr)
-        send_frames(stranger, encode_msg("hello", actor_id="intruder"))
+        send_frames(stranger, encode_msg("hello", actor_id="intruder", capacity=1))
         assert not server.poll(300, zmq.POLLIN)
+        stranger_key = zmq.auth.load_certificate(str(other / "actor-0" / "actor.key"))[0].decode()
+        deadline = time.time() + 10
+        denied: list = []
+        while time.time() < deadline and not denied:
+            denied = auth.keys.take_denied()
+            time.sleep(0.05)
+        assert [k for k, _ in denied][:1] == [stranger_key]
     finally:
         auth.stop()
 

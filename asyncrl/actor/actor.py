@@ -5,9 +5,15 @@ and then loops: take work credits -> make sure its weights are at least the cred
 run the workflow on a batch of tasks -> push the episodes. New weights are applied only between
 generation batches, and every trajectory records the version that produced it.
 
-Delivery: each episode is kept until the learner acknowledges that it is in its write-ahead log.
-When the learner comes back with a new session (it restarted), everything unacknowledged is
-resent; the learner de-duplicates by episode id.
+Delivery: each episode is kept until the learner acknowledges that it is in its write-ahead log
+(or rejects it as invalid: then it is dropped, with the reason printed). When the learner comes back
+with a new session (it restarted), everything unacknowledged is resent; the learner de-duplicates
+by episode id.
+
+Peers: a heartbeat thread (``asyncrl.actor.heartbeat``) keeps the actor's lease and says when the
+learner is gone. A ``welcome`` means the learner holds no credits for this actor (it is new, or it
+dropped the actor by its lease), so the actor's own count restarts at zero. Every message is
+decoded into its typed body; a bad one is reported (rate-limited) and dropped, never fatal.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import torch
 import zmq
@@ -27,8 +33,13 @@ from ..envs.base import make_env, task_stream
 from ..models.loading import load_policy
 from ..types import Task
 from ..learner.weights_fs import load_weights_file
-from ..wire.codec import WireError, decode, decode_weights, encode_episode, encode_msg
-from ..wire.sockets import apply_curve_client, connect
+from ..wire.codec import decode, decode_weights, encode, encode_episode
+from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
+from ..wire.sockets import apply_curve_client, connect, drain
+from .heartbeat import Heartbeat
+
+_CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
+_WEIGHTS_ASK_S = 2.0  # while waiting for newer weights, ask the learner again this often
 
 
 class Actor:
@@ -44,7 +55,12 @@ class Actor:
         self.tasks = task_stream(cfg.tasks, self.seed)
         self.workflow = get_workflow(cfg.algorithm, cfg)
         self.ctx = zmq.Context.instance()
+        self.identity = f"{actor_id}:{os.getpid()}".encode()
         self.control = self._socket(zmq.DEALER, control_address)
+        self.heartbeat = Heartbeat(self, control_address)
+        self._bad: Counter[str] = Counter()  # bad messages from the learner per channel, reported at a limited rate
+        self._rejected = 0
+        self._asked_weights = 0.0
         self.episodes = self.weights = None
         self.session = None
         self.unacked: OrderedDict[str, list] = OrderedDict()
@@ -53,7 +69,6 @@ class Actor:
         self.stopping = False
         self.batches = 0
         self.weight_updates = 0
-        self._last_status = 0.0
         self._gen_s = 0.0
         # experience replay: tasks the learner assigned (task, fresh rollouts, replayed k), generated
         # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
@@ -74,96 +89,119 @@ class Actor:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 2000)
         if kind == zmq.DEALER:
-            sock.setsockopt(zmq.IDENTITY, f"{self.actor_id}:{os.getpid()}".encode())
+            sock.setsockopt(zmq.IDENTITY, self.identity)
         if kind == zmq.PUSH:
             sock.setsockopt(zmq.SNDHWM, self.cfg.wire.hwm)
         if self.cfg.wire.curve_dir:
-            apply_curve_client(sock, self.cfg.wire.curve_dir)
+            apply_curve_client(sock, self.cfg.wire.curve_dir, self.actor_id)
         connect(sock, address)
         return sock
 
     # -- control --------------------------------------------------------------------------------
     def hello(self) -> None:
-        self.control.send_multipart(encode_msg("hello", actor_id=self.actor_id,
-                                               capacity=self.cfg.actor.tasks_per_batch,
-                                               version=self.engine.version, pid=os.getpid()), copy=False)
+        self.control.send_multipart(encode("hello", Hello(actor_id=self.actor_id, capacity=self.cfg.actor.tasks_per_batch,
+                                                          version=max(self.engine.version, -1), pid=os.getpid())),
+                                    copy=False)
 
     def handle_control(self, timeout_ms: int) -> None:
-        if not self.control.poll(timeout_ms):
-            return
-        while True:
-            try:
-                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg = decode(frames)
-            except WireError as e:
-                print(f"[{self.actor_id}] dropped a bad control message: {e}", flush=True)
-                continue
-            self._on_control(msg)
+        if self.control.poll(timeout_ms):
+            drain(self.control, lambda fr: self._on_control(decode(fr, kinds=_CONTROL_KINDS)), limit=1000,
+                  on_error=lambda e: self._report_bad("control", e))
+
+    def _report_bad(self, channel: str, error: Exception) -> None:
+        """A message from the learner that could not be used: per channel the first three, then
+        every 100th."""
+        self._bad[channel] += 1
+        n = self._bad[channel]
+        if n <= 3 or n % 100 == 0:
+            print(f"[{self.actor_id}] dropped a bad {channel} message ({n} so far): "
+                  f"{type(error).__name__}: {error}", flush=True)
 
     def _on_control(self, msg) -> None:
         body = msg.body
-        if msg.kind == "welcome":
+        if isinstance(body, Welcome):
             self._on_welcome(body)
-        elif msg.kind == "ack":
-            for eid in body.get("ids", []):
+        elif isinstance(body, Ack):
+            for eid in body.ids:
                 self.unacked.pop(eid, None)
-        elif msg.kind == "credit":
-            self.credits += int(body["n"])
-            self.min_version = max(self.min_version, int(body.get("min_version", 0)))
+            for r in body.rejected:
+                if self.unacked.pop(r.id, None) is not None:
+                    self._rejected += 1
+                    if self._rejected <= 3 or self._rejected % 100 == 0:
+                        print(f"[{self.actor_id}] the learner rejected episode {r.id} ({self._rejected} so "
+                              f"far; dropped, not sent again): {r.reason}", flush=True)
+        elif isinstance(body, Credit):
+            self.credits += body.n
+            self.min_version = max(self.min_version, body.min_version)
             self._on_replay_work(body)
-        elif msg.kind == "stop":
+        elif isinstance(body, Stop):
             self.stopping = True
 
-    def _on_welcome(self, body: dict) -> None:
-        new_session = body["session"] != self.session
-        self.session = body["session"]
-        if self.episodes is None:
-            addrs = body["addresses"]
-            self.episodes = self._socket(zmq.PUSH, addrs["episodes"])
-            self.weights = self._socket(zmq.DEALER, addrs["weights"])
+    def _on_welcome(self, body: Welcome) -> None:
+        new_session = body.session != self.session
+        self.session = body.session
+        if self.episodes is None:  # both sockets or neither (a bad address fails this message only)
+            episodes = self._socket(zmq.PUSH, body.addresses["episodes"])
+            try:
+                self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
+            except Exception:
+                episodes.close(0)
+                raise
+            self.episodes = episodes
+        self.credits = 0  # the learner holds none for us now (new learner, or we were dropped by lease)
+        self.assigned.clear()  # and no assignments
         if new_session:
-            self.credits = 0
-            self.assigned.clear()  # the learner lost its assignments; it resends its skip set too
-            self.withheld = set()
+            self.withheld = set()  # it resends its skip set too
             self.min_version = 0  # a resumed learner may be at an older version than we last saw
-            self.weights.send_multipart(encode_msg("subscribe", actor_id=self.actor_id,
-                                                   have=self.engine.version), copy=False)
+            self.ask_weights()
             for frames in self.unacked.values():  # the learner restarted: resend what it never acked
                 self.episodes.send_multipart(frames, copy=False)
 
     # -- weights --------------------------------------------------------------------------------
+    def ask_weights(self) -> None:
+        """Tell the learner which version this actor holds (``subscribe``): it sends anything newer,
+        one version at a time, so this is also the acknowledgement that lets the next one go."""
+        self._asked_weights = time.monotonic()
+        self.weights.send_multipart(encode("subscribe", Subscribe(actor_id=self.actor_id,
+                                                                  have=max(self.engine.version, -1))), copy=False)
+
     def apply_weights(self, timeout_ms: int = 0) -> bool:
         """Apply the newest weights that have arrived (waiting up to ``timeout_ms`` for some)."""
         if self.weights is None or not self.weights.poll(timeout_ms):
             return False
-        newest = None
-        while True:
-            try:
-                newest = self.weights.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+        newest: list = [None]
+
+        def keep(frames) -> None:  # only the newest version is applied
+            newest[0] = frames
+
+        drain(self.weights, keep, limit=64, on_error=lambda e: self._report_bad("weights", e))
+        if newest[0] is None:
+            return False
         try:
-            msg = decode(newest)
-            if msg.body.get("path"):  # filesystem sync: the message names a safetensors file
-                version, tensors = int(msg.body["version"]), load_weights_file(msg.body["path"])
+            msg = decode(newest[0], kinds=("weights",))
+            if msg.body.path:  # filesystem sync: the message names a safetensors file
+                version, tensors = msg.body.version, load_weights_file(msg.body.path)
             else:
                 version, tensors = decode_weights(msg)
-        except (WireError, OSError) as e:
-            print(f"[{self.actor_id}] dropped bad weights: {e}", flush=True)
+            if version == self.engine.version and self.weight_updates:
+                return False  # (an older version is applied: the learner resumed from a checkpoint)
+            self.engine.update_weights(tensors, version)
+        except Exception as e:  # noqa: BLE001 - bad weights (a wrong file, a shape mismatch) are dropped
+            self._report_bad("weights", e)
             return False
-        if version == self.engine.version and self.weight_updates:
-            return False  # (an older version is applied: the learner resumed from a checkpoint)
-        self.engine.update_weights(tensors, version)
+        finally:
+            if self.session is not None:
+                self.ask_weights()
         self.weight_updates += 1
         return True
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        """Generate until the learner says stop (or a signal, or ``actor.exit_after_learner_gone_s``:
+        then SystemExit with the reason, exit code 1)."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        self.heartbeat.start()
         self.hello()
         next_hello = time.time() + 1.0
         while not self.stopping:
@@ -174,39 +212,38 @@ class Actor:
                     next_hello = time.time() + 1.0
                 continue
             self.apply_weights(0)
-            self.status()
             if self.credits <= 0:
                 continue
             if self.engine.version < self.min_version:
+                if time.monotonic() - self._asked_weights > _WEIGHTS_ASK_S:
+                    self.ask_weights()
                 self.apply_weights(100)
                 continue
             self.generate_batch()
-        self.status(force=True)
         self.close()
+        if self.heartbeat.gone_reason:
+            raise SystemExit(f"[{self.actor_id}] stopped: {self.heartbeat.gone_reason}")
 
-    def _on_replay_work(self, body: dict) -> None:
-        """Replay fields of a credit message: assigned tasks and skip-set changes. A malformed item
-        is reported and dropped (the credit itself still counts)."""
-        items = body.get("replay_tasks") or []
-        if items and not getattr(self.workflow, "supports_replay", False):
+    def _on_replay_work(self, body: Credit) -> None:
+        """Replay fields of a credit message: assigned tasks and skip-set changes (typed and bounded
+        by the decoder; an assignment with more rollouts than sampling.n is reported and dropped)."""
+        if body.replay and not getattr(self.workflow, "supports_replay", False):
             print(f"[{self.actor_id}] the learner assigned replay tasks but workflow "
                   f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
                   flush=True)
-        for i, item in enumerate(items if isinstance(items, list) else []):
-            try:
-                task = Task.from_dict(item["task"])
-                n, k = int(item["n"]), int(item["k"])
-                if not 1 <= n <= self.cfg.sampling.n or k < 0:
-                    raise ValueError(f"n={n}, k={k}; expected 1 <= n <= sampling.n ({self.cfg.sampling.n})")
-            except (KeyError, TypeError, ValueError) as e:
-                print(f"[{self.actor_id}] dropped replay task {i} of a credit message: {e!r}; expected "
-                      f"{{task: {{id, prompt, answer, metadata}}, n: int, k: int}}", flush=True)
+        for i, item in enumerate(body.replay):
+            if item.n > self.cfg.sampling.n:
+                self._report_bad("credit", ValueError(f"replay task {i}: n={item.n}, expected at most "
+                                                      f"sampling.n ({self.cfg.sampling.n})"))
                 continue
-            self.assigned.append((task, n, k))
-        if body.get("withhold_reset"):
-            self.withheld = set()
-        self.withheld.update(str(x) for x in body.get("withhold_add") or [])
-        self.withheld.difference_update(str(x) for x in body.get("withhold_remove") or [])
+            t = item.task
+            self.assigned.append((Task(id=t.id, prompt=t.prompt, answer=t.answer, metadata=t.metadata), item.n, item.k))
+        w = body.withhold
+        if w is not None:
+            if w.reset:
+                self.withheld = set()
+            self.withheld.update(w.add)
+            self.withheld.difference_update(w.remove)
 
     def _fresh_task(self) -> Task:
         """The next task of the stream that the learner does not withhold (fully solved); after
@@ -248,18 +285,8 @@ class Actor:
             self.unacked[ep.id] = frames
             self.episodes.send_multipart(frames, copy=False)
 
-    def status(self, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last_status < self.cfg.actor.heartbeat_s:
-            return
-        self._last_status = now
-        self.control.send_multipart(encode_msg(
-            "status", actor_id=self.actor_id, capacity=self.cfg.actor.tasks_per_batch,
-            version=self.engine.version, batches=self.batches,
-            weight_updates=self.weight_updates, unacked=len(self.unacked), credits=self.credits,
-            generate_s=self._gen_s, stopping=self.stopping), copy=False)
-
     def close(self) -> None:
+        self.heartbeat.stop()  # its last status says stopping
         for s in (self.control, self.episodes, self.weights):
             if s is not None:
                 s.close()

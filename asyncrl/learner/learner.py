@@ -7,11 +7,13 @@ proximal log-probs, loss, AdamW -> version += 1 -> publish weights -> metrics, e
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import time
 from collections import defaultdict, deque
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -21,12 +23,15 @@ from ..models.loading import load_policy
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
 from ..runlog import EVENTS_SCHEMA, RunLog
 from ..types import Episode
+from ..wire.messages import ReplayTask, TaskBody, Withhold
+from ..wire.sockets import check_bind_host
 from .batch import collate, compute_logprobs
 from .buffer import ReplayBuffer
 from .checkpoint import (checkpoint_step, clean_partial, list_checkpoints, load_checkpoint, quarantine,
                          save_checkpoint)
 from .evaluate import Evaluator
-from .net import LearnerNet
+from .net import LearnerNet, Limits
+from .peers import Peers
 from .progress import Progress, summary_table
 from .replay import ExperienceManager
 from .trainer import PolicyTrainer
@@ -42,6 +47,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = cfg.run_dir
+        check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self._start_events: list[tuple[str, dict]] = []  # found before the event log opens
         self.plan = self._claim_run_dir(overwrite)
         self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device,
@@ -52,15 +58,18 @@ class Learner:
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
-        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses())
+        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses(),
+                              limits=Limits.from_config(cfg.wire, getattr(self.model.config,
+                                                                          "max_position_embeddings", None)))
         self.log = RunLog(self.run_dir, on_event=self.net.publish_event)
+        self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
+                           vocab_size=self.model.get_input_embeddings().num_embeddings)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         for warning in getattr(self.evaluator.workflow, "warnings", ()):  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self.rewards_per_step: list[float] = []
         self._stop = False
-        self._ingested = 0
-        self._ingest_bytes = 0
+        self._stop_reason: str | None = None  # set by a stop the user asked for in the config
         self._episode_counter = 0
         self._recent = deque(maxlen=50)  # (time, episodes, tokens) per step for rates
         self._resume()
@@ -135,17 +144,48 @@ class Learner:
                            buffered=len(self.buffer), recovered_from_wal=report.recovered,
                            undecodable_wal_records=report.undecodable)
 
-    def _on_bad_message(self, channel: str, error: str) -> None:
+    def _on_bad_message(self, channel: str, error: Exception) -> None:
+        """A peer's message that was refused (``asyncrl.learner.peers``: counted, reported at a limited rate)."""
         self.bad_messages += 1
-        print(f"[learner] dropped a bad message on {channel}: {error}", flush=True)
-        if hasattr(self, "log"):
-            self.log.event("bad_message", self.version, channel=channel, error=error)
+        if hasattr(self, "peers"):
+            self.peers.bad_message(channel, error)
 
     def request_stop(self, *_args) -> None:
         self._stop = True
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Train to ``train.total_steps`` (or a stop request) and return the summary table. A failed
+        write (a full disk, a permission error: any OSError) stops the learner at once and raises
+        SystemExit with one line; a stop for ``train.exit_after_no_actors_s`` ends like a stop
+        request and then raises SystemExit (exit code 1 either way)."""
+        try:
+            summary = self._run()
+        except OSError as e:
+            self._stop_on_write_error(e)
+        if self._stop_reason:
+            raise SystemExit(f"asyncrl learn: stopped at step {self.version}: {self._stop_reason}")
+        return summary
+
+    def _stop_on_write_error(self, err: OSError) -> NoReturn:
+        """No checkpoint and no stop message to the actors: they keep what was not acknowledged and
+        wait for the learner to be started again (it resumes; nothing acknowledged was lost, because
+        an episode is acknowledged only once the write-ahead log holding it is fsynced)."""
+        what = errno.errorcode.get(err.errno, str(err.errno))
+        reason = f"{err.strerror or err} ({what}) writing {err.filename or self.run_dir}"
+        try:
+            self.log.event("learner_stop", self.version, interrupted=True, reason=reason, errno=what)
+        except OSError:
+            pass  # the event log may be on the full disk too
+        self.net.close()
+        try:
+            self.log.close()
+        except OSError:
+            pass
+        raise SystemExit(f"asyncrl learn: stopped at step {self.version}: {reason}. Actors keep their "
+                         f"unacknowledged episodes; fix it and start the learner again to resume")
+
+    def _run(self) -> dict:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         cfg = self.cfg
@@ -174,30 +214,19 @@ class Learner:
         self.checkpoint()
         self.net.stop_actors()
         time.sleep(0.2)  # let the stop messages leave before the sockets close
+        stopped = self._stop_reason or (f"stopped by a stop signal at step {self.version}" if self._stop else None)
         summary = summary_table(self.rewards_per_step, self.evaluator.history)
-        self.log.event("learner_stop", self.version, interrupted=self._stop, summary=summary)
+        self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         self.net.close()
         self.log.close()
         return summary
 
     def pump(self, timeout_ms: int) -> None:
-        """Ingest arrivals, make them durable, acknowledge them, answer actors, grant credits."""
-        arrivals, control = self.net.poll(timeout_ms)
-        acks: dict[str, list[str]] = defaultdict(list)
-        for ep, frames in arrivals:
-            self.net.received_from(ep.actor_id, 1)
-            acks[ep.actor_id].append(ep.id)
-            if self.buffer.add(ep, frames):
-                self._ingested += 1
-                self._ingest_bytes += sum(memoryview(f).nbytes for f in frames)
-            else:
-                self.log.event("duplicate_episode", self.version, episode_id=ep.id, actor_id=ep.actor_id)
-        self.buffer.sync()
-        self.net.ack(acks)
-        for identity, msg in control:
-            state = self.net.register(identity, msg)
-            if msg.kind == "status":
-                self.log.event("actor_status", self.version, **{**msg.body, "actor_id": state.actor_id})
+        """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
+        grant credits (``asyncrl.learner.peers.Peers``)."""
+        self.peers.pump(timeout_ms, self.version)
+        if self.peers.stop_reason and not self._stop:
+            self._stop, self._stop_reason = True, self.peers.stop_reason
         self.grant()
 
     def grant(self) -> None:
@@ -211,13 +240,15 @@ class Learner:
                                    work=self._replay_work if self.replay is not None else None)
 
     def _replay_work(self, actor, n: int) -> dict:
-        """Replay fields of a credit message for ``actor``'s ``n`` credits: assigned replay tasks
+        """Replay fields of a credit message for ``actor``'s ``n`` credits: typed replay assignments
         and the changes of the skip set (withheld task ids) since it was last told."""
-        body, actor.withheld_sent = self.replay.withheld_update(actor.withheld_sent)
-        tasks = self.replay.assign(n, self.version)
-        if tasks:
-            body["replay_tasks"] = tasks
-        return body
+        delta, actor.withheld_sent = self.replay.withheld_update(actor.withheld_sent)
+        work = {"replay": [ReplayTask(task=TaskBody(**t["task"]), n=t["n"], k=t["k"])
+                           for t in self.replay.assign(n, self.version)]}
+        if delta:
+            work["withhold"] = Withhold(reset=delta.get("withhold_reset", False),
+                                        add=delta.get("withhold_add", []), remove=delta.get("withhold_remove", []))
+        return work
 
     def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
         t0 = time.time()
@@ -243,6 +274,7 @@ class Learner:
                    "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
+                   "rejected_episodes": self.peers.rejected_episodes,
                    "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **replay_metrics,
                    **_mean_episode_metrics(episodes)}
         metrics.update(self.evaluate())
@@ -309,7 +341,8 @@ class Learner:
 
     def publish(self) -> None:
         t0 = time.time()
-        state = {k: v.detach().cpu().contiguous() for k, v in self.model.named_parameters()}
+        # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.named_parameters()}
         path = save_weights_file(state, self.version, self.cfg.sync, self.run_dir)
         self.net.publish_weights(state, self.version, path=path)
         self.log.event("weights_published", self.version, version=self.version,

@@ -2,17 +2,26 @@
 
 Sockets (all bound by the learner; actors connect):
 - ``episodes`` PULL: actors PUSH finished episodes (high-water mark ``wire.hwm``).
-- ``control`` ROUTER: actors send ``hello``/``status``; the learner answers ``welcome`` (with the other
-  addresses and its session id), ``ack`` (episode ids now in the WAL), ``credit`` (how many episodes an
-  actor may generate, and the least policy version to generate them with) and ``stop``.
-- ``weights`` ROUTER: an actor sends ``subscribe``; the learner sends it every published version (and
-  the current one at once). A ROUTER rather than PUB so that a late subscriber never misses weights.
+- ``control`` ROUTER: actors send ``hello`` and ``status`` (heartbeats); the learner answers
+  ``welcome`` (the other addresses, its session id, the lease), ``alive``, ``ack`` (episode ids now
+  in the WAL, and those rejected), ``credit`` (how many episodes an actor may generate, the least
+  policy version to generate them with, replay assignments) and ``stop``.
+- ``weights`` ROUTER: an actor sends ``subscribe`` (``have``: the version it holds); the learner
+  sends it the newest version, and the next one only once the actor says it has the last one, so
+  at most one version per subscriber is ever queued (plus a send high-water mark of 2 as a
+  backstop). A ROUTER rather than PUB so that a late subscriber never misses weights.
 - ``events`` PUB: every event written to the run log, for live viewers.
 
+Peers are not trusted. Every message is decoded into its typed body (:mod:`asyncrl.wire.messages`)
+with size limits (``ZMQ_MAXMSGSIZE`` per frame, a header limit per channel, a frame count per
+channel); one that fails is reported to ``on_bad_message`` and dropped, alone. Each ``poll`` takes
+at most ``budget`` messages, a few from each socket in turn, so neither a flood nor one busy channel
+holds the learner.
+
 Flow control (AReaL's capacity rule): credits are granted only while
-``in_flight + buffered <= (max_staleness + 1) * batch_tasks``, which bounds staleness. A malformed
-message or one with the wrong schema version is reported (event ``bad_message``) and dropped; the
-learner keeps running.
+``in_flight + buffered <= (max_staleness + 1) * batch_tasks``, which bounds staleness. Credits are
+leases: an actor silent for ``wire.lease_s`` is dropped with its outstanding credits (``expire``);
+any message from it renews the lease, and a dropped actor's next heartbeat admits it again.
 """
 
 from __future__ import annotations
@@ -20,11 +29,51 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
+import numpy as np
 import zmq
 
-from ..wire.codec import Message, WireError, decode, decode_episode, encode_msg, encode_weights
-from ..wire.sockets import apply_curve_server, bind, check_bind_host, start_curve_auth
+from ..wire.codec import (Message, WireError, decode, decode_episode, encode, encode_weights,
+                          episode_identity)
+from ..wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
+                             Weights, Welcome)
+from ..wire.sockets import apply_curve_server, bind, check_bind_host, drain, start_curve_auth
+
+_CHUNK = 16  # messages taken from one socket before the next socket's turn
+_WEIGHTS_HWM = 2  # weights messages queued per subscriber, at most (one is the rule, see _send_weights)
+_WEIGHTS_RESEND_S = 5.0  # a subscriber asking again for a version already sent gets it again after this
+_BYTES_PER_TOKEN = 4  # the widest per-token array (int32 token ids, float32 log-probs)
+
+
+@dataclass
+class Limits:
+    """What the learner accepts from peers (``wire`` config plus the model's context length)."""
+
+    header_bytes: int  # an episode's msgpack header
+    control_bytes: int  # any control / weights-channel message
+    max_trajectories: int
+    max_tokens: int  # per trajectory
+
+    @classmethod
+    def from_config(cls, wire_cfg, max_positions: int | None = None) -> "Limits":
+        tokens = wire_cfg.max_tokens_per_trajectory or 4 * (max_positions or 4096)
+        return cls(header_bytes=wire_cfg.max_header_kb << 10, control_bytes=wire_cfg.max_control_kb << 10,
+                   max_trajectories=wire_cfg.max_trajectories_per_episode, max_tokens=tokens)
+
+    @property
+    def frame_bytes(self) -> int:
+        """ZMQ_MAXMSGSIZE of the episodes socket: the largest legal frame."""
+        return max(self.header_bytes, self.max_trajectories * self.max_tokens * _BYTES_PER_TOKEN)
+
+
+class Arrival(NamedTuple):
+    """An episode as received: the decoded Episode, its frames (for the WAL) and its arrays
+    (concatenated over trajectories, for validation)."""
+
+    episode: object
+    frames: list
+    arrays: dict[str, np.ndarray]
 
 
 @dataclass
@@ -34,28 +83,47 @@ class ActorState:
     capacity: int
     outstanding: int = 0
     weights_version: int = -1
-    status: dict = field(default_factory=dict)
-    last_seen: float = field(default_factory=time.time)
+    status: Status | None = None
+    last_seen: float = field(default_factory=time.monotonic)
     withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
 
 
+@dataclass
+class Subscriber:
+    actor_id: str
+    have: int = -1  # the version it says it holds
+    sent: int = -1  # the newest version sent to it
+    sent_at: float = 0.0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
 class LearnerNet:
-    def __init__(self, wire_cfg, on_bad_message, previous: dict[str, str] | None = None):
+    def __init__(self, wire_cfg, on_bad_message: Callable[[str, Exception], None],
+                 previous: dict[str, str] | None = None, limits: Limits | None = None):
         check_bind_host(wire_cfg.host, wire_cfg.curve_dir)
         self.ctx = zmq.Context.instance()
         self.session = uuid.uuid4().hex
+        self.lease_s = wire_cfg.lease_s
+        self.max_capacity, self.max_actors = wire_cfg.max_capacity, wire_cfg.max_actors
+        self.limits = limits or Limits.from_config(wire_cfg)
         self.auth = start_curve_auth(self.ctx, wire_cfg.curve_dir) if wire_cfg.curve_dir else None
         self.on_bad_message = on_bad_message
         prev = previous or {}
-        self.episodes = self._socket(zmq.PULL, wire_cfg, wire_cfg.episodes_port, prev.get("episodes"))
-        self.control = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.control_port, prev.get("control"))
-        self.weights = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.weights_port, prev.get("weights"))
-        self.events = self._socket(zmq.PUB, wire_cfg, wire_cfg.events_port, prev.get("events"))
+        lim = self.limits
+        self.episodes = self._socket(zmq.PULL, wire_cfg, wire_cfg.episodes_port, prev.get("episodes"),
+                                     max_bytes=lim.frame_bytes, hwm=wire_cfg.hwm)
+        self.control = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.control_port, prev.get("control"),
+                                    max_bytes=lim.control_bytes)
+        self.weights = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.weights_port, prev.get("weights"),
+                                    max_bytes=lim.control_bytes, hwm=_WEIGHTS_HWM)
+        self.events = self._socket(zmq.PUB, wire_cfg, wire_cfg.events_port, prev.get("events"),
+                                   max_bytes=lim.control_bytes, hwm=wire_cfg.hwm)
         self.addresses = {name: sock.getsockopt_string(zmq.LAST_ENDPOINT)
                           for name, sock in (("episodes", self.episodes), ("control", self.control),
                                              ("weights", self.weights), ("events", self.events))}
         self.actors: dict[bytes, ActorState] = {}
-        self.subscribers: dict[bytes, int] = {}  # identity -> last version sent
+        self.subscribers: dict[bytes, Subscriber] = {}
+        self.undecodable: list[tuple[str, str, WireError]] = []
         self._credit_cursor = 0  # which actor is served first by the next grant
         self.poller = zmq.Poller()
         for s in (self.episodes, self.control, self.weights):
@@ -63,13 +131,17 @@ class LearnerNet:
         self._weights_frames: list | None = None
         self.weights_version = -1
 
-    def _socket(self, kind, wire_cfg, port, previous_address: str | None = None):
+    def _socket(self, kind, wire_cfg, port, previous_address: str | None, max_bytes: int,
+                hwm: int | None = None):
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind in (zmq.PULL, zmq.PUB):
-            sock.setsockopt(zmq.RCVHWM if kind == zmq.PULL else zmq.SNDHWM, wire_cfg.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a larger frame disconnects its sender
+        if hwm is not None:
+            sock.setsockopt(zmq.SNDHWM if kind != zmq.PULL else zmq.RCVHWM, hwm)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if kind == zmq.ROUTER and hwm is not None:  # weights: a full queue or a gone peer is reported
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if wire_cfg.curve_dir:
             apply_curve_server(sock, wire_cfg.curve_dir)
         if port == 0 and previous_address:  # a resumed learner keeps its ports so actors reconnect
@@ -82,79 +154,116 @@ class LearnerNet:
         return sock
 
     # -- receiving ------------------------------------------------------------------------------
-    def poll(self, timeout_ms: int) -> tuple[list[tuple], list[tuple[bytes, Message]]]:
-        """Drain what has arrived (waiting up to ``timeout_ms`` for the first message). Returns
-        (episodes as (Episode, frames), control messages as (identity, Message))."""
-        episodes, control = [], []
-        events = dict(self.poller.poll(timeout_ms))
-        while events:
-            if self.episodes in events:
-                self._drain(self.episodes, lambda fr: self._take_episode(fr, episodes))
-            if self.control in events:
-                self._drain(self.control, lambda fr: self._take_routed(fr, control, "control"))
-            if self.weights in events:
-                self._drain(self.weights, lambda fr: self._take_routed(fr, [], "weights"))
-            events = dict(self.poller.poll(0))
+    def poll(self, timeout_ms: int, budget: int = 256) -> tuple[list[Arrival], list[tuple[bytes, Message]]]:
+        """Take what has arrived (waiting up to ``timeout_ms`` for the first message), at most
+        ``budget`` messages, ``_CHUNK`` at a time from each socket in turn. Returns (episodes,
+        control messages as (identity, Message)); weights-channel messages are handled here."""
+        episodes: list[Arrival] = []
+        control: list[tuple[bytes, Message]] = []
+        if not self.poller.poll(timeout_ms):
+            return episodes, control
+        channels = (
+            (self.control, lambda fr: self._take_routed(fr, control, "control"), 2, "control"),
+            (self.episodes, lambda fr: self._take_episode(fr, episodes), 6, "episodes"),
+            (self.weights, lambda fr: self._take_routed(fr, None, "weights"), 2, "weights"),
+        )
+        taken, progress = 0, True
+        while progress and taken < budget:
+            progress = False
+            for sock, handle, max_parts, channel in channels:
+                n = drain(sock, handle, min(_CHUNK, budget - taken), max_parts=max_parts,
+                          on_error=lambda e, ch=channel: self.on_bad_message(ch, e))
+                taken += n
+                progress = progress or n > 0
         return episodes, control
 
-    @staticmethod
-    def _drain(sock, handle, limit: int = 1000) -> None:
-        for _ in range(limit):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
-
-    def _take_episode(self, frames, out) -> None:
+    def _take_episode(self, frames, out: list[Arrival]) -> None:
         try:
-            msg = decode(frames)
-            if msg.kind != "episode":
-                raise WireError(f"episodes socket got a {msg.kind!r} message; expected 'episode'")
-            out.append((decode_episode(msg), [f.buffer for f in frames]))
-        except WireError as e:
-            self.on_bad_message("episodes", str(e))
+            msg = decode(frames, max_header_bytes=self.limits.header_bytes, kinds=("episode",))
+            episode = decode_episode(msg)
+        except WireError as e:  # its actor is told when the header still names it (never to resend it)
+            ids = episode_identity(frames[0]) if frames[0].buffer.nbytes <= self.limits.header_bytes else None
+            if ids is not None:
+                self.undecodable.append((*ids, e))
+            raise
+        out.append(Arrival(episode, [f.buffer for f in frames], msg.arrays))
 
-    def _take_routed(self, frames, out, channel: str) -> None:
-        identity, rest = frames[0].bytes, frames[1:]
-        try:
-            msg = decode(rest)
-        except WireError as e:
-            self.on_bad_message(channel, str(e))
-            return
+    def take_undecodable(self) -> list[tuple[str, str, WireError]]:
+        """(actor_id, episode_id, error) of episodes refused by the decoder since the last call."""
+        out, self.undecodable = self.undecodable, []
+        return out
+
+    def _take_routed(self, frames, out: list | None, channel: str) -> None:
+        identity = frames[0].bytes
         if channel == "weights":
-            self._on_subscribe(identity, msg)
+            msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("subscribe",))
+            self._on_subscribe(identity, msg.body)
         else:
+            msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("hello", "status"))
             out.append((identity, msg))
 
     # -- actors ---------------------------------------------------------------------------------
-    def register(self, identity: bytes, msg: Message) -> ActorState:
+    def handle_control(self, identity: bytes, msg: Message) -> ActorState:
+        """Admit (``hello``) or renew (``status``) an actor; returns its state. A status from an
+        actor the learner does not know (dropped by its lease, or this learner is new) admits it
+        again. Raises WireError when the actor table is full."""
         body = msg.body
-        state = self.actors.get(identity)
-        if state is None or msg.kind == "hello":
-            state = ActorState(identity, str(body.get("actor_id", identity.hex())),
-                               int(body.get("capacity", 1)))
-            self.actors[identity] = state
-            self.send_control(identity, "welcome", session=self.session, addresses=self.addresses)
-        state.last_seen = time.time()
-        if msg.kind == "status":
-            state.status = dict(body)
-            state.weights_version = int(body.get("version", state.weights_version))
+        if isinstance(body, Hello):
+            return self._admit(identity, body.actor_id, body.capacity)
+        assert isinstance(body, Status)
+        main = body.identity.encode()
+        state = self.actors.get(main) or self._admit(main, body.actor_id, body.capacity)
+        state.last_seen = time.monotonic()
+        state.status = body
+        state.weights_version = body.version
+        self.send_control(identity, Alive(session=self.session, version=max(self.weights_version, 0)))
         return state
 
-    def send_control(self, identity: bytes, kind: str, **body) -> None:
-        self.control.send_multipart([identity, *encode_msg(kind, **body)], copy=False)
+    def _admit(self, identity: bytes, actor_id: str, capacity: int) -> ActorState:
+        if identity not in self.actors and len(self.actors) >= self.max_actors:
+            raise WireError(f"actor table full ({self.max_actors} actors, wire.max_actors); refused "
+                            f"{actor_id!r}", reason="actors_full")
+        state = ActorState(identity, actor_id, min(capacity, self.max_capacity))
+        self.actors[identity] = state
+        self.send_control(identity, Welcome(session=self.session, addresses=self.addresses,
+                                            lease_s=self.lease_s))
+        return state
 
-    def ack(self, by_actor: dict[str, list[str]]) -> None:
-        ident_of = {a.actor_id: ident for ident, a in self.actors.items()}
-        for actor_id, ids in by_actor.items():
-            if actor_id in ident_of and ids:
-                self.send_control(ident_of[actor_id], "ack", ids=ids)
+    def expire(self) -> list[ActorState]:
+        """Drop the actors and weight subscribers silent for longer than the lease; the dropped
+        actors' outstanding credits return to the pool. Returns the dropped actors."""
+        now = time.monotonic()
+        dead = [a for a in self.actors.values() if now - a.last_seen > self.lease_s]
+        for a in dead:
+            del self.actors[a.identity]
+        live_ids = {a.actor_id for a in self.actors.values()}
+        for ident in [i for i, s in self.subscribers.items()
+                      if now - s.last_seen > self.lease_s and s.actor_id not in live_ids]:
+            del self.subscribers[ident]
+        return dead
+
+    def send_control(self, identity: bytes, body) -> None:
+        self.control.send_multipart([identity, *encode(body.KIND, body)], copy=False)
+
+    def ack(self, by_actor: dict[str, list[str]], rejected: dict[str, list[Rejected]] | None = None) -> None:
+        """Acknowledge episode ids (durable in the WAL) and rejected episodes to every connected
+        actor with that actor id (an actor ignores ids it does not hold)."""
+        rejected = rejected or {}
+        idents: dict[str, list[bytes]] = {}
+        for ident, a in self.actors.items():
+            idents.setdefault(a.actor_id, []).append(ident)
+        for actor_id in set(by_actor) | set(rejected):
+            ids, rej = by_actor.get(actor_id, []), rejected.get(actor_id, [])
+            for ident in idents.get(actor_id, ()) if (ids or rej) else ():
+                self.send_control(ident, Ack(ids=ids, rejected=rej))
 
     def received_from(self, actor_id: str, n: int) -> None:
+        """``n`` episodes arrived from ``actor_id``: its credits are used and its lease renewed."""
+        now = time.monotonic()
         for a in self.actors.values():
             if a.actor_id == actor_id:
                 a.outstanding = max(0, a.outstanding - n)
+                a.last_seen = now
 
     def grant_credits(self, free: int, min_version: int, work=None) -> int:
         """Hand out up to ``free`` credits one at a time, round-robin over the actors below their
@@ -162,7 +271,7 @@ class LearnerNet:
         gets a share of each step's work (and so generates with each new ``min_version``).
 
         ``work(actor_state, n) -> dict``, if given, adds fields to an actor's credit message (the
-        learner's replay tasks and skip-set changes, see ``asyncrl.learner.replay``)."""
+        learner's replay assignments and skip-set changes, see ``asyncrl.learner.replay``)."""
         actors = list(self.actors.items())
         if not actors:
             return 0
@@ -184,7 +293,7 @@ class LearnerNet:
         for ident, a in order:
             if grants[ident]:
                 extra = work(a, grants[ident]) if work is not None else {}
-                self.send_control(ident, "credit", n=grants[ident], min_version=min_version, **extra)
+                self.send_control(ident, Credit(n=grants[ident], min_version=min_version, **extra))
                 a.outstanding += grants[ident]
         return granted
 
@@ -192,37 +301,52 @@ class LearnerNet:
     def in_flight(self) -> int:
         return sum(a.outstanding for a in self.actors.values())
 
-    def stop_actors(self) -> None:
+    def stop_actors(self, reason: str = "") -> None:
         for ident in list(self.actors):
-            self.send_control(ident, "stop")
+            self.send_control(ident, Stop(reason=reason))
+
+    def take_denied(self) -> list[tuple[str, float]]:
+        """CURVE client keys the authenticator refused since the last call (key, unix time)."""
+        return self.auth.keys.take_denied() if self.auth is not None else []
 
     # -- weights --------------------------------------------------------------------------------
     def publish_weights(self, named_tensors, version: int, path: str | None = None) -> None:
-        """Send ``named_tensors`` to every subscriber, or, when ``path`` is given (filesystem sync,
-        the tensors already saved there), only a reference to the file."""
-        self._weights_frames = (encode_msg("weights", version=version, path=path) if path
+        """Make ``version`` the current weights: ``named_tensors`` as frames (they must not change
+        until sent: pass a snapshot), or, with ``path`` (filesystem sync, already saved there),
+        only a reference to the file. Sent at once to every subscriber that holds all it was
+        sent; the others get the newest version when they say they have the previous one."""
+        self._weights_frames = (encode("weights", Weights(version=version, path=path)) if path
                                 else encode_weights(named_tensors, version))
         self.weights_version = version
-        for ident in list(self.subscribers):
-            self._send_weights(ident)
+        for ident, s in list(self.subscribers.items()):
+            if s.sent <= s.have:
+                self._send_weights(ident, s)
 
-    def _on_subscribe(self, identity: bytes, msg: Message) -> None:
-        if msg.kind != "subscribe":
-            self.on_bad_message("weights", f"weights socket got {msg.kind!r}; expected 'subscribe'")
+    def _on_subscribe(self, identity: bytes, body: Subscribe) -> None:
+        s = self.subscribers.get(identity)
+        if s is None:
+            s = self.subscribers[identity] = Subscriber(body.actor_id)
+        s.have, s.last_seen = body.have, time.monotonic()
+        if self._weights_frames is None or self.weights_version <= s.have:
             return
-        self.subscribers[identity] = int(msg.body.get("have", -1))
-        if self._weights_frames is not None and self.subscribers[identity] < self.weights_version:
-            self._send_weights(identity)
+        if s.sent < self.weights_version or time.monotonic() - s.sent_at > _WEIGHTS_RESEND_S:
+            self._send_weights(identity, s)
 
-    def _send_weights(self, identity: bytes) -> None:
-        self.weights.send_multipart([identity, *self._weights_frames], copy=False)
-        self.subscribers[identity] = self.weights_version
+    def _send_weights(self, identity: bytes, s: Subscriber) -> None:
+        try:
+            self.weights.send_multipart([identity, *self._weights_frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the peer's queue is full: it is not reading; it asks again when it does
+            return
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            self.subscribers.pop(identity, None)
+            return
+        s.sent, s.sent_at = self.weights_version, time.monotonic()
 
     # -- events ---------------------------------------------------------------------------------
     def publish_event(self, record: dict) -> None:
         try:
-            self.events.send_multipart(encode_msg("event", event=record), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            self.events.send_multipart(encode("event", Event(event=record)), flags=zmq.NOBLOCK, copy=False)
+        except (zmq.Again, WireError):  # no reader keeping up, or a record the UI could not decode
             pass
 
     def close(self) -> None:

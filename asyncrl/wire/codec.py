@@ -1,4 +1,4 @@
-"""Wire format: msgpack header + raw little-endian array frames (DESIGN.md section 2).
+"""Wire format: a msgpack header + raw little-endian array frames (docs/events.md, "Wire messages").
 
 Every message is a multipart ZeroMQ message::
 
@@ -6,46 +6,53 @@ Every message is a multipart ZeroMQ message::
                                "arrays": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}
     frame 1..k   the raw bytes of arrays[0..k-1], C order, little-endian, no padding
 
-Nothing is ever pickled. The header ``body`` holds msgpack-native values only (None, bool, int,
-float, str, bytes, list, map); numpy scalars are converted with ``.item()``; tuples come back as
-lists. Allowed dtypes are ``DTYPES``. ``bfloat16`` (torch only) travels as its raw 16-bit pattern;
+Nothing is ever pickled. ``body`` is the typed body of ``kind`` (:mod:`asyncrl.wire.messages`):
+:func:`encode` and :func:`decode` are the one path every message takes, and :func:`decode` refuses
+(WireError naming kind, field and expected type) a wrong schema version, an unknown kind, unknown,
+missing or wrongly typed fields, a header over the channel's size limit, arrays on a kind that
+carries none, and frames whose byte length is not dtype size x shape (computed without overflow).
+
+Allowed dtypes are ``DTYPES``. ``bfloat16`` (torch only) travels as its raw 16-bit pattern;
 :func:`decode` returns such an array as a ``uint16`` numpy array holding the bf16 bits and lists its
 name in ``Message.bf16``; ``Message.tensor(name)`` (and :func:`decode_weights`) turn it into a
-``torch.bfloat16`` tensor without copying.
+``torch.bfloat16`` tensor without copying. Decoded arrays are views over the received frames
+(zero-copy) unless a frame is not aligned for its dtype; those are copied. Views over
+``zmq.Frame`` buffers are writable; views over ``bytes`` are read-only.
 
-Decoded arrays are views over the received frames (zero-copy) unless a frame is not aligned for
-its dtype (ZeroMQ may hand out frames at odd offsets inside its receive buffer); those are copied.
-Views over ``zmq.Frame`` buffers are writable; views over ``bytes`` are read-only.
-
-Message kinds used by asyncrl: ``episode`` (:func:`encode_episode`), ``weights``
-(:func:`encode_weights`), and small control messages built with :func:`encode_msg`: ``hello``,
-``ack`` (``episode_ids``), ``credit`` (``n``, ``min_version``), ``stop``, ``status``, ``event``.
-
-Episode layout (``kind="episode"``): ``body["episode"]`` holds the Episode's scalar fields and
-``task``; ``body["trajectories"]`` is columnar, one list of length ``n`` per Trajectory field plus
-``length``, ``has_recorded_logprobs`` and ``has_exp_mask``. Per-token arrays of all trajectories
+Episode layout (``kind="episode"``, :class:`~asyncrl.wire.messages.EpisodeBody`): ``episode`` holds
+the Episode's own fields; ``trajectories`` is columnar, one list of length ``n`` per Trajectory field
+plus ``length``, ``has_recorded_logprobs`` and ``has_exp_mask``. Per-token arrays of all trajectories
 are concatenated into one frame per kind: ``token_ids`` int32, ``loss_mask`` uint8,
 ``behavior_logprobs`` float32 (each of total length ``sum(length)``), and, only if some trajectory
 has them, ``recorded_logprobs`` float32 / ``exp_mask`` uint8 holding the flagged trajectories only.
+The layout is unchanged since schema 1, so episodes written by schema 1 (write-ahead logs,
+checkpoints) still decode.
 
-Weights layout (``kind="weights"``): ``body = {"version": int}``, one frame per tensor, frame
-names are the state-dict keys, in order.
+Weights layout (``kind="weights"``): body ``{"version": int, "path": null}``, one frame per tensor,
+frame names are the state-dict keys, in order; or no frames and ``path`` naming a safetensors file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import re
 import sys
 import warnings
-from itertools import accumulate
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from itertools import accumulate
+from typing import Annotated, Any, Container, Iterable
 
-import msgpack
+import msgspec
 import numpy as np
 
 from asyncrl.types import Episode, Task, Trajectory
+from asyncrl.wire.messages import (ARRAY_KINDS, JSON_MAX_DEPTH, KINDS, Body, Columns, EpisodeBody,
+                                   EpisodeInfo, TaskBody, Weights)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+EPISODE_SCHEMAS = (1, 2)  # schemas whose episodes this process reads (the layout is unchanged)
 
 # wire name -> little-endian numpy dtype ("bfloat16" is carried as its uint16 bit pattern)
 DTYPES: dict[str, np.dtype] = {
@@ -55,11 +62,17 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype("<u2"),
 }
 _NP_TO_WIRE = {np.dtype(v).newbyteorder("="): k for k, v in DTYPES.items() if k != "bfloat16"}
-_HEADER_KEYS = ("schema", "kind", "body", "arrays")
+_HEADER_KEYS = ["schema", "kind", "body", "arrays"]
 
 
 class WireError(ValueError):
-    """A message that does not follow the wire format; the text says what was wrong and expected."""
+    """A message that does not follow the wire format; the text says what was wrong and expected.
+    ``reason`` is a short key for counting rejections (``malformed``, ``schema``, ``too_large``,
+    ``wrong_kind``, ``field``, ``arrays``)."""
+
+    def __init__(self, text: str, reason: str = "malformed"):
+        super().__init__(text)
+        self.reason = reason
 
 
 class SchemaVersionError(WireError):
@@ -67,17 +80,18 @@ class SchemaVersionError(WireError):
 
     def __init__(self, remote: Any, local: int = SCHEMA_VERSION):
         super().__init__(f"message schema version {remote}, this process speaks {local}; "
-                         f"upgrade the older side")
+                         f"upgrade the older side", reason="schema")
         self.remote, self.local = remote, local
 
 
 @dataclass
 class Message:
-    """A decoded message. ``arrays`` are numpy views over the received frames where possible;
-    names in ``bf16`` are bfloat16 arrays held as uint16 bit patterns (see ``tensor``)."""
+    """A decoded message: its typed ``body`` (a :class:`~asyncrl.wire.messages.Body`), and
+    ``arrays``, numpy views over the received frames where possible; names in ``bf16`` are
+    bfloat16 arrays held as uint16 bit patterns (see ``tensor``)."""
 
     kind: str
-    body: dict[str, Any]
+    body: Body
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     bf16: frozenset[str] = frozenset()
 
@@ -87,75 +101,185 @@ class Message:
         return _to_torch(self.arrays[name], name in self.bf16)
 
 
+class _ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(max_length=1024)]
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+class _Header(msgspec.Struct, forbid_unknown_fields=True):
+    schema: int
+    kind: str
+    body: msgspec.Raw
+    arrays: list[_ArraySpec] = []
+
+
 # ---------------------------------------------------------------------------------------------
 # generic encode / decode
 
 
-def encode(kind: str, body: dict[str, Any] | None = None,
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"value of type {type(obj).__name__} is not msgpack-serialisable")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(kind: str, body: Body | dict[str, Any] | None = None,
            arrays: dict[str, Any] | None = None) -> list:
     """Frames for one message: ``[header_bytes, buf_1, ..., buf_k]``.
 
-    ``arrays`` values are numpy arrays or CPU/GPU torch tensors (GPU ones are copied to CPU).
-    Contiguous little-endian arrays are sent zero-copy as memoryviews: do not modify them until
-    the send has completed. Raises WireError for an unsupported dtype or unpackable body value.
+    ``body`` is the kind's Body struct, or a dict of its fields (type-checked here, so a bad
+    message fails at the sender). ``arrays`` values are numpy arrays or CPU/GPU torch tensors (GPU
+    ones are copied to CPU); contiguous little-endian ones are sent zero-copy as memoryviews: do not
+    modify them until the send has completed. Raises WireError for an unknown kind, a field of the
+    wrong type, an unsupported dtype or an unpackable value.
     """
+    body = _as_body(kind, body)
     specs, bufs = [], []
     for name, value in (arrays or {}).items():
         arr, wire_dtype = _as_wire_array(name, value)
-        specs.append({"name": str(name), "dtype": wire_dtype, "shape": list(arr.shape)})
+        specs.append(_ArraySpec(str(name), wire_dtype, list(arr.shape)))
         bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))
-    header = {"schema": SCHEMA_VERSION, "kind": kind, "body": body or {}, "arrays": specs}
-    return [_pack(header), *bufs]
+    header = {"schema": SCHEMA_VERSION, "kind": kind, "body": body, "arrays": specs}
+    try:
+        return [_ENCODER.encode(header), *bufs]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise WireError(f"cannot encode message '{kind}': {e}; expected msgpack-native values "
+                        f"(str, int, float, bool, None, list, dict)") from e
 
 
-def encode_msg(kind: str, **body: Any) -> list:
-    """Frames for a control message without arrays: ``encode_msg("ack", episode_ids=[...])``."""
-    return encode(kind, body)
+def encode_msg(kind: str, **fields: Any) -> list:
+    """Frames for a message without arrays: ``encode_msg("ack", ids=[...])``."""
+    return encode(kind, fields)
 
 
-def decode(frames: Iterable[Any]) -> Message:
+def _as_body(kind: str, body: Body | dict[str, Any] | None) -> Body:
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise WireError(f"unknown message kind {kind!r}; expected one of {sorted(KINDS)}")
+    if isinstance(body, cls):
+        return body
+    if isinstance(body, Body):
+        raise WireError(f"message '{kind}' needs a {cls.__name__} body, got {type(body).__name__}")
+    try:
+        return msgspec.convert(body or {}, cls)
+    except msgspec.ValidationError as e:
+        raise WireError(f"cannot encode {_explain(f'message {kind!r}', e)}", reason="field") from e
+
+
+def decode(frames: Iterable[Any], max_header_bytes: int | None = None,
+           kinds: Container[str] | None = None) -> Message:
     """Parse frames (``bytes``, ``zmq.Frame`` or ``memoryview``) into a :class:`Message`.
 
-    Checks, in order: header is msgpack, is a map, has ``schema`` equal to SCHEMA_VERSION
-    (else SchemaVersionError), has ``kind``/``body``/``arrays`` of the right types, every array
-    spec has a known dtype and a valid shape, the frame count matches the specs, and every frame's
-    byte length equals dtype size x prod(shape). Any failure raises WireError saying which.
+    Checks, in order: the header frame is at most ``max_header_bytes`` (None: no limit), is a
+    msgpack map with exactly schema/kind/body/arrays, ``schema`` is SCHEMA_VERSION (episodes:
+    one of EPISODE_SCHEMAS; else SchemaVersionError), ``kind`` is known (and in ``kinds`` when
+    given, before its body is decoded), the body has the kind's fields with their types, only
+    episodes and weights carry arrays, every array spec has a known dtype, the frame count
+    matches the specs and every frame's byte length is dtype size x prod(shape).
+    Any failure raises WireError saying which.
     """
     bufs = [_buffer(f) for f in frames]
     if not bufs:
         raise WireError("empty message: expected at least the msgpack header frame")
-    header = _unpack_header(bufs[0])
-    specs = header["arrays"]
-    if len(bufs) - 1 != len(specs):
-        names = [s.get("name") for s in specs if isinstance(s, dict)]
-        raise WireError(f"message '{header['kind']}' has {len(bufs) - 1} array frames but its "
-                        f"header lists {len(specs)} arrays {names}")
-    arrays, bf16 = {}, set()
-    for i, (spec, buf) in enumerate(zip(specs, bufs[1:])):
-        name, dtype, shape = _check_spec(i, spec, header["kind"])
-        if name in arrays:
-            raise WireError(f"message '{header['kind']}' lists array '{name}' twice")
-        arrays[name] = _array_from_buffer(name, buf, dtype, shape)
-        if spec["dtype"] == "bfloat16":
-            bf16.add(name)
-    return Message(header["kind"], header["body"], arrays, frozenset(bf16))
+    if max_header_bytes is not None and bufs[0].nbytes > max_header_bytes:
+        raise WireError(f"message header is {bufs[0].nbytes} bytes; this channel takes at most "
+                        f"{max_header_bytes} (wire.max_header_kb, wire.max_control_kb)",
+                        reason="too_large")
+    header = _decode_header(bufs[0])
+    if kinds is not None and header.kind not in kinds:
+        raise WireError(f"a {header.kind!r} message on a channel that takes {sorted(kinds)}",
+                        reason="wrong_kind")
+    body = _decode_body(header)
+    arrays, bf16 = _decode_arrays(header, bufs[1:])
+    return Message(header.kind, body, arrays, bf16)
 
 
-def _pack(header: dict) -> bytes:
+def _decode_header(buf: memoryview) -> _Header:
     try:
-        return msgpack.packb(header, use_bin_type=True, default=_msgpack_default)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise WireError(f"cannot encode message '{header.get('kind')}' body: {e}; "
-                        f"expected msgpack-native values (str, int, float, bool, None, "
-                        f"bytes, list, dict)") from e
+        header = _HEADER_DECODER.decode(buf)
+    except msgspec.ValidationError as e:  # (a subclass of DecodeError)
+        _raise_if_other_schema(buf)
+        raise WireError(f"{_explain('message header', e)}; expected a map with keys "
+                        f"{_HEADER_KEYS}") from e
+    except msgspec.DecodeError as e:
+        raise WireError(f"frame 0 is not a msgpack header ({e}); expected a msgpack map with "
+                        f"keys {_HEADER_KEYS}") from e
+    except RecursionError as e:
+        raise WireError(f"message header: {_TOO_DEEP}") from e
+    if header.schema != SCHEMA_VERSION and not (header.kind == "episode"
+                                                and header.schema in EPISODE_SCHEMAS):
+        raise SchemaVersionError(header.schema)
+    if header.kind not in KINDS:
+        raise WireError(f"unknown message kind {header.kind!r}; expected one of {sorted(KINDS)}",
+                        reason="wrong_kind")
+    return header
 
 
-def _msgpack_default(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    raise TypeError(f"value of type {type(obj).__name__} is not msgpack-serialisable")
+def _raise_if_other_schema(buf: memoryview) -> None:
+    """A header that does not parse may still name another schema version: say that instead."""
+    try:
+        raw = msgspec.msgpack.decode(buf)
+    except (msgspec.DecodeError, RecursionError):
+        return
+    if isinstance(raw, dict) and "schema" in raw and raw["schema"] != SCHEMA_VERSION:
+        raise SchemaVersionError(raw["schema"])
+
+
+@functools.lru_cache(maxsize=None)
+def _body_decoder(kind: str) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(KINDS[kind])
+
+
+def _decode_body(header: _Header) -> Body:
+    try:
+        return _body_decoder(header.kind).decode(header.body)
+    except msgspec.ValidationError as e:
+        raise WireError(_explain(f"message '{header.kind}'", e), reason="field") from e
+    except RecursionError as e:
+        raise WireError(f"message '{header.kind}': {_TOO_DEEP}", reason="field") from e
+
+
+_AT = re.compile(r"^(.*?)(?: - at `(.*)`)?$", re.S)
+_TOO_DEEP = f"nested too deeply (free-form values nest at most {JSON_MAX_DEPTH} levels)"
+_SCALARS_ONLY = "expected bool | int | float | str | null, got "
+
+
+def _explain(where: str, err: Exception) -> str:
+    """``WHERE field 'PATH': expected TYPE, got TYPE`` from a msgspec ValidationError (``[...]``
+    in a path stands for a map key or list index msgspec does not name)."""
+    text, at = _AT.match(str(err)).groups()
+    text = re.sub(r"field `([^`]*)`", r"field '\1'", text).replace("`", "")
+    text = text[:1].lower() + text[1:]
+    if text.startswith(_SCALARS_ONLY) and text[len(_SCALARS_ONLY):] in ("array", "object"):
+        text += f" ({_TOO_DEEP})"
+    path = (at or "").replace("`", "").removeprefix("$").removeprefix(".")
+    return f"{where}{f' field {path!r}' if path else ''}: {text}"
+
+
+def _decode_arrays(header: _Header, bufs: list[memoryview]) -> tuple[dict, frozenset]:
+    kind, specs = header.kind, header.arrays
+    if (specs or bufs) and kind not in ARRAY_KINDS:
+        raise WireError(f"message '{kind}' carries {len(bufs)} array frames; only "
+                        f"{sorted(ARRAY_KINDS)} messages carry arrays", reason="arrays")
+    if len(bufs) != len(specs):
+        raise WireError(f"message '{kind}' has {len(bufs)} array frames but its header lists "
+                        f"{len(specs)} arrays {[s.name for s in specs]}", reason="arrays")
+    arrays, bf16 = {}, set()
+    for i, (spec, buf) in enumerate(zip(specs, bufs)):
+        if spec.dtype not in DTYPES:
+            raise WireError(f"message '{kind}' array spec {i} ('{spec.name}'): unknown dtype "
+                            f"{spec.dtype!r}; expected one of {sorted(DTYPES)}", reason="arrays")
+        if spec.name in arrays:
+            raise WireError(f"message '{kind}' lists array '{spec.name}' twice", reason="arrays")
+        arrays[spec.name] = _array_from_buffer(spec.name, buf, DTYPES[spec.dtype], spec.shape)
+        if spec.dtype == "bfloat16":
+            bf16.add(spec.name)
+    return arrays, frozenset(bf16)
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -168,48 +292,11 @@ def _buffer(frame: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _unpack_header(buf: memoryview) -> dict:
-    try:
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for garbage input
-        raise WireError(f"frame 0 is not a msgpack header ({type(e).__name__}: {e}); expected a "
-                        f"msgpack map with keys {list(_HEADER_KEYS)}") from e
-    if not isinstance(header, dict):
-        raise WireError(f"message header is a {type(header).__name__}, expected a msgpack map "
-                        f"with keys {list(_HEADER_KEYS)}")
-    missing = [k for k in _HEADER_KEYS if k not in header]
-    if "schema" in header and header["schema"] != SCHEMA_VERSION:
-        raise SchemaVersionError(header["schema"])
-    if missing:
-        raise WireError(f"message header is missing keys {missing}; expected {list(_HEADER_KEYS)}")
-    for key, typ in (("kind", str), ("body", dict), ("arrays", list)):
-        if not isinstance(header[key], typ):
-            raise WireError(f"message header '{key}' is a {type(header[key]).__name__}, "
-                            f"expected {typ.__name__}")
-    return header
-
-
-def _check_spec(i: int, spec: Any, kind: str) -> tuple[str, np.dtype, tuple[int, ...]]:
-    where = f"message '{kind}' array spec {i}"
-    if not isinstance(spec, dict) or not all(k in spec for k in ("name", "dtype", "shape")):
-        raise WireError(f"{where} is {spec!r}; expected a map with name, dtype, shape")
-    name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
-    if not isinstance(name, str):
-        raise WireError(f"{where}: name {name!r} is not a string")
-    if dtype not in DTYPES:
-        raise WireError(f"{where} ('{name}'): unknown dtype {dtype!r}; expected one of "
-                        f"{sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise WireError(f"{where} ('{name}'): shape {shape!r} is not a list of non-negative ints")
-    return name, DTYPES[dtype], tuple(shape)
-
-
-def _array_from_buffer(name: str, buf: memoryview, dtype: np.dtype,
-                       shape: tuple[int, ...]) -> np.ndarray:
-    expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+def _array_from_buffer(name: str, buf: memoryview, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    expected = dtype.itemsize * math.prod(shape)  # Python ints: no wrap-around for huge shapes
     if buf.nbytes != expected:
         raise WireError(f"array '{name}' frame has {buf.nbytes} bytes, expected {expected} "
-                        f"({dtype.name} x shape {list(shape)})")
+                        f"({dtype.name} x shape {list(shape)})", reason="arrays")
     arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
     return arr if arr.flags.aligned else arr.copy()
 
@@ -242,16 +329,7 @@ def _to_torch(arr: np.ndarray, is_bf16: bool):
 # ---------------------------------------------------------------------------------------------
 # episodes
 
-_TRAJ_TYPES: dict[str, tuple[type, ...]] = {
-    "id": (str,), "policy_version": (int,), "reward": (float, int), "scores": (dict,),
-    "sample_type": (str,), "group_id": (str,), "task_id": (str,), "is_replay": (bool,),
-    "advantage": (float, int, type(None)), "text": (str,), "metadata": (dict,),
-    "length": (int,), "has_recorded_logprobs": (bool,), "has_exp_mask": (bool,),
-}
-_EP_TYPES: dict[str, tuple[type, ...]] = {
-    "id": (str,), "actor_id": (str,), "task": (dict, type(None)), "decision": (dict,),
-    "metrics": (dict,), "created_at": (float, int),
-}
+_COLUMNS = Columns.__struct_fields__
 _TOKEN_ARRAYS = {"token_ids": "int32", "loss_mask": "uint8", "behavior_logprobs": "float32"}
 _OPTIONAL_ARRAYS = {"recorded_logprobs": ("float32", "has_recorded_logprobs"),
                     "exp_mask": ("uint8", "has_exp_mask")}
@@ -260,82 +338,93 @@ _OPTIONAL_ARRAYS = {"recorded_logprobs": ("float32", "has_recorded_logprobs"),
 def encode_episode(ep: Episode) -> list:
     """Frames for an Episode: 3 to 5 array frames however many trajectories (see module doc)."""
     trajs = ep.trajectories
-    cols: dict[str, list] = {
-        "id": [t.id for t in trajs], "policy_version": [int(t.policy_version) for t in trajs],
-        "reward": [float(t.reward) for t in trajs], "scores": [dict(t.scores) for t in trajs],
-        "sample_type": [t.sample_type for t in trajs], "group_id": [t.group_id for t in trajs],
-        "task_id": [t.task_id for t in trajs], "is_replay": [bool(t.is_replay) for t in trajs],
-        "advantage": [None if t.advantage is None else float(t.advantage) for t in trajs],
-        "text": [t.text for t in trajs], "metadata": [t.metadata for t in trajs],
-        "length": [len(t.token_ids) for t in trajs],
-        "has_recorded_logprobs": [t.recorded_logprobs is not None for t in trajs],
-        "has_exp_mask": [t.exp_mask is not None for t in trajs],
-    }
+    cols = Columns(
+        id=[t.id for t in trajs], policy_version=[int(t.policy_version) for t in trajs],
+        reward=[float(t.reward) for t in trajs], scores=[dict(t.scores) for t in trajs],
+        sample_type=[t.sample_type for t in trajs], group_id=[t.group_id for t in trajs],
+        task_id=[t.task_id for t in trajs], is_replay=[bool(t.is_replay) for t in trajs],
+        advantage=[None if t.advantage is None else float(t.advantage) for t in trajs],
+        text=[t.text for t in trajs], metadata=[t.metadata for t in trajs],
+        length=[len(t.token_ids) for t in trajs],
+        has_recorded_logprobs=[t.recorded_logprobs is not None for t in trajs],
+        has_exp_mask=[t.exp_mask is not None for t in trajs])
     arrays = {name: _concat([getattr(t, name) for t in trajs], dt)
               for name, dt in _TOKEN_ARRAYS.items()}
     for name, (dt, flag) in _OPTIONAL_ARRAYS.items():
-        if any(cols[flag]):
+        if any(getattr(cols, flag)):
             present = [getattr(t, name) for t in trajs]
             arrays[name] = _concat([a for a in present if a is not None], dt)
-    episode = {"id": ep.id, "actor_id": ep.actor_id, "decision": ep.decision,
-               "task": ep.task.to_dict() if ep.task is not None else None,
-               "metrics": ep.metrics, "created_at": float(ep.created_at)}
-    return encode("episode", {"episode": episode, "n": len(trajs), "trajectories": cols}, arrays)
+    task = ep.task
+    info = EpisodeInfo(id=ep.id, actor_id=ep.actor_id, decision=ep.decision, metrics=ep.metrics,
+                       created_at=float(ep.created_at),
+                       task=None if task is None else TaskBody(id=task.id, prompt=task.prompt,
+                                                               answer=task.answer,
+                                                               metadata=task.metadata))
+    return encode("episode", EpisodeBody(episode=info, n=len(trajs), trajectories=cols), arrays)
+
+
+class _EpisodeIds(msgspec.Struct):
+    id: str
+    actor_id: str
+
+
+class _EpisodeRef(msgspec.Struct):
+    episode: _EpisodeIds
+
+
+class _EpisodeHeaderRef(msgspec.Struct):
+    kind: str
+    body: _EpisodeRef
+
+
+_EPISODE_REF_DECODER = msgspec.msgpack.Decoder(_EpisodeHeaderRef)
+
+
+def episode_identity(header_frame: Any) -> tuple[str, str] | None:
+    """``(actor_id, episode_id)`` of an episode message that failed to decode, when its header
+    still names them (so that its actor can be told), else None. Other fields are skipped
+    without being built, so this is cheap even for a hostile header."""
+    try:
+        ref = _EPISODE_REF_DECODER.decode(_buffer(header_frame))
+    except (msgspec.DecodeError, WireError, RecursionError):
+        return None
+    ids = ref.body.episode
+    if ref.kind != "episode" or not 0 < len(ids.id) <= 1024 or len(ids.actor_id) > 1024:
+        return None
+    return ids.actor_id, ids.id
 
 
 def decode_episode(msg: Message, copy: bool = False) -> Episode:
     """The Episode in an ``episode`` message; raises WireError naming the first bad field.
 
-    Trajectory arrays are views into the message's frames (one shared buffer per array kind)
-    unless ``copy=True``, which gives each trajectory its own arrays (use it when trajectories
-    outlive their siblings for long, e.g. in a replay buffer, or when the frames were read-only).
+    Field types were checked by :func:`decode`; this checks that every column has ``n`` entries
+    and that the arrays hold exactly the trajectories' tokens. Trajectory arrays are views into the
+    message's frames (one shared buffer per array kind) unless ``copy=True``, which gives each
+    trajectory its own arrays (use it when trajectories outlive their siblings for long, e.g. in a
+    replay buffer, or when the frames were read-only).
     """
     if msg.kind != "episode":
-        raise WireError(f"expected an 'episode' message, got '{msg.kind}'")
-    ep_body = _field(msg.body, "episode", (dict,), "body")
-    n = _field(msg.body, "n", (int,), "body")
-    cols = _field(msg.body, "trajectories", (dict,), "body")
-    ep_f = {k: _field(ep_body, k, types, "episode") for k, types in _EP_TYPES.items()}
-    tr_f = {k: _column(cols, k, types, n) for k, types in _TRAJ_TYPES.items()}
-    if any(x < 0 for x in tr_f["length"]):
-        raise WireError(f"trajectories.length has a negative entry: {tr_f['length']}")
-    per_traj = {name: _split(msg, name, dt, tr_f["length"], [True] * n, copy)
+        raise WireError(f"expected an 'episode' message, got '{msg.kind}'", reason="wrong_kind")
+    body: EpisodeBody = msg.body
+    n, cols = body.n, body.trajectories
+    for name in _COLUMNS:
+        if len(getattr(cols, name)) != n:
+            raise WireError(f"message 'episode' field 'trajectories.{name}' has "
+                            f"{len(getattr(cols, name))} entries, expected {n} (one per trajectory)",
+                            reason="field")
+    per_traj = {name: _split(msg, name, dt, cols.length, [True] * n, copy)
                 for name, dt in _TOKEN_ARRAYS.items()}
     for name, (dt, flag) in _OPTIONAL_ARRAYS.items():
-        per_traj[name] = _split(msg, name, dt, tr_f["length"], tr_f[flag], copy)
-    trajs = _trajectories(tr_f, per_traj)
-    return Episode(trajectories=trajs, actor_id=ep_f["actor_id"], task=_task(ep_f["task"]),
-                   decision=ep_f["decision"], metrics=ep_f["metrics"],
-                   created_at=float(ep_f["created_at"]), id=ep_f["id"])
+        per_traj[name] = _split(msg, name, dt, cols.length, getattr(cols, flag), copy)
+    info = body.episode
+    return Episode(trajectories=_trajectories(cols, per_traj), actor_id=info.actor_id,
+                   task=_task(info.task), decision=info.decision, metrics=info.metrics,
+                   created_at=info.created_at, id=info.id)
 
 
 def _concat(arrs: list[np.ndarray], dtype: str) -> np.ndarray:
     dt = DTYPES[dtype]
     return np.concatenate(arrs, dtype=dt) if arrs else np.zeros(0, dt)
-
-
-def _field(d: dict, key: str, types: tuple[type, ...], where: str) -> Any:
-    if key not in d:
-        raise WireError(f"episode message: field '{where}.{key}' is missing")
-    _check_type(d[key], types, f"{where}.{key}")
-    return d[key]
-
-
-def _check_type(v: Any, types: tuple[type, ...], where: str) -> None:
-    if not isinstance(v, types) or (v.__class__ is bool and bool not in types):
-        raise WireError(f"episode message: field '{where}' is a {type(v).__name__}, "
-                        f"expected {' or '.join(t.__name__ for t in types)}")
-
-
-def _column(cols: dict, key: str, types: tuple[type, ...], n: int) -> list:
-    col = _field(cols, key, (list,), "trajectories")
-    if len(col) != n:
-        raise WireError(f"episode message: field 'trajectories.{key}' has {len(col)} entries, "
-                        f"expected {n} (one per trajectory)")
-    if not set(map(type, col)) <= set(types):  # fast path: msgpack yields exact types
-        for i, v in enumerate(col):
-            _check_type(v, types, f"trajectories[{i}].{key}")
-    return col
 
 
 def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: list[bool],
@@ -346,13 +435,13 @@ def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: lis
         return [None] * len(lengths)
     arr = msg.arrays.get(name)
     if arr is None:
-        raise WireError(f"episode message: array '{name}' is missing")
+        raise WireError(f"message 'episode': array '{name}' is missing", reason="arrays")
     if DTYPES[dtype] != arr.dtype or name in msg.bf16 or arr.ndim != 1:
-        raise WireError(f"episode message: array '{name}' is {arr.dtype}{list(arr.shape)}, "
-                        f"expected 1-D {dtype}")
+        raise WireError(f"message 'episode': array '{name}' is {arr.dtype}{list(arr.shape)}, "
+                        f"expected 1-D {dtype}", reason="arrays")
     if arr.size != sum(lens):
-        raise WireError(f"episode message: array '{name}' has {arr.size} elements but the "
-                        f"trajectory lengths sum to {sum(lens)}")
+        raise WireError(f"message 'episode': array '{name}' has {arr.size} elements but the "
+                        f"trajectory lengths sum to {sum(lens)}", reason="arrays")
     offsets = list(accumulate(lens, initial=0))
     parts = [arr[a:b] for a, b in zip(offsets, offsets[1:])]
     if copy:
@@ -368,26 +457,38 @@ _TRAJ_SCALARS = ("id", "policy_version", "reward", "scores", "sample_type", "gro
 _TRAJ_ARRAYS = ("token_ids", "loss_mask", "behavior_logprobs", "recorded_logprobs", "exp_mask")
 
 
-def _trajectories(f: dict[str, list], arrays: dict[str, list]) -> list[Trajectory]:
-    """Build Trajectory objects from validated columns and per-trajectory array slices."""
-    f = dict(f, reward=[float(r) for r in f["reward"]],
-             advantage=[None if a is None else float(a) for a in f["advantage"]])
-    names = _TRAJ_SCALARS + _TRAJ_ARRAYS
-    rows = zip(*(f[k] for k in _TRAJ_SCALARS), *(arrays[k] for k in _TRAJ_ARRAYS))
-    return [Trajectory(**dict(zip(names, row))) for row in rows]
+def _constructor_order() -> tuple[list[str], list[str]]:
+    """The Trajectory fields the wire carries, split into the longest prefix of the constructor's
+    positional order (passed positionally: a third cheaper than keywords, per trajectory) and the
+    rest (passed by keyword); fields the wire does not carry keep their defaults."""
+    carried = set(_TRAJ_SCALARS + _TRAJ_ARRAYS)
+    positional = []
+    for f in dataclasses.fields(Trajectory):
+        if not f.init or f.name not in carried:
+            break
+        positional.append(f.name)
+    return positional, [n for n in _TRAJ_SCALARS + _TRAJ_ARRAYS if n not in positional]
 
 
-def _task(d: dict | None) -> Task | None:
-    if d is None:
+_POSITIONAL, _KEYWORD = _constructor_order()
+
+
+def _trajectories(cols: Columns, arrays: dict[str, list]) -> list[Trajectory]:
+    """Trajectory objects from checked columns and per-trajectory array slices."""
+    def column(name: str) -> list:
+        return arrays[name] if name in arrays else getattr(cols, name)
+
+    rows = zip(*(column(k) for k in _POSITIONAL))
+    if not _KEYWORD:
+        return [Trajectory(*row) for row in rows]
+    extra = zip(*(column(k) for k in _KEYWORD))
+    return [Trajectory(*row, **dict(zip(_KEYWORD, kw))) for row, kw in zip(rows, extra)]
+
+
+def _task(body: TaskBody | None) -> Task | None:
+    if body is None:
         return None
-    try:
-        task = Task.from_dict(d)
-    except (KeyError, TypeError, ValueError) as e:
-        raise WireError(f"episode message: field 'episode.task' is invalid ({e!r}); expected a "
-                        f"map with id, prompt, answer, metadata") from e
-    if not all(isinstance(m, dict) for m in task.prompt):
-        raise WireError("episode message: field 'episode.task.prompt' must be a list of maps")
-    return task
+    return Task(id=body.id, prompt=body.prompt, answer=body.answer, metadata=body.metadata)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,25 +497,22 @@ def _task(d: dict | None) -> Task | None:
 
 def encode_weights(named_tensors: dict[str, Any], version: int) -> list:
     """Frames for a ``weights`` message: one frame per tensor, zero-copy for contiguous CPU
-    tensors (do not step the optimizer before the send completes), bfloat16 supported."""
-    return encode("weights", {"version": int(version)}, named_tensors)
+    tensors (do not modify them before the send completes), bfloat16 supported."""
+    return encode("weights", Weights(version=int(version)), named_tensors)
 
 
 def decode_weights(msg: Message, copy: bool = False) -> tuple[int, dict[str, Any]]:
-    """``(version, {name: torch.Tensor})`` from a ``weights`` message.
+    """``(version, {name: torch.Tensor})`` from a ``weights`` message with tensor frames.
 
     Tensors share the received frames when those are writable and aligned (``zmq.Frame`` from
     ``recv_multipart(copy=False)``), and are writable copies otherwise or with ``copy=True``.
     Either way they are safe to pass to ``module.load_state_dict``.
     """
     if msg.kind != "weights":
-        raise WireError(f"expected a 'weights' message, got '{msg.kind}'")
-    version = msg.body.get("version")
-    if type(version) is not int:
-        raise WireError(f"weights message: field 'version' is {version!r}, expected an int")
+        raise WireError(f"expected a 'weights' message, got '{msg.kind}'", reason="wrong_kind")
     out = {}
     for name, arr in msg.arrays.items():
         if copy or not arr.flags.writeable:
             arr = arr.copy()
         out[name] = _to_torch(arr, name in msg.bf16)
-    return version, out
+    return msg.body.version, out

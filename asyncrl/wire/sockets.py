@@ -1,31 +1,42 @@
-"""ZeroMQ socket helpers: loopback-only binding unless CURVE keys are set, CURVE key handling,
-and sending / receiving wire messages (see ``asyncrl.wire.codec`` for the frame layout).
+"""ZeroMQ socket helpers: loopback-only binding unless CURVE keys are set, CURVE key bundles, and
+the one receive loop every process uses (see ``asyncrl.wire.codec`` for the frame layout).
 
-Security rule (DESIGN.md section 2): a process may bind a non-loopback address only on a socket
-that is a CURVE server (``apply_curve_server`` before ``bind``). Keys live in one directory made by
-``asyncrl keys --out DIR`` (:func:`make_curve_keys`)::
+Security rule (docs/events.md, "Channels and keys"): a process may bind a non-loopback address only
+on a socket that is a CURVE server (``apply_curve_server`` before ``bind``). ``asyncrl keys --out
+DIR`` (:func:`make_curve_keys`) makes one bundle per party, so that no machine holds a secret it
+does not need::
 
-    DIR/server.key  DIR/server.key_secret  DIR/client.key  DIR/client.key_secret
+    DIR/server/server.key  DIR/server/server.key_secret      the learner's pair
+    DIR/server/authorized/actor-<name>.key                    public keys the learner admits
+    DIR/actor-<name>/actor.key  DIR/actor-<name>/actor.key_secret  one actor's pair
+    DIR/actor-<name>/server.key                               the learner's public key
 
-The learner (binding side) uses the server pair, actors use the client pair plus ``server.key``.
-CURVE alone encrypts and authenticates the server to clients; to also reject clients whose key is
-not in DIR, run :func:`start_curve_auth` on the server's context.
+``wire.curve_dir`` names a bundle (``DIR/server`` on the learner, ``DIR/actor-<name>`` on an actor)
+or DIR itself, in which case the learner takes ``DIR/server`` and actor ``<id>`` takes ``DIR/<id>``
+(``asyncrl run`` on one machine: actor ids are ``actor-0``, ``actor-1``, ...). The learner's
+authenticator (:func:`start_curve_auth`) admits only the public keys in ``server/authorized`` and
+reports every other key it refuses.
 """
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import os
-from typing import Any
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 import zmq
 import zmq.auth
 
 from asyncrl.wire.codec import Message, WireError, decode
 
-KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
-_KEYS_HINT = ("make keys with `asyncrl keys --out DIR`, then set `wire.curve_dir=DIR` on the "
-              "learner and on every actor (copy DIR to the actors' machines)")
+_KEYS_HINT = ("make keys with `asyncrl keys --out DIR`, then set `wire.curve_dir=DIR/server` on the "
+              "learner and `wire.curve_dir=DIR/actor-<name>` on each actor (copy only that actor's "
+              "directory to its machine)")
 
 
 class WireSecurityError(RuntimeError):
@@ -51,55 +62,134 @@ def check_bind_host(host: str, curve_dir: str | None) -> None:
         return
     if not curve_dir:
         raise WireSecurityError(
-            f"refusing to bind {host!r}: only loopback addresses (127.0.0.1, ::1, localhost) may "
-            f"be bound without ZeroMQ CURVE encryption; {_KEYS_HINT}")
-    _key_path(curve_dir, "server.key_secret")
+            f"refusing to bind {host!r} (wire.host): only loopback addresses (127.0.0.1, ::1, "
+            f"localhost) may be bound without ZeroMQ CURVE encryption; {_KEYS_HINT}")
+    server_bundle(curve_dir)
 
 
-def make_curve_keys(out_dir: str) -> tuple[str, str, str, str]:
-    """Create a server and a client CURVE key pair in ``out_dir``; returns the paths of
-    (server public, server secret, client public, client secret). Secret files are mode 0600."""
-    os.makedirs(out_dir, exist_ok=True)
-    server_pub, server_sec = zmq.auth.create_certificates(out_dir, "server")
-    client_pub, client_sec = zmq.auth.create_certificates(out_dir, "client")
-    for path in (server_sec, client_sec):
-        os.chmod(path, 0o600)
-    return str(server_pub), str(server_sec), str(client_pub), str(client_sec)
+# --- CURVE key bundles -------------------------------------------------------------------------
+
+def make_curve_keys(out_dir: str, names: list[str]) -> dict[str, str]:
+    """Create (or complete) the key bundles in ``out_dir`` for actors ``names``: the server
+    bundle once (an existing server pair is kept, so earlier actor bundles stay valid), then each
+    missing ``actor-<name>`` bundle, authorised in ``server/authorized``. Secret files are mode
+    0600. Returns ``{"server": dir, "actor-<name>": dir, ...}``."""
+    root = Path(out_dir)
+    _refuse_old_layout(root)
+    server = root / "server"
+    if not (server / "server.key_secret").is_file():
+        server.mkdir(parents=True, exist_ok=True)
+        _, secret = zmq.auth.create_certificates(str(server), "server")
+        os.chmod(secret, 0o600)
+    (server / "authorized").mkdir(exist_ok=True)
+    out = {"server": str(server)}
+    for name in names:
+        bundle = root / f"actor-{name}"
+        if not (bundle / "actor.key_secret").is_file():
+            bundle.mkdir(parents=True, exist_ok=True)
+            public, secret = zmq.auth.create_certificates(str(bundle), "actor")
+            os.chmod(secret, 0o600)
+            shutil.copyfile(server / "server.key", bundle / "server.key")
+        shutil.copyfile(bundle / "actor.key", server / "authorized" / f"actor-{name}.key")
+        out[f"actor-{name}"] = str(bundle)
+    return out
+
+
+def server_bundle(curve_dir: str) -> Path:
+    """The learner's bundle: ``curve_dir`` itself or ``curve_dir/server`` (WireSecurityError
+    naming what is missing otherwise)."""
+    root = Path(curve_dir)
+    _refuse_old_layout(root)
+    for d in (root, root / "server"):
+        if (d / "server.key_secret").is_file():
+            if not (d / "authorized").is_dir():
+                raise WireSecurityError(f"CURVE server bundle {d} has no authorized/ directory of "
+                                        f"actor public keys; {_KEYS_HINT}")
+            return d
+    raise WireSecurityError(f"no CURVE server keys in {root} (expected {root}/server.key_secret or "
+                            f"{root}/server/server.key_secret); {_KEYS_HINT}")
+
+
+def actor_bundle(curve_dir: str, actor_id: str | None = None) -> Path:
+    """An actor's bundle: ``curve_dir`` itself, ``curve_dir/<actor_id>`` or
+    ``curve_dir/actor-<actor_id>``; with no ``actor_id`` (a viewer such as ``asyncrl ui``) the
+    first actor bundle under ``curve_dir``."""
+    root = Path(curve_dir)
+    _refuse_old_layout(root)
+    candidates = [root]
+    if actor_id:
+        candidates += [root / actor_id, root / f"actor-{actor_id}"]
+    elif root.is_dir():
+        candidates += sorted(p for p in root.glob("actor-*") if p.is_dir())
+    for d in candidates:
+        if (d / "actor.key_secret").is_file() and (d / "server.key").is_file():
+            return d
+    raise WireSecurityError(f"no CURVE actor keys for {actor_id or 'this client'} in {root} "
+                            f"(expected actor.key_secret and server.key there or in "
+                            f"{root}/actor-<name>); {_KEYS_HINT}")
+
+
+def _refuse_old_layout(root: Path) -> None:
+    if (root / "client.key_secret").is_file():
+        raise WireSecurityError(
+            f"{root} has the old single-directory CURVE layout (the server's secret key next to "
+            f"the client keys, copied to every actor); regenerate with `asyncrl keys --out NEWDIR`, "
+            f"which makes NEWDIR/server for the learner and NEWDIR/actor-<name> for each actor")
 
 
 def apply_curve_server(sock: zmq.Socket, curve_dir: str) -> None:
-    """Make ``sock`` a CURVE server with the key pair in ``curve_dir`` (call before ``bind``)."""
-    public, secret = zmq.auth.load_certificate(_key_path(curve_dir, "server.key_secret"))
+    """Make ``sock`` a CURVE server with the learner's pair (call before ``bind``)."""
+    public, secret = zmq.auth.load_certificate(str(server_bundle(curve_dir) / "server.key_secret"))
     sock.curve_publickey, sock.curve_secretkey = public, secret
     sock.curve_server = True
 
 
-def apply_curve_client(sock: zmq.Socket, curve_dir: str) -> None:
-    """Make ``sock`` a CURVE client with the client pair and the server's public key in
-    ``curve_dir`` (call before ``connect``)."""
-    public, secret = zmq.auth.load_certificate(_key_path(curve_dir, "client.key_secret"))
-    server_public, _ = zmq.auth.load_certificate(_key_path(curve_dir, "server.key"))
+def apply_curve_client(sock: zmq.Socket, curve_dir: str, actor_id: str | None = None) -> None:
+    """Make ``sock`` a CURVE client with an actor bundle's pair and the learner's public key
+    (call before ``connect``)."""
+    bundle = actor_bundle(curve_dir, actor_id)
+    public, secret = zmq.auth.load_certificate(str(bundle / "actor.key_secret"))
+    server_public, _ = zmq.auth.load_certificate(str(bundle / "server.key"))
     sock.curve_publickey, sock.curve_secretkey = public, secret
     sock.curve_serverkey = server_public
 
 
+class _AuthorizedKeys:
+    """The authenticator's CURVE callback: admits the public keys in ``authorized/`` and keeps
+    the refused ones (z85 text, time) for the learner to report."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.keys = {zmq.auth.load_certificate(str(p))[0] for p in directory.glob("*.key")}
+        self.denied: collections.deque[tuple[str, float]] = collections.deque(maxlen=1000)
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key in self.keys:
+            return True
+        with self._lock:
+            self.denied.append((client_key.decode("ascii", "replace"), time.time()))
+        return False
+
+    def take_denied(self) -> list[tuple[str, float]]:
+        with self._lock:
+            out = list(self.denied)
+            self.denied.clear()
+        return out
+
+
 def start_curve_auth(ctx: zmq.Context, curve_dir: str):
-    """Start a ZAP authenticator on ``ctx`` that admits only CURVE clients whose public key is a
-    ``*.key`` file in ``curve_dir``. Returns it; call ``.stop()`` before terminating ``ctx``."""
+    """Start a ZAP authenticator on ``ctx`` that admits only CURVE clients whose public key is in
+    the server bundle's ``authorized/`` directory. Returns it (``.keys.take_denied()`` lists the
+    refused client keys since the last call); call ``.stop()`` before terminating ``ctx``."""
     from zmq.auth.thread import ThreadAuthenticator
 
-    _key_path(curve_dir, "client.key")
+    keys = _AuthorizedKeys(server_bundle(curve_dir) / "authorized")
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=str(curve_dir))
+    auth.configure_curve_callback(domain="*", credentials_provider=keys)
+    auth.keys = keys
     return auth
-
-
-def _key_path(curve_dir: str, name: str) -> str:
-    path = os.path.join(curve_dir, name)
-    if not os.path.isfile(path):
-        raise WireSecurityError(f"CURVE key file {path} not found; {_KEYS_HINT}")
-    return path
 
 
 def _tcp_host(sock: zmq.Socket, host: str) -> str:
@@ -134,15 +224,70 @@ def connect(sock: zmq.Socket, address: str) -> str:
     return address
 
 
+# --- sending and receiving ---------------------------------------------------------------------
+
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     """Send one multipart message without copying large frames (pyzmq copies small ones)."""
     sock.send_multipart(frames, flags=flags, copy=False)
 
 
+def recv_frames(sock: zmq.Socket, flags: int = 0, max_parts: int | None = None) -> list:
+    """One whole multipart message as ``zmq.Frame`` objects (no copy). Parts beyond
+    ``max_parts`` are received and dropped, and then WireError (``too_large``) is raised, so a
+    message of a million tiny parts costs no memory and the next call gets the next message."""
+    first = sock.recv(flags, copy=False)
+    frames, extra, more = [first], 0, first.more
+    while more:
+        part = sock.recv(copy=False)  # the rest of a multipart message has arrived with its first
+        more = part.more
+        if max_parts is None or len(frames) < max_parts:
+            frames.append(part)
+        else:
+            extra += 1
+    if extra:
+        raise WireError(f"message of {len(frames) + extra} frames; this channel takes at most "
+                        f"{max_parts}", reason="too_large")
+    return frames
+
+
+def drain(sock: zmq.Socket, handle: Callable[[list], Any], limit: int,
+          on_error: Callable[[Exception], Any] | None = None, max_parts: int | None = None) -> int:
+    """The one receive loop: hand each message already waiting on ``sock`` (at most ``limit``,
+    so that a flood cannot hold the caller) to ``handle(frames)``; returns how many were taken.
+
+    With ``on_error``, a message that cannot be received whole (too many parts) or whose
+    ``handle`` raises goes to ``on_error(exception)`` and is lost alone; the loop goes on. OSError
+    is never caught here: a full disk or a permission error is the process's problem, not the
+    message's (handlers catch the OSErrors a message can cause, such as a missing file it names).
+    """
+    taken = 0
+    while taken < limit:
+        try:
+            frames = recv_frames(sock, zmq.NOBLOCK, max_parts)
+        except zmq.Again:
+            break
+        except WireError as e:
+            taken += 1
+            if on_error is None:
+                raise
+            on_error(e)
+            continue
+        taken += 1
+        try:
+            handle(frames)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure rejects this message only
+            if on_error is None:
+                raise
+            on_error(e)
+    return taken
+
+
 def recv_message(sock: zmq.Socket, flags: int = 0) -> Message:
     """Receive and decode one message; the whole message is consumed even if decoding raises
     WireError, so the next call gets the next message."""
-    return decode(sock.recv_multipart(flags=flags, copy=False))
+    return decode(recv_frames(sock, flags))
 
 
 def send_routed(sock: zmq.Socket, identity: Any, frames: list, flags: int = 0) -> None:
@@ -153,7 +298,7 @@ def send_routed(sock: zmq.Socket, identity: Any, frames: list, flags: int = 0) -
 def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Message]:
     """ROUTER side: ``(identity, message)`` from a DEALER peer. The message is consumed even if
     decoding raises WireError; the error then carries the sender in ``.identity``."""
-    frames = sock.recv_multipart(flags=flags, copy=False)
+    frames = recv_frames(sock, flags)
     identity = frames[0].bytes
     try:
         return identity, decode(frames[1:])

@@ -1,0 +1,236 @@
+"""The learner's dealings with peers it does not trust: episode validation, the ingest step
+(validate -> write-ahead log -> acknowledge), control messages, leases, and rate-limited reports.
+
+Promises (docs/events.md, "Peers that misbehave"):
+- An episode is checked completely (:class:`EpisodeValidator`) before it is written to the WAL and
+  acknowledged. An invalid one is never written and never acknowledged as kept: the actor's ``ack``
+  lists it under ``rejected`` with the reason, and the actor drops it (it would be rejected again).
+- No message stops the learner: a failure while handling one message rejects that message only
+  (``bad_messages``); only an OSError (a full disk, a permission error) escapes, for the learner to
+  stop cleanly.
+- Reports are rate-limited (:class:`RateLimitedLog`): the first ``wire.bad_log_first`` of each
+  reason are printed and written as events, the rest are counted and summarised every
+  ``wire.bad_log_every_s`` seconds in one ``messages_suppressed`` event.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+from typing import Callable
+
+import msgspec
+import numpy as np
+
+from ..wire.codec import WireError
+from ..wire.messages import Rejected
+from .net import Arrival, LearnerNet, Limits
+
+_REASON_CHARS = 300  # a rejection reason sent back to the actor (the Ack field allows 1024)
+
+
+class EpisodeValidator:
+    """Semantic checks of a decoded episode (its types and array sizes were checked by
+    ``asyncrl.wire.codec.decode``): what the trainer and the run log rely on."""
+
+    def __init__(self, vocab_size: int, limits: Limits):
+        self.vocab_size = vocab_size
+        self.limits = limits
+
+    def check(self, arrival: Arrival, version: int) -> tuple[str, str] | None:
+        """``(reason, explanation)`` for the first problem of the episode, or None when it may be
+        trained by a learner at ``version``. Vectorised over the concatenated arrays."""
+        ep, arrays = arrival.episode, arrival.arrays
+        trajs = ep.trajectories
+        if len(trajs) > self.limits.max_trajectories:
+            return "too_many_trajectories", (f"{len(trajs)} trajectories; at most "
+                                             f"{self.limits.max_trajectories} (wire.max_trajectories_per_episode)")
+        if not trajs:
+            v = ep.decision.get("policy_version", 0)
+            if type(v) is not int or not 0 <= v <= version:
+                return "version", f"decision.policy_version {v!r}; expected an int in [0, {version}]"
+            return None
+        return (self._check_lengths(trajs) or self._check_tokens(arrays)
+                or self._check_floats(trajs, arrays) or self._check_versions(trajs, version))
+
+    def _check_lengths(self, trajs) -> tuple[str, str] | None:
+        lengths = [len(t.token_ids) for t in trajs]
+        if min(lengths) == 0:
+            return "empty_trajectory", f"trajectory {lengths.index(0)} has no tokens"
+        if max(lengths) > self.limits.max_tokens:
+            return "too_long", (f"a trajectory of {max(lengths)} tokens; at most {self.limits.max_tokens} "
+                                f"(wire.max_tokens_per_trajectory)")
+        return None
+
+    def _check_tokens(self, arrays) -> tuple[str, str] | None:
+        ids = arrays["token_ids"]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            return "token_range", f"token id {bad}; expected ids in [0, {self.vocab_size}) (the model's vocabulary)"
+        for name in ("loss_mask", "exp_mask"):
+            if name in arrays and arrays[name].size and int(arrays[name].max()) > 1:
+                return "mask_values", f"{name} holds {int(arrays[name].max())}; expected 0 or 1"
+        return None
+
+    @staticmethod
+    def _check_floats(trajs, arrays) -> tuple[str, str] | None:
+        for name in ("behavior_logprobs", "recorded_logprobs"):
+            a = arrays.get(name)
+            if a is not None and a.size:
+                if not np.isfinite(a).all():
+                    return "nonfinite", f"{name} holds NaN or infinity"
+                if float(a.max()) > 1e-3:
+                    return "logprob_positive", f"{name} holds {float(a.max()):.4g}; log-probs are <= 0"
+        values = [t.reward for t in trajs] + [t.advantage for t in trajs if t.advantage is not None]
+        values += [v for t in trajs for v in t.scores.values() if v.__class__ is float]
+        if not all(map(math.isfinite, values)):
+            return "nonfinite", "a reward, advantage or score is NaN or infinite"
+        return None
+
+    @staticmethod
+    def _check_versions(trajs, version: int) -> tuple[str, str] | None:
+        versions = [t.policy_version for t in trajs]
+        if max(versions) > version:
+            return "future_version", (f"policy_version {max(versions)} is newer than the learner's "
+                                      f"{version} (weights it never published, or a learner resumed "
+                                      f"from an older checkpoint)")
+        if min(versions) < 0:
+            return "version", f"policy_version {min(versions)}; expected >= 0"
+        return None
+
+
+class RateLimitedLog:
+    """Reports of one kind of trouble (rejected messages, dropped actors, ...) that a peer can cause
+    at any rate: per ``(kind, reason)``, the first ``first`` are printed and written as events
+    one by one; later ones are counted and summarised at most every ``every_s`` seconds."""
+
+    def __init__(self, event: Callable[..., None], first: int, every_s: float, prefix: str = "[learner]"):
+        self.event, self.first, self.every_s, self.prefix = event, first, every_s, prefix
+        self.seen: Counter[str] = Counter()
+        self.pending: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+        self._last_flush = time.monotonic()
+
+    def report(self, kind: str, reason: str, text: str, **fields) -> None:
+        key = f"{kind}:{reason}"
+        self.seen[key] += 1
+        if self.seen[key] <= self.first:
+            tail = " (further ones are counted)" if self.seen[key] == self.first else ""
+            print(f"{self.prefix} {kind} ({reason}): {text}{tail}", flush=True)
+            self.event(kind, reason=reason, error=text, **fields)
+        else:
+            self.pending[key] += 1
+            self.examples[key] = text
+
+    def flush(self, force: bool = False) -> None:
+        """Write the summary of what was counted since the last one, when ``every_s`` has passed."""
+        now = time.monotonic()
+        if not self.pending or (not force and now - self._last_flush < self.every_s):
+            return
+        counts, examples = dict(self.pending), {k: self.examples[k] for k in self.pending}
+        window = now - self._last_flush
+        self.pending.clear()
+        self.examples.clear()
+        self._last_flush = now
+        print(f"{self.prefix} in the last {window:.0f} s, also: "
+              + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())), flush=True)
+        self.event("messages_suppressed", seconds=round(window, 3), counts=counts, examples=examples)
+
+
+class Peers:
+    """One ``pump`` of the wire for the learner: ingest episodes (validate, WAL, acknowledge),
+    handle control messages, expire leases, report refused CURVE clients. ``stop_reason`` is set
+    when ``train.exit_after_no_actors_s`` has passed with no actor."""
+
+    def __init__(self, cfg, net: LearnerNet, buffer, event: Callable[..., None], vocab_size: int):
+        self.cfg, self.net, self.buffer, self.event = cfg, net, buffer, event
+        self.validator = EpisodeValidator(vocab_size, net.limits)
+        self.reports = RateLimitedLog(event, cfg.wire.bad_log_first, cfg.wire.bad_log_every_s)
+        self.bad_messages = 0
+        self.rejected_episodes = 0
+        self.ingested = 0
+        self.ingest_bytes = 0
+        self.stop_reason: str | None = None
+        self._no_actor_since = time.monotonic()
+        self._status_logged: dict[bytes, float] = {}
+
+    def bad_message(self, channel: str, error: Exception) -> None:
+        """A message that could not be received, decoded or handled (``LearnerNet.on_bad_message``)."""
+        self.bad_messages += 1
+        reason = getattr(error, "reason", None) or type(error).__name__
+        text = str(error) if isinstance(error, WireError) else f"{type(error).__name__}: {error}"
+        self.reports.report("bad_message", f"{channel}:{reason}", text[:2000], channel=channel)
+
+    def pump(self, timeout_ms: int, version: int) -> None:
+        arrivals, control = self.net.poll(timeout_ms)
+        for identity, msg in control:  # first: a hello that came with episodes admits their actor
+            self._control(identity, msg, version)
+        self._ingest(arrivals, version)
+        for a in self.net.expire():
+            self._status_logged.pop(a.identity, None)
+            self.reports.report("actor_dropped", "lease", f"{a.actor_id} was silent for more than "
+                                f"{self.net.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
+                                f"return to the pool", actor_id=a.actor_id, outstanding=a.outstanding)
+        for key, _ in self.net.take_denied():
+            self.reports.report("connection_refused", "curve_key", f"a CURVE client with key {key} is "
+                                f"not in the server's authorized keys", client_key=key)
+        self._watch_actors()
+        self.reports.flush()
+
+    def _ingest(self, arrivals: list[Arrival], version: int) -> None:
+        """Validate, write (WAL, fsync once) and acknowledge; invalid episodes are rejected."""
+        acks: dict[str, list[str]] = defaultdict(list)
+        rejected: dict[str, list[Rejected]] = defaultdict(list)
+        for actor_id, eid, err in self.net.take_undecodable():  # (reported as bad messages already)
+            self.rejected_episodes += 1
+            rejected[actor_id].append(Rejected(id=eid, reason=f"{err.reason}: {err}"[:_REASON_CHARS]))
+        for arrival in arrivals:
+            ep = arrival.episode
+            self.net.received_from(ep.actor_id, 1)
+            try:
+                problem = self.validator.check(arrival, version)
+            except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+                problem = ("invalid", f"{type(e).__name__}: {e}")
+            if problem is not None:
+                self._reject(ep, *problem, rejected)
+                continue
+            acks[ep.actor_id].append(ep.id)
+            if self.buffer.add(ep, arrival.frames):
+                self.ingested += 1
+                self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
+            else:
+                self.reports.report("duplicate_episode", "duplicate", f"episode {ep.id} from "
+                                    f"{ep.actor_id} is already in the buffer (a resend)",
+                                    episode_id=ep.id, actor_id=ep.actor_id)
+        self.buffer.sync()
+        self.net.ack(acks, rejected)
+
+    def _reject(self, ep, reason: str, text: str, rejected: dict) -> None:
+        self.rejected_episodes += 1
+        rejected[ep.actor_id].append(Rejected(id=ep.id, reason=f"{reason}: {text}"[:_REASON_CHARS]))
+        self.reports.report("episode_rejected", reason, f"episode {ep.id} from {ep.actor_id}: {text}",
+                            episode_id=ep.id, actor_id=ep.actor_id)
+
+    def _control(self, identity: bytes, msg, version: int) -> None:
+        try:
+            state = self.net.handle_control(identity, msg)
+        except WireError as e:
+            self.bad_message("control", e)
+            return
+        now = time.monotonic()
+        if msg.kind == "status" and now - self._status_logged.get(state.identity, 0.0) >= 1.0:
+            self._status_logged[state.identity] = now  # at most one actor_status event a second
+            fields = msgspec.structs.asdict(msg.body)
+            fields.pop("identity")
+            self.event("actor_status", **fields)
+
+    def _watch_actors(self) -> None:
+        limit = self.cfg.train.exit_after_no_actors_s
+        now = time.monotonic()
+        if self.net.actors:
+            self._no_actor_since = now
+        elif limit is not None and self.stop_reason is None and now - self._no_actor_since > limit:
+            self.stop_reason = (f"no actor for {limit:g} s (train.exit_after_no_actors_s); stopping "
+                                f"after a checkpoint")

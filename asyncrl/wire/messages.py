@@ -1,0 +1,223 @@
+"""Typed wire messages: one msgspec Struct per message kind (docs/events.md, "Wire messages").
+
+Every message body is a :class:`Body` subclass named on the wire by its ``KIND``. Decoding a body
+(:func:`asyncrl.wire.codec.decode`) checks every field's type and bounds and rejects unknown and
+missing fields, all inside msgspec's C decoder. Free-form fields (an episode's ``decision``, task
+metadata, ...) are :data:`Json`: null, bool, int, float, str, lists and string-keyed maps nested at
+most ``JSON_MAX_DEPTH`` levels; bytes, msgpack extension types and deeper nesting are refused. A
+message that fails is a WireError naming the message kind, the field and what was expected;
+nothing downstream ever sees it.
+
+Channels and who sends what (the learner binds, actors connect):
+
+====================  ==========  ==================================================================
+kind                  direction   meaning
+====================  ==========  ==================================================================
+``hello``             A -> L      admit me with ``capacity`` (capped by ``wire.max_capacity``)
+``welcome``           L -> A      you are admitted (again): the learner holds no credits of yours
+``credit``            L -> A      generate ``n`` more episodes with weights >= ``min_version``
+``ack``               L -> A      these episodes are in the write-ahead log; these were rejected
+``status``            A -> L      heartbeat (from the actor's heartbeat socket): renews the lease
+``alive``             L -> A      answer to ``status``: the learner (``session``) is alive
+``stop``              L -> A      the run is over
+``episode``           A -> L      trajectories, columnar, with raw array frames
+``subscribe``         A -> L      weights channel: I have ``have``; send anything newer (also the
+                                  acknowledgement that lets the next version go out)
+``weights``           L -> A      ``version`` as tensor frames, or ``path`` to a safetensors file
+``event``             L -> UI     one run-log record on the events channel
+====================  ==========  ==================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, NewType, Union
+
+import msgspec
+
+JSON_MAX_DEPTH = 12
+
+
+def _json_type(depth: int):
+    """JSON values nested at most ``depth`` levels, as a msgspec type. Each level is a NewType so
+    that building the type stays cheap; msgspec's decoder expands it (2**depth nodes, ~20 ms at
+    12, once per decoder), which is why the depth is kept small."""
+    t = Union[str, int, float, bool, None]
+    for level in range(1, depth + 1):
+        t = NewType(f"Json{level}", Union[str, int, float, bool, None, list[t], dict[str, t]])
+    return t
+
+
+Json = _json_type(JSON_MAX_DEPTH - 1)  # a JsonMap's values: the map itself is one level
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Version = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no weights yet
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+JsonMap = dict[str, Json]
+
+
+class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A message body; ``KIND`` is its name on the wire."""
+
+    KIND: ClassVar[str] = ""
+
+
+# --- actors <-> learner: admission, credits, acknowledgements, heartbeats ---------------------
+
+class Hello(Body):
+    KIND = "hello"
+    actor_id: Name
+    capacity: Annotated[int, msgspec.Meta(ge=1)]
+    version: Version = -1
+    pid: Count = 0
+
+
+class Welcome(Body):
+    KIND = "welcome"
+    session: Name
+    addresses: dict[str, Name]
+    lease_s: Seconds
+
+
+class TaskBody(Body):
+    """A :class:`asyncrl.types.Task` on the wire."""
+
+    id: Id
+    prompt: list[JsonMap]
+    answer: Json = None
+    metadata: JsonMap = {}
+
+
+class ReplayTask(Body):
+    """An experience-replay assignment: generate ``n`` fresh rollouts of ``task``; the learner
+    adds ``k`` stored trajectories to them (docs/replay.md)."""
+
+    task: TaskBody
+    n: Annotated[int, msgspec.Meta(ge=1)]
+    k: Count
+
+
+class Withhold(Body):
+    """Changes of the learner's skip set (task ids withheld from the fresh stream): ``reset``
+    first empties the actor's copy."""
+
+    reset: bool = False
+    add: list[Id] = []
+    remove: list[Id] = []
+
+
+class Credit(Body):
+    KIND = "credit"
+    n: Annotated[int, msgspec.Meta(ge=1)]
+    min_version: Count
+    replay: list[ReplayTask] = []
+    withhold: Withhold | None = None
+
+
+class Rejected(Body):
+    """An episode the learner refused (not written, not to be sent again) and why."""
+
+    id: Id
+    reason: Name
+
+
+class Ack(Body):
+    KIND = "ack"
+    ids: list[Id]
+    rejected: list[Rejected] = []
+
+
+class Status(Body):
+    """The actor's heartbeat. ``identity`` is the actor's control socket identity (the heartbeat
+    comes from a socket of its own, so that a long generation batch never silences it)."""
+
+    KIND = "status"
+    actor_id: Name
+    identity: Name
+    capacity: Annotated[int, msgspec.Meta(ge=1)]
+    version: Version
+    pid: Count = 0
+    batches: Count = 0
+    weight_updates: Count = 0
+    unacked: Count = 0
+    credits: Count = 0
+    generate_s: Seconds = 0.0
+    stopping: bool = False
+
+
+class Alive(Body):
+    KIND = "alive"
+    session: Name
+    version: Count
+
+
+class Stop(Body):
+    KIND = "stop"
+    reason: Name = ""
+
+
+# --- episodes ---------------------------------------------------------------------------------
+
+class EpisodeInfo(Body):
+    """An Episode's own fields (its trajectories travel as :class:`Columns`)."""
+
+    id: Id
+    actor_id: Name
+    task: TaskBody | None = None
+    decision: JsonMap = {}
+    metrics: JsonMap = {}
+    created_at: float = 0.0
+
+
+class Columns(Body):
+    """One list per Trajectory field, ``n`` entries each (``length``: tokens per trajectory; the
+    per-token arrays are frames, see :mod:`asyncrl.wire.codec`)."""
+
+    id: list[Id]
+    policy_version: list[int]
+    reward: list[float]
+    scores: list[dict[str, float | bool | None]]
+    sample_type: list[Name]
+    group_id: list[Name]
+    task_id: list[Name]
+    is_replay: list[bool]
+    advantage: list[float | None]
+    text: list[str]
+    metadata: list[JsonMap]
+    length: list[Count]
+    has_recorded_logprobs: list[bool]
+    has_exp_mask: list[bool]
+
+
+class EpisodeBody(Body):
+    KIND = "episode"
+    episode: EpisodeInfo
+    n: Count
+    trajectories: Columns
+
+
+# --- weights and events -----------------------------------------------------------------------
+
+class Subscribe(Body):
+    KIND = "subscribe"
+    actor_id: Name
+    have: Version
+    applied_at: float | None = None
+
+
+class Weights(Body):
+    """Tensor frames named by state-dict key (zmq sync), or ``path`` to a safetensors file."""
+
+    KIND = "weights"
+    version: Count
+    path: Name | None = None
+
+
+class Event(Body):
+    KIND = "event"
+    event: JsonMap
+
+
+KINDS: dict[str, type[Body]] = {cls.KIND: cls for cls in (
+    Hello, Welcome, Credit, Ack, Status, Alive, Stop, EpisodeBody, Subscribe, Weights, Event)}
+ARRAY_KINDS = frozenset({"episode", "weights"})  # the only kinds that may carry array frames

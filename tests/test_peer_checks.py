@@ -1,0 +1,169 @@
+"""The learner's peer checks in process: episode validation, rate-limited reports, leases and
+capacity caps, one pending weights version per subscriber (real ZeroMQ sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from asyncrl.config import load_config
+from asyncrl.learner.net import Arrival, LearnerNet, Limits
+from asyncrl.learner.peers import EpisodeValidator, RateLimitedLog
+from asyncrl.types import Episode, Trajectory
+from asyncrl.wire.codec import WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg
+
+DEADLINE_S = 20
+
+
+def _traj(n=6, token=5, version=0, reward=1.0, **kw) -> Trajectory:
+    mask = np.r_[np.zeros(n // 2), np.ones(n - n // 2)]
+    return Trajectory(token_ids=np.full(n, token), loss_mask=mask, behavior_logprobs=-0.5 * mask,
+                      policy_version=version, reward=reward, **kw)
+
+
+def _arrival(ep: Episode) -> Arrival:
+    frames = encode_episode(ep)
+    msg = decode(frames)
+    return Arrival(decode_episode(msg), frames, msg.arrays)
+
+
+@pytest.fixture
+def validator():
+    return EpisodeValidator(vocab_size=100, limits=Limits(header_bytes=1 << 20, control_bytes=1 << 16,
+                                                          max_trajectories=4, max_tokens=32))
+
+
+@pytest.mark.parametrize("trajs, decision, reason", [
+    ([_traj()], {}, None),
+    ([_traj(version=3)], {}, None),  # = the learner's version: fine
+    ([_traj(version=4)], {}, "future_version"),
+    ([_traj(token=100)], {}, "token_range"),
+    ([_traj(token=-1)], {}, "token_range"),
+    ([_traj(reward=math.nan)], {}, "nonfinite"),
+    ([_traj(scores={"acc": math.inf})], {}, "nonfinite"),
+    ([_traj(advantage=-math.inf)], {}, "nonfinite"),
+    ([_traj(recorded_logprobs=np.full(6, math.nan))], {}, "nonfinite"),
+    ([_traj(exp_mask=np.full(6, 2))], {}, "mask_values"),
+    ([_traj(n=33)], {}, "too_long"),
+    ([_traj(n=0)], {}, "empty_trajectory"),
+    ([_traj() for _ in range(5)], {}, "too_many_trajectories"),
+    ([], {"policy_version": 3}, None),
+    ([], {"policy_version": 9}, "version"),
+    ([], {"policy_version": "3"}, "version"),
+])
+def test_episode_validation(validator, trajs, decision, reason):
+    problem = validator.check(_arrival(Episode(trajectories=trajs, actor_id="a", decision=decision)), version=3)
+    assert (problem[0] if problem else None) == reason, problem
+
+
+def test_validation_catches_a_positive_logprob(validator):
+    t = _traj()
+    t.behavior_logprobs[-1] = 0.5
+    assert validator.check(_arrival(Episode(trajectories=[t])), version=0)[0] == "logprob_positive"
+
+
+def test_rate_limited_log_reports_the_first_then_summarises(capsys):
+    events = []
+    log = RateLimitedLog(lambda kind, **f: events.append((kind, f)), first=2, every_s=3600)
+    for i in range(50):
+        log.report("bad_message", "control:field", f"error {i}", channel="control")
+    log.report("bad_message", "episodes:malformed", "other")
+    log.flush()  # not yet: every_s has not passed
+    assert [f["error"] for k, f in events] == ["error 0", "error 1", "other"]
+    log.flush(force=True)
+    kind, summary = events[-1]
+    assert kind == "messages_suppressed" and summary["counts"] == {"bad_message:control:field": 48}
+    assert summary["examples"]["bad_message:control:field"] == "error 49"
+    log.flush(force=True)
+    assert len(events) == 4  # nothing new to summarise
+    assert len(capsys.readouterr().out.splitlines()) == 4  # 3 lines, then one summary line
+
+
+@pytest.fixture
+def net():
+    cfg = load_config(None, ["wire.lease_s=0.5", "wire.max_capacity=5", "wire.max_actors=3",
+                             "actor.heartbeat_s=0.1"]).wire
+    errors: list = []
+    n = LearnerNet(cfg, lambda ch, e: errors.append((ch, e)))
+    n.errors = errors
+    yield n
+    n.close()
+
+
+def _dealer(address: str, ctx=zmq.Context.instance()) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return s
+
+
+def _pump_until(net, condition) -> list:
+    deadline, control = time.time() + DEADLINE_S, []
+    while time.time() < deadline and not condition():
+        _, got = net.poll(50)
+        for identity, msg in got:
+            try:
+                net.handle_control(identity, msg)
+            except WireError as e:
+                net.errors.append(("control", e))
+        control += got
+    assert condition(), "condition not reached within the deadline"
+    return control
+
+
+def test_leases_expire_capacity_is_capped_and_a_dropped_actor_comes_back(net):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"a:1")  # as an actor names its control socket
+    sock.connect(net.addresses["control"])
+    try:
+        sock.send_multipart(encode_msg("hello", actor_id="a", capacity=10**6))
+        _pump_until(net, lambda: len(net.actors) == 1)
+        state = next(iter(net.actors.values()))
+        assert state.capacity == 5  # wire.max_capacity
+        assert net.grant_credits(100, min_version=0) == 5 and net.in_flight == 5
+        _pump_until(net, lambda: net.expire() or not net.actors)  # silent past the lease
+        assert net.in_flight == 0  # its credits are back in the pool
+        sock.send_multipart(encode_msg("status", actor_id="a", identity="a:1", capacity=2, version=0))
+        _pump_until(net, lambda: len(net.actors) == 1)  # any message admits it again
+        kinds = []
+        while sock.poll(200):
+            kinds.append(decode(sock.recv_multipart()).kind)
+        assert kinds.count("welcome") == 2 and "credit" in kinds and "alive" in kinds
+    finally:
+        sock.close(0)
+
+
+def test_the_actor_table_is_bounded(net):
+    socks = [_dealer(net.addresses["control"]) for _ in range(4)]
+    try:
+        for i, s in enumerate(socks):
+            s.send_multipart(encode_msg("hello", actor_id=f"a{i}", capacity=1))
+        _pump_until(net, lambda: len(net.actors) == 3 and net.errors)
+        assert net.errors[0][1].reason == "actors_full" and "wire.max_actors" in str(net.errors[0][1])
+    finally:
+        for s in socks:
+            s.close(0)
+
+
+def test_a_subscriber_gets_one_version_at_a_time_the_newest(net):
+    sub = _dealer(net.addresses["weights"])
+    try:
+        net.publish_weights({"w": np.zeros(3, np.float32)}, 0)
+        sub.send_multipart(encode_msg("subscribe", actor_id="s", have=-1))
+        _pump_until(net, lambda: net.subscribers)
+        for v in range(1, 6):  # nothing more is sent until the subscriber says it has version 0
+            net.publish_weights({"w": np.full(3, v, np.float32)}, v)
+        assert sub.poll(DEADLINE_S * 1000)
+        got = [decode_weights(decode(sub.recv_multipart()))[0]]
+        assert not sub.poll(300) and got == [0]
+        sub.send_multipart(encode_msg("subscribe", actor_id="s", have=0))
+        _pump_until(net, lambda: sub.poll(0))
+        version, tensors = decode_weights(decode(sub.recv_multipart()))
+        assert version == 5 and tensors["w"].tolist() == [5.0] * 3  # conflated to the newest
+    finally:
+        sub.close(0)
