@@ -12,7 +12,7 @@ import zmq
 
 from asyncrl.analysis import RunReader, RunStore, list_runs
 from asyncrl.wire.codec import WireError, decode
-from asyncrl.wire.sockets import apply_curve_client
+from asyncrl.wire.sockets import apply_curve_client, drain
 
 
 class DirPoller(threading.Thread):
@@ -69,14 +69,8 @@ class EventSubscriber(threading.Thread):
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._halt.is_set():
-                if not dict(poller.poll(250)):
-                    continue
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                if dict(poller.poll(250)):
+                    drain(self.sock, self._handle, limit=1000)  # the one receive loop (asyncrl.wire.sockets)
         finally:
             self.sock.close(0)
 
