@@ -10,6 +10,8 @@ from pathlib import Path
 from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
 from .lifecycle import watch_parent
+from .preflight import preflight
+from .runlog import check_trackers
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +62,7 @@ def cmd_learn(args) -> int:
     if args.resume:
         args.override.append("checkpoint.resume=true")
     cfg, _ = _load(args)
+    preflight(cfg)  # before anything is built or written: one-line ConfigErrors
     try:
         learner = Learner(cfg, overwrite=args.overwrite)
     except _start_errors() as e:
@@ -71,8 +74,10 @@ def cmd_learn(args) -> int:
 
 def cmd_serve(args) -> int:
     from .actor.actor import Actor
+    from .envs.guard import TooManyFailures
 
     cfg, _ = _load(args)
+    preflight(cfg)
     control = args.connect
     if control is None:
         addr_file = Path(args.run_dir or cfg.run_dir) / "addresses.json"
@@ -80,7 +85,11 @@ def cmd_serve(args) -> int:
             raise SystemExit(f"asyncrl serve: give --connect tcp://HOST:PORT (the learner's control address) "
                              f"or start the learner first so that {addr_file} exists")
         control = json.loads(addr_file.read_text())["control"]
-    Actor(cfg, control, args.actor_id, args.index).run()
+    try:
+        Actor(cfg, control, args.actor_id, args.index).run()
+    except TooManyFailures as e:
+        print(f"asyncrl serve ({args.actor_id}): stopping: {e}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 
@@ -94,6 +103,8 @@ def cmd_run(args) -> int:
     if args.actors is not None:
         overrides.append(f"actor.num={args.actors}")
         cfg = load_config(args.config, overrides)
+    print(f"[asyncrl] {preflight(cfg).heldout}", flush=True)
+    check_trackers(cfg.log.trackers)  # the learner's trackers: a missing library stops here, in one line
     try:  # before anything starts: the lock, fresh/resume/overwrite, damaged checkpoints, frozen keys
         prepare(cfg, overwrite=args.overwrite)
     except _start_errors() as e:
@@ -166,7 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may come before and after options (`run name=x -c cfg.yaml train.lr=1e-5`)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     watch_parent()  # started by `asyncrl run`: die with it (asyncrl.lifecycle)
     try:
         return int(args.fn(args) or 0)

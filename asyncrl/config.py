@@ -65,7 +65,20 @@ class TasksConfig(_Base):
     min_operand: int = Field(0, ge=0, description="Arithmetic: smallest operand.")
     max_operand: int = Field(99, ge=0, description="Arithmetic: largest operand.")
     ops: list[Literal["+", "-", "*"]] = Field(["+"], description="Arithmetic: operators to draw from.")
-    eval_size: int = Field(200, ge=0, description="Held-out tasks for evaluation.")
+    eval_size: int = Field(200, ge=0, description="Most held-out tasks for evaluation.")
+    eval_path: str | None = Field(None, description=(
+        "A held-out task file (same format and fields as `path`). Null: carve the held-out set out of the "
+        "training tasks (holdout_fraction), which are then never trained on."))
+    holdout_fraction: float = Field(0.1, ge=0, le=0.9, description=(
+        "Without eval_path: share of a file's tasks (or of all possible arithmetic problems) held out, at "
+        "most eval_size; they are removed from training."))
+    holdout_seed: int = Field(0, description="Seed of the held-out carve (independent of the run seed).")
+    require_answer: bool = Field(True, description=(
+        "Refuse task records without answer_field (the built-in rewards need it). False for rewards that "
+        "do not use an answer."))
+    max_record_bytes: int = Field(1_000_000, ge=64, description="Largest task record accepted (bytes).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description=(
+        "Longest prompt accepted (tokens). Null: the model's context length minus sampling.max_new_tokens."))
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra arguments for a custom source.")
 
 
@@ -79,6 +92,12 @@ class EnvConfig(_Base):
         "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
     max_turns: int = Field(1, ge=1, description="Maximum assistant turns for multi-turn environments.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra environment arguments.")
+    call_timeout_s: float | None = Field(60.0, gt=0, description=(
+        "Longest one environment or reward call may take (seconds; null: no limit). A call past it "
+        "fails like one that raised: the conversation is recorded as failed and not trained on."))
+    max_failure_rate: float = Field(0.5, ge=0, le=1, description=(
+        "An actor stops when more than this share of its last 200 environment/reward calls failed "
+        "(raised, timed out, returned a non-number or a non-finite reward); checked after 20 calls."))
 
 
 class SamplingConfig(_Base):
@@ -92,7 +111,16 @@ class SamplingConfig(_Base):
 class EngineConfig(_Base):
     type: Literal["hf", "vllm"] = Field("hf", description="Generation engine.")
     device: str = Field("cpu", description="Torch device for the hf engine ('cpu', 'cuda', 'cuda:1').")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM memory share.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=(
+        "vLLM: share of the GPU's memory it may take (weights + KV cache); leave room for a learner "
+        "on the same GPU."))
+    max_model_len: int | None = Field(None, ge=16, description=(
+        "vLLM: longest sequence (prompt + generation); null: the model's context length."))
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description=(
+        "vLLM: weights and compute dtype; null: model.dtype (the CPU build needs float32)."))
+    enforce_eager: bool = Field(False, description=(
+        "vLLM: no CUDA graphs / compilation (starts faster, generates slower; set on CPU)."))
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine spans.")
 
 
 class ActorConfig(_Base):
@@ -252,7 +280,6 @@ class CheckpointConfig(_Base):
         "dir must hold no earlier run (else the start is refused; `--overwrite` deletes the old one)."))
 
 
-
 class EvalConfig(_Base):
     every: int = Field(20, ge=0, description="Evaluate on held-out tasks every k steps (0: start and end only).")
     size: int = Field(200, ge=1, description="Held-out tasks per evaluation (at most tasks.eval_size).")
@@ -267,6 +294,11 @@ class LogConfig(_Base):
         "behaviour log-probs and the learner's current log-probs (for the UI's Samples view); 0: off."))
     sample_max_tokens: int = Field(512, ge=1, description=(
         "Most tokens in a `sample` event; a longer trajectory keeps its last tokens."))
+    trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], description=(
+        "Also send every step's metrics to these trackers, each with its own client library (pip "
+        "install tensorboard / wandb / trackio): tensorboard writes <run>/tensorboard; wandb and "
+        "trackio make a run named after this one in project log.project."))
+    project: str = Field("asyncrl", min_length=1, description="Project name for the wandb and trackio trackers.")
 
 
 class Config(_Base):
@@ -362,6 +394,8 @@ def _format_validation_error(err: ValidationError, root: type[BaseModel] = None,
             if "expected" in ctx:
                 msg = f"{msg} (allowed: {ctx['expected']})"
             lines.append(f"'{path}': {msg}; got {e.get('input')!r}")
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -393,12 +427,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = _read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
         data = loaded
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data)
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML in ``p``; a syntax or encoding error is a one-line ConfigError ``file:line:column``."""
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 (byte offset {e.start}); save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it ({e.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")) from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -29,7 +29,10 @@ import zmq
 from ..algos.base import RolloutContext, get_workflow
 from ..config import Config
 from ..engine.hf import HFEngine
-from ..envs.base import make_env, task_stream
+from ..envs.base import make_env
+from ..envs.tasks import task_stream
+from ..envs.guard import EnvFailure
+from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..types import Task
 from ..learner.weights_fs import load_weights_file
@@ -199,8 +202,8 @@ class Actor:
     def run(self) -> None:
         """Generate until the learner says stop (or a signal, or ``actor.exit_after_learner_gone_s``:
         then SystemExit with the reason, exit code 1)."""
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
         self.heartbeat.start()
         self.hello()
         next_hello = time.time() + 1.0
@@ -254,6 +257,11 @@ class Actor:
                 return task
         return next(self.tasks)
 
+    def request_stop(self, *_args) -> None:
+        """Stop after the current batch; guarded environment calls in flight give up at once."""
+        self.stopping = True
+        request_env_stop()
+
     def generate_batch(self) -> None:
         k = min(self.credits, self.cfg.actor.tasks_per_batch)
         replay = getattr(self.workflow, "supports_replay", False)
@@ -270,13 +278,19 @@ class Actor:
         t0 = time.time()
         ctx = RolloutContext(self.engine, self.tokenizer, self.env, self.cfg, self.actor_id,
                              seed=self.seed + 100_003 * self.batches)
-        if any(kk is not None for kk in ks):
-            episodes = self.workflow.rollout(tasks, ctx, counts=counts)
-            for ep, n, kk in zip(episodes, counts, ks):
-                if kk is not None:
-                    ep.decision["replay"] = {"k": kk, "fresh": n}
-        else:
-            episodes = self.workflow.rollout(tasks, ctx)
+        try:
+            if any(kk is not None for kk in ks):
+                episodes = self.workflow.rollout(tasks, ctx, counts=counts)
+                for ep, n, kk in zip(episodes, counts, ks):
+                    if kk is not None:
+                        ep.decision["replay"] = {"k": kk, "fresh": n}
+            else:
+                episodes = self.workflow.rollout(tasks, ctx)
+        except EnvFailure as e:  # a workflow that cannot record it per conversation: redo the batch
+            print(f"[{self.actor_id}] the environment failed a whole batch; generating it again: {e}", flush=True)
+            for task, n, kk in reversed([x for x in zip(tasks, counts, ks) if x[2] is not None]):
+                self.assigned.appendleft((task, n, kk))
+            return
         self._gen_s += time.time() - t0
         self.batches += 1
         self.credits -= k

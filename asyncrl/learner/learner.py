@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import time
 from collections import defaultdict, deque
@@ -19,13 +20,15 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
-from ..runlog import EVENTS_SCHEMA, RunLog
+from ..runlog import EVENTS_SCHEMA, RunLog, check_trackers, open_trackers
 from ..types import Episode
 from ..wire.messages import ReplayTask, TaskBody, Withhold
 from ..wire.sockets import check_bind_host
 from .batch import collate, compute_logprobs
+from .batch_stats import batch_metrics
 from .buffer import ReplayBuffer
 from .checkpoint import (checkpoint_step, clean_partial, list_checkpoints, load_checkpoint, quarantine,
                          save_checkpoint)
@@ -47,6 +50,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = cfg.run_dir
+        check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self._start_events: list[tuple[str, dict]] = []  # found before the event log opens
         self.plan = self._claim_run_dir(overwrite)
@@ -58,13 +62,17 @@ class Learner:
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
+        self.nonfinite_steps = 0  # steps with a NaN/inf loss or gradient, not applied
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
                                                                           "max_position_embeddings", None)))
-        self.log = RunLog(self.run_dir, on_event=self.net.publish_event)
+        self.log = RunLog(self.run_dir, on_event=self.net.publish_event,
+                          trackers=open_trackers(cfg.log.trackers, self.run_dir, cfg.name, cfg.log.project,
+                                                 cfg.model_dump(mode="json")))
         self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
                            vocab_size=self.model.get_input_embeddings().num_embeddings)
         self.evaluator = Evaluator(cfg, self.tokenizer)
+        self.heldout = _describe_heldout(cfg)
         for warning in getattr(self.evaluator.workflow, "warnings", ()):  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self.rewards_per_step: list[float] = []
@@ -151,7 +159,9 @@ class Learner:
             self.peers.bad_message(channel, error)
 
     def request_stop(self, *_args) -> None:
+        """Stop after the current step; guarded environment calls in flight (evaluation) give up."""
         self._stop = True
+        request_env_stop()
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -190,8 +200,9 @@ class Learner:
         signal.signal(signal.SIGINT, self.request_stop)
         cfg = self.cfg
         self.publish()
-        self.log.event("learner_start", self.version, addresses=self.net.addresses,
-                       model_dir=str(self.model_dir), total_steps=cfg.train.total_steps)
+        self.log.event("learner_start", self.version, addresses=self.net.addresses, pid=os.getpid(),
+                       model_dir=str(self.model_dir), total_steps=cfg.train.total_steps, heldout=self.heldout)
+        start_version = self.version
         self.evaluate()
         progress = Progress(cfg.train.total_steps, self.version, enabled=cfg.log.progress)
         t_wait = 0.0
@@ -215,7 +226,9 @@ class Learner:
         self.net.stop_actors()
         time.sleep(0.2)  # let the stop messages leave before the sockets close
         stopped = self._stop_reason or (f"stopped by a stop signal at step {self.version}" if self._stop else None)
-        summary = summary_table(self.rewards_per_step, self.evaluator.history)
+        summary = summary_table(self.rewards_per_step, self.evaluator.history,
+                                trained_steps=self.version - start_version, total_steps=cfg.train.total_steps,
+                                stopped=stopped, heldout=self.heldout)
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         self.net.close()
         self.log.close()
@@ -258,6 +271,8 @@ class Learner:
             self.replay.attach(episodes)
         batch = self.trainer.make_batch(episodes) if has_rows else None
         stats = self.trainer.step(batch) if batch is not None else {}
+        if stats.get("skipped_nonfinite"):
+            self._report_nonfinite(stats)
         replay_metrics = self._replay_record(episodes, batch is not None)
         self.version += 1
         train_s = time.time() - t0
@@ -275,8 +290,9 @@ class Learner:
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
+                   "nonfinite_steps": self.nonfinite_steps,
                    "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **replay_metrics,
-                   **_mean_episode_metrics(episodes)}
+                   **batch_metrics(episodes), **_mean_episode_metrics(episodes)}
         metrics.update(self.evaluate())
         self.log.metric(self.version, metrics)
         # live viewers without the run dir (asyncrl ui --connect) get the step's metrics too
@@ -285,6 +301,14 @@ class Learner:
         self._log_episodes(episodes, staleness)
         self._log_sample(episodes)
         return metrics
+
+    def _report_nonfinite(self, stats: dict) -> None:
+        """A step whose loss or gradient was NaN/inf was not applied (``PolicyTrainer.step``)."""
+        self.nonfinite_steps += 1
+        print(f"[learner] step {self.version + 1}: loss {stats.get('loss')} / grad norm {stats.get('grad_norm')} "
+              f"not finite; the update was skipped ({self.nonfinite_steps} so far)", flush=True)
+        self.log.event("nonfinite_step", self.version + 1, loss=stats.get("loss"), grad_norm=stats.get("grad_norm"),
+                       skipped_share=stats["skipped_nonfinite"], total=self.nonfinite_steps)
 
     def _replay_record(self, episodes: list[Episode], trained: bool) -> dict:
         """The seed's step [8]: record this batch's fresh successes into the pool (with the
@@ -410,6 +434,14 @@ def _make_replay(cfg: Config) -> ExperienceManager | None:
                          f"or set replay.enabled=false")
     return ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
                              max_staleness=cfg.buffer.max_staleness)
+
+
+def _describe_heldout(cfg: Config) -> str:
+    """One line saying what the held-out set is (``asyncrl.envs.tasks.describe_heldout``)."""
+    from ..envs.tasks import describe_heldout, split_tasks
+
+    train, heldout = split_tasks(cfg.tasks)
+    return describe_heldout(cfg.tasks, heldout, train)
 
 
 def _mean_episode_metrics(episodes: list[Episode]) -> dict:
