@@ -212,10 +212,13 @@ def sc_flood(root: Path, tmp: Path) -> None:
                 except zmq.Again:
                     pass
         flood = (run.version() - v0) / (time.time() - t0)
+        time.sleep(12)  # one summary period of the rate-limited log (wire.bad_log_every_s)
         ev = (run.dir / "events.jsonl").stat().st_size - ev0
+        lines = (run.dir / "events.jsonl").read_bytes()[ev0:].splitlines()
+        about = [ln for ln in lines if b'"bad_message"' in ln[:80] or b'"messages_suppressed"' in ln[:80]]
         print(f"  garbage flood 20 s ({sent} frames): steps/s {quiet:.2f} quiet -> {flood:.2f} flooded; "
-              f"events.jsonl +{ev / 1e6:.1f} MB; learner {'alive' if run.learner.poll() is None else 'DIED'}",
-              flush=True)
+              f"events.jsonl +{ev / 1e6:.1f} MB, of which {len(about)} lines / {sum(map(len, about)) / 1e3:.0f} kB "
+              f"about bad messages; learner {'alive' if run.learner.poll() is None else 'DIED'}", flush=True)
         for s in socks:
             s.close()
     finally:

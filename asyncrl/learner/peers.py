@@ -197,15 +197,24 @@ class Peers:
                 self._reject(ep, *problem, rejected)
                 continue
             acks[ep.actor_id].append(ep.id)
-            if self.buffer.add(ep, arrival.frames):
+            if self._write(ep, arrival.frames):
                 self.ingested += 1
                 self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
             else:
                 self.reports.report("duplicate_episode", "duplicate", f"episode {ep.id} from "
                                     f"{ep.actor_id} is already in the buffer (a resend)",
                                     episode_id=ep.id, actor_id=ep.actor_id)
-        self.buffer.sync()
+        self._write(None, None)
         self.net.ack(acks, rejected)
+
+    def _write(self, episode, frames) -> bool:
+        """``buffer.add`` (or ``buffer.sync`` without an episode); a failed write names the WAL's
+        directory (an OSError from os.write carries no file name) and is raised."""
+        try:
+            return self.buffer.add(episode, frames) if episode is not None else self.buffer.sync()
+        except OSError as e:
+            e.filename = e.filename or f"the write-ahead log in {self.buffer.dir}"
+            raise
 
     def _reject(self, ep, reason: str, text: str, rejected: dict) -> None:
         self.rejected_episodes += 1
