@@ -197,7 +197,7 @@ def main() -> None:
     if args.probe:
         weights_probe(args.probe[0], int(args.probe[1]))
         return
-    _print("learner ingest (PULL -> decode -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
+    _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
            [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
     _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
            [bench_weights(args.rounds)])

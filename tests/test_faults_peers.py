@@ -23,7 +23,7 @@ from asyncrl.wire.sockets import make_curve_keys
 
 from .conftest import cli, subprocess_env
 from .peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
-from .test_pipeline import COMMON
+from .test_pipeline import COMMON, _initial_weights
 
 pytestmark = pytest.mark.slow
 
@@ -294,7 +294,7 @@ def _recv_kind(sock: zmq.Socket, kind: str, timeout_s: float = 120) -> list:
     raise AssertionError(f"no {kind!r} message within {timeout_s} s")
 
 
-def test_no_message_stops_an_actor(tmp_path, tiny_overrides):
+def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
     """19.6 on the actor's side: a scripted learner answers with crafted control and weights
     messages; the actor reports them, keeps its lease, generates, and stops cleanly when told."""
     socks = {kind: zmq.Context.instance().socket(t) for kind, t in
@@ -323,12 +323,14 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides):
         for msg in ([b"garbage"], encode_msg("weights", version=1, path=str(tmp_path / "missing.safetensors")),
                     encode_weights({"no.such.parameter": np.zeros(2, np.float32)}, 2)):
             socks["weights"].send_multipart([sub, *msg])
+            _recv_kind(socks["weights"], "subscribe")  # it tried this one and asks again
+        socks["weights"].send_multipart([sub, *encode_weights(_initial_weights(model_cache), 3)])  # then real ones
         assert socks["episodes"].poll(120_000), log.read_text()[-3000:]  # it generated its credit
         decode_episode(decode(socks["episodes"].recv_multipart()))
         assert _recv_kind(socks["control"], "status")  # its heartbeat goes on
         assert proc.poll() is None
         text = log.read_text()
-        assert text.count("dropped a bad control message") == 3 and "dropped a bad weights message" in text, text
+        assert text.count("dropped a bad control message") == 3 and text.count("dropped a bad weights message") == 3, text
         socks["control"].send_multipart([ident, *encode_msg("stop", reason="test over")])
         assert proc.wait(timeout=120) == 0
     finally:

@@ -38,7 +38,7 @@ from ..types import Task
 from ..learner.weights_fs import load_weights_file
 from ..wire.codec import decode, decode_weights, encode, encode_episode
 from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
-from ..wire.sockets import apply_curve_client, connect, drain
+from ..wire.sockets import apply_curve_client, connect, drain, send_frames
 from .heartbeat import Heartbeat
 
 _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
@@ -64,6 +64,7 @@ class Actor:
         self._bad: Counter[str] = Counter()  # bad messages from the learner per channel, reported at a limited rate
         self._rejected = 0
         self._asked_weights = 0.0
+        self._weights_session = None  # the learner session whose weights the engine holds
         self.episodes = self.weights = None
         self.session = None
         self.unacked: OrderedDict[str, list] = OrderedDict()
@@ -102,9 +103,8 @@ class Actor:
 
     # -- control --------------------------------------------------------------------------------
     def hello(self) -> None:
-        self.control.send_multipart(encode("hello", Hello(actor_id=self.actor_id, capacity=self.cfg.actor.tasks_per_batch,
-                                                          version=max(self.engine.version, -1), pid=os.getpid())),
-                                    copy=False)
+        send_frames(self.control, encode("hello", Hello(actor_id=self.actor_id, capacity=self.cfg.actor.tasks_per_batch,
+                                                        version=max(self.engine.version, -1), pid=os.getpid())))
 
     def handle_control(self, timeout_ms: int) -> None:
         if self.control.poll(timeout_ms):
@@ -158,15 +158,17 @@ class Actor:
             self.min_version = 0  # a resumed learner may be at an older version than we last saw
             self.ask_weights()
             for frames in self.unacked.values():  # the learner restarted: resend what it never acked
-                self.episodes.send_multipart(frames, copy=False)
+                send_frames(self.episodes, frames)
 
     # -- weights --------------------------------------------------------------------------------
     def ask_weights(self) -> None:
-        """Tell the learner which version this actor holds (``subscribe``): it sends anything newer,
-        one version at a time, so this is also the acknowledgement that lets the next one go."""
+        """Tell the learner which of its versions this actor holds (``subscribe``; -1: none, e.g.
+        after it restarted: a resumed learner's versions may repeat numbers of a lost timeline). It
+        sends anything newer, one version at a time, so this is also the acknowledgement that lets
+        the next one go."""
         self._asked_weights = time.monotonic()
-        self.weights.send_multipart(encode("subscribe", Subscribe(actor_id=self.actor_id,
-                                                                  have=max(self.engine.version, -1))), copy=False)
+        have = self.engine.version if self._weights_session == self.session else -1
+        send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1))))
 
     def apply_weights(self, timeout_ms: int = 0) -> bool:
         """Apply the newest weights that have arrived (waiting up to ``timeout_ms`` for some)."""
@@ -186,9 +188,10 @@ class Actor:
                 version, tensors = msg.body.version, load_weights_file(msg.body.path)
             else:
                 version, tensors = decode_weights(msg)
-            if version == self.engine.version and self.weight_updates:
-                return False  # (an older version is applied: the learner resumed from a checkpoint)
+            if version == self.engine.version and self._weights_session == self.session:
+                return False  # (any other version is applied, older ones too: a resumed learner's)
             self.engine.update_weights(tensors, version)
+            self._weights_session = self.session
         except Exception as e:  # noqa: BLE001 - bad weights (a wrong file, a shape mismatch) are dropped
             self._report_bad("weights", e)
             return False
@@ -209,15 +212,18 @@ class Actor:
         next_hello = time.time() + 1.0
         while not self.stopping:
             self.handle_control(timeout_ms=0 if self.credits else 100)
-            if self.session is None:
-                if time.time() > next_hello:  # learner not up yet (or lost our hello): say it again
+            # no welcome yet (learner not up, or our hello lost), or the heartbeat met a new learner
+            # whose welcome went astray (sent before this socket had reconnected): say hello again
+            if self.session is None or self.heartbeat.session not in (None, self.session):
+                if time.time() > next_hello:
                     self.hello()
                     next_hello = time.time() + 1.0
-                continue
+                if self.session is None:
+                    continue
             self.apply_weights(0)
             if self.credits <= 0:
                 continue
-            if self.engine.version < self.min_version:
+            if self.engine.version < self.min_version or self._weights_session != self.session:
                 if time.monotonic() - self._asked_weights > _WEIGHTS_ASK_S:
                     self.ask_weights()
                 self.apply_weights(100)
@@ -297,7 +303,7 @@ class Actor:
         for ep in episodes:
             frames = encode_episode(ep)
             self.unacked[ep.id] = frames
-            self.episodes.send_multipart(frames, copy=False)
+            send_frames(self.episodes, frames)
 
     def close(self) -> None:
         self.heartbeat.stop()  # its last status says stopping

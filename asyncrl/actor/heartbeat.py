@@ -19,7 +19,7 @@ import zmq
 
 from ..wire.codec import decode, encode
 from ..wire.messages import Status
-from ..wire.sockets import apply_curve_client, connect, drain
+from ..wire.sockets import apply_curve_client, connect, drain, send_frames
 
 
 class Heartbeat(threading.Thread):
@@ -74,7 +74,7 @@ class Heartbeat(threading.Thread):
                         batches=a.batches, weight_updates=a.weight_updates, unacked=len(a.unacked),
                         credits=max(a.credits, 0), generate_s=a._gen_s, stopping=a.stopping)
         try:
-            sock.send_multipart(encode("status", status), flags=zmq.NOBLOCK, copy=False)
+            send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)
         except zmq.Again:  # not connected (the learner is down): nothing to queue
             pass
 

@@ -38,7 +38,8 @@ from ..wire.codec import (Message, WireError, decode, decode_episode, encode, en
                           episode_identity)
 from ..wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
                              Weights, Welcome)
-from ..wire.sockets import apply_curve_server, bind, check_bind_host, drain, start_curve_auth
+from ..wire.sockets import (apply_curve_server, bind, check_bind_host, drain, send_frames, send_routed,
+                            start_curve_auth)
 
 _CHUNK = 16  # messages taken from one socket before the next socket's turn
 _WEIGHTS_HWM = 2  # weights messages queued per subscriber, at most (one is the rule, see _send_weights)
@@ -243,7 +244,7 @@ class LearnerNet:
         return dead
 
     def send_control(self, identity: bytes, body) -> None:
-        self.control.send_multipart([identity, *encode(body.KIND, body)], copy=False)
+        send_routed(self.control, identity, encode(body.KIND, body))
 
     def ack(self, by_actor: dict[str, list[str]], rejected: dict[str, list[Rejected]] | None = None) -> None:
         """Acknowledge episode ids (durable in the WAL) and rejected episodes to every connected
@@ -334,7 +335,7 @@ class LearnerNet:
 
     def _send_weights(self, identity: bytes, s: Subscriber) -> None:
         try:
-            self.weights.send_multipart([identity, *self._weights_frames], flags=zmq.NOBLOCK, copy=False)
+            send_routed(self.weights, identity, self._weights_frames, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full: it is not reading; it asks again when it does
             return
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
@@ -345,7 +346,7 @@ class LearnerNet:
     # -- events ---------------------------------------------------------------------------------
     def publish_event(self, record: dict) -> None:
         try:
-            self.events.send_multipart(encode("event", Event(event=record)), flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.events, encode("event", Event(event=record)), flags=zmq.NOBLOCK)
         except (zmq.Again, WireError):  # no reader keeping up, or a record the UI could not decode
             pass
 
