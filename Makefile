@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/asyncrl run --config configs/quickstart.yaml
+	$(BIN)/asyncrl run --config configs/quickstart.yaml --overwrite
 
 # Headless Chromium for the UI test (tests/test_ui.py); installed once, as root or with sudo.
 browser:

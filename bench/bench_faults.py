@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import zmq
 

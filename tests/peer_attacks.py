@@ -135,7 +135,8 @@ class LiveRun:
         env["PYTHONPATH"] = os.pathsep.join([str(self.root), env.get("PYTHONPATH", "")])
         out = open(self.logs / f"{self.dir.name}-{log}.log", "w")
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "asyncrl.cli", command, *self.overrides, *args],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.root)
+                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
+                                start_new_session=True)  # its own group: ``stop`` kills all of it
         self.procs.append(proc)
         return proc
 
@@ -209,6 +210,7 @@ class LiveRun:
             return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024
 
     def stop(self, timeout: float = 30) -> None:
+        """SIGTERM every process, wait up to ``timeout`` s, then kill each whole process group."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -216,5 +218,9 @@ class LiveRun:
             try:
                 p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # whatever is left of it (e.g. under an unshare prefix)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()

@@ -27,7 +27,7 @@ from asyncrl.rundir import RunDirError, plan_start
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
-from .conftest import ROOT, cli, read_jsonl, subprocess_env, wait_for_file
+from .conftest import ROOT, read_jsonl, run_cli, subprocess_env, wait_for_file
 from .test_pipeline import COMMON, _start, _stop
 from .test_resume import _buffer_ids, _kill, _wait_version, _wal_ids, effective_training
 
@@ -277,8 +277,7 @@ def _tree(run_dir) -> dict:
 
 
 def _cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cli(*args), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_cli(*args, cwd=ROOT, timeout=timeout)
 
 
 @pytest.mark.slow

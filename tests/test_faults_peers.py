@@ -9,7 +9,6 @@ generous deadlines; every process is stopped in a ``finally``.
 from __future__ import annotations
 
 import math
-import subprocess
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ from asyncrl.learner.buffer import read_frame_records
 from asyncrl.wire.codec import SCHEMA_VERSION, decode, decode_episode, encode_msg, encode_weights
 from asyncrl.wire.sockets import make_curve_keys
 
-from .conftest import cli, subprocess_env
+from .conftest import kill_tree, run_cli, start_cli
 from .peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
 from .test_pipeline import COMMON, _initial_weights
 
@@ -149,7 +148,8 @@ def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_override
         # before: every version queued for every idle subscriber (20 x 300 x the weights)
         assert growth < 40 + 20 * 3 * weights_mb, (growth, weights_mb)
         # silent for a lease with no actor of theirs: dropped (while still connected)
-        assert run.events("weights_published")[-1]["subscribers"] == 1
+        assert run.wait(lambda: run.events("weights_published")[-1]["subscribers"] == 1, 120), \
+            run.events("weights_published")[-1]
     finally:
         for s in subs:
             s.close(0)
@@ -249,8 +249,7 @@ def test_exit_when_the_peer_is_gone_only_if_asked(tmp_path, tiny_overrides):
 
 
 def test_public_host_without_keys_is_a_one_line_error(tmp_path):
-    res = subprocess.run(cli("learn", f"run_root={tmp_path}", "wire.host=0.0.0.0"), env=subprocess_env(),
-                         capture_output=True, text=True, timeout=120)
+    res = run_cli("learn", f"run_root={tmp_path}", "wire.host=0.0.0.0", timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "refusing to bind '0.0.0.0' (wire.host)" in lines[0] and "asyncrl keys" in lines[0]
@@ -304,8 +303,7 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
         s.setsockopt(zmq.LINGER, 0)
         addrs[kind] = f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}"
     log = tmp_path / "actor.log"
-    proc = subprocess.Popen(cli("serve", *tiny_overrides, *COMMON, f"run_root={tmp_path}", "--connect", addrs["control"]),
-                            env=subprocess_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = start_cli("serve", *tiny_overrides, *COMMON, f"run_root={tmp_path}", "--connect", addrs["control"], log=log)
     try:
         ident = _recv_kind(socks["control"], "hello")[0]
         s = SCHEMA_VERSION
@@ -324,7 +322,7 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
                     encode_weights({"no.such.parameter": np.zeros(2, np.float32)}, 2)):
             socks["weights"].send_multipart([sub, *msg])
             _recv_kind(socks["weights"], "subscribe")  # it tried this one and asks again
-        socks["weights"].send_multipart([sub, *encode_weights(_initial_weights(model_cache), 3)])  # then real ones
+        socks["weights"].send_multipart([sub, *encode_weights(_initial_weights(tiny_overrides), 3)])  # then real ones
         assert socks["episodes"].poll(120_000), log.read_text()[-3000:]  # it generated its credit
         decode_episode(decode(socks["episodes"].recv_multipart()))
         assert _recv_kind(socks["control"], "status")  # its heartbeat goes on
@@ -334,8 +332,6 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
         socks["control"].send_multipart([ident, *encode_msg("stop", reason="test over")])
         assert proc.wait(timeout=120) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_tree(proc)
         for sock in socks.values():
             sock.close(0)

@@ -38,10 +38,14 @@ def _stop(procs):
         kill_tree(p)
 
 
-def _initial_weights(model_cache):
-    files = list(model_cache.glob("*/model.safetensors"))
-    assert files, f"no cached model in {model_cache}"
-    return load_file(files[0])
+def _initial_weights(overrides):
+    """The weights of the embedded model these overrides select (built once, cached; the session's
+    model cache holds other tests' models too)."""
+    from asyncrl.config import load_config
+    from asyncrl.models.tiny import build_embedded_model
+
+    cfg = load_config(None, overrides)
+    return load_file(build_embedded_model(cfg.model.embedded, seed=cfg.seed, progress=False) / "model.safetensors")
 
 
 def test_learner_and_two_actors(tmp_path, tiny_overrides, model_cache):
@@ -81,7 +85,7 @@ def test_learner_and_two_actors(tmp_path, tiny_overrides, model_cache):
 
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     trained = load_file(ckpt / "model" / "model.safetensors")
-    initial = _initial_weights(model_cache)
+    initial = _initial_weights(tiny_overrides)
     changed = [k for k in initial if not np.allclose(initial[k].numpy(), trained[k].numpy())]
     assert len(changed) == len(initial), f"unchanged parameters: {set(initial) - set(changed)}"
 
