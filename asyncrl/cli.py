@@ -27,7 +27,7 @@ def _load(args) -> tuple:
 
 
 def cmd_init_model(args) -> int:
-    from .models.loading import init_model
+    from .init_model import init_model
 
     cfg, _ = _load(args)
     init_model(cfg)

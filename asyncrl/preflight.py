@@ -35,12 +35,12 @@ class Preflight:
 
 
 def preflight(cfg: Config) -> Preflight:
-    from .algos.base import get_workflow
+    from .rollout.workflow import get_workflow
     from .envs.base import make_env
     from .envs.tasks import describe_heldout, split_tasks
 
     workflow = get_workflow(cfg.algorithm, cfg)
-    if cfg.replay.enabled and not getattr(workflow, "supports_replay", False):
+    if cfg.replay.enabled and not workflow.supports_replay:
         raise ConfigError(f"replay.enabled needs a workflow that takes per-task rollout counts; algorithm "
                           f"{cfg.algorithm!r} does not: use algorithm grpo or set replay.enabled=false")
     make_env(cfg.env)

@@ -8,16 +8,16 @@ import random
 import numpy as np
 import pytest
 
-from asyncrl.algos.absolute_zero import PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, propose_warmstart_example
+from asyncrl.algos.absolute_zero import (PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, AbsoluteZeroWorkflow,
+                                        propose_warmstart_example)
 from asyncrl.algos.azr.filter import (ALL_LEARNABLE, MIXED, NONE_LEARNABLE, SEED_DIMENSIONS, Dimension,
                                       RewardWeights, check_learnability, compute_unified_reward_and_filter,
                                       group_status, proposer_rewards, sample_question, solver_reward)
-from asyncrl.algos.base import RolloutContext, get_workflow
+from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.engine.base import Generation
 from asyncrl.envs.safe_arith import evaluate_expression
 from asyncrl.learner.trainer import trajectory_advantages
-from asyncrl.models.tiny import warmstart_formats
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task
 
@@ -337,7 +337,7 @@ def test_config_errors_name_the_field():
 
 
 def test_proposer_warmstart_format():
-    assert WARMSTART_FORMAT in warmstart_formats()
+    assert AbsoluteZeroWorkflow.warmstart_formats[WARMSTART_FORMAT] is propose_warmstart_example
     rng = random.Random(0)
     for _ in range(50):
         messages, completion = propose_warmstart_example(rng)

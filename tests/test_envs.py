@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from asyncrl.actor.rollout import run_conversations, start_conversations
+from asyncrl.rollout import run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.base import Generation
 from asyncrl.envs.arithmetic import arithmetic_reward, make_problem

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from asyncrl.config import Config, EmbeddedModelConfig, ModelConfig
 from asyncrl.models import tiny
-from asyncrl.models.loading import init_model, load_policy
+from asyncrl.init_model import init_model
+from asyncrl.models.loading import load_policy
 from asyncrl.models.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 
@@ -108,13 +109,25 @@ def test_cache_key_covers_model_settings(tmp_path):
     assert tiny.cache_key(cfg.model_copy(update={"cache_dir": "/elsewhere"}), 0) == key
     assert tiny.cache_key(cfg, 1) != key
     assert tiny.cache_key(cfg.model_copy(update={"hidden_size": 64}), 0) != key
-    tiny.register_warmstart_format("echo_test", lambda rng: ([{"role": "user", "content": "a"}], "a"))
     assert tiny.cache_key(cfg.model_copy(update={"warmstart_formats": ["arithmetic", "echo_test"]}), 0) != key
 
 
 def test_unknown_warmstart_format(tmp_path):
     with pytest.raises(ValueError, match="unknown.*nope"):
         tiny.build_embedded_model(_tiny_cfg(tmp_path, warmstart_formats=["nope"]), progress=False)
+
+
+def test_a_warmstart_format_given_by_the_caller_is_used(tmp_path):
+    """An algorithm's formats reach the build through the caller (models/ never imports algos/)."""
+    seen = []
+
+    def echo(rng):
+        seen.append(1)
+        return [{"role": "user", "content": "a"}], "a"
+
+    cfg = _tiny_cfg(tmp_path, warmstart_formats=["echo_test"], warmup_steps=2)
+    path = tiny.build_embedded_model(cfg, progress=False, formats={"echo_test": echo})
+    assert seen and (path / tiny.META_FILE).exists()
 
 
 def test_collate_masks_the_prompt(tok):

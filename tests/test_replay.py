@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.actor.rollout import run_conversations, start_conversations
-from asyncrl.algos.base import GRPOWorkflow, RolloutContext
+from asyncrl.algos.grpo import GRPOWorkflow
+from asyncrl.rollout import RolloutContext, run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env

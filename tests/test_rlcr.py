@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algos.base import RolloutContext, get_workflow
-from asyncrl.algos.rlcr import (RLCRConfig, brier_reward, parse_answer, parse_confidence,
+from asyncrl.rollout import RolloutContext, get_workflow
+from asyncrl.algos.rlcr import (RLCRConfig, RLCRWorkflow, brier_reward, parse_answer, parse_confidence,
                                 rlcr_warmstart_example, tree_advantages)
 from asyncrl.config import ConfigError, SamplingConfig, load_config
 from asyncrl.engine.base import Generation
@@ -18,7 +18,6 @@ from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.envs.verifiers import resolve_verifier, verify, verify_exact_match, verify_numeric
 from asyncrl.learner.batch import collate
 from asyncrl.learner.core_algos import LOSS_AGG_MODES, compute_policy_loss
-from asyncrl.models.tiny import warmstart_formats
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
 
@@ -314,7 +313,7 @@ def test_math_verifier():
 
 
 def test_warmstart_format_is_uninformative():
-    assert "rlcr" in warmstart_formats()
+    assert "rlcr" in RLCRWorkflow.warmstart_formats
     rng = random.Random(0)
     by_label = {True: [], False: []}
     turn1 = 0

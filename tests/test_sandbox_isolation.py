@@ -19,7 +19,7 @@ from .conftest import ROOT, read_jsonl
 # Runs in a process whose PATH holds no bwrap: what a machine without bubblewrap sees.
 WITHOUT_BWRAP = r"""
 import json
-from asyncrl.algos.base import get_workflow
+from asyncrl.rollout import get_workflow
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.envs.sandbox import SandboxLimits, isolation_problem, run_python
 out = {"problem": isolation_problem(SandboxLimits()),
@@ -36,7 +36,7 @@ print(json.dumps(out))
 
 
 def _workflow(**algo):
-    from asyncrl.algos.base import get_workflow
+    from asyncrl.rollout import get_workflow
 
     return get_workflow("absolute_zero", config_from_dict({"algorithm": "absolute_zero", "algo": algo}))
 

@@ -26,17 +26,17 @@ from collections import Counter, OrderedDict, deque
 import torch
 import zmq
 
-from ..algos.base import RolloutContext, get_workflow
+from ..rollout.workflow import RolloutContext, get_workflow
 from ..config import Config
-from ..engine.hf import HFEngine
 from ..envs.base import make_env
 from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
 from ..envs.guard import request_stop as request_env_stop
-from ..models.loading import load_policy
+from ..engine import make_engine
+from ..models.loading import load_tokenizer, resolve_model_path
 from ..types import Task
-from ..learner.weights_fs import load_weights_file
-from ..wire.codec import decode, decode_weights, encode, encode_episode
+from ..sync import make_receiver
+from ..wire.codec import decode, encode, encode_episode
 from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
 from ..wire.sockets import apply_curve_client, connect, drain, send_frames
 from .heartbeat import Heartbeat
@@ -52,11 +52,13 @@ class Actor:
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
         torch.set_num_threads(cfg.actor.threads)
         torch.manual_seed(self.seed)
-        model, self.tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.engine.device, cfg.tasks.prompt_format)
-        self.engine = self._make_engine(model)
+        self.workflow = get_workflow(cfg.algorithm, cfg)
+        model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)
+        self.tokenizer = load_tokenizer(model_dir, cfg.tasks.prompt_format)
+        self.engine = make_engine(cfg, model_dir, self.tokenizer)
+        self.weights_in = make_receiver(cfg.sync)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)
-        self.workflow = get_workflow(cfg.algorithm, cfg)
         self.ctx = zmq.Context.instance()
         self.identity = f"{actor_id}:{os.getpid()}".encode()
         self.control = self._socket(zmq.DEALER, control_address)
@@ -78,16 +80,6 @@ class Actor:
         # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
         self.assigned: deque[tuple[Task, int, int]] = deque()
         self.withheld: set[str] = set()
-
-    def _make_engine(self, model):
-        if self.cfg.engine.type == "vllm":
-            try:
-                from ..engine.vllm import VLLMEngine  # noqa: PLC0415 (optional GPU extra)
-            except ImportError as e:
-                raise SystemExit(f"engine.type=vllm is not available: {e}. Install the GPU extra "
-                                 f"(pip install 'asyncrl[vllm]') on a CUDA machine, or use engine.type=hf") from None
-            return VLLMEngine(self.cfg, model)
-        return HFEngine(model, self.tokenizer, device=self.cfg.engine.device)
 
     def _socket(self, kind, address):
         sock = self.ctx.socket(kind)
@@ -184,10 +176,7 @@ class Actor:
             return False
         try:
             msg = decode(newest[0], kinds=("weights",))
-            if msg.body.path:  # filesystem sync: the message names a safetensors file
-                version, tensors = msg.body.version, load_weights_file(msg.body.path)
-            else:
-                version, tensors = decode_weights(msg)
+            version, tensors = self.weights_in.tensors(msg)
             if version == self.engine.version and self._weights_session == self.session:
                 return False  # (any other version is applied, older ones too: a resumed learner's)
             self.engine.update_weights(tensors, version)
@@ -236,7 +225,7 @@ class Actor:
     def _on_replay_work(self, body: Credit) -> None:
         """Replay fields of a credit message: assigned tasks and skip-set changes (typed and bounded
         by the decoder; an assignment with more rollouts than sampling.n is reported and dropped)."""
-        if body.replay and not getattr(self.workflow, "supports_replay", False):
+        if body.replay and not self.workflow.supports_replay:
             print(f"[{self.actor_id}] the learner assigned replay tasks but workflow "
                   f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
                   flush=True)
@@ -270,7 +259,7 @@ class Actor:
 
     def generate_batch(self) -> None:
         k = min(self.credits, self.cfg.actor.tasks_per_batch)
-        replay = getattr(self.workflow, "supports_replay", False)
+        replay = self.workflow.supports_replay
         tasks, counts, ks = [], [], []
         while self.assigned and len(tasks) < k:
             task, n, kk = self.assigned.popleft()

@@ -35,21 +35,20 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..actor.rollout import Conversation, run_conversations, start_conversations
+from ..rollout.conversation import Conversation, run_conversations, start_conversations
 from ..config import TasksConfig, validate_section
 from ..envs.arithmetic import make_problem
 from ..envs.base import StepResult
 from ..envs.judge import JudgeConfig
 from ..envs.safe_arith import ArithLimits
 from ..envs.sandbox import SandboxLimits, isolation_problem, isolation_warning
-from ..models.tiny import register_warmstart_format
 from ..types import Episode, Task, Trajectory, new_id
 from .azr import code_o as _code_o  # noqa: F401  (registers the domain)
 from .azr import harm as _harm  # noqa: F401  (registers the domain)
 from .azr.domains import PROPOSE_PREFIX, Domain, Proposal, Scored, make_domain
 from .azr.filter import (MIXED, Dimension, Learnability, RewardWeights, compute_unified_reward_and_filter,
                          group_status, proposer_rewards)
-from .base import RolloutContext, Workflow, register_workflow
+from ..rollout.workflow import RolloutContext, Workflow, register_workflow
 
 PROPOSER_BATCH_GROUP = "absolute_zero/proposer"
 CODE_DOMAINS = ("code_o",)  # domains whose proposals are programs run in the sandbox (algo.sandbox)
@@ -143,7 +142,6 @@ def _operand(rng: random.Random, digits: int) -> int:
 
 
 WARMSTART_FORMAT = "azr_propose"
-register_warmstart_format(WARMSTART_FORMAT, propose_warmstart_example)
 
 
 # ---------------------------------------------------------------------------------- records
@@ -206,6 +204,8 @@ def format_score(conv: Conversation) -> float:
 # ---------------------------------------------------------------------------------- workflow
 @register_workflow("absolute_zero")
 class AbsoluteZeroWorkflow(Workflow):
+    warmstart_formats = {WARMSTART_FORMAT: propose_warmstart_example}  # the embedded model's proposer
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.algo: AbsoluteZeroConfig = validate_section(AbsoluteZeroConfig, cfg.algo, "algo")

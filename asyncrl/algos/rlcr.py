@@ -41,15 +41,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..actor.rollout import delta_tokens, render_tokens
+from ..models.prompts import delta_tokens, render_tokens
 from ..config import TasksConfig, validate_section
 from ..engine.base import Generation
 from ..envs.arithmetic import make_problem
 from ..envs.verifiers import require_math_verify, verify
 from ..learner.core_algos import compute_grpo_advantages
-from ..models.tiny import register_warmstart_format
 from ..types import Episode, Task, Trajectory, new_id
-from .base import RolloutContext, Workflow, register_workflow
+from ..rollout.workflow import RolloutContext, Workflow, register_workflow
 from .calibration import calibration_report
 
 DEFAULT_SYSTEM_PROMPT = "Answer in tags."
@@ -408,6 +407,8 @@ def tree_metrics(tree: ConfidenceTree) -> dict[str, float]:
 class RLCRWorkflow(Workflow):
     """One Episode per task carrying its confidence tree (``Episode.decision``)."""
 
+    warmstart_formats = {"rlcr": lambda rng: rlcr_warmstart_example(rng)}  # tags: answer, then confidence
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.algo: RLCRConfig = validate_section(RLCRConfig, cfg.algo, "algo")
@@ -482,4 +483,3 @@ def rlcr_warmstart_example(rng: random.Random) -> tuple[list[dict[str, str]], st
     return messages, f"<confidence>{_uninformative_confidence(rng)}</confidence>"
 
 
-register_warmstart_format("rlcr", rlcr_warmstart_example)

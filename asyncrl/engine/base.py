@@ -48,6 +48,7 @@ class Engine(Protocol):
     """What actors need from a generation back end."""
 
     version: int  # policy version of the weights in use
+    eos_ids: "set[int] | list[int]"  # tokens that end a generation (kept as its last token)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  seed: int | None = None) -> list[Generation]:
@@ -55,9 +56,6 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights (names as in ``state_dict_for_sync``) and set ``version``."""
-        ...
-
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """The weights that ``update_weights`` accepts, by name."""
+        """Load new weights (the learner's ``named_parameters`` names, CPU or GPU tensors) in place
+        and set ``version``; unknown names or wrong shapes raise ValueError before anything loads."""
         ...

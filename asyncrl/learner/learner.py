@@ -22,6 +22,8 @@ import torch
 from ..config import Config
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
+from ..rollout.workflow import workflow_class
+from ..sync import make_publisher
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
 from ..runlog import EVENTS_SCHEMA, RunLog, check_trackers, open_trackers
 from ..types import Episode
@@ -38,7 +40,6 @@ from .peers import Peers
 from .progress import Progress, summary_table
 from .replay import ExperienceManager
 from .trainer import PolicyTrainer
-from .weights_fs import save_weights_file
 
 
 class Learner:
@@ -54,8 +55,9 @@ class Learner:
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self._start_events: list[tuple[str, dict]] = []  # found before the event log opens
         self.plan = self._claim_run_dir(overwrite)
-        self.model, self.tokenizer, self.model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device,
-                                                                cfg.tasks.prompt_format)
+        self.model, self.tokenizer, self.model_dir = load_policy(
+            cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
+            warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
         self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
                                      replay_cfg=cfg.replay)
         self.replay = _make_replay(cfg)
@@ -63,6 +65,7 @@ class Learner:
         self.version = 0
         self.bad_messages = 0
         self.nonfinite_steps = 0  # steps with a NaN/inf loss or gradient, not applied
+        self.weights_out = make_publisher(cfg.sync, self.run_dir)
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
                                                                           "max_position_embeddings", None)))
@@ -73,7 +76,7 @@ class Learner:
                            vocab_size=self.model.get_input_embeddings().num_embeddings)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
-        for warning in getattr(self.evaluator.workflow, "warnings", ()):  # e.g. algo.sandbox.isolation: none
+        for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self.rewards_per_step: list[float] = []
         self._stop = False
@@ -367,8 +370,7 @@ class Learner:
         t0 = time.time()
         # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.named_parameters()}
-        path = save_weights_file(state, self.version, self.cfg.sync, self.run_dir)
-        self.net.publish_weights(state, self.version, path=path)
+        self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)
         self.log.event("weights_published", self.version, version=self.version,
                        bytes=int(sum(v.numel() * v.element_size() for v in state.values())),
                        encode_s=time.time() - t0, subscribers=len(self.net.subscribers))
@@ -423,15 +425,10 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
 
 
 def _make_replay(cfg: Config) -> ExperienceManager | None:
-    """The ExperienceManager when ``replay.enabled``; the workflow must honour per-task rollout counts."""
+    """The ExperienceManager when ``replay.enabled`` (the preflight has checked that the workflow
+    takes per-task rollout counts)."""
     if not cfg.replay.enabled:
         return None
-    from ..algos.base import get_workflow
-
-    if not getattr(get_workflow(cfg.algorithm, cfg), "supports_replay", False):
-        raise SystemExit(f"replay.enabled needs a workflow that takes per-task rollout counts "
-                         f"(supports_replay); algorithm {cfg.algorithm!r} does not. Use algorithm: grpo "
-                         f"or set replay.enabled=false")
     return ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
                              max_staleness=cfg.buffer.max_staleness)
 

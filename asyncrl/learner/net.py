@@ -34,10 +34,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 import zmq
 
-from ..wire.codec import (Message, WireError, decode, decode_episode, encode, encode_weights,
-                          episode_identity)
+from ..wire.codec import (Message, WireError, decode, decode_episode, encode, episode_identity)
 from ..wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
-                             Weights, Welcome)
+                             Welcome)
 from ..wire.sockets import (apply_curve_server, bind, check_bind_host, drain, send_frames, send_routed,
                             start_curve_auth)
 
@@ -311,13 +310,12 @@ class LearnerNet:
         return self.auth.keys.take_denied() if self.auth is not None else []
 
     # -- weights --------------------------------------------------------------------------------
-    def publish_weights(self, named_tensors, version: int, path: str | None = None) -> None:
-        """Make ``version`` the current weights: ``named_tensors`` as frames (they must not change
-        until sent: pass a snapshot), or, with ``path`` (filesystem sync, already saved there),
-        only a reference to the file. Sent at once to every subscriber that holds all it was
-        sent; the others get the newest version when they say they have the previous one."""
-        self._weights_frames = (encode("weights", Weights(version=version, path=path)) if path
-                                else encode_weights(named_tensors, version))
+    def publish_weights(self, frames: list, version: int) -> None:
+        """Make ``version`` the current weights: ``frames`` is its ``weights`` message (made by the
+        sync transport, ``asyncrl.sync``; zero-copy frames must not change until sent). Sent at once
+        to every subscriber that holds all it was sent; the others get the newest version when they
+        say they have the previous one."""
+        self._weights_frames = frames
         self.weights_version = version
         for ident, s in list(self.subscribers.items()):
             if s.sent <= s.have:

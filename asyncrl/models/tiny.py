@@ -10,9 +10,11 @@ The result is cached under ``cfg.cache_dir`` in a directory named after a hash o
 determines the weights; a build is written to a temporary directory and renamed into place, under a
 file lock, so concurrent callers never see (or redo) a half-written model.
 
-Warm-start data is a mixture of named formats: ``register_warmstart_format(name, fn)`` with
-``fn(rng) -> (messages, completion)``; the prompt is ``messages`` rendered with the chat template
-plus the generation prompt, the target is ``completion + "<|end|>"``.
+Warm-start data is a mixture of named formats, ``fn(rng) -> (messages, completion)``: the prompt is
+``messages`` rendered with the chat template plus the generation prompt, the target is
+``completion + "<|end|>"``. ``arithmetic`` and ``calculator`` are built in; an algorithm adds its own
+by declaring them (``Workflow.warmstart_formats``), and the process that loads the model passes them
+to :func:`build_embedded_model` (this package never imports the algorithms).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+
+from filelock import FileLock
 
 import numpy as np
 import torch
@@ -53,31 +57,11 @@ ROPE_THETA = 100.0
 
 Messages = list[dict[str, str]]
 WarmstartFormat = Callable[[random.Random], "tuple[Messages, str]"]
-_FORMATS: dict[str, WarmstartFormat] = {}
-
-
-def register_warmstart_format(name: str, fn: WarmstartFormat) -> None:
-    """Register a warm-start format: ``fn(rng) -> (chat messages, assistant completion text)``.
-
-    The completion is the text of the final assistant turn, without the ``<|end|>`` EOS (added by
-    the builder). Earlier turns, including earlier assistant turns, go in ``messages``.
-    """
-    if not callable(fn):
-        raise TypeError(f"warm-start format {name!r} must be callable, got {type(fn).__name__}")
-    _FORMATS[name] = fn
-
-
-def warmstart_formats() -> list[str]:
-    """Names of the registered warm-start formats."""
-    return sorted(_FORMATS)
 
 
 def _arithmetic_format(rng: random.Random) -> tuple[Messages, str]:
     task = make_problem(rng, TasksConfig())
     return task.prompt, str(task.answer)
-
-
-register_warmstart_format("arithmetic", _arithmetic_format)
 
 
 def _calculator_format(rng: random.Random) -> tuple[Messages, str]:
@@ -86,7 +70,10 @@ def _calculator_format(rng: random.Random) -> tuple[Messages, str]:
     return calculator_warmstart_example(rng)
 
 
-register_warmstart_format("calculator", _calculator_format)  # the multi-turn calculator env
+# ``fn(rng) -> (chat messages, assistant completion text)``: the completion is the text of the final
+# assistant turn without the ``<|end|>`` EOS (the builder adds it); earlier turns go in ``messages``.
+BUILTIN_FORMATS: dict[str, WarmstartFormat] = {"arithmetic": _arithmetic_format,
+                                               "calculator": _calculator_format}  # the multi-turn calculator env
 
 
 # --------------------------------------------------------------------------------------- model
@@ -120,21 +107,19 @@ def cache_key(cfg: EmbeddedModelConfig, seed: int) -> str:
     return f"tiny-llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{seed}-{digest}"
 
 
-def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True) -> Path:
+def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True,
+                         formats: dict[str, WarmstartFormat] | None = None) -> Path:
     """Build (or return from the cache) the embedded model; returns its directory.
 
     The directory holds ``save_pretrained`` output for model and tokenizer plus ``asyncrl_model.json``
     (config, seed, steps, measured accuracies). Deterministic for a given ``cfg`` and ``seed``.
+    ``formats`` adds warm-start formats to the built-in ones (an algorithm's, by name).
     """
-    unknown = [f for f in cfg.warmstart_formats if f not in _FORMATS]
-    if unknown:  # algorithms register their formats on import (e.g. rlcr): load them, then check
-        from ..algos.base import _load_builtin_algorithms
-
-        _load_builtin_algorithms()
-        unknown = [f for f in cfg.warmstart_formats if f not in _FORMATS]
+    available = {**BUILTIN_FORMATS, **(formats or {})}
+    unknown = [f for f in cfg.warmstart_formats if f not in available]
     if unknown:
-        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; registered: "
-                         f"{warmstart_formats()}")
+        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; available here: "
+                         f"{sorted(available)} (an algorithm's own formats come with algorithm: <it>)")
     root = Path(cfg.cache_dir).expanduser()
     final = root / cache_key(cfg, seed)
     if (final / META_FILE).exists():
@@ -146,7 +131,7 @@ def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool
         _remove_orphans(root, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
-            _build_into(tmp, cfg, seed, progress)
+            _build_into(tmp, cfg, seed, progress, available)
             if final.exists():
                 _replace_dir(tmp, final)
             else:
@@ -162,20 +147,9 @@ def read_model_info(path: str | Path) -> dict:
     return json.loads(meta.read_text()) if meta.exists() else {}
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock (flock) on ``path``; a no-op where fcntl is unavailable."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _file_lock(path: Path) -> FileLock:
+    """An exclusive inter-process lock on ``path`` (the ``filelock`` package)."""
+    return FileLock(str(path))
 
 
 def _remove_orphans(root: Path, name: str) -> None:
@@ -200,7 +174,8 @@ class _Example:
     target_ids: list[int]  # completion + EOS
 
 
-def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool) -> None:
+def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
+                formats: dict[str, WarmstartFormat]) -> None:
     """Initialise, warm-start, evaluate and save the model into ``out``."""
     start = time.perf_counter()
     with _deterministic(seed, threads=2):
@@ -208,7 +183,7 @@ def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool) 
         model = LlamaForCausalLM(embedded_llama_config(cfg, len(tokenizer))).float()
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-        result = warm_start(model, tokenizer, cfg, seed, progress)
+        result = warm_start(model, tokenizer, cfg, seed, progress, formats)
         result["sampled_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1.0, seed)
         result["greedy_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1e-6, seed)
     model.save_pretrained(out)
@@ -244,7 +219,8 @@ def heldout_tasks(n: int = EVAL_SIZE) -> list[Task]:
     return tasks
 
 
-def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: bool) -> dict:
+def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: bool,
+               formats: dict[str, WarmstartFormat] | None = None) -> dict:
     """Supervised steps until held-out sampled accuracy >= ``cfg.target_accuracy`` (or the cap).
 
     The stopping criterion is the *expected* sampled accuracy (exact, see ``expected_accuracy``),
@@ -253,7 +229,9 @@ def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: 
     """
     evalset = heldout_tasks()
     excluded = {_prompt_key(t.prompt) for t in evalset}
-    examples = _example_stream(tokenizer, cfg.warmstart_formats, random.Random(seed), excluded)
+    available = {**BUILTIN_FORMATS, **(formats or {})}
+    examples = _example_stream(tokenizer, [available[f] for f in cfg.warmstart_formats], random.Random(seed),
+                               excluded)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
     acc, step = expected_accuracy(model, tokenizer, evalset), 0
@@ -276,12 +254,12 @@ def _prompt_key(messages: Messages) -> str:
     return json.dumps(messages, sort_keys=True)
 
 
-def _example_stream(tokenizer, formats: list[str], rng: random.Random,
+def _example_stream(tokenizer, formats: list[WarmstartFormat], rng: random.Random,
                     excluded: set[str]) -> Iterator[_Example]:
     """Endless tokenised examples drawn uniformly from ``formats``, skipping held-out prompts."""
     eos = tokenizer.eos_token_id
     while True:
-        messages, completion = _FORMATS[rng.choice(formats)](rng)
+        messages, completion = rng.choice(formats)(rng)
         if _prompt_key(messages) in excluded:
             continue
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

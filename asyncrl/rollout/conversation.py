@@ -102,3 +102,33 @@ def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversat
             conv.loss_mask += [0] * len(extra)
             conv.logprobs += [0.0] * len(extra)
     return convs
+
+
+def scored_trajectories(convs: list, env, version: int) -> tuple[list, list[str]]:
+    """Trajectories of the conversations the environment scored, and the failure messages of the
+    others (a failed reset, step or evaluate: ``asyncrl.envs.guard``); failed ones are not trained on."""
+    trajs, failures = [], []
+    for c in convs:
+        if c.failure is None:
+            try:
+                trajs.append(c.to_trajectory(version, env.evaluate(c.task, c.history)))
+                continue
+            except EnvFailure as e:
+                c.failure = str(e)
+        failures.append(c.failure)
+    return trajs, failures
+
+
+def failure_record(failures: list[str], version: int) -> dict:
+    """The ``decision`` fields for an episode with failed conversations (none: ``{}``). An episode
+    whose conversations all failed keeps its policy version here (it has no trajectories)."""
+    if not failures:
+        return {}
+    return {"failures": failures[:8], "num_failures": len(failures), "policy_version": version}
+
+
+def episode_metrics(rewards: list[float], failures: int) -> dict[str, float]:
+    out = {"env/failures": float(failures)}
+    if rewards:
+        out["reward_mean"] = sum(rewards) / len(rewards)
+    return out

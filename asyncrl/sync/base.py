@@ -1,0 +1,51 @@
+"""The weight-sync interface: how a new version of the policy reaches the actors.
+
+The learner's ``weights`` channel (``asyncrl.learner.net``) delivers one ``weights`` message per
+version to each subscriber; a transport decides what that message carries and how the tensors
+travel:
+
+- a :class:`WeightPublisher` (learner side) turns ``(state, version)`` into the message's frames;
+- a :class:`WeightReceiver` (actor side) turns a received message into ``(version, tensors)``
+  that ``Engine.update_weights`` loads.
+
+The version tag travels in the message either way, so an actor always knows what it applied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..wire.codec import Message
+
+
+class WeightsError(ValueError):
+    """A weights message this receiver cannot use; the text says what was wrong and expected."""
+
+
+class WeightPublisher(Protocol):
+    def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
+        """The frames of the ``weights`` message for ``version`` (``state``: name -> CPU tensor)."""
+        ...
+
+
+class WeightReceiver(Protocol):
+    def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, {name: tensor})`` from a received ``weights`` message, or WeightsError."""
+        ...
+
+
+def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:
+    """The learner's side of ``sync.type``."""
+    from . import TRANSPORTS
+
+    return TRANSPORTS[sync_cfg.type][0](sync_cfg, run_dir)
+
+
+def make_receiver(sync_cfg) -> WeightReceiver:
+    """The actor's side of ``sync.type``."""
+    from . import TRANSPORTS
+
+    return TRANSPORTS[sync_cfg.type][1]()

@@ -1,0 +1,43 @@
+"""Filesystem weight sync (``sync.type: filesystem``): the learner writes
+``weights-<version>.safetensors`` atomically and sends actors only its path; actors read the file.
+For actors that share a filesystem with the learner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from ..wire.codec import Message, encode
+from ..wire.messages import Weights
+from .base import WeightsError
+
+
+class FilesystemPublisher:
+    def __init__(self, sync_cfg, run_dir: Path):
+        self.dir = Path(sync_cfg.dir or Path(run_dir) / "weights").resolve()
+        self.keep = sync_cfg.keep
+
+    def frames(self, state: dict, version: int) -> list:
+        """Save ``state`` as ``weights-<version>.safetensors`` (the newest ``sync.keep`` are kept)
+        and return a ``weights`` message naming the file."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"weights-{version:08d}.safetensors"
+        tmp = final.with_suffix(".tmp")
+        save_file(state, str(tmp), metadata={"version": str(version)})
+        os.replace(tmp, final)
+        for old in sorted(self.dir.glob("weights-*.safetensors"))[:-self.keep]:
+            old.unlink(missing_ok=True)
+        return encode("weights", Weights(version=int(version), path=str(final)))
+
+
+class FilesystemReceiver:
+    def tensors(self, msg: Message) -> tuple[int, dict]:
+        path = msg.body.path
+        if not path:
+            raise WeightsError("the learner sent tensor frames but this actor expects sync.type=filesystem; "
+                               "use the same sync.type on both sides")
+        if not Path(path).exists():
+            raise WeightsError(f"weights file {path} does not exist (filesystem sync needs a shared filesystem)")
+        return msg.body.version, load_file(path)
