@@ -62,6 +62,7 @@ class Trajectory:
     recorded_logprobs: np.ndarray | None = None  # float32 [T]
     exp_mask: np.ndarray | None = None  # uint8 [T]; replayed generated tokens (None: all 0)
     advantage: float | None = None  # set by an algorithm that computes its own (e.g. RLCR)
+    advantage_scale: float = 1.0  # multiplies the advantage (e.g. Absolute Zero's proposer weight)
     text: str = ""  # decoded generated text, for logs and the UI
     metadata: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=new_id)

@@ -17,7 +17,7 @@ from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.config import ConfigError, config_from_dict
 from asyncrl.engine.base import Generation
 from asyncrl.envs.safe_arith import evaluate_expression
-from asyncrl.learner.trainer import trajectory_advantages
+from asyncrl.advantages import trajectory_advantages
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task
 
@@ -258,7 +258,7 @@ def test_joint_mode_sampled_update_keeps_one_proposer_row_per_prompt():
     a, c = eps["10+10="], eps["30+30="]
     pa = [t for t in a.trajectories if t.sample_type == "proposer"]
     assert [(t.text, t.reward, t.group_id) for t in pa] == [("2+2", 1.0, PROPOSER_BATCH_GROUP)]
-    assert pa[0].metadata["adv_scale"] == 0.1
+    assert pa[0].advantage_scale == 0.1
     pc = [t for t in c.trajectories if t.sample_type == "proposer"]
     assert len(pc) == 1 and pc[0].reward == -0.5  # a dropped prompt still teaches the proposer
     assert a.metrics["joint/combined_reward_mean"] == pytest.approx(1.35 + 0.1 * 1.0)

@@ -198,7 +198,7 @@ def test_a_batch_with_a_non_finite_loss_is_skipped_not_applied():
              for r in (0.0, 1.0)]
     trajs[0].behavior_logprobs[-1] = np.nan  # a poisoned behaviour log-prob
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    stats = trainer.step(trainer.make_batch([Episode(trajectories=trajs)]))
+    stats = trainer.step(trainer.make_batch([Episode(trajectories=trajs)])).stats
     assert stats["skipped_nonfinite"] == 1.0 and not math.isfinite(stats["loss"])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "a NaN update was applied"
     assert not trainer.optimizer.state  # AdamW never stepped

@@ -1,22 +1,21 @@
-"""Learner maths against numbers worked out by hand (DESIGN.md section 4)."""
+"""Learner maths against numbers worked out by hand (verl's core_algos formulas, AReaL's decoupled PPO)."""
 
 import math
 
 import pytest
 import torch
 
+from asyncrl.advantages import ADV_ESTIMATORS, compute_grpo_advantages
 from asyncrl.learner.core_algos import (
+    POLICY_LOSSES,
+    LossConfig,
+    PolicyLossInputs,
     agg_loss,
     behavior_importance_weight,
-    broadcast_advantages,
-    compute_grpo_advantages,
     compute_policy_loss,
     entropy_from_logits,
-    get_adv_estimator,
-    get_policy_loss,
     kl_penalty,
     logprobs_from_logits,
-    replay_old_logprobs,
 )
 
 D = torch.float64
@@ -29,6 +28,11 @@ def t(x):
 
 def approx(x, rel=1e-6, abs=1e-9):
     return pytest.approx(x, rel=rel, abs=abs)
+
+
+def policy_loss(logp, old, adv, mask, behavior_weight=None, exp_mask=None, **cfg):
+    """The registered PPO loss on typed inputs and a LossConfig built from ``cfg``."""
+    return compute_policy_loss(PolicyLossInputs(logp, old, adv, mask, behavior_weight, exp_mask), LossConfig(**cfg))
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -68,17 +72,12 @@ def test_grpo_without_std_and_constant_group():
 
 
 def test_registry_lookup_and_errors():
-    assert get_adv_estimator("grpo") is compute_grpo_advantages
-    assert get_policy_loss("ppo") is compute_policy_loss
+    assert ADV_ESTIMATORS.get("grpo") is compute_grpo_advantages
+    assert POLICY_LOSSES.get("ppo") is compute_policy_loss
     with pytest.raises(KeyError, match="grpo"):
-        get_adv_estimator("nope")
+        ADV_ESTIMATORS.get("nope")
     with pytest.raises(ValueError, match="ppo"):
-        get_policy_loss("nope")
-
-
-def test_broadcast_advantages():
-    mask = t([[0, 1, 1], [1, 0, 0]])
-    assert broadcast_advantages(t([2.0, -1.0]), mask).tolist() == [[0, 2, 2], [-1, 0, 0]]
+        POLICY_LOSSES.get("nope")
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -142,7 +141,7 @@ def _branch_tensors():
 
 def test_ppo_each_branch_by_hand():
     logp, old, adv, mask = _branch_tensors()
-    loss, stats = compute_policy_loss(logp, old, adv, mask)
+    loss, stats = policy_loss(logp, old, adv, mask)
     # (-1.25 - 1.28 + 0.8 + 3.0 - 0.5 + 1.2) / 6 = 1.97 / 6
     assert loss.item() == approx(1.97 / 6)
     assert stats["pg_loss"] == approx(1.97 / 6)
@@ -160,7 +159,7 @@ def test_ppo_each_branch_by_hand():
 def test_ppo_symmetric_clip_clips_what_clip_higher_keeps():
     logp, old, adv, mask = _branch_tensors()
     one = t([[1, 0, 0, 0, 0, 0, 0]])
-    loss, stats = compute_policy_loss(logp, old, adv, one, clip_high=0.2)
+    loss, stats = policy_loss(logp, old, adv, one, clip_high=0.2)
     assert loss.item() == approx(-1.2)  # max(-1.25, -1.2)
     assert stats["clipfrac"] == 1.0
 
@@ -177,7 +176,7 @@ def test_behavior_weight_and_cap():
 def test_behavior_weight_scales_token_losses():
     # ratio 1, A = 1: per-token -1, weighted [-1, -2], token-mean -1.5
     z = torch.zeros(1, 2, dtype=D)
-    loss, _ = compute_policy_loss(z.clone().requires_grad_(), z, torch.ones(1, 2, dtype=D),
+    loss, _ = policy_loss(z.clone().requires_grad_(), z, torch.ones(1, 2, dtype=D),
                                   torch.ones(1, 2, dtype=D), behavior_weight=t([[1.0, 2.0]]))
     assert loss.item() == approx(-1.5)
 
@@ -193,8 +192,8 @@ def test_zero_staleness_decoupled_equals_plain_ppo(mode):
     w = behavior_importance_weight(old, old.clone(), cap=5.0)  # behaviour == proximal
     assert torch.equal(w, torch.ones_like(w))
     a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
-    plain, _ = compute_policy_loss(a, old, adv, mask, loss_agg_mode=mode)
-    decoupled, _ = compute_policy_loss(b, old, adv, mask, loss_agg_mode=mode, behavior_weight=w)
+    plain, _ = policy_loss(a, old, adv, mask, loss_agg_mode=mode)
+    decoupled, _ = policy_loss(b, old, adv, mask, loss_agg_mode=mode, behavior_weight=w)
     plain.backward()
     decoupled.backward()
     assert torch.equal(plain, decoupled)
@@ -209,13 +208,13 @@ def _replay_batch():
     prox = t([[0.4, 0.5], [0.3, 0.5]]).log()
     recorded = torch.stack([torch.zeros(2, dtype=D), t([0.2, 0.2]).log()])
     exp_mask = t([[0, 0], [1, 1]])
-    old = replay_old_logprobs(prox, recorded, exp_mask)
+    old = torch.where(exp_mask > 0, recorded, prox)  # replayed tokens: the recorded policy is the old one
     return logp, old, torch.ones(2, 2, dtype=D), torch.ones(2, 2, dtype=D), exp_mask
 
 
 def test_off_policy_tokens_use_recorded_ratio_and_off_clip():
     logp, old, adv, mask, exp_mask = _replay_batch()
-    loss, s = compute_policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_clip_high=1.0)
+    loss, s = policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_clip_high=1.0)
     # on: [max(-1.5, -1.28), -1.1] = [-1.28, -1.1]; off (upper bound 2.0): [-1.5, max(-2.5, -2.0)]
     assert loss.item() == approx((-1.28 - 1.1 - 1.5 - 2.0) / 4)
     assert s["on_pg_loss"] == approx((-1.28 - 1.1) / 2)
@@ -231,17 +230,17 @@ def test_off_policy_tokens_use_recorded_ratio_and_off_clip():
 
 def test_on_policy_tokens_unaffected_by_replayed_rows():
     logp, old, adv, mask, exp_mask = _replay_batch()
-    _, mixed = compute_policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_clip_high=1.0)
-    alone, _ = compute_policy_loss(logp[:1], old[:1], adv[:1], mask[:1])
+    _, mixed = policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_clip_high=1.0)
+    alone, _ = policy_loss(logp[:1], old[:1], adv[:1], mask[:1])
     assert mixed["on_pg_loss"] == approx(alone.item())
     # without off_clip_high the replayed ratios 1.5 and 2.5 both clip at the normal 1.28
-    _, s = compute_policy_loss(logp, old, adv, mask, exp_mask=exp_mask)
+    _, s = policy_loss(logp, old, adv, mask, exp_mask=exp_mask)
     assert s["off_pg_loss"] == approx(-1.28) and s["off_clipfrac"] == 1.0
 
 
 def test_off_policy_reshape_p_div_p():
     logp, old, adv, mask, exp_mask = _replay_batch()
-    loss, s = compute_policy_loss(logp, old, adv, mask, exp_mask=exp_mask,
+    loss, s = policy_loss(logp, old, adv, mask, exp_mask=exp_mask,
                                   off_policy_reshape="p_div_p_0.1")
     # f(r) = r / (r + 0.1), unclipped: f(1.5) = 1.5/1.6 = 0.9375, f(2.5) = 2.5/2.6 = 0.9615385
     assert s["off_pg_loss"] == approx(-(0.9375 + 2.5 / 2.6) / 2)
@@ -251,7 +250,7 @@ def test_off_policy_reshape_p_div_p():
     # d f / d logp = 0.1 r / (r + 0.1)^2: 0.15 / 2.56 and 0.25 / 6.76, times -A / 4
     assert logp.grad[1].tolist() == approx([-0.15 / 2.56 / 4, -0.25 / 6.76 / 4])
     with pytest.raises(ValueError, match="p_div_p_0.1"):
-        compute_policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_policy_reshape="bogus")
+        policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_policy_reshape="bogus")
 
 
 # ---------------------------------------------------------------------------- KL, entropy

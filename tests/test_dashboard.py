@@ -190,7 +190,7 @@ def test_trainer_logs_the_exact_per_token_entropy_every_step(tiny_overrides):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         ent = entropy_from_logits(logits.float())
         expected = float((ent * batch.response_mask).sum() / batch.response_mask.sum())
-    stats = trainer.step(batch)
+    stats = trainer.step(batch).stats
     assert stats["entropy"] == pytest.approx(expected, rel=1e-4)
     _, no_graph = compute_logprobs(model, batch, 1.0, with_entropy=True, entropy_grad=False)
     assert not no_graph.requires_grad  # for the metric only: no graph is kept

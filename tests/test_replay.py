@@ -15,9 +15,11 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
 from asyncrl.learner.batch import collate, compute_logprobs
-from asyncrl.learner.replay import (ExperienceManager, align_recorded_logprobs, compact_logprobs,
+from asyncrl.learner.replay import (ExperienceManager, ReplayHook, align_recorded_logprobs, compact_logprobs,
                                     make_replay_trajectory)
-from asyncrl.learner.trainer import PolicyTrainer, trajectory_advantages
+from asyncrl.advantages import trajectory_advantages
+from asyncrl.learner.core_algos import LossConfig
+from asyncrl.learner.trainer import PolicyTrainer
 from asyncrl.models.loading import load_policy
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory
@@ -272,11 +274,13 @@ def test_loss_by_hand_replayed_vs_fresh(tiny_policy, off_clip):
     fresh.behavior_logprobs = np.concatenate([[0.0], cur[0, : len(ids_a) - 1].numpy()]) * np.asarray(m_a)
     rec = np.concatenate([[0.0], cur[1, : len(ids_b) - 1].numpy() - math.log(2.5)]) * np.asarray(m_b)
     replay.recorded_logprobs = np.where(np.asarray(m_b) > 0, rec, 0.0)
-    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, replay_cfg=cfg.replay)
+    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train, cfg.replay))
     ep = Episode(trajectories=[fresh, replay])
     adv = trajectory_advantages(ep.trajectories, cfg.train.advantage)
     assert adv.tolist() == pytest.approx([-0.5, 0.5])  # the replayed one shares the group: non-zero
-    stats = trainer.step(trainer.make_batch([ep]))
+    result = trainer.step(trainer.make_batch([ep]), keep_rows=True)
+    hook = ReplayHook(_mgr(), state_event_every=1, event=lambda *a, **k: None)  # reports replay/* names
+    stats = {**result.stats, **hook.after_step([ep], result, version=0)}
     n_on, n_off = sum(m_a), sum(m_b)
     on_tok = 0.5  # A = -0.5, r = 1: max(0.5, 0.5 * clip(1)) = 0.5, dual clip min(0.5, 1.5) = 0.5
     off_tok = -0.5 * min(2.5, 1 + off_clip)  # A = +0.5, r = 2.5 clipped at 1 + off_cliprange_high
@@ -335,7 +339,7 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
                              "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",
                              "env.reward=tests.plugins_for_tests:short_reply_reward", "train.lr=1e-9"])
     m = ExperienceManager(cfg.replay, n=4, total_steps=10, seed=0)
-    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, replay_cfg=cfg.replay)
+    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train, cfg.replay))
     rng = random.Random(0)
     tasks = [Task(f"arith:{a}+{b}", [{"role": "user", "content": f"{a}+{b}="}], a + b)
              for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(6))]
@@ -345,8 +349,8 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
     assert all(t.metadata["turns"] == 2 for t in trajs)  # multi-turn: call, tool result, answer
     with torch.no_grad():
         before, ent = compute_logprobs(model, collate(trajs, torch.zeros(len(trajs)), 0), with_entropy=True)
-    trainer.step(trainer.make_batch(eps))
-    logp, entropy = trainer.last_rows
+    result = trainer.step(trainer.make_batch(eps), keep_rows=True)
+    logp, entropy = result.row_logprobs, result.row_entropy
     assert torch.allclose(logp, before, atol=1e-5)  # recorded before the update
     m.record(eps, logp.numpy(), entropy.numpy(), version=5)
     assert m.task2trajectories, "no task had a partial success; pick another seed"

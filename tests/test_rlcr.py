@@ -17,7 +17,7 @@ from asyncrl.engine.base import Generation
 from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.envs.verifiers import resolve_verifier, verify, verify_exact_match, verify_numeric
 from asyncrl.learner.batch import collate
-from asyncrl.learner.core_algos import LOSS_AGG_MODES, compute_policy_loss
+from asyncrl.learner.core_algos import LOSS_AGG_MODES, LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
 
@@ -255,8 +255,8 @@ def test_rows_work_with_every_loss_agg_mode():
     batch = collate(trajs, torch.tensor([t.advantage for t in trajs]), pad_id=0)
     for mode in LOSS_AGG_MODES:
         logp = (batch.behavior_logprobs + 0.01).clone().requires_grad_(True)
-        loss, _ = compute_policy_loss(logp, batch.behavior_logprobs, batch.advantages, batch.response_mask,
-                                      loss_agg_mode=mode)
+        loss, _ = compute_policy_loss(PolicyLossInputs(logp, batch.behavior_logprobs, batch.advantages,
+                                                       batch.response_mask), LossConfig(loss_agg_mode=mode))
         loss.backward()
         assert torch.isfinite(loss)
         assert torch.all(logp.grad[batch.response_mask == 0] == 0), mode  # only the target spans learn

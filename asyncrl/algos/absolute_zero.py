@@ -15,7 +15,7 @@ Per seed prompt (one task in, one Episode out):
    ``rollout_n`` responses (group id ``<episode>/solver``); a group that never became mixed keeps
    no solver rows (the Episode may then hold no trajectories at all);
 6. proposer rows (``mode: joint``): rewards 1.0 learnable / 0.0 not / -0.5 never mixed, advantage
-   scaled by ``proposer_weight`` (``metadata['adv_scale']``). ``proposer_update: sampled`` (the
+   scaled by ``proposer_weight`` (``Trajectory.advantage_scale``). ``proposer_update: sampled`` (the
    seed) keeps one row per prompt, normalised against the other prompts' proposer rows in the
    batch (group ``absolute_zero/proposer``); ``group`` keeps every question of the final group,
    normalised within the group (``<episode>/proposer``).
@@ -308,9 +308,9 @@ class AbsoluteZeroWorkflow(Workflow):
     def _proposer_row(self, run: PromptRun, q: Question, reward: float, version: int) -> Trajectory:
         group = PROPOSER_BATCH_GROUP if self.algo.proposer_update == "sampled" else f"{run.episode_id}/proposer"
         traj = q.conv.to_trajectory(version, {"reward": reward, "learnable": float(q.learnable)},
-                                    {"adv_scale": self.algo.proposer_weight, "prompt_id": run.episode_id,
-                                     "attempt": run.final.number, "question_index": q.index})
-        traj.group_id = group
+                                    {"prompt_id": run.episode_id, "attempt": run.final.number,
+                                     "question_index": q.index})
+        traj.group_id, traj.advantage_scale = group, self.algo.proposer_weight
         return traj
 
     def _metrics(self, run: PromptRun, trajs: list[Trajectory], proposer_rewards_: list[float]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from ..config import TasksConfig, validate_section
 from ..engine.base import Generation
 from ..envs.arithmetic import make_problem
 from ..envs.verifiers import require_math_verify, verify
-from ..learner.core_algos import compute_grpo_advantages
+from ..advantages import compute_grpo_advantages
 from ..types import Episode, Task, Trajectory, new_id
 from ..rollout.workflow import RolloutContext, Workflow, register_workflow
 from .calibration import calibration_report

@@ -1,30 +1,30 @@
-"""The learner's maths (DESIGN.md section 4): advantages, policy losses, aggregation, KL, entropy.
+"""The learner's maths: policy losses, aggregation, importance weights, KL, entropy (advantages
+are in ``asyncrl.advantages``; references: verl's ``core_algos``, AReaL's decoupled PPO).
 
 Shapes: ``N`` trajectories, ``B`` rows of a batch (one per trajectory), ``T`` target positions.
 Every ``[B, T]`` tensor is aligned to the targets of :class:`asyncrl.learner.batch.TrainBatch`
 (position ``j`` scores token ``j + 1`` of the padded sequence). Masks are float 0/1.
 
-Estimators and losses live in registries keyed by name, as in verl::
+Policy losses live in a registry keyed by ``train.policy_loss``, with verl's shape::
 
-    get_adv_estimator("grpo")(rewards, group_ids, norm_by_std=True)
-    get_policy_loss("ppo")(logprobs, old_logprobs, advantages, mask, clip_low=0.2, ...)
+    POLICY_LOSSES.get("ppo")(PolicyLossInputs(logprobs, old_logprobs, advantages, mask), LossConfig(...))
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..registry import Registry
+
 __all__ = [
-    "RegistryError", "register_adv_estimator", "get_adv_estimator", "register_policy_loss",
-    "get_policy_loss", "adv_estimator_names", "policy_loss_names", "compute_grpo_advantages",
-    "broadcast_advantages", "masked_mean", "agg_loss", "LOSS_AGG_MODES",
-    "behavior_importance_weight", "replay_old_logprobs", "compute_policy_loss", "kl_penalty",
-    "entropy_from_logits", "logprobs_from_logits",
+    "POLICY_LOSSES", "PolicyLossInputs", "LossConfig", "masked_mean", "agg_loss", "LOSS_AGG_MODES",
+    "behavior_importance_weight", "compute_policy_loss", "kl_penalty", "entropy_from_logits",
+    "logprobs_from_logits",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -36,104 +36,7 @@ LOG_RATIO_CLAMP = 20.0
 # registries
 
 
-class RegistryError(KeyError, ValueError):
-    """An unknown registry name. Both a KeyError and a ValueError, so either ``except`` works."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0]) if self.args else ""
-
-
-_ADV_ESTIMATORS: dict[str, Callable[..., Tensor]] = {}
-_POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {}
-
-
-def _register(registry: dict, kind: str, name: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        if name in registry and registry[name] is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered ({registry[name].__qualname__})")
-        registry[name] = fn
-        return fn
-    return deco
-
-
-def _lookup(registry: dict, kind: str, name: str) -> Callable:
-    try:
-        return registry[name]
-    except (KeyError, TypeError):
-        raise RegistryError(f"unknown {kind} {name!r}; valid names: {', '.join(sorted(registry))}") from None
-
-
-def register_adv_estimator(name: str) -> Callable:
-    """Decorator: register an advantage estimator under ``name``."""
-    return _register(_ADV_ESTIMATORS, "advantage estimator", name)
-
-
-def get_adv_estimator(name: str) -> Callable[..., Tensor]:
-    """The advantage estimator registered as ``name``; RegistryError lists the valid names."""
-    return _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
-
-
-def register_policy_loss(name: str) -> Callable:
-    """Decorator: register a policy loss under ``name``."""
-    return _register(_POLICY_LOSSES, "policy loss", name)
-
-
-def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:
-    """The policy loss registered as ``name``; RegistryError lists the valid names."""
-    return _lookup(_POLICY_LOSSES, "policy loss", name)
-
-
-def adv_estimator_names() -> list[str]:
-    return sorted(_ADV_ESTIMATORS)
-
-
-def policy_loss_names() -> list[str]:
-    return sorted(_POLICY_LOSSES)
-
-
-# ----------------------------------------------------------------------------------------------
-# advantages
-
-
-@register_adv_estimator("grpo")
-def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = True,
-                            eps: float = 1e-6) -> Tensor:
-    """GRPO outcome advantage, one scalar per trajectory.
-
-    Args:
-        rewards: ``[N]`` float.
-        group_ids: ``N`` group keys; trajectories with equal keys are normalised together.
-        norm_by_std: ``A = (R - mean_g) / (std_g + eps)`` with the unbiased std (verl);
-            ``False`` gives ``A = R - mean_g`` (Dr.GRPO, ExGRPO, RLCR).
-    Returns:
-        ``[N]`` advantages (same dtype as ``rewards``, no grad). A group of one gets 0: unlike verl
-        (mean 0, std 1 there, so ``A = R``), a lone trajectory has no baseline to compare with.
-    """
-    rewards = torch.as_tensor(rewards).detach()
-    if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
-        raise ValueError(f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} "
-                         f"and {len(group_ids)} group ids")
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
-    members: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    adv = torch.zeros_like(rewards)
-    for idx in members.values():
-        if len(idx) < 2:
-            continue
-        ix = torch.tensor(idx, device=rewards.device)
-        r = rewards[ix]
-        a = r - r.mean()
-        if norm_by_std:
-            a = a / (r.std() + eps)
-        adv[ix] = a
-    return adv
-
-
-def broadcast_advantages(adv: Tensor, mask: Tensor) -> Tensor:
-    """Per-trajectory scalars ``adv[N]`` onto tokens: ``[N, T] = adv[:, None] * mask[N, T]``."""
-    return adv.to(mask.dtype if mask.is_floating_point() else torch.float32)[:, None] * mask
+POLICY_LOSSES: Registry[Callable[..., tuple[Tensor, dict[str, float]]]] = Registry("policy loss")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,15 +91,6 @@ def behavior_importance_weight(old_logprobs: Tensor, behavior_logprobs: Tensor, 
     return torch.exp(log_w).clamp(max=cap).detach()
 
 
-def replay_old_logprobs(old_logprobs: Tensor, recorded_logprobs: Tensor, exp_mask: Tensor) -> Tensor:
-    """``[B, T]``: the recorded log-probs where ``exp_mask == 1`` (replayed tokens), else ``old``.
-
-    ExGRPO's ``exp_is_correct``: the ratio of a replayed token is taken against the policy that
-    recorded it, not against the current proximal policy.
-    """
-    return torch.where(exp_mask > 0, recorded_logprobs.to(old_logprobs.dtype), old_logprobs)
-
-
 def _clipped_pg(ratio: Tensor, adv: Tensor, low: float, high: float, c: float) -> tuple[Tensor, Tensor, Tensor]:
     """Clip-higher + dual-clip PPO per token. Returns (loss, clipped, dual_clipped), all ``[B, T]``."""
     pg1 = -adv * ratio
@@ -215,41 +109,68 @@ def _stat(x: Tensor, mask: Tensor, how: str) -> float:
     return float(getattr(sel.float(), how)())
 
 
-@register_policy_loss("ppo")
-def compute_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    behavior_weight: Tensor | None = None,
-    exp_mask: Tensor | None = None,
-    off_clip_high: float | None = None,
-    off_policy_reshape: str | None = None,
-    agg_norm: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+@dataclass
+class PolicyLossInputs:
+    """What a policy loss sees, all ``[B, T]`` over target positions (see the module doc).
+
+    - ``logprobs``: the current policy, with grad;
+    - ``old_logprobs``: the proximal policy; for replayed tokens the recorded log-probs;
+    - ``advantages``; ``mask``: the response mask;
+    - ``behavior_weight``: detached weight (:func:`behavior_importance_weight`) multiplying every
+      token's loss, replayed tokens included; None means 1;
+    - ``exp_mask``: 1 on replayed (off-policy) tokens (experience replay); None: none.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    behavior_weight: Tensor | None = None
+    exp_mask: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The settings of a policy loss (``train.*``, and ``replay.*`` for replayed tokens).
+
+    ``off_clip_high``: upper clip ``1 + off_clip_high`` for replayed tokens (None: ``clip_high``).
+    ``off_policy_reshape="p_div_p_0.1"``: replayed tokens use the ExGRPO policy shaping
+    ``L = -A * f(r)``, ``f(r) = r / (r + 0.1)``, unclipped, with ``r = exp(logp - logp_old)`` the
+    importance ratio against the recorded policy (ExGRPO, Zhan et al. 2025, ``f(w) = w / (w + beta)``).
+    LUFFY's code path of the same name shapes the bare probability ``exp(logp)`` instead (its
+    off-policy data come from a teacher without log-probs); we have recorded ones.
+    ``agg_norm``: optional constant normaliser for ``seq-mean-token-sum-norm``.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    agg_norm: float | None = None
+    off_clip_high: float | None = None
+    off_policy_reshape: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.off_policy_reshape not in OFF_POLICY_RESHAPES:
+            raise ValueError(f"unknown off_policy_reshape {self.off_policy_reshape!r}; valid: none, p_div_p_0.1")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+    @classmethod
+    def from_config(cls, train_cfg, replay_cfg=None) -> "LossConfig":
+        """``train.*`` settings; with experience replay on, its off-policy ones."""
+        replay = replay_cfg if replay_cfg is not None and replay_cfg.enabled else None
+        return cls(clip_low=train_cfg.clip_low, clip_high=train_cfg.clip_high, dual_clip_c=train_cfg.dual_clip_c,
+                   loss_agg_mode=train_cfg.loss_agg_mode,
+                   off_clip_high=replay.off_cliprange_high if replay else None,
+                   off_policy_reshape=None if replay is None or replay.off_policy_reshape == "none"
+                   else replay.off_policy_reshape)
+
+
+@POLICY_LOSSES.register("ppo")
+def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO clip (clip-higher, dual clip) with decoupled staleness weights and replayed tokens.
 
-    Args:
-        logprobs: ``[B, T]`` current policy, with grad.
-        old_logprobs: ``[B, T]`` proximal policy (for replayed tokens: the recorded log-probs, see
-            :func:`replay_old_logprobs`).
-        advantages: ``[B, T]``.
-        mask: ``[B, T]`` response mask.
-        behavior_weight: ``[B, T]`` detached weight (see :func:`behavior_importance_weight`) that
-            multiplies every token's loss, replayed tokens included; None means 1.
-        exp_mask: ``[B, T]``, 1 on replayed (off-policy) tokens (DESIGN 5.3).
-        off_clip_high: upper clip ``1 + off_clip_high`` for replayed tokens (default: ``clip_high``).
-        off_policy_reshape: ``"p_div_p_0.1"``: replayed tokens use the ExGRPO policy shaping
-            ``L = -A * f(r)``, ``f(r) = r / (r + 0.1)``, unclipped, with ``r = exp(logp - logp_old)``
-            the importance ratio against the recorded policy (ExGRPO paper, ``f(w) = w / (w + beta)``).
-            LUFFY's code path of the same name shapes the bare probability ``exp(logp)`` instead
-            (its off-policy data come from a teacher without log-probs); we have recorded ones.
-        agg_norm: optional constant normaliser for ``seq-mean-token-sum-norm``.
     Per token ``r = exp(clamp(logp - logp_old, -20, 20))``,
     ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``, and where ``A < 0``
     ``L = min(L, -A c)``; then ``L_tok = (L_off * exp + L_on * (1 - exp)) * w``, aggregated by
@@ -262,9 +183,10 @@ def compute_policy_loss(
         weighted losses), ``on_clipfrac``/``off_clipfrac``, ``off_ratio_*`` (raw ratio on replayed
         tokens) and ``off_token_ratio``.
     """
-    if off_policy_reshape not in OFF_POLICY_RESHAPES:
-        raise ValueError(f"unknown off_policy_reshape {off_policy_reshape!r}; valid: none, p_div_p_0.1")
-    mask = mask.to(logprobs.dtype)
+    logprobs, old_logprobs, advantages = inputs.logprobs, inputs.old_logprobs, inputs.advantages
+    behavior_weight, exp_mask = inputs.behavior_weight, inputs.exp_mask
+    clip_low, clip_high, dual_clip_c = cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
+    mask = inputs.mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     on_loss, clipped, dual = _clipped_pg(ratio, advantages, clip_low, clip_high, dual_clip_c)
@@ -275,12 +197,12 @@ def compute_policy_loss(
         tok_loss = on_loss * weight
     else:
         exp = exp_mask.to(logprobs.dtype)
-        if off_policy_reshape == "p_div_p_0.1":
+        if cfg.off_policy_reshape == "p_div_p_0.1":
             off_loss = -advantages * (ratio / (ratio + 0.1))
             off_clipped = torch.zeros_like(clipped)
             off_dual = torch.zeros_like(dual)
         else:
-            hi = clip_high if off_clip_high is None else off_clip_high
+            hi = clip_high if cfg.off_clip_high is None else cfg.off_clip_high
             off_loss, off_clipped, off_dual = _clipped_pg(ratio, advantages, clip_low, hi, dual_clip_c)
         is_off = exp > 0
         on_clipped = clipped
@@ -300,7 +222,7 @@ def compute_policy_loss(
                 off_token_ratio=float(off_m.sum() / mask.sum().clamp(min=1e-8)),
             )
 
-    loss = agg_loss(tok_loss, mask, loss_agg_mode, norm=agg_norm)
+    loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
         dual_frac = float(masked_mean(dual.to(mask.dtype), mask))
         stats.update(

@@ -27,7 +27,6 @@ from ..sync import make_publisher
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
 from ..runlog import EVENTS_SCHEMA, RunLog, check_trackers, open_trackers
 from ..types import Episode
-from ..wire.messages import ReplayTask, TaskBody, Withhold
 from ..wire.sockets import check_bind_host
 from .batch import collate, compute_logprobs
 from .batch_stats import batch_metrics
@@ -38,7 +37,9 @@ from .evaluate import Evaluator
 from .net import LearnerNet, Limits
 from .peers import Peers
 from .progress import Progress, summary_table
-from .replay import ExperienceManager
+from .hooks import LearnerHook
+from .replay import ExperienceManager, ReplayHook
+from .core_algos import LossConfig
 from .trainer import PolicyTrainer
 
 
@@ -59,8 +60,8 @@ class Learner:
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
             warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
         self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
-                                     replay_cfg=cfg.replay)
-        self.replay = _make_replay(cfg)
+                                     loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
+                                     use_recorded_logprobs=cfg.replay.exp_is_correct)
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
@@ -74,6 +75,7 @@ class Learner:
                                                  cfg.model_dump(mode="json")))
         self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
                            vocab_size=self.model.get_input_embeddings().num_embeddings)
+        self.hooks: list[LearnerHook] = _make_hooks(cfg, self.log.event)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
         for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
@@ -135,9 +137,8 @@ class Learner:
         ckpt = self.plan.checkpoint
         state = load_checkpoint(ckpt, self.model, self.trainer.optimizer) if ckpt is not None else {}
         self.version = int(state.get("version", self.plan.step))
-        if ckpt is not None and self.replay is not None and self.replay.load(ckpt):
-            self.log.event("replay_state", self.version, reason="resume", digest=self.replay.digest(),
-                           **self.replay.state_event())
+        for hook in self.hooks if ckpt is not None else ():
+            hook.load(ckpt, self.version)
         self.rewards_per_step = list(state.get("rewards_per_step", []))
         report = self.buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])))
         for scan in report.truncated:
@@ -253,30 +254,31 @@ class Learner:
         free = min(limit, cfg.buffer.capacity) - self.net.in_flight - len(self.buffer)
         if free > 0:
             self.net.grant_credits(free, min_version=max(self.net.weights_version, 0),
-                                   work=self._replay_work if self.replay is not None else None)
+                                   work=self._credit_work if self.hooks else None)
 
-    def _replay_work(self, actor, n: int) -> dict:
-        """Replay fields of a credit message for ``actor``'s ``n`` credits: typed replay assignments
-        and the changes of the skip set (withheld task ids) since it was last told."""
-        delta, actor.withheld_sent = self.replay.withheld_update(actor.withheld_sent)
-        work = {"replay": [ReplayTask(task=TaskBody(**t["task"]), n=t["n"], k=t["k"])
-                           for t in self.replay.assign(n, self.version)]}
-        if delta:
-            work["withhold"] = Withhold(reset=delta.get("withhold_reset", False),
-                                        add=delta.get("withhold_add", []), remove=delta.get("withhold_remove", []))
+    def _credit_work(self, actor, n: int) -> dict:
+        """The hooks' fields for ``actor``'s credit message (experience replay's assignments)."""
+        work: dict = {}
+        for hook in self.hooks:
+            work.update(hook.credit_work(actor, n, self.version))
         return work
 
     def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
         t0 = time.time()
         staleness = [self.version - ep.policy_version for ep in episodes]
+        for hook in self.hooks:  # e.g. replay tasks get their k stored trajectories
+            hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
-        if self.replay is not None and has_rows:  # replay tasks get their k stored trajectories
-            self.replay.attach(episodes)
         batch = self.trainer.make_batch(episodes) if has_rows else None
-        stats = self.trainer.step(batch) if batch is not None else {}
+        result = self.trainer.step(batch, keep_rows=any(h.needs_rows for h in self.hooks)) if batch else None
+        stats = result.stats if result is not None else {}
         if stats.get("skipped_nonfinite"):
             self._report_nonfinite(stats)
-        replay_metrics = self._replay_record(episodes, batch is not None)
+        hook_metrics: dict = {}
+        for hook in self.hooks:
+            hook_metrics.update(hook.after_step(episodes, result, self.version))
+        owned = set().union(*(h.owned_stats for h in self.hooks))
+        stats = {k: v for k, v in stats.items() if k not in owned}
         self.version += 1
         train_s = time.time() - t0
         if self.version % self.cfg.sync.every == 0:
@@ -294,7 +296,7 @@ class Learner:
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.nonfinite_steps,
-                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **replay_metrics,
+                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **hook_metrics,
                    **batch_metrics(episodes), **_mean_episode_metrics(episodes)}
         metrics.update(self.evaluate())
         self.log.metric(self.version, metrics)
@@ -312,19 +314,6 @@ class Learner:
               f"not finite; the update was skipped ({self.nonfinite_steps} so far)", flush=True)
         self.log.event("nonfinite_step", self.version + 1, loss=stats.get("loss"), grad_norm=stats.get("grad_norm"),
                        skipped_share=stats["skipped_nonfinite"], total=self.nonfinite_steps)
-
-    def _replay_record(self, episodes: list[Episode], trained: bool) -> dict:
-        """The seed's step [8]: record this batch's fresh successes into the pool (with the
-        learner's log-probs and entropy), update buckets and skip set; metrics and the
-        ``replay_state`` event."""
-        if self.replay is None:
-            return {}
-        rows = self.trainer.last_rows if trained else None
-        logp, ent = (rows[0].float().numpy(), rows[1].float().numpy()) if rows is not None else (None, None)
-        out = self.replay.record(episodes, logp, ent, self.version)
-        if (self.version + 1) % self.cfg.replay.state_event_every == 0:
-            self.log.event("replay_state", self.version + 1, reason="step", **self.replay.state_event())
-        return out
 
     def _log_sample(self, episodes: list[Episode]) -> None:
         """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
@@ -381,19 +370,22 @@ class Learner:
             self.log.event("eval", self.version, **result)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
+    def _save_hooks(self, directory: Path) -> None:
+        for hook in self.hooks:
+            hook.save(directory)
+
     def checkpoint(self) -> Path:
         path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
                                self.buffer, {"rewards_per_step": self.rewards_per_step},
                                keep=self.cfg.checkpoint.keep,
-                               write_extra=self.replay.save if self.replay is not None else None)
+                               write_extra=self._save_hooks)
         self.buffer.open_wal(self.version)
         # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
         # checkpoint damaged can fall back to an older one without losing acknowledged episodes
         self.buffer.drop_wal_before(checkpoint_step(list_checkpoints(self.run_dir)[0]))
         self.log.event("checkpoint", self.version, path=str(path))
-        if self.replay is not None:
-            self.log.event("replay_state", self.version, reason="checkpoint", checkpoint=str(path),
-                           digest=self.replay.digest(), **self.replay.state_event())
+        for hook in self.hooks:
+            hook.checkpoint_saved(path, self.version)
         return path
 
 
@@ -424,13 +416,14 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
             "current_logprobs": current[start:]}
 
 
-def _make_replay(cfg: Config) -> ExperienceManager | None:
-    """The ExperienceManager when ``replay.enabled`` (the preflight has checked that the workflow
-    takes per-task rollout counts)."""
+def _make_hooks(cfg: Config, event) -> list[LearnerHook]:
+    """The learner hooks the config asks for: experience replay when ``replay.enabled`` (the
+    preflight has checked that the workflow takes per-task rollout counts)."""
     if not cfg.replay.enabled:
-        return None
-    return ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
-                             max_staleness=cfg.buffer.max_staleness)
+        return []
+    manager = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
+                                max_staleness=cfg.buffer.max_staleness)
+    return [ReplayHook(manager, cfg.replay.state_event_every, event)]
 
 
 def _describe_heldout(cfg: Config) -> str:

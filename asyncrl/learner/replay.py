@@ -33,7 +33,7 @@ import math
 import random
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -487,3 +487,67 @@ def make_replay_trajectory(stored: Trajectory, group_id: str) -> Trajectory:
         sample_type=stored.sample_type, group_id=group_id, task_id=stored.task_id, is_replay=True,
         recorded_logprobs=np.array(rec, dtype=np.float32), exp_mask=np.array(stored.loss_mask, dtype=np.uint8),
         text=stored.text, metadata={**stored.metadata, "replay_of": stored.id})
+
+
+# ----------------------------------------------------------------------------------------------
+# the learner hook (asyncrl.learner.hooks)
+
+_STAT_NAMES = {"on_pg_loss": "replay/on_pg_loss", "off_pg_loss": "replay/off_pg_loss",
+               "on_clipfrac": "replay/on_clipfrac", "off_clipfrac": "replay/off_clipfrac",
+               "off_token_ratio": "replay/off_token_ratio", "off_ratio_mean": "replay/ratio_mean",
+               "off_ratio_min": "replay/ratio_min", "off_ratio_max": "replay/ratio_max",
+               "recorded_vs_current_logprob_diff": "replay/recorded_vs_current_logprob_diff"}
+
+
+class ReplayHook:
+    """Experience replay as a learner hook: stored trajectories join their replay tasks' batches,
+    each step's fresh successes are recorded with the learner's log-probs and entropies, credits
+    carry replay assignments and skip-set changes, and the pool goes into checkpoints. The
+    policy loss's on/off-policy statistics are reported as ``replay/*`` (``replay/ratio_*`` is
+    the importance ratio on replayed tokens)."""
+
+    needs_rows = True
+    owned_stats = frozenset(_STAT_NAMES)
+
+    def __init__(self, manager: ExperienceManager, state_event_every: int, event: Callable[..., None]):
+        self.manager, self.every, self.event = manager, state_event_every, event
+
+    def before_batch(self, episodes: list[Episode], version: int) -> None:
+        if any(ep.trajectories for ep in episodes):  # a filter (Absolute Zero) may have dropped all
+            self.manager.attach(episodes)
+
+    def after_step(self, episodes: list[Episode], result, version: int) -> dict[str, float]:
+        rows = (None, None) if result is None or result.row_logprobs is None else \
+            (result.row_logprobs.float().numpy(), result.row_entropy.float().numpy())
+        out = self.manager.record(episodes, rows[0], rows[1], version)
+        stats = result.stats if result is not None else {}
+        out.update({_STAT_NAMES[k]: v for k, v in stats.items() if k in _STAT_NAMES})
+        out.setdefault("replay/off_token_ratio", 0.0)
+        if (version + 1) % self.every == 0:
+            self.event("replay_state", version + 1, reason="step", **self.manager.state_event())
+        return out
+
+    def credit_work(self, actor, n: int, version: int) -> dict[str, Any]:
+        """Typed replay assignments and the changes of the skip set (withheld task ids) since the
+        actor was last told."""
+        from ..wire.messages import ReplayTask, TaskBody, Withhold
+
+        delta, actor.withheld_sent = self.manager.withheld_update(actor.withheld_sent)
+        work: dict[str, Any] = {"replay": [ReplayTask(task=TaskBody(**t["task"]), n=t["n"], k=t["k"])
+                                           for t in self.manager.assign(n, version)]}
+        if delta:
+            work["withhold"] = Withhold(reset=delta.get("withhold_reset", False), add=delta.get("withhold_add", []),
+                                        remove=delta.get("withhold_remove", []))
+        return work
+
+    def save(self, directory: Path) -> None:
+        self.manager.save(directory)
+
+    def load(self, directory: Path, version: int) -> None:
+        if self.manager.load(directory):
+            self.event("replay_state", version, reason="resume", digest=self.manager.digest(),
+                       **self.manager.state_event())
+
+    def checkpoint_saved(self, path: Path, version: int) -> None:
+        self.event("replay_state", version, reason="checkpoint", checkpoint=str(path),
+                   digest=self.manager.digest(), **self.manager.state_event())

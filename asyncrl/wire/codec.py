@@ -344,6 +344,7 @@ def encode_episode(ep: Episode) -> list:
         sample_type=[t.sample_type for t in trajs], group_id=[t.group_id for t in trajs],
         task_id=[t.task_id for t in trajs], is_replay=[bool(t.is_replay) for t in trajs],
         advantage=[None if t.advantage is None else float(t.advantage) for t in trajs],
+        advantage_scale=[float(t.advantage_scale) for t in trajs],
         text=[t.text for t in trajs], metadata=[t.metadata for t in trajs],
         length=[len(t.token_ids) for t in trajs],
         has_recorded_logprobs=[t.recorded_logprobs is not None for t in trajs],
@@ -407,6 +408,8 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
         raise WireError(f"expected an 'episode' message, got '{msg.kind}'", reason="wrong_kind")
     body: EpisodeBody = msg.body
     n, cols = body.n, body.trajectories
+    if cols.advantage_scale is None:
+        cols.advantage_scale = [1.0] * n
     for name in _COLUMNS:
         if len(getattr(cols, name)) != n:
             raise WireError(f"message 'episode' field 'trajectories.{name}' has "
@@ -453,7 +456,7 @@ def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: lis
 
 
 _TRAJ_SCALARS = ("id", "policy_version", "reward", "scores", "sample_type", "group_id", "task_id",
-                 "is_replay", "advantage", "text", "metadata")
+                 "is_replay", "advantage", "advantage_scale", "text", "metadata")
 _TRAJ_ARRAYS = ("token_ids", "loss_mask", "behavior_logprobs", "recorded_logprobs", "exp_mask")
 
 

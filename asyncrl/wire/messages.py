@@ -187,6 +187,7 @@ class Columns(Body):
     length: list[Count]
     has_recorded_logprobs: list[bool]
     has_exp_mask: list[bool]
+    advantage_scale: list[float] | None = None  # None (episodes written before it existed): all 1.0
 
 
 class EpisodeBody(Body):
