@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.algos.absolute_zero import (PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, AbsoluteZeroWorkflow,
                                         propose_warmstart_example)
-from asyncrl.algos.azr.filter import (ALL_LEARNABLE, MIXED, NONE_LEARNABLE, SEED_DIMENSIONS, Dimension,
+from asyncrl.algos.absolute_zero.filter import (ALL_LEARNABLE, MIXED, NONE_LEARNABLE, SEED_DIMENSIONS, Dimension,
                                       RewardWeights, check_learnability, compute_unified_reward_and_filter,
                                       group_status, proposer_rewards, sample_question, solver_reward)
 from asyncrl.rollout import RolloutContext, get_workflow

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from asyncrl.algos.calibration import (auroc, bin_index, brier_score, calibration_report,
+from asyncrl.algos.rlcr.calibration import (auroc, bin_index, brier_score, calibration_report,
                                        expected_calibration_error, reliability_bins)
 
 # confidence, correct

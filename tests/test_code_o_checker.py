@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.algos.azr.code_o import CodeOutputDomain, same_output
+from asyncrl.algos.absolute_zero.code_o import CodeOutputDomain, same_output
 from asyncrl.envs.sandbox import SandboxLimits
 from asyncrl.types import Task
 

@@ -100,7 +100,7 @@ def test_vanished_hellos_and_a_killed_actor_recover_within_the_lease(tmp_path, t
         fakes = [connect(zmq.DEALER, run.addresses["control"]) for _ in range(200)]
         for i, f in enumerate(fakes):
             f.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": f"fake-{i}", "capacity": 10**6}))
-        time.sleep(0.5)  # (not a synchronisation: the hellos only need to be on their way)
+        assert _answered(fakes, timeout=120) == len(fakes)  # each was admitted (its welcome came back)
         for f in fakes:
             f.close(0)
         first.kill()
@@ -122,6 +122,20 @@ def test_vanished_hellos_and_a_killed_actor_recover_within_the_lease(tmp_path, t
         assert len(waiting) <= 4, waiting
     finally:
         run.stop()
+
+
+def _answered(socks: list, timeout: float) -> int:
+    """How many of ``socks`` received a message within ``timeout`` seconds (polled together)."""
+    poller, pending = zmq.Poller(), set(socks)
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    deadline = time.time() + timeout
+    while pending and time.time() < deadline:
+        for sock, _ in poller.poll(500):
+            if sock in pending:
+                pending.discard(sock)
+                poller.unregister(sock)
+    return len(socks) - len(pending)
 
 
 def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_overrides):

@@ -305,7 +305,7 @@ def test_process_creation_is_refused_by_default(caller, listener, tmp_path):
 
 
 def test_a_proposal_whose_f_writes_a_file_is_rejected_and_writes_nothing(tmp_path):
-    from asyncrl.algos.azr.code_o import CodeOutputDomain
+    from asyncrl.algos.absolute_zero.code_o import CodeOutputDomain
     from asyncrl.types import Task
 
     target = tmp_path / "written-by-f"

@@ -56,7 +56,7 @@ def format_example(code: str, args: str) -> str:
 
 
 def seed_tasks() -> list[Task]:
-    """Built-in seed prompts (``tasks.type: asyncrl.algos.azr.code_o:seed_tasks``)."""
+    """Built-in seed prompts (``tasks.type: asyncrl.algos.absolute_zero.code_o:seed_tasks``)."""
     return [Task(id=f"code_o_seed:{i}", prompt=[{"role": "user", "content": format_example(c, a)}])
             for i, (c, a) in enumerate(SEED_PROGRAMS)]
 

@@ -1,2 +1,0 @@
-"""Building blocks of the Absolute Zero workflow (``asyncrl.algos.absolute_zero``): the
-learnability filter and the self-play domains."""
