@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-from collections import defaultdict, deque
 from pathlib import Path
 from typing import NoReturn
 
@@ -24,20 +23,18 @@ from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
-from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
-from ..runlog import EVENTS_SCHEMA, RunLog, check_trackers, open_trackers
+from ..runlog import RunLog, check_trackers, open_trackers
 from ..types import Episode
 from ..wire.sockets import check_bind_host
-from .batch import collate, compute_logprobs
-from .batch_stats import batch_metrics
 from .buffer import ReplayBuffer
-from .checkpoint import (checkpoint_step, clean_partial, list_checkpoints, load_checkpoint, quarantine,
-                         save_checkpoint)
+from .checkpoint import (checkpoint_step, list_checkpoints, save_checkpoint)
 from .evaluate import Evaluator
 from .net import LearnerNet, Limits
 from .peers import Peers
 from .progress import Progress, summary_table
 from .hooks import LearnerHook
+from .startup import Startup
+from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
 from .core_algos import LossConfig
 from .trainer import PolicyTrainer
@@ -54,8 +51,7 @@ class Learner:
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
-        self._start_events: list[tuple[str, dict]] = []  # found before the event log opens
-        self.plan = self._claim_run_dir(overwrite)
+        self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
         self.model, self.tokenizer, self.model_dir = load_policy(
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
             warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
@@ -65,9 +61,8 @@ class Learner:
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
-        self.nonfinite_steps = 0  # steps with a NaN/inf loss or gradient, not applied
         self.weights_out = make_publisher(cfg.sync, self.run_dir)
-        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self._previous_addresses(),
+        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
                                                                           "max_position_embeddings", None)))
         self.log = RunLog(self.run_dir, on_event=self.net.publish_event,
@@ -76,86 +71,20 @@ class Learner:
         self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
                            vocab_size=self.model.get_input_embeddings().num_embeddings)
         self.hooks: list[LearnerHook] = _make_hooks(cfg, self.log.event)
+        self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
         for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
-        self.rewards_per_step: list[float] = []
         self._stop = False
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
-        self._episode_counter = 0
-        self._recent = deque(maxlen=50)  # (time, episodes, tokens) per step for rates
-        self._resume()
+        self.version, state, report = self.start.restore(self.model, self.trainer.optimizer, self.hooks, self.buffer)
+        self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
+        self.start.flush(self.log, self.version, len(self.buffer), report)
         self.buffer.open_wal(self.version)
         (self.run_dir / "addresses.json").write_text(json.dumps(self.net.addresses, indent=1))
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def _claim_run_dir(self, overwrite: bool) -> StartPlan:
-        """Check (read-only), lock the run dir for this process's life, decide again under the lock,
-        then set the directory up for the plan: damaged checkpoints moved aside, metrics of
-        rolled-back steps moved out of ``metrics.jsonl``, this segment's config snapshot."""
-        prepare(self.cfg, overwrite=overwrite)
-        self.run_lock = RunLock(self.run_dir)
-        self.run_lock.acquire()
-        plan = plan_start(self.cfg)
-        if plan.mode == "fresh" and self.cfg.checkpoint.resume:
-            print(f"[learner] nothing to resume in {self.run_dir}: starting a fresh run", flush=True)
-        for path, problem in plan.damaged:
-            moved = quarantine(path)
-            self._start_note("checkpoint_damaged", f"checkpoint {path.name} is damaged: {problem}; moved to "
-                             f"{moved.name}", path=str(path), problem=problem, moved_to=str(moved))
-        clean_partial(self.run_dir)
-        if plan.mode == "resume":
-            discarded = discard_metrics_after(self.run_dir, plan.step)
-            if discarded:
-                self._start_note("metrics_discarded", f"{discarded} metrics line(s) after step {plan.step} "
-                                 f"moved to metrics.discarded.jsonl", count=discarded, after_step=plan.step)
-        snapshot = write_snapshot(self.cfg, plan)
-        if plan.changes:
-            keys = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in plan.changes)
-            self._start_note("config_changed", f"config changed since {plan.previous_config.name}: {keys}",
-                             previous=plan.previous_config.name, snapshot=snapshot.name,
-                             changes=[{"key": k, "old": old, "new": new} for k, old, new in plan.changes])
-        return plan
-
-    def _start_note(self, kind: str, line: str, **fields) -> None:
-        """Print a start-up finding now; log it as an event once the event log is open."""
-        print(f"[learner] {line}", flush=True)
-        self._start_events.append((kind, fields))
-
-    def _previous_addresses(self) -> dict | None:
-        path = self.run_dir / "addresses.json"
-        if not (self.plan.mode == "resume" and path.exists()):
-            return None
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            return None
-
-    def _resume(self) -> None:
-        """Load the plan's checkpoint (if any) and rebuild the buffer from it and the WAL."""
-        ckpt = self.plan.checkpoint
-        state = load_checkpoint(ckpt, self.model, self.trainer.optimizer) if ckpt is not None else {}
-        self.version = int(state.get("version", self.plan.step))
-        for hook in self.hooks if ckpt is not None else ():
-            hook.load(ckpt, self.version)
-        self.rewards_per_step = list(state.get("rewards_per_step", []))
-        report = self.buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])))
-        for scan in report.truncated:
-            self._start_note("wal_truncated", f"{scan.path}: cut {scan.bytes_cut} byte(s) at offset "
-                             f"{scan.good_bytes} after {scan.records} good record(s): {scan.problem}",
-                             file=str(scan.path), offset=scan.good_bytes, bytes_cut=scan.bytes_cut,
-                             records_kept=scan.records, reason=scan.problem)
-        for kind, fields in self._start_events:
-            self.log.event(kind, self.version, **fields)
-        if self.plan.mode == "resume":
-            where = f"checkpoint {ckpt}" if ckpt is not None else "no checkpoint (no step was trained)"
-            print(f"[learner] resumed from step {self.version} ({where}; {len(self.buffer)} episode(s) buffered, "
-                  f"{report.recovered} recovered from the WAL)", flush=True)
-            self.log.event("resume", self.version, checkpoint=str(ckpt) if ckpt is not None else None,
-                           buffered=len(self.buffer), recovered_from_wal=report.recovered,
-                           undecodable_wal_records=report.undecodable)
-
     def _on_bad_message(self, channel: str, error: Exception) -> None:
         """A peer's message that was refused (``asyncrl.learner.peers``: counted, reported at a limited rate)."""
         self.bad_messages += 1
@@ -273,7 +202,7 @@ class Learner:
         result = self.trainer.step(batch, keep_rows=any(h.needs_rows for h in self.hooks)) if batch else None
         stats = result.stats if result is not None else {}
         if stats.get("skipped_nonfinite"):
-            self._report_nonfinite(stats)
+            self.telemetry.nonfinite(self.version + 1, stats)
         hook_metrics: dict = {}
         for hook in self.hooks:
             hook_metrics.update(hook.after_step(episodes, result, self.version))
@@ -288,72 +217,16 @@ class Learner:
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
         self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0
-        self._recent.append((time.time(), len(episodes), sum(len(ep.trajectories) for ep in episodes), tokens))
         metrics = {"version": self.version, "reward_mean": reward_mean,
                    "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
                    "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
-                   "nonfinite_steps": self.nonfinite_steps,
-                   "train_s": train_s, "wait_s": wait_s, **self._rates(), **stats, **hook_metrics,
-                   **batch_metrics(episodes), **_mean_episode_metrics(episodes)}
+                   "nonfinite_steps": self.telemetry.nonfinite_steps,
+                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics}
         metrics.update(self.evaluate())
-        self.log.metric(self.version, metrics)
-        # live viewers without the run dir (asyncrl ui --connect) get the step's metrics too
-        self.net.publish_event({"schema": EVENTS_SCHEMA, "kind": "metrics", "t": time.time(),
-                                "step": self.version, "metrics": metrics})
-        self._log_episodes(episodes, staleness)
-        self._log_sample(episodes)
-        return metrics
-
-    def _report_nonfinite(self, stats: dict) -> None:
-        """A step whose loss or gradient was NaN/inf was not applied (``PolicyTrainer.step``)."""
-        self.nonfinite_steps += 1
-        print(f"[learner] step {self.version + 1}: loss {stats.get('loss')} / grad norm {stats.get('grad_norm')} "
-              f"not finite; the update was skipped ({self.nonfinite_steps} so far)", flush=True)
-        self.log.event("nonfinite_step", self.version + 1, loss=stats.get("loss"), grad_norm=stats.get("grad_norm"),
-                       skipped_share=stats["skipped_nonfinite"], total=self.nonfinite_steps)
-
-    def _log_sample(self, episodes: list[Episode]) -> None:
-        """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
-        every = self.cfg.log.sample_every
-        if not every or self.version % every:
-            return
-        rows = [(ep, t) for ep in episodes for t in ep.trajectories if t.num_generated > 0]
-        if not rows:
-            return
-        ep, traj = rows[(self.version // every) % len(rows)]
-        record = sample_record(self.model, self.tokenizer, traj, self.cfg.sampling.temperature,
-                               self.cfg.log.sample_max_tokens)
-        self.log.event("sample", self.version, episode_id=ep.id, **record)
-
-    def _rates(self) -> dict:
-        if len(self._recent) < 2:
-            return {}
-        span = self._recent[-1][0] - self._recent[0][0]
-        if span <= 0:
-            return {}
-        items = list(self._recent)[1:]
-        return {"episodes_per_s": sum(i[1] for i in items) / span,
-                "samples_per_s": sum(i[2] for i in items) / span,
-                "tokens_per_s": sum(i[3] for i in items) / span}
-
-    def _log_episodes(self, episodes: list[Episode], staleness: list[int]) -> None:
-        for ep, st in zip(episodes, staleness):
-            self._episode_counter += 1
-            if self._episode_counter % self.cfg.log.episode_events_every:
-                continue
-            self.log.event("episode", self.version, episode_id=ep.id, actor_id=ep.actor_id,
-                           task_id=ep.task.id if ep.task else None,
-                           prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
-                           staleness=st, decision=ep.decision, metrics=ep.metrics,
-                           trajectories=[{"id": t.id, "text": t.text, "reward": t.reward, "scores": t.scores,
-                                          "sample_type": t.sample_type, "group_id": t.group_id,
-                                          "policy_version": t.policy_version, "is_replay": t.is_replay,
-                                          "num_tokens": int(len(t.token_ids)),
-                                          "num_generated": t.num_generated}
-                                         for t in ep.trajectories])
+        return self.telemetry.step(self.version, episodes, staleness, tokens, metrics)
 
     def publish(self) -> None:
         t0 = time.time()
@@ -389,33 +262,6 @@ class Learner:
         return path
 
 
-def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -> dict:
-    """One trajectory per token for the ``sample`` event: token strings, ``loss_mask``, ``exp_mask``,
-    ``behavior_logprobs`` and ``current_logprobs`` (the model's now, after this step's update), all
-    aligned to the tokens; position 0 has no current log-prob (None). Only the last ``max_tokens``
-    tokens are kept (``offset`` is the index of the first one kept)."""
-    n = len(traj.token_ids)
-    batch = collate([traj], torch.zeros(1), tokenizer.pad_token_id or 0, device=next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        logp, _ = compute_logprobs(model, batch, temperature)
-    model.train(was_training)
-    current = [None] + [round(float(x), 4) for x in logp[0, : n - 1].cpu()]
-    exp = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n)
-    start = max(0, n - max_tokens)
-    ids = [int(i) for i in traj.token_ids[start:]]
-    return {"trajectory_id": traj.id, "sample_type": traj.sample_type, "group_id": traj.group_id,
-            "policy_version": traj.policy_version, "reward": traj.reward, "advantage": traj.advantage,
-            "is_replay": traj.is_replay, "text": traj.text, "num_tokens": n, "offset": start,
-            "truncated": start > 0,
-            "tokens": tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False),
-            "token_ids": ids, "loss_mask": [int(x) for x in traj.loss_mask[start:]],
-            "exp_mask": [int(x) for x in np.asarray(exp)[start:]],
-            "behavior_logprobs": [round(float(x), 4) for x in traj.behavior_logprobs[start:]],
-            "current_logprobs": current[start:]}
-
-
 def _make_hooks(cfg: Config, event) -> list[LearnerHook]:
     """The learner hooks the config asks for: experience replay when ``replay.enabled`` (the
     preflight has checked that the workflow takes per-task rollout counts)."""
@@ -432,12 +278,3 @@ def _describe_heldout(cfg: Config) -> str:
 
     train, heldout = split_tasks(cfg.tasks)
     return describe_heldout(cfg.tasks, heldout, train)
-
-
-def _mean_episode_metrics(episodes: list[Episode]) -> dict:
-    sums: dict[str, list[float]] = defaultdict(list)
-    for ep in episodes:
-        for k, v in ep.metrics.items():
-            if isinstance(v, (int, float)):
-                sums[k].append(float(v))
-    return {k: float(np.mean(v)) for k, v in sums.items() if k != "reward_mean"}
