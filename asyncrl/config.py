@@ -180,12 +180,12 @@ class BufferConfig(_Base):
 
 
 class ReplayConfig(_Base):
-    """Experience replay (ExGRPO-style, seed 004; docs/replay.md). Composes with any algorithm whose
+    """Experience replay (ExGRPO-style; the reference design is in docs/replay.md). Composes with any algorithm whose
     workflow honours per-task rollout counts (``supports_replay``; built in: grpo)."""
 
     enabled: bool = Field(False, description="Turn experience replay on.")
     start: Literal["progress", "solve_rate"] = Field("progress", description=(
-        "When replay starts: 'progress' (the seed: once version / train.total_steps >= "
+        "When replay starts: 'progress' (the reference design: once version / train.total_steps >= "
         "replay_start_ratio) or 'solve_rate' (ExGRPO: once a batch's fresh solve rate >= "
         "start_solve_rate). Once started it stays on. The pool fills from the first step either way."))
     replay_start_ratio: float = Field(0.35, ge=0, le=1, description=(
@@ -205,7 +205,7 @@ class ReplayConfig(_Base):
     experience_rbound: int | None = Field(None, ge=1, description=(
         "Upper bound (exclusive) on successes to enter the pool; null: sampling.n."))
     success_threshold: float = Field(1.0, description=(
-        "A rollout is a success when its reward >= this (the seed: reward == 1)."))
+        "A rollout is a success when its reward >= this (the reference design: reward == 1)."))
     exp_select_mode: Literal["argmin", "argmax", "random"] = Field("argmin", description=(
         "Which successful trajectory of a task is stored, and which are replayed, by mean token "
         "entropy: 'argmin' (lowest, ExGRPO), 'argmax' (highest) or 'random'. When a task's list is "
@@ -219,7 +219,7 @@ class ReplayConfig(_Base):
     withhold_solved: bool = Field(True, description=(
         "Withhold fully solved tasks (the skip set) from the actors' fresh task streams."))
     isolate_replay_groups: bool = Field(False, description=(
-        "The seed's unique off-policy group ids: each replayed trajectory is alone in its group, so "
+        "The reference design's unique off-policy group ids: each replayed trajectory is alone in its group, so "
         "its GRPO advantage is ALWAYS 0 and it contributes no gradient. Off (ExGRPO): replayed "
         "trajectories join their task's fresh group."))
     exp_is_correct: bool = Field(True, description=(
@@ -317,7 +317,7 @@ class Config(_Base):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Learner.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description=(
-        "Experience replay of successful trajectories (ExGRPO, seed 004); off by default."))
+        "Experience replay of successful trajectories (ExGRPO; docs/replay.md); off by default."))
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
     wire: WireConfig = Field(default_factory=WireConfig, description="Transport.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -1,4 +1,4 @@
-"""The data model every part of asyncrl speaks (DESIGN.md section 3).
+"""The data model every part of asyncrl speaks (docs/architecture.md).
 
 A ``Task`` is one unit of work from a dataset or a proposer. A ``Trajectory`` is one token sequence
 the policy produced for it, possibly multi-turn, with per-token arrays aligned to ``token_ids``:
@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-SAMPLE_TYPES = ("solver", "proposer", "answer", "confidence", "policy")
-
 
 def new_id() -> str:
     return uuid.uuid4().hex

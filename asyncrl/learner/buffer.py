@@ -274,10 +274,6 @@ class ReplayBuffer:
             del self.episodes[eid]
         return [ep for _, (ep, _) in ordered]
 
-    def versions(self) -> list[int]:
-        return [ep.policy_version for ep, _ in self.episodes.values()]
-
-    # -- checkpoint / resume --------------------------------------------------------------------
     def save(self, path: Path) -> None:
         """Write the unconsumed episodes to ``path`` (same record format as the WAL) and fsync it."""
         with open(path, "wb") as f:

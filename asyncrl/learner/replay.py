@@ -1,6 +1,6 @@
-"""Experience replay on the learner (seed 004, ExGRPO): the ExperienceManager.
+"""Experience replay on the learner (ExGRPO, Zhan et al. 2025; the reference design in docs/replay.md): the ExperienceManager.
 
-State (the seed's names):
+State (the reference design's names):
 
 - ``difficulty2task_dict``: success count -> task ids. It indexes the pool: every pooled task lives
   in exactly one bucket, keyed by its latest on-policy success count, and moves when that changes.
@@ -22,7 +22,7 @@ Async flow: the learner hands replay tasks to actors with their work credits (``
 generates ``n - k`` fresh rollouts for one; when its episode is taken for training, ``attach`` adds
 ``k`` stored trajectories (``is_replay``, recorded log-probs, ``exp_mask`` = the assistant tokens)
 to the same GRPO group before advantages are computed. After the learner's log-prob pass, ``record``
-updates buckets, skip set and pool from the batch's fresh rollouts (the seed's step [8]).
+updates buckets, skip set and pool from the batch's fresh rollouts (the reference design's step [8]).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ STATE_FORMAT = 1
 
 
 def compact_logprobs(token_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """The seed's storage form: the values at generated positions (``loss_mask == 1``), in order.
+    """The reference design's storage form: the values at generated positions (``loss_mask == 1``), in order.
 
     ``token_logprobs[T]`` and ``loss_mask[T]`` are aligned to the trajectory's tokens.
     """
@@ -59,7 +59,7 @@ def compact_logprobs(token_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.nd
 def align_recorded_logprobs(recorded: np.ndarray | list | None, loss_mask: np.ndarray) -> np.ndarray:
     """Per-token recorded log-probs ``[T]`` from the compact list of a trajectory's generated tokens.
 
-    The ``i``-th recorded value goes to the ``i``-th position with ``loss_mask == 1``. As the seed
+    The ``i``-th recorded value goes to the ``i``-th position with ``loss_mask == 1``. As the reference design
     says: a longer list is truncated; a shorter one leaves the remaining generated positions without
     a recorded value (NaN here; the trainer uses the current policy's old log-prob there); a missing
     list (None) leaves every generated position without one. Positions that are not generated hold 0.
@@ -113,7 +113,7 @@ class ExperienceManager:
         self._outstanding: dict[str, int] = {}  # task id -> version it was assigned at
         self._step_stats: dict[str, float] = {}
 
-    # ------------------------------------------------------------------ the seed's operations
+    # ------------------------------------------------------------------ the reference design's operations
     def bucket_of(self, task_id: str) -> int | None:
         for d, ids in self.difficulty2task_dict.items():
             if task_id in ids:
@@ -324,7 +324,7 @@ class ExperienceManager:
 
     def record(self, episodes: list[Episode], logprobs: np.ndarray | None, entropy: np.ndarray | None,
                version: int) -> dict[str, float]:
-        """The seed's step [8] after the learner's log-prob pass over ``episodes``' trajectories.
+        """The reference design's step [8] after the learner's log-prob pass over ``episodes``' trajectories.
 
         ``logprobs``/``entropy``: ``[B, T-1]`` rows in the batch order (every trajectory of every
         episode, replayed ones included), aligned as ``TrainBatch``. Fresh successful trajectories

@@ -47,7 +47,7 @@ class AbsoluteZeroConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["unified", "joint"] = Field("unified", description=(
-        "unified (seed 001): train the solver only; joint (seed 000): also train the proposer."))
+        "unified (learnability filter, solver trained only); joint: also train the proposer (docs/absolute_zero.md)."))
     proposer_update: Literal["sampled", "group"] = Field("sampled", description=(
         "joint mode: 'sampled' (seed) trains the sampled question's proposer row only; 'group' trains "
         "every question of the final group with its learnability as reward, normalised in the group."))
