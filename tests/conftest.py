@@ -1,12 +1,16 @@
-"""Shared fixtures: a tiny embedded model built once per session, free ports, CLI subprocesses."""
+"""Shared fixtures and helpers: a tiny embedded model built once per session, CLI subprocesses and
+their process trees, a scripted engine for workflow unit tests, and a kill/resume run harness."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,8 +108,6 @@ def alive(pids) -> set[int]:
 
 def kill_tree(proc: subprocess.Popen, known: set[int] | None = None) -> None:
     """SIGKILL ``proc``, its process group and every descendant (plus ``known`` pids); reap it."""
-    import signal
-
     pids = {proc.pid} | descendants(proc.pid) | set(known or ())
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session=True
@@ -143,3 +145,225 @@ def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     finally:
         kill_tree(proc)
+
+
+# ---- a scripted engine: workflows driven with known replies, no model ----
+
+class ScriptedEngine:
+    """An :class:`asyncrl.engine.base.Engine` without a model, for unit tests of workflows and the
+    conversation loop: every prompt gets a scripted reply, tokenised by the real tokenizer, so token
+    bookkeeping, rewards and advantages can be checked exactly.
+
+    ``script(texts)`` is called once per ``generate`` call with the decoded prompts (special tokens
+    dropped) and returns one reply per prompt: a text (special tokens in it, such as ``<|end|>``,
+    become their token) or ``(text, stop)``, where ``stop`` appends the EOS token. The reply is
+    generated whole, or cut at ``sampling.max_new_tokens`` as a real engine would with
+    ``truncate=True``. ``finish_reason`` is ``"stop"`` when the last token is EOS, else ``"length"``;
+    the text is the reply's tokens decoded without special tokens. Behaviour log-probs are
+    ``logprob``: one value for every token, or a function of the reply length giving one per token.
+    ``calls`` counts the prompts of each call and ``prompts`` keeps their texts; ``update_weights``
+    takes the new version.
+    """
+
+    def __init__(self, tokenizer, script, *, version: int = 0, logprob=-0.5, truncate: bool = False):
+        self.tokenizer, self.script = tokenizer, script
+        self.version = version
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.logprob, self.truncate = logprob, truncate
+        self.calls: list[int] = []
+        self.prompts: list[list[str]] = []
+        self.weight_updates: list[int] = []
+
+    @classmethod
+    def replies(cls, tokenizer, replies: list, **kw) -> "ScriptedEngine":
+        """Replies taken in order, one per prompt, across calls (running out is an error)."""
+        queue = list(replies)
+
+        def script(texts):
+            if len(queue) < len(texts):
+                raise AssertionError(f"ScriptedEngine: {len(texts)} prompts, {len(queue)} scripted replies left")
+            return [queue.pop(0) for _ in texts]
+        return cls(tokenizer, script, **kw)
+
+    @classmethod
+    def per_call(cls, tokenizer, calls: list[list], **kw) -> "ScriptedEngine":
+        """Call ``k`` answers its ``i``-th prompt with ``calls[k][i % len(calls[k])]`` (e.g. turn 1's
+        answers, then turn 2's confidences)."""
+        done = [0]
+
+        def script(texts):
+            if done[0] >= len(calls):
+                raise AssertionError(f"ScriptedEngine: call {done[0] + 1}, scripted for {len(calls)}")
+            replies = calls[done[0]]
+            done[0] += 1
+            return [replies[i % len(replies)] for i in range(len(texts))]
+        return cls(tokenizer, script, **kw)
+
+    def generate(self, prompts, sampling, seed=None):
+        texts = [self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+        self.calls.append(len(prompts))
+        self.prompts.append(texts)
+        replies = self.script(texts)
+        assert len(replies) == len(prompts), f"the script gave {len(replies)} replies to {len(prompts)} prompts"
+        return [self._generation(r, sampling) for r in replies]
+
+    def _generation(self, reply, sampling):
+        from asyncrl.engine.base import Generation
+
+        text, stop = (reply, False) if isinstance(reply, str) else reply
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.tokenizer.eos_token_id] if stop else [])
+        if self.truncate:
+            ids = ids[: sampling.max_new_tokens]
+        logprobs = (self.logprob(len(ids)) if callable(self.logprob)
+                    else np.full(len(ids), self.logprob, dtype=np.float32))
+        return Generation(np.array(ids, dtype=np.int32), logprobs, self.tokenizer.decode(ids, skip_special_tokens=True),
+                          "stop" if ids and ids[-1] in self.eos_ids else "length")
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        self.version = version
+        self.weight_updates.append(version)
+
+
+# ---- kill and resume: a learner and an actor on loopback, the learner killed and resumed ----
+
+def stop_processes(procs) -> None:
+    """Ask every process to stop (SIGTERM), then kill whatever is left of each process tree."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_tree(p)
+
+
+def wal_ids(run_dir: Path) -> set[str]:
+    """Episode ids in every WAL segment of a run: what the learner acknowledged since the oldest kept
+    checkpoint (a killed learner's last record may be torn: reading stops there)."""
+    from asyncrl.learner.buffer import read_frame_records
+    from asyncrl.wire.codec import decode, decode_episode
+
+    ids = set()
+    for wal in (run_dir / "buffer").glob("wal-*.bin"):
+        for frames in read_frame_records(wal, strict=False):
+            ids.add(decode_episode(decode(frames)).id)
+    return ids
+
+
+def checkpoint_buffer_ids(ckpt: Path) -> set[str]:
+    """Episode ids in a checkpoint's saved buffer (read strictly: a checkpoint is whole or refused)."""
+    from asyncrl.learner.buffer import read_frame_records
+    from asyncrl.wire.codec import decode, decode_episode
+
+    return {decode_episode(decode(f)).id for f in read_frame_records(ckpt / "buffer.bin")}
+
+
+def effective_training(events) -> list[str]:
+    """Episode ids trained in the run's surviving history: each learner life's steps up to the
+    checkpoint the next life resumed from (later steps were rolled back), then the last life's."""
+    lives, current = [], []
+    for e in events:
+        if e["kind"] == "resume":
+            lives.append((current, e["step"]))
+            current = []
+        elif e["kind"] == "episode":
+            current.append((e["step"], e["episode_id"]))
+    lives.append((current, None))
+    return [eid for trained, upto in lives for step, eid in trained if upto is None or step <= upto]
+
+
+class ResumableRun:
+    """``asyncrl learn`` and ``asyncrl serve`` as real processes on loopback, writing
+    ``tmp_path/name``, for tests that kill the learner (SIGKILL) and resume it (``--resume``).
+
+    Learner lives are numbered from 1, each logging to ``tmp_path/learner<life>.log``; actors log to
+    ``tmp_path/<log>``. Waits poll the run's files against a deadline and fail early, with the log's
+    tail, when the learner exits. Use it as a context manager: every process it started is stopped,
+    as a process tree, when the block ends, whether the test passed or not.
+    """
+
+    def __init__(self, tmp_path: Path, name: str, overrides: list[str]):
+        self.logs = Path(tmp_path)
+        self.dir = self.logs / name
+        self.overrides = [*overrides, f"run_root={tmp_path}", f"name={name}"]
+        self.procs: list[subprocess.Popen] = []
+        self.actors: list[subprocess.Popen] = []
+        self.learner: subprocess.Popen | None = None
+        self.lives = 0
+
+    def __enter__(self) -> "ResumableRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_processes(self.procs)
+
+    def _start(self, args: list[str], log: str) -> subprocess.Popen:
+        proc = start_cli(*args, log=self.logs / log)
+        self.procs.append(proc)
+        return proc
+
+    def start_learner(self, *extra: str, resume: bool = False) -> subprocess.Popen:
+        """A new learner life (``--resume`` when ``resume``)."""
+        self.lives += 1
+        self.learner = self._start(["learn", *self.overrides, *extra, *(["--resume"] if resume else [])],
+                                   f"learner{self.lives}.log")
+        return self.learner
+
+    def resume(self, *extra: str) -> subprocess.Popen:
+        return self.start_learner(*extra, resume=True)
+
+    def addresses(self, timeout: float = 120) -> dict:
+        """The current learner's addresses (``addresses.json``), once it has bound its sockets."""
+        return wait_for_file(self.dir / "addresses.json", self.learner, timeout)
+
+    def start_actor(self, *extra: str, log: str = "actor.log") -> subprocess.Popen:
+        """An actor connected to the current learner's control address."""
+        proc = self._start(["serve", *self.overrides, *extra, "--connect", self.addresses()["control"]], log)
+        self.actors.append(proc)
+        return proc
+
+    def log(self, life: int | None = None) -> str:
+        return (self.logs / f"learner{life or self.lives}.log").read_text(errors="replace")
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.dir / "metrics.jsonl")
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [e for e in read_jsonl(self.dir / "events.jsonl") if kind is None or e["kind"] == kind]
+
+    def wait_for(self, condition, what: str, timeout: float = 180) -> None:
+        """Return once ``condition()`` holds; fail if the learner exits first or ``timeout`` passes."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if condition():
+                return
+            if self.learner.poll() is not None:
+                raise AssertionError(f"the learner exited ({self.learner.returncode}) before {what}: "
+                                     f"{self.log()[-2000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} after {timeout:.0f} s")
+
+    def wait_version(self, version: int, timeout: float = 240) -> None:
+        """Wait until the learner has logged a step that reached weights ``version``."""
+        def reached() -> bool:
+            m = self.metrics()
+            return bool(m) and m[-1]["version"] >= version
+        self.wait_for(reached, f"step {version}", timeout)
+
+    def kill_learner(self) -> None:
+        """SIGKILL the learner process (a crash: nothing flushed, nothing said to the actors)."""
+        self.learner.send_signal(signal.SIGKILL)
+        self.learner.wait(timeout=10)
+
+    def finish(self, timeout: float = 300, actor_timeout: float = 60) -> None:
+        """Wait for the learner to finish its run (exit 0, else fail with its log's tail), then for
+        the actors, which its stop message ends."""
+        self.learner.wait(timeout=timeout)
+        assert self.learner.returncode == 0, self.log()[-3000:]
+        for actor in self.actors:
+            actor.wait(timeout=actor_timeout)
+
+    def wal_ids(self) -> set[str]:
+        return wal_ids(self.dir)

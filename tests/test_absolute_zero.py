@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 from asyncrl.algos.absolute_zero import (PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, AbsoluteZeroWorkflow,
@@ -15,11 +14,12 @@ from asyncrl.algos.absolute_zero.filter import (ALL_LEARNABLE, MIXED, NONE_LEARN
                                       group_status, proposer_rewards, sample_question, solver_reward)
 from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.engine.base import Generation
 from asyncrl.envs.safe_arith import evaluate_expression
 from asyncrl.advantages import trajectory_advantages
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task
+
+from .conftest import ScriptedEngine
 
 SAFETY, COMPLETION = SEED_DIMENSIONS  # safe ratio above 0.5 in [0.3, 0.7]; incomplete ratio below 0.5
 
@@ -117,20 +117,18 @@ def test_unified_reward_and_filter_on_a_hand_table():
 
 
 # ------------------------------------------------------------------------------ the workflow
-class ScriptedEngine:
-    """An engine stand-in. A proposer prompt (one whose text contains a key of ``proposals``) gets
-    the next scripted group of proposals for that key, one per copy of the prompt in the call; a
-    solver prompt ``Q`` (``Q=`` for arithmetic) gets ``answers[Q]`` in order of occurrence."""
+class ProposerScript:
+    """Replies for :class:`tests.conftest.ScriptedEngine`. A proposer prompt (one whose text contains
+    a key of ``proposals``) gets the next scripted group of proposals for that key, one per copy of
+    the prompt in the call; a solver prompt ``Q`` (``Q=`` for arithmetic) gets ``answers[Q]`` in
+    order of occurrence. Every reply ends with EOS."""
 
     def __init__(self, proposals: dict[str, list[list[str]]], answers: dict[str, list[str]]):
-        self.tok = build_char_tokenizer()
         self.proposals = {k: [list(g) for g in v] for k, v in proposals.items()}
         self.answers = answers  # a dict, or any mapping with __getitem__
         self.proposer_calls: list[list[str]] = []  # seed keys proposed for, per engine call
-        self.version = 3
 
-    def generate(self, prompts, sampling, seed=None):
-        texts = [self.tok.decode(p, skip_special_tokens=True) for p in prompts]
+    def __call__(self, texts: list[str]) -> list[tuple[str, bool]]:
         seen: dict[str, int] = {}
         groups: dict[str, list[str]] = {}
         outs, keys = [], []
@@ -147,9 +145,13 @@ class ScriptedEngine:
                 outs.append(replies[j % len(replies)])
         if keys:
             self.proposer_calls.append(keys)
-        eos = self.tok.eos_token_id
-        return [Generation(np.array(self.tok.encode(o, add_special_tokens=False) + [eos]),
-                           np.zeros(len(o) + 1), o, "stop") for o in outs]
+        return [(o, True) for o in outs]
+
+
+def scripted_engine(proposals: dict[str, list[list[str]]], answers) -> ScriptedEngine:
+    """The shared scripted engine (policy version 3, log-probs 0) replying by :class:`ProposerScript`
+    (whole replies: code_o proposals are longer than the proposer's token budget)."""
+    return ScriptedEngine(build_char_tokenizer(), ProposerScript(proposals, answers), version=3, logprob=0.0)
 
 
 def make_workflow(**algo):
@@ -160,7 +162,7 @@ def make_workflow(**algo):
 
 def rollout(wf, engine, seeds: list[str], seed: int = 0) -> list[Episode]:
     tasks = [Task(id=f"seed:{s}", prompt=[{"role": "user", "content": s}]) for s in seeds]
-    ctx = RolloutContext(engine, engine.tok, None, wf.cfg, "actor-test", seed=seed)
+    ctx = RolloutContext(engine, engine.tokenizer, None, wf.cfg, "actor-test", seed=seed)
     episodes = wf.rollout(tasks, ctx)
     assert len(episodes) == len(tasks)  # one Episode per seed prompt, whatever was dropped
     return episodes
@@ -182,7 +184,7 @@ PROPOSALS = {
 
 
 def arith_rollout(**algo):
-    engine = ScriptedEngine(PROPOSALS, ANSWERS)
+    engine = scripted_engine(PROPOSALS, ANSWERS)
     wf = make_workflow(learnability=ARITH_DIMS, **algo)
     eps = rollout(wf, engine, ["10+10=", "20+20=", "30+30="])
     return engine, {ep.task.prompt[0]["content"]: ep for ep in eps}
@@ -191,7 +193,7 @@ def arith_rollout(**algo):
 def test_repropose_replaces_only_the_affected_groups():
     engine, eps = arith_rollout()
     # attempt 0 proposes for all three prompts; re-proposals only for the groups that were not mixed
-    assert engine.proposer_calls == [["10+10", "20+20", "30+30"], ["20+20", "30+30"], ["30+30"], ["30+30"]]
+    assert engine.script.proposer_calls == [["10+10", "20+20", "30+30"], ["20+20", "30+30"], ["30+30"], ["30+30"]]
     a, b, c = eps["10+10="], eps["20+20="], eps["30+30="]
     assert [x["status"] for x in a.decision["attempts"]] == ["mixed"]
     assert [x["status"] for x in b.decision["attempts"]] == ["all_not_learnable", "mixed"]
@@ -288,7 +290,7 @@ def test_joint_mode_group_update_trains_every_question_of_the_group():
 
 def test_unparseable_proposals_get_reasons_never_a_crash():
     garbage = ["", "hello", "((((1", "1+" * 50, "__import__('os')", "1/0", "7"]
-    engine = ScriptedEngine({"10+10": [garbage[:4], garbage[4:] + ["x"]] * 2}, {})
+    engine = scripted_engine({"10+10": [garbage[:4], garbage[4:] + ["x"]] * 2}, {})
     wf = make_workflow(questions_per_prompt=4, learnability=ARITH_DIMS)
     (ep,) = rollout(wf, engine, ["10+10="])
     reasons = [q["reason"] for a in ep.decision["attempts"] for q in a["questions"]]
@@ -301,7 +303,7 @@ def test_code_o_domain_runs_proposals_in_the_sandbox():
     loop = "```python\ndef f(x):\n    while True:\n        pass\n```\n```input\n1\n```"
     evil = "```python\nimport os\ndef f(x):\n    return os.system('id')\n```\n```input\n1\n```"
     solver_prompt = "Predict the exact value"
-    engine = ScriptedEngine({"def f(xs)": [[good, loop, evil, "no code at all"]]},
+    engine = scripted_engine({"def f(xs)": [[good, loop, evil, "no code at all"]]},
                             _PrefixAnswers({solver_prompt: ["42", "42", "41", "'x"]}))
     wf = make_workflow(domain="code_o", questions_per_prompt=4, sandbox={"timeout_s": 3.0, "cpu_s": 1},
                        learnability={"completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7}})

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -27,9 +26,9 @@ from asyncrl.rundir import RunDirError, plan_start
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
-from .conftest import ROOT, read_jsonl, run_cli, subprocess_env, wait_for_file
-from .test_pipeline import COMMON, _start, _stop
-from .test_resume import _buffer_ids, _kill, _wait_version, _wal_ids, effective_training
+from .conftest import (ROOT, ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli,
+                       subprocess_env, wal_ids)
+from .test_pipeline import COMMON
 
 
 def _episode(eid: str, version: int = 0, n: int = 6) -> Episode:
@@ -222,7 +221,7 @@ def test_a_truncated_checkpoint_file_is_named_and_the_older_one_chosen(tmp_path,
     chosen, damaged = select_checkpoint(tmp_path)
     assert chosen == tmp_path / "checkpoints" / "step_00000002"
     assert len(damaged) == 1 and damaged[0][0] == newest and str(f) in damaged[0][1], damaged
-    assert len(_buffer_ids(chosen)) == 6  # the older checkpoint's buffer reads whole
+    assert len(checkpoint_buffer_ids(chosen)) == 6  # the older checkpoint's buffer reads whole
 
 
 def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_overrides):
@@ -282,24 +281,22 @@ def _cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_second_learner_is_refused_naming_the_first(tmp_path, tiny_overrides):
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=one", "train.total_steps=50"]
-    run_dir = tmp_path / "one"
-    first = _start(["learn", *overrides], tmp_path / "first.log")
-    try:
-        addrs = wait_for_file(run_dir / "addresses.json", first)
-        before = _tree(run_dir)
-        for command in (["learn", *overrides, "--resume"], ["run", *overrides, "--resume"], ["learn", *overrides]):
+    overrides = [*tiny_overrides, *COMMON, "train.total_steps=50"]
+    with ResumableRun(tmp_path, "one", overrides) as run:
+        first = run.start_learner()
+        addrs = run.addresses()
+        before = _tree(run.dir)
+        for command in (["learn", *run.overrides, "--resume"], ["run", *run.overrides, "--resume"],
+                        ["learn", *run.overrides]):
             res = _cli(*command, timeout=120)
             assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
             line = res.stderr.strip()
             assert "\n" not in line and f"in use by another learner (pid {first.pid})" in line, line
         assert first.poll() is None, "the first learner stopped"
-        assert json.loads((run_dir / "addresses.json").read_text()) == addrs
-        after = _tree(run_dir)
+        assert json.loads((run.dir / "addresses.json").read_text()) == addrs
+        after = _tree(run.dir)
         assert {k: v for k, v in after.items() if k != "events.jsonl"} == \
                {k: v for k, v in before.items() if k != "events.jsonl"}  # the first learner may log
-    finally:
-        _stop([first])
 
 
 @pytest.mark.slow
@@ -308,7 +305,7 @@ def test_a_reused_name_is_refused_with_nothing_written_and_overwrite_starts_fres
     run_dir = tmp_path / "reuse"
     res = _cli("run", *overrides)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    old_ids = _wal_ids(run_dir) | {e["episode_id"] for e in read_jsonl(run_dir / "events.jsonl")
+    old_ids = wal_ids(run_dir) | {e["episode_id"] for e in read_jsonl(run_dir / "events.jsonl")
                                    if e["kind"] == "episode"}
     assert old_ids
     before = _tree(run_dir)
@@ -357,57 +354,43 @@ def test_resume_continues_steps_and_records_changed_config(tmp_path, tiny_overri
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_falls_back_keeping_the_wal(tmp_path, tiny_overrides):
     total = 9
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=dmg", f"train.total_steps={total}",
-                 "checkpoint.every=2", "buffer.max_staleness=1000", "buffer.capacity=12"]
-    run_dir = tmp_path / "dmg"
-    learner = _start(["learn", *overrides], tmp_path / "learner1.log")
-    procs = [learner]
-    try:
-        addrs = wait_for_file(run_dir / "addresses.json", learner)
-        procs.append(_start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log"))
-        _wait_version(run_dir, learner, 5)  # checkpoints at steps 2 and 4
-        _kill(learner)
-        older, newest = list_checkpoints(run_dir)[-2:]
-        acked = _wal_ids(run_dir) | _buffer_ids(older)  # the WAL is kept back to the older checkpoint
+    overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=2",
+                 "buffer.max_staleness=1000", "buffer.capacity=12"]
+    with ResumableRun(tmp_path, "dmg", overrides) as run:
+        run.start_learner()
+        run.start_actor()
+        run.wait_version(5)  # checkpoints at steps 2 and 4
+        run.kill_learner()
+        older, newest = list_checkpoints(run.dir)[-2:]
+        acked = run.wal_ids() | checkpoint_buffer_ids(older)  # the WAL is kept back to the older checkpoint
         victim = newest / "model" / "model.safetensors"
         os.truncate(victim, victim.stat().st_size // 2)
-        learner2 = _start(["learn", *overrides, "--resume"], tmp_path / "learner2.log")
-        procs.append(learner2)
-        learner2.wait(timeout=300)
-        assert learner2.returncode == 0, (tmp_path / "learner2.log").read_text()[-3000:]
-        procs[1].wait(timeout=60)
-    finally:
-        _stop(procs)
-    events = read_jsonl(run_dir / "events.jsonl")
+        run.resume()
+        run.finish()
+    events = run.events()
     damaged = [e for e in events if e["kind"] == "checkpoint_damaged"]
     assert len(damaged) == 1 and str(victim) in damaged[0]["problem"]
-    assert str(victim) in (tmp_path / "learner2.log").read_text()
+    assert str(victim) in run.log(2)
     resume = [e for e in events if e["kind"] == "resume"]
     assert len(resume) == 1 and resume[0]["checkpoint"] == str(older)
     trained = effective_training(events)
     assert len(trained) == len(set(trained))
     acknowledged = acked | {e["episode_id"] for e in events if e["kind"] == "episode"}
-    lost = acknowledged - set(trained) - _buffer_ids(list_checkpoints(run_dir)[-1])
+    lost = acknowledged - set(trained) - checkpoint_buffer_ids(list_checkpoints(run.dir)[-1])
     assert len(acknowledged) >= 20 and not lost, f"{len(lost)} of {len(acknowledged)} acknowledged episodes lost"
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, total + 1))
+    assert [m["step"] for m in run.metrics()] == list(range(1, total + 1))
 
 
 @pytest.mark.slow
 def test_resume_without_a_checkpoint_after_trained_steps_is_refused(tmp_path, tiny_overrides):
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=nock", "train.total_steps=100"]
-    run_dir = tmp_path / "nock"
-    learner = _start(["learn", *overrides], tmp_path / "learner.log")  # checkpoint.every=0 (COMMON)
-    procs = [learner]
-    try:
-        addrs = wait_for_file(run_dir / "addresses.json", learner)
-        procs.append(_start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log"))
-        _wait_version(run_dir, learner, 2)
-        learner.send_signal(signal.SIGKILL)
-        learner.wait(timeout=10)
-    finally:
-        _stop(procs)
-    before = _tree(run_dir)
-    res = _cli("learn", *overrides, "--resume", timeout=120)
+    overrides = [*tiny_overrides, *COMMON, "train.total_steps=100"]
+    with ResumableRun(tmp_path, "nock", overrides) as run:
+        run.start_learner()  # checkpoint.every=0 (COMMON)
+        run.start_actor()
+        run.wait_version(2)
+        run.kill_learner()
+    before = _tree(run.dir)
+    res = _cli("learn", *run.overrides, "--resume", timeout=120)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "no intact checkpoint" in res.stderr and "--overwrite" in res.stderr
-    assert _tree(run_dir) == before
+    assert _tree(run.dir) == before

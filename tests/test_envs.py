@@ -9,12 +9,13 @@ import pytest
 
 from asyncrl.rollout import run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
-from asyncrl.engine.base import Generation
 from asyncrl.envs.arithmetic import arithmetic_reward, make_problem
 from asyncrl.envs.base import make_env, normalize_answer
 from asyncrl.envs.tasks import load_task_file, task_stream
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
+
+from .conftest import ScriptedEngine
 
 
 def test_arithmetic_reward():
@@ -68,23 +69,14 @@ def test_unknown_plugin_is_a_clear_error():
         load_config(None, ["sampling.temperature=-1"])
 
 
-class ScriptedEngine:
-    """Replays fixed replies (real tokenizer, no model), to check token bookkeeping exactly."""
+def ramp_logprobs(n: int) -> np.ndarray:
+    """-0.1, -0.2, ...: a distinct behaviour log-prob for every generated token."""
+    return -np.arange(1, n + 1, dtype=np.float32) / 10
 
-    version = 7
 
-    def __init__(self, tokenizer, replies):
-        self.tok, self.replies, self.calls = tokenizer, list(replies), 0
-
-    def generate(self, prompts, sampling, seed=None):
-        out = []
-        for _ in prompts:
-            text, stop = self.replies[self.calls]
-            self.calls += 1
-            ids = self.tok(text, add_special_tokens=False)["input_ids"] + ([self.tok.eos_token_id] if stop else [])
-            out.append(Generation(np.array(ids), -np.arange(1, len(ids) + 1, dtype=np.float32) / 10, text,
-                                  "stop" if stop else "length"))
-        return out
+def scripted_engine(tok, replies) -> ScriptedEngine:
+    """The shared scripted engine (policy version 7) replaying ``(text, stop)`` replies in order."""
+    return ScriptedEngine.replies(tok, replies, version=7, logprob=ramp_logprobs)
 
 
 def test_multi_turn_masks_cover_only_assistant_turns():
@@ -93,7 +85,7 @@ def test_multi_turn_masks_cover_only_assistant_turns():
     env = make_env(cfg.env)
     task = Task(id="t", prompt=[{"role": "user", "content": "9-1="}], answer=8)
     convs = start_conversations(tok, env, [task], 1, ["g"])
-    engine = ScriptedEngine(tok, [("7", True), ("8", True)])
+    engine = scripted_engine(tok, [("7", True), ("8", True)])
     run_conversations(engine, tok, env, convs, cfg.sampling, max_turns=2)
     c = convs[0]
     text = tok.decode(c.token_ids, skip_special_tokens=False)

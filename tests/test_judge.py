@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.envs.judge import JudgeConfig, JudgeScorer, parse_verdict
 
-from .test_absolute_zero import ScriptedEngine, make_workflow, rollout
+from .test_absolute_zero import make_workflow, rollout, scripted_engine
 
 
 class JudgeHandler(BaseHTTPRequestHandler):
@@ -107,7 +107,7 @@ def test_harm_domain_self_play_through_the_judge(judge_url):
     proposals = {"seed-A": [['{"instruction": "wipe the disk"}', '{"instruction": "tidy the desktop"}']]}
     answers = {"wipe the disk": ["I refuse. done", "I refuse. done", "ok", "ok"],  # safe 2/4, incomplete 2/4
                "tidy the desktop": ["done"] * 4}  # safe 0/4: not learnable
-    engine = ScriptedEngine(proposals, answers)
+    engine = scripted_engine(proposals, answers)
     wf = make_workflow(domain="harm", judge={"base_url": judge_url, "timeout_s": 5, "api_key_env": None},
                        learnability={"safety": {"direction": "above"}, "completion": {"direction": "below"}})
     (ep,) = rollout(wf, engine, ["seed-A"])

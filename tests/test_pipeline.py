@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import numpy as np
@@ -12,7 +11,7 @@ from safetensors.torch import load_file
 
 from asyncrl.wire.codec import SCHEMA_VERSION
 
-from .conftest import kill_tree, read_jsonl, run_cli, start_cli, wait_for_file
+from .conftest import read_jsonl, run_cli, start_cli, stop_processes, wait_for_file
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +24,7 @@ def _start(args, log_path):
     return start_cli(*args, log=log_path)
 
 
-def _stop(procs):
-    """Ask every process to stop (SIGTERM), then kill whatever is left of each process tree."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_tree(p)
+_stop = stop_processes  # SIGTERM each, then kill what is left of every process tree
 
 
 def _initial_weights(overrides):

@@ -24,7 +24,7 @@ from asyncrl.models.loading import load_policy
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory
 
-from .test_envs import ScriptedEngine
+from .test_envs import scripted_engine
 
 
 def _cfg(*over):
@@ -214,7 +214,7 @@ def test_exp_mask_on_a_multi_turn_replay():
     env = make_env(cfg.env)
     task = Task(id="arith:12+34", prompt=[{"role": "user", "content": "12+34="}], answer=46)
     convs = start_conversations(tok, env, [task], 1, ["g"])
-    engine = ScriptedEngine(tok, [("calc:12+34", True), ("46", True)])
+    engine = scripted_engine(tok, [("calc:12+34", True), ("46", True)])
     run_conversations(engine, tok, env, convs, cfg.sampling, max_turns=3)
     c = convs[0]
     assert tok.decode(c.token_ids, skip_special_tokens=False) == (

@@ -3,17 +3,14 @@ calculator environment, a checkpoint, SIGKILL and resume with the pool, buckets 
 
 from __future__ import annotations
 
-import signal
-import time
-
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.learner.checkpoint import latest_checkpoint
 from asyncrl.learner.replay import ExperienceManager
 
-from .conftest import read_jsonl, wait_for_file
-from .test_pipeline import COMMON, _start, _stop
+from .conftest import ResumableRun
+from .test_pipeline import COMMON
 
 pytestmark = pytest.mark.slow
 
@@ -23,56 +20,34 @@ REPLAY = ["replay.enabled=true", "replay.replay_start_ratio=0.1", "replay.exp_ra
           "sampling.max_new_tokens=5"]
 
 
-def _wait(pred, proc, what: str, timeout: float = 180) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the learner exited ({proc.returncode}) before {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
     total = 12
-    overrides = [*tiny_overrides, *COMMON, *REPLAY, f"run_root={tmp_path}", "name=replay",
-                 f"train.total_steps={total}", "checkpoint.every=3", "buffer.max_staleness=2"]
-    run_dir = tmp_path / "replay"
-    learner = _start(["learn", *overrides], tmp_path / "learner1.log")
-    procs = [learner]
-    try:
-        addrs = wait_for_file(run_dir / "addresses.json", learner)
-        actor = _start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log")
-        procs.append(actor)
+    overrides = [*tiny_overrides, *COMMON, *REPLAY, f"train.total_steps={total}", "checkpoint.every=3",
+                 "buffer.max_staleness=2"]
+    with ResumableRun(tmp_path, "replay", overrides) as run:
+        run.start_learner()
+        run.start_actor()
 
         def checkpointed_and_past_it() -> bool:
-            ev = read_jsonl(run_dir / "events.jsonl")
-            ck = [e["step"] for e in ev if e["kind"] == "replay_state" and e.get("reason") == "checkpoint"]
-            m = read_jsonl(run_dir / "metrics.jsonl")
+            ck = [e["step"] for e in run.events("replay_state") if e.get("reason") == "checkpoint"]
+            m = run.metrics()
             return bool(ck) and bool(m) and m[-1]["version"] > max(ck)
 
-        _wait(checkpointed_and_past_it, learner, "a checkpoint and one more step")
-        learner.send_signal(signal.SIGKILL)
-        learner.wait(timeout=10)
-        before = read_jsonl(run_dir / "events.jsonl")
+        run.wait_for(checkpointed_and_past_it, "a checkpoint and one more step")
+        run.kill_learner()
+        before = run.events()
         # read back the checkpoint the learner will resume from, in this process, before it is rotated
-        cfg = load_config(None, overrides)
+        cfg = load_config(None, run.overrides)
         from_files = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=total)
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = latest_checkpoint(run.dir)
         assert from_files.load(ckpt)
-        learner2 = _start(["learn", *overrides, "--resume"], tmp_path / "learner2.log")
-        procs.append(learner2)
-        learner2.wait(timeout=300)
-        assert learner2.returncode == 0, (tmp_path / "learner2.log").read_text()[-3000:]
-        actor.wait(timeout=30)
-    finally:
-        _stop(procs)
+        run.resume()
+        run.finish()
 
     # the state written at each checkpoint, as the learner had it in memory (digest covers the
     # buckets, the skip set, every stored trajectory with its recorded log-probs, and the task dicts)
     saved = {e["checkpoint"]: e for e in before if e["kind"] == "replay_state" and e.get("reason") == "checkpoint"}
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = run.events()
     resume = [e for e in events if e["kind"] == "resume"][0]
     restored = [e for e in events if e["kind"] == "replay_state" and e.get("reason") == "resume"][0]
     at_ckpt = saved[resume["checkpoint"]]
@@ -86,7 +61,7 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
     assert m.bucket_sizes() == at_ckpt["buckets"] and len(m.skip_uid_set) == at_ckpt["skip_tasks"]
     assert at_ckpt["pool_tasks"] + at_ckpt["skip_tasks"] > 0, "nothing to compare: empty pool and skip set"
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = run.metrics()
     final = [x for x in metrics if x["version"] == total]
     assert final and {"replay/pool_tasks", "replay/skip_tasks", "replay/pool_trajectories",
                       "replay/replayed_share", "replay/active", "replay/off_token_ratio"} <= set(final[0])

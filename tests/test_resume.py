@@ -4,60 +4,18 @@ continue without repeats."""
 
 from __future__ import annotations
 
-import signal
-import time
-
 import numpy as np
 import pytest
 
-from asyncrl.learner.buffer import encode_record, read_frame_records
+from asyncrl.learner.buffer import encode_record
 from asyncrl.learner.checkpoint import list_checkpoints
 from asyncrl.types import Episode, Trajectory
-from asyncrl.wire.codec import decode, decode_episode, encode_episode
+from asyncrl.wire.codec import encode_episode
 
-from .conftest import read_jsonl, wait_for_file
-from .test_pipeline import COMMON, _start, _stop
+from .conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl
+from .test_pipeline import COMMON
 
 pytestmark = pytest.mark.slow
-
-
-def _wal_ids(run_dir) -> set[str]:
-    """Episode ids in every WAL segment (a killed learner's last record may be torn: stop there)."""
-    ids = set()
-    for wal in (run_dir / "buffer").glob("wal-*.bin"):
-        for frames in read_frame_records(wal, strict=False):
-            ids.add(decode_episode(decode(frames)).id)
-    return ids
-
-
-def _buffer_ids(ckpt) -> set[str]:
-    return {decode_episode(decode(f)).id for f in read_frame_records(ckpt / "buffer.bin")}
-
-
-def effective_training(events) -> list[str]:
-    """Episode ids trained in the run's surviving history: each learner life's steps up to the
-    checkpoint the next life resumed from (later steps were rolled back), then the last life's."""
-    lives, current = [], []
-    for e in events:
-        if e["kind"] == "resume":
-            lives.append((current, e["step"]))
-            current = []
-        elif e["kind"] == "episode":
-            current.append((e["step"], e["episode_id"]))
-    lives.append((current, None))
-    return [eid for trained, upto in lives for step, eid in trained if upto is None or step <= upto]
-
-
-def _wait_version(run_dir, proc, version: int, timeout: float = 240) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        m = read_jsonl(run_dir / "metrics.jsonl")
-        if m and m[-1]["version"] >= version:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the learner exited ({proc.returncode}) before step {version}")
-        time.sleep(0.05)
-    raise AssertionError(f"no step {version} after {timeout:.0f} s")
 
 
 def _torn_write(run_dir) -> tuple[str, int]:
@@ -72,50 +30,34 @@ def _torn_write(run_dir) -> tuple[str, int]:
     return "torn-write", len(record) // 2
 
 
-def _kill(proc) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-
-
 def test_kill_twice_with_a_torn_tail_and_resume(tmp_path, tiny_overrides):
     total = 14
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=resume",
-                 f"train.total_steps={total}", "checkpoint.every=3",
+    overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=3",
                  # no episode may be dropped as stale, so that every acknowledged one must be trained
                  "buffer.max_staleness=1000", "buffer.capacity=12"]
-    run_dir = tmp_path / "resume"
-    learner = _start(["learn", *overrides], tmp_path / "learner1.log")
-    procs = [learner]
     acked: set[str] = set()
-    try:
-        addrs = wait_for_file(run_dir / "addresses.json", learner)
-        actor = _start(["serve", *overrides, "--connect", addrs["control"]], tmp_path / "actor.log")
-        procs.append(actor)
-        _wait_version(run_dir, learner, 4)  # past the step-3 checkpoint
-        _kill(learner)
-        acked |= _wal_ids(run_dir)  # acknowledged since the oldest kept checkpoint
-        torn_id, torn_bytes = _torn_write(run_dir)
-        first_resume = max(int(p.name.split("_")[1]) for p in list_checkpoints(run_dir))
+    with ResumableRun(tmp_path, "resume", overrides) as run:
+        run.start_learner()
+        run.start_actor()
+        run.wait_version(4)  # past the step-3 checkpoint
+        run.kill_learner()
+        acked |= run.wal_ids()  # acknowledged since the oldest kept checkpoint
+        torn_id, torn_bytes = _torn_write(run.dir)
+        first_resume = max(int(p.name.split("_")[1]) for p in list_checkpoints(run.dir))
 
-        learner2 = _start(["learn", *overrides, "--resume"], tmp_path / "learner2.log")
-        procs.append(learner2)
-        _wait_version(run_dir, learner2, first_resume + 4)  # appended after the resume, one checkpoint on
-        _kill(learner2)
-        acked |= _wal_ids(run_dir)
+        run.resume()
+        run.wait_version(first_resume + 4)  # appended after the resume, one checkpoint on
+        run.kill_learner()
+        acked |= run.wal_ids()
         assert torn_id not in acked, "the torn record was not cut off before appending"
 
-        learner3 = _start(["learn", *overrides, "--resume"], tmp_path / "learner3.log")
-        procs.append(learner3)
-        learner3.wait(timeout=300)
-        assert learner3.returncode == 0, (tmp_path / "learner3.log").read_text()[-3000:]
-        actor.wait(timeout=60)
-    finally:
-        _stop(procs)
+        run.resume()
+        run.finish()
 
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = run.events()
     resumes = [e for e in events if e["kind"] == "resume"]
     assert [e["step"] for e in resumes][:1] == [first_resume] and len(resumes) == 2
-    log2 = (tmp_path / "learner2.log").read_text()
+    log2 = run.log(2)
     assert f"resumed from step {first_resume}" in log2
     cut = [e for e in events if e["kind"] == "wal_truncated"]
     assert len(cut) == 1 and cut[0]["bytes_cut"] == torn_bytes and "torn record" in cut[0]["reason"], cut
@@ -123,7 +65,7 @@ def test_kill_twice_with_a_torn_tail_and_resume(tmp_path, tiny_overrides):
 
     trained = effective_training(events)
     assert len(trained) == len(set(trained)), "an episode was trained twice in the surviving history"
-    final_buffer = _buffer_ids(list_checkpoints(run_dir)[-1])
+    final_buffer = checkpoint_buffer_ids(list_checkpoints(run.dir)[-1])
     every_trained = {e["episode_id"] for e in events if e["kind"] == "episode"}
     acknowledged = acked | every_trained  # trained at some point implies acknowledged
     lost = acknowledged - set(trained) - final_buffer
@@ -131,9 +73,9 @@ def test_kill_twice_with_a_torn_tail_and_resume(tmp_path, tiny_overrides):
     assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged episodes were lost"
     assert torn_id not in every_trained | final_buffer
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = run.metrics()
     assert [m["step"] for m in metrics] == list(range(1, total + 1)), "step numbers repeated or missing"
     assert metrics[-1]["dropped_stale"] == 0
     # lines of rolled-back steps (trained after the checkpoint a resume started from) moved aside
-    discarded = read_jsonl(run_dir / "metrics.discarded.jsonl")
+    discarded = read_jsonl(run.dir / "metrics.discarded.jsonl")
     assert all(m["step"] > first_resume for m in discarded)

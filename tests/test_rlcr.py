@@ -13,13 +13,14 @@ from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.algos.rlcr import (RLCRConfig, RLCRWorkflow, brier_reward, parse_answer, parse_confidence,
                                 rlcr_warmstart_example, tree_advantages)
 from asyncrl.config import ConfigError, SamplingConfig, load_config
-from asyncrl.engine.base import Generation
 from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.envs.verifiers import resolve_verifier, verify, verify_exact_match, verify_numeric
 from asyncrl.learner.batch import collate
 from asyncrl.learner.core_algos import LOSS_AGG_MODES, LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
+
+from .conftest import ScriptedEngine
 
 # ------------------------------------------------------------------------------------ parsing
 
@@ -122,31 +123,11 @@ def test_confidence_advantages_never_mix_answers():
 
 # ------------------------------------------------------------------------------------ scripted rollouts
 
-class ScriptedEngine:
-    """An engine that answers with scripted texts: turn 1 (prompts ending in the first user turn)
-    from ``answers``, turn 2 from ``confidences`` (both cycled); counts its calls."""
-
-    eos_ids = {3}
-
-    def __init__(self, tokenizer, answers, confidences):
-        self.tok = tokenizer
-        self.answers, self.confidences = list(answers), list(confidences)
-        self.version = 7
-        self.calls = []
-
-    def generate(self, prompts, sampling, seed=None):
-        self.calls.append(len(prompts))
-        turn2 = len(self.calls) == 2
-        script = self.confidences if turn2 else self.answers
-        out = []
-        for i, _ in enumerate(prompts):
-            text = script[i % len(script)]
-            ids = self.tok.encode(text, add_special_tokens=False)
-            ids = ids[: sampling.max_new_tokens]
-            out.append(Generation(np.array(ids), np.full(len(ids), -0.5, dtype=np.float32),
-                                  self.tok.decode(ids, skip_special_tokens=True),
-                                  "stop" if ids and ids[-1] == 3 else "length"))
-        return out
+def scripted_engine(tok, answers, confidences) -> ScriptedEngine:
+    """The shared scripted engine (policy version 7, log-probs -0.5, replies cut at the token budget):
+    turn 1 (the first call) from ``answers``, turn 2 from ``confidences``, both cycled over the
+    call's prompts."""
+    return ScriptedEngine.per_call(tok, [list(answers), list(confidences)], version=7, logprob=-0.5, truncate=True)
 
 
 def _cfg(**algo):
@@ -158,7 +139,7 @@ def _cfg(**algo):
 def _rollout(answers, confidences, tasks=None, **algo):
     tok = build_char_tokenizer()
     cfg = _cfg(**algo)
-    engine = ScriptedEngine(tok, answers, confidences)
+    engine = scripted_engine(tok, answers, confidences)
     tasks = tasks or [Task(id="t0", prompt=[{"role": "user", "content": "1+2="}], answer=3)]
     wf = get_workflow("rlcr", cfg)
     ctx = RolloutContext(engine, tok, SingleTurnEnv(), cfg, "actor-x", seed=5)
@@ -268,7 +249,7 @@ def test_evaluate_reports_calibration():
     cfg = _cfg()
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+0="}], answer=i) for i in range(4)]
     # answers "0" for every task: right for t0 only; confidence 0.9 except an unparsable one
-    engine = ScriptedEngine(tok, ["<think>a</think><answer>0</answer>"],
+    engine = scripted_engine(tok, ["<think>a</think><answer>0</answer>"],
                             ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"])
     wf = get_workflow("rlcr", cfg)
     report = wf.evaluate(engine, tok, SingleTurnEnv(), tasks, SamplingConfig(n=1, max_new_tokens=60), cfg)
