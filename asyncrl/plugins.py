@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from .config import ConfigError
@@ -19,6 +21,7 @@ def resolve_import(spec: str, what: str) -> Any:
     else:
         raise ConfigError(f"{what}: {spec!r} is neither a built-in name nor an import path "
                          f"of the form 'package.module:Name'")
+    _cwd_on_path()
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:
@@ -30,3 +33,11 @@ def resolve_import(spec: str, what: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}") from None
+
+
+def _cwd_on_path() -> None:
+    """User modules resolve from the working directory, as under ``python -m`` (which the launcher
+    uses for the learner and actors), also when ``asyncrl`` runs as a console script."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)

@@ -35,7 +35,7 @@ from asyncrl.learner.net import LearnerNet  # noqa: E402
 from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
 from asyncrl.wire.bench_util import measure_ingest  # noqa: E402
-from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg  # noqa: E402
+from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg, encode_weights  # noqa: E402
 
 
 def demo_episode(n_traj: int, prompt_len: int, gen_len: int, rng) -> Episode:
@@ -136,7 +136,7 @@ def bench_weights(rounds: int) -> dict:
         orig(identity, body)
 
     net._on_subscribe = on_subscribe
-    net.publish_weights(state, 0)
+    net.publish_weights(encode_weights(state, 0), 0)
     probe = subprocess.Popen([sys.executable, __file__, "--probe", net.addresses["weights"], str(rounds)])
     sent: dict[int, float] = {}
     while 0 not in applied:
@@ -146,7 +146,7 @@ def bench_weights(rounds: int) -> dict:
             for t in state.values():
                 t.add_(1e-6)
         sent[v] = time.time()
-        net.publish_weights(state, v)
+        net.publish_weights(encode_weights(state, v), v)
         while v not in applied:
             net.poll(100)
     probe.wait(timeout=60)

@@ -229,3 +229,21 @@ def test_held_out_tasks_are_never_in_the_training_stream(tmp_path):
     train, held = split_tasks(cfg.tasks)
     assert len(train) == 200 and [t.answer for t in held] == [7]
     assert f"from {eval_file} (tasks.eval_path)" in describe_heldout(cfg.tasks, held, train)
+
+
+def test_the_console_script_finds_plugins_in_the_working_directory(tmp_path):
+    """``asyncrl`` installed as a console script does not put the working directory on sys.path
+    (``python -m`` does): plugins named by import path must still resolve from it, as the README's
+    countdown example does from the repository root."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("asyncrl", path=str(Path(sys.executable).parent))
+    assert script, f"no asyncrl console script beside {sys.executable} (pip install -e . makes it)"
+    res = subprocess.run([script, "run", f"run_root={tmp_path}", "env.type=examples.countdown:RetryEnv",
+                          "env.reward=examples.countdown:reward", "tasks.type=file", "tasks.path=nope.jsonl"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "cannot import" not in res.stderr, res.stderr
+    assert "nope.jsonl does not exist" in res.stderr  # the plugins resolved; the next check spoke

@@ -108,3 +108,24 @@ def test_compute_logprobs_has_grad():
     lp, _ = compute_logprobs(model, batch, 1.0)
     (lp * batch.response_mask).sum().backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_mismatch_stats_count_only_tokens_made_with_the_current_weights():
+    import math
+
+    from asyncrl.learner.trainer import mismatch_stats
+
+    rows = [Trajectory(np.array([5, 6, 7, 8], np.int32), np.array([0, 0, 1, 1], np.uint8),
+                       np.array([0, 0, -1.0, -2.0], np.float32), policy_version=v) for v in (3, 2)]
+    batch = collate(rows, torch.zeros(2), pad_id=0)
+    learner = batch.behavior_logprobs.clone()
+    learner[0, 1] += 0.5  # row 0 (version 3) differs by +0.5 and -0.5 on its two generated tokens
+    learner[0, 2] -= 0.5
+    learner[1, 1:] += 9.0  # row 1 is stale (version 2): never counted
+    s = mismatch_stats(learner, batch, version=3)
+    assert s["mismatch/tokens"] == 2 and s["mismatch/logprob_abs_diff_mean"] == pytest.approx(0.5)
+    assert s["mismatch/logprob_abs_diff_max"] == pytest.approx(0.5)
+    # k3: mean(r - log r - 1) over log r = +0.5 and -0.5
+    expected = ((math.exp(0.5) - 0.5 - 1) + (math.exp(-0.5) + 0.5 - 1)) / 2
+    assert s["mismatch/kl"] == pytest.approx(expected, rel=1e-5)
+    assert mismatch_stats(learner, batch, version=7) == {}  # no row from the current weights

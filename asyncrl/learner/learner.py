@@ -199,7 +199,8 @@ class Learner:
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
         batch = self.trainer.make_batch(episodes) if has_rows else None
-        result = self.trainer.step(batch, keep_rows=any(h.needs_rows for h in self.hooks)) if batch else None
+        result = (self.trainer.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
+                  if batch else None)
         stats = result.stats if result is not None else {}
         if stats.get("skipped_nonfinite"):
             self.telemetry.nonfinite(self.version + 1, stats)

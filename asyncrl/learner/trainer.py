@@ -57,10 +57,11 @@ class PolicyTrainer:
         adv = trajectory_advantages(trajs, self.cfg.advantage)
         return collate(trajs, adv, self.pad_id, device=self.cfg.device)
 
-    def step(self, batch: TrainBatch, keep_rows: bool = False) -> StepResult:
+    def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> StepResult:
         """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps). A mini-batch whose loss
         or gradient norm is not finite is not applied; ``skipped_nonfinite`` is the share of such
-        mini-batches. ``keep_rows``: also return the per-row log-probs and entropies."""
+        mini-batches. ``keep_rows``: also return the per-row log-probs and entropies. ``version``:
+        the learner's policy version, for the train/inference mismatch (:func:`mismatch_stats`)."""
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
         result = StepResult({})
@@ -73,9 +74,12 @@ class PolicyTrainer:
                 result.row_logprobs, result.row_entropy = logp0.detach().cpu(), ent0.detach().cpu()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
+        first = True
         for _ in range(self.cfg.ppo_epochs):
             for mb in batch.split(self.cfg.mini_batches):
-                stats = self._minibatch_step(mb, single_pass, result if keep_rows and single_pass else None)
+                stats = self._minibatch_step(mb, single_pass, result if keep_rows and single_pass else None,
+                                             version if first else None)
+                first = False
                 for k, v in stats.items():
                     sums[k] += v
                     counts[k] += 1
@@ -111,17 +115,20 @@ class PolicyTrainer:
                                   exp_mask=mb.exp_mask if has_exp else None)
         return inputs, stats
 
-    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: StepResult | None) -> dict[str, float]:
+    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: StepResult | None,
+                        version: int | None) -> dict[str, float]:
         cfg = self.cfg
         want_entropy = cfg.entropy_coef > 0
         # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
         logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=True,
                                          entropy_grad=want_entropy)
+        mismatch = mismatch_stats(logp.detach(), mb, version) if version is not None else {}
         if rows is not None:  # single pass: this forward is under the weights before the update
             rows.row_logprobs, rows.row_entropy = logp.detach().cpu(), entropy.detach().cpu()
         if cfg.recompute_proximal and single_pass:
             mb.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
         inputs, stats = self._loss_inputs(mb, logp)
+        stats.update(mismatch)
         loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
         stats.update(loss_stats)
         if self.ref_model is not None:
@@ -145,3 +152,20 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         stats.update(loss=loss.item(), grad_norm=float(grad_norm), skipped_nonfinite=float(not finite))
         return stats
+
+
+def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int) -> dict[str, float]:
+    """Train/inference mismatch on the generated tokens of rows made with the learner's own current
+    weights (``policy_version == version``, not replayed): the engine's behaviour log-probs against
+    the learner's, ``[B, T-1]`` each, before this step's update. ``mismatch/logprob_abs_diff_*`` is
+    ``|logp_behaviour - logp_learner|``; ``mismatch/kl`` the k3 estimate of KL(behaviour || learner),
+    ``mean(r - log r - 1)`` with ``r = exp(logp_learner - logp_behaviour)`` (as prime-rl reports it).
+    Empty when no such token is in the batch."""
+    fresh = (mb.policy_versions.to(learner_logprobs.device) == version)[:, None] & (mb.exp_mask == 0)
+    m = (mb.response_mask > 0) & fresh
+    if not bool(m.any()):
+        return {}
+    log_r = (learner_logprobs - mb.behavior_logprobs)[m].double()
+    diff = log_r.abs()
+    return {"mismatch/logprob_abs_diff_mean": float(diff.mean()), "mismatch/logprob_abs_diff_max": float(diff.max()),
+            "mismatch/kl": float((log_r.exp() - log_r - 1).mean()), "mismatch/tokens": float(m.sum())}
