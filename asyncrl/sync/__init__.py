@@ -1,9 +1,22 @@
 """Weight transports by ``sync.type`` (``asyncrl.sync.base`` has the interface)."""
 
-from .base import WeightPublisher, WeightReceiver, WeightsError, make_publisher, make_receiver
+from pathlib import Path
+
+from .base import WeightPublisher, WeightReceiver, WeightsError
 from .filesystem import FilesystemPublisher, FilesystemReceiver
 from .zmq import ZmqPublisher, ZmqReceiver
 
 TRANSPORTS = {"zmq": (ZmqPublisher, ZmqReceiver), "filesystem": (FilesystemPublisher, FilesystemReceiver)}
+
+
+def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:
+    """The learner's side of ``sync.type``."""
+    return TRANSPORTS[sync_cfg.type][0](sync_cfg, run_dir)
+
+
+def make_receiver(sync_cfg) -> WeightReceiver:
+    """The actor's side of ``sync.type``."""
+    return TRANSPORTS[sync_cfg.type][1]()
+
 
 __all__ = ["TRANSPORTS", "WeightPublisher", "WeightReceiver", "WeightsError", "make_publisher", "make_receiver"]

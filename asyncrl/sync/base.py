@@ -8,12 +8,13 @@ travel:
 - a :class:`WeightReceiver` (actor side) turns a received message into ``(version, tensors)``
   that ``Engine.update_weights`` loads.
 
+``asyncrl.sync.make_publisher`` and ``make_receiver`` pick them by ``sync.type``.
+
 The version tag travels in the message either way, so an actor always knows what it applied.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -35,17 +36,3 @@ class WeightReceiver(Protocol):
     def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, {name: tensor})`` from a received ``weights`` message, or WeightsError."""
         ...
-
-
-def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:
-    """The learner's side of ``sync.type``."""
-    from . import TRANSPORTS
-
-    return TRANSPORTS[sync_cfg.type][0](sync_cfg, run_dir)
-
-
-def make_receiver(sync_cfg) -> WeightReceiver:
-    """The actor's side of ``sync.type``."""
-    from . import TRANSPORTS
-
-    return TRANSPORTS[sync_cfg.type][1]()

@@ -1,0 +1,224 @@
+"""The package's import structure (docs/architecture.md, "Import rules"): no import cycle between
+modules, and the forbidden directions between layers.
+
+Every module under ``asyncrl/`` and ``app/`` is parsed with :mod:`ast` (nothing is imported or run).
+Every ``import`` and ``from ... import`` counts, wherever it stands: at the top, inside a function,
+under ``if TYPE_CHECKING``. Relative imports are resolved against the module's package;
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
+Imports made by name at run time (``importlib.import_module``, ``algorithm: pkg.module:Class``
+config strings) are plugin look-ups and are not edges.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import ROOT
+
+PACKAGES = ("asyncrl", "app")
+
+# The code that runs in an actor process: it must never need the learner's code.
+ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.envs",
+              "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
+
+# (importer prefixes, imported prefixes, why): an edge from the first to the second is an error.
+FORBIDDEN = [
+    (ACTOR_SIDE, ("asyncrl.learner",), "code that runs on an actor never imports the learner"),
+    (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
+    (("app",), ("asyncrl.cli",), "the UI app does not import the command line (the CLI starts the app)"),
+    (("asyncrl.analysis",), ("app",), "run analysis is UI-free (the app reads it, not the other way)"),
+]
+
+
+def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under ``root/<package>`` (a package's
+    ``__init__.py`` is the package's own name)."""
+    out = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _base_package(module: str, is_package: bool, level: int) -> str:
+    """The package a ``from`` import with ``level`` leading dots is relative to."""
+    parts = module.split(".")
+    keep = len(parts) - level + (1 if is_package else 0)
+    if keep <= 0:
+        raise ValueError(f"{module}: relative import beyond the top-level package (level {level})")
+    return ".".join(parts[:keep])
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``module`` (the file ``path``) imports, resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):  # every nesting level: functions, classes, if TYPE_CHECKING, try
+        if isinstance(node, ast.Import):
+            found.update(_nearest_known(alias.name, known) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = _base_package(module, is_package, node.level)
+                base = f"{pkg}.{base}" if base else pkg
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else _nearest_known(base, known))
+    found.discard(None)
+    found.discard(module)
+    return found
+
+
+def _nearest_known(name: str, known: set[str]) -> str | None:
+    """``name`` or its longest prefix that is a module of the project (None: a third-party module)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in known:
+            return candidate
+        parts.pop()
+    return None
+
+
+def import_graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[str]]:
+    """module -> the project modules it imports."""
+    files = module_files(root, packages)
+    known = set(files)
+    return {m: imports_of(m, p, known) for m, p in files.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) for every strongly connected component of more than one module
+    (Tarjan's algorithm, iterative so that deep graphs do not hit the recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    return [_cycle_in(graph, c) for c in components]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first within the component)."""
+    start = min(component)
+    parents = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node] & component):
+                if child == start:
+                    path = [node]
+                    while parents[path[-1]] is not None:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+                if child not in parents:
+                    parents[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"no cycle in the strongly connected component {sorted(component)}")
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
+    """One line per import that breaks a rule: ``importer -> imported: why``."""
+    bad = []
+    for importer in sorted(graph):
+        for imported in sorted(graph[importer]):
+            for sources, targets, why in rules:
+                if _within(importer, sources) and _within(imported, targets):
+                    bad.append(f"{importer} -> {imported}: {why}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------- the rules
+def test_the_scan_sees_the_whole_package():
+    graph = import_graph()
+    assert {"asyncrl.cli", "asyncrl.actor.actor", "asyncrl.learner.trainer", "asyncrl.rollout.workflow",
+            "app.main"} <= set(graph)
+    # imports inside functions and relative imports are followed (make_engine imports .hf lazily)
+    assert "asyncrl.engine.hf" in graph["asyncrl.engine"]
+    assert "asyncrl.config" in graph["asyncrl.engine"]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles between modules:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_no_forbidden_import_directions():
+    bad = forbidden_edges(import_graph())
+    assert not bad, "imports in a forbidden direction (importer -> imported):\n" + "\n".join("  " + b for b in bad)
+
+
+# ----------------------------------------------------------------- the checker itself can fail
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
+    """A small tree with a cycle through a function-level relative import and an actor-side module
+    importing the learner: both are reported by name."""
+    _write(tmp_path, {
+        "asyncrl/__init__.py": "",
+        "asyncrl/config.py": "import numpy\n",
+        "asyncrl/actor/__init__.py": "",
+        "asyncrl/actor/actor.py": "from ..rollout import loop\n",
+        "asyncrl/rollout/__init__.py": "",
+        "asyncrl/rollout/loop.py": "def f():\n    from ..actor.actor import x\n",
+        "asyncrl/envs/__init__.py": "",
+        "asyncrl/envs/base.py": "from asyncrl.learner.buffer import ReplayBuffer\nfrom .. import config\n",
+        "asyncrl/learner/__init__.py": "",
+        "asyncrl/learner/buffer.py": "from asyncrl import config\n",
+        "app/__init__.py": "",
+        "app/main.py": "import asyncrl.cli\n",
+    })
+    graph = import_graph(tmp_path)
+    assert graph["asyncrl.envs.base"] == {"asyncrl.learner.buffer", "asyncrl.config"}
+    assert graph["app.main"] == {"asyncrl"}  # no asyncrl/cli.py in this tree: its package is what runs
+    assert find_cycles(graph) == [["asyncrl.actor.actor", "asyncrl.rollout.loop", "asyncrl.actor.actor"]]
+    assert forbidden_edges(graph) == [
+        "asyncrl.envs.base -> asyncrl.learner.buffer: code that runs on an actor never imports the learner"]
