@@ -246,7 +246,7 @@ class WireConfig(_Base):
         "Address the learner binds. Anything but loopback requires CURVE keys (curve_dir)."))
     episodes_port: int = Field(0, ge=0, description="Episode PULL port (0: pick a free one).")
     control_port: int = Field(0, ge=0, description="Acks/credits ROUTER port (0: pick a free one).")
-    weights_port: int = Field(0, ge=0, description="Weights PUB port (0: pick a free one).")
+    weights_port: int = Field(0, ge=0, description="Weights ROUTER port (0: pick a free one).")
     events_port: int = Field(0, ge=0, description="Events PUB port (0: pick a free one).")
     hwm: int = Field(1000, ge=1, description="ZeroMQ high-water mark (messages) on episode sockets.")
     curve_dir: str | None = Field(None, description=(

@@ -12,7 +12,8 @@ one line instead of a traceback after minutes of model building and a half-writt
 - the prompt lengths of task files against ``tasks.max_prompt_tokens`` (default: the model's
   context length minus ``sampling.max_new_tokens``); import-path sources (e.g. Absolute Zero's
   seed programs) may hold text the workflow turns into prompts of its own, so they are not measured;
-- experience replay's need for a workflow that takes per-task rollout counts.
+- experience replay's need for a workflow that takes per-task rollout counts;
+- the advantage estimator and policy loss names (``asyncrl.advantages``, ``asyncrl.learner.core_algos``).
 
 Every problem is a :class:`ConfigError` whose message is one line naming the field, file or
 function and what was expected.
@@ -44,11 +45,30 @@ def preflight(cfg: Config) -> Preflight:
         raise ConfigError(f"replay.enabled needs a workflow that takes per-task rollout counts; algorithm "
                           f"{cfg.algorithm!r} does not: use algorithm grpo or set replay.enabled=false")
     make_env(cfg.env)
+    _check_registry_names(cfg)
     train, heldout = split_tasks(cfg.tasks)  # holdout_fraction <= 0.9 always leaves training tasks
     if cfg.model.path is not None or cfg.tasks.type == "file":  # the user's model, or the user's prompts
         _check_model_and_prompts(cfg, (train or []) + heldout if cfg.tasks.type == "file" else [])
     return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train),
                      len(heldout))
+
+
+def _check_registry_names(cfg: Config) -> None:
+    """``train.advantage.estimator`` and ``train.policy_loss`` name registered functions (the
+    defaults always do; other names import the registries, which need torch)."""
+    if cfg.train.advantage.estimator != "grpo":
+        from .advantages import ADV_ESTIMATORS
+
+        _registered(ADV_ESTIMATORS, cfg.train.advantage.estimator, "train.advantage.estimator")
+    if cfg.train.policy_loss != "ppo":
+        from .learner.core_algos import POLICY_LOSSES
+
+        _registered(POLICY_LOSSES, cfg.train.policy_loss, "train.policy_loss")
+
+
+def _registered(registry, name: str, field: str) -> None:
+    if name not in registry.names():
+        raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; valid names: {', '.join(registry.names())}")
 
 
 def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
