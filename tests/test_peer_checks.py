@@ -14,7 +14,8 @@ from asyncrl.config import load_config
 from asyncrl.learner.net import Arrival, LearnerNet, Limits
 from asyncrl.learner.peers import EpisodeValidator, RateLimitedLog
 from asyncrl.types import Episode, Trajectory
-from asyncrl.wire.codec import WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg
+from asyncrl.wire.codec import (WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg,
+                                 encode_weights)
 
 DEADLINE_S = 20
 
@@ -153,11 +154,11 @@ def test_the_actor_table_is_bounded(net):
 def test_a_subscriber_gets_one_version_at_a_time_the_newest(net):
     sub = _dealer(net.addresses["weights"])
     try:
-        net.publish_weights({"w": np.zeros(3, np.float32)}, 0)
+        net.publish_weights(encode_weights({"w": np.zeros(3, np.float32)}, 0), 0)
         sub.send_multipart(encode_msg("subscribe", actor_id="s", have=-1))
         _pump_until(net, lambda: net.subscribers)
         for v in range(1, 6):  # nothing more is sent until the subscriber says it has version 0
-            net.publish_weights({"w": np.full(3, v, np.float32)}, v)
+            net.publish_weights(encode_weights({"w": np.full(3, v, np.float32)}, v), v)
         assert sub.poll(DEADLINE_S * 1000)
         got = [decode_weights(decode(sub.recv_multipart()))[0]]
         assert not sub.poll(300) and got == [0]

@@ -183,8 +183,9 @@ class RestoreReport:
     truncated: list[RecordScan] = field(default_factory=list)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """``fsync`` a file or a directory (a directory: its entries survive a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -227,7 +228,7 @@ class ReplayBuffer:
         self._fd = os.open(self._wal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._wal_size = os.fstat(self._fd).st_size
         if new:
-            _fsync_dir(self.dir)  # the segment's directory entry survives a power cut too
+            fsync_path(self.dir)  # the segment's directory entry survives a power cut too
 
     def close(self) -> None:
         if self._fd is not None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import crc32c
 
+from .buffer import fsync_path
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _CHUNK = 1 << 22
@@ -155,7 +157,7 @@ def _seal(directory: Path, version: int) -> None:
     """fsync every file, then write the manifest (size and CRC32C of each) last."""
     files = {}
     for f in sorted(p for p in directory.rglob("*") if p.is_file()):
-        _fsync_path(f)
+        fsync_path(f)
         files[f.relative_to(directory).as_posix()] = {"size": f.stat().st_size, "crc32c": f"{file_crc32c(f):08x}"}
     manifest = {"format": MANIFEST_FORMAT, "version": version, "files": files}
     with open(directory / MANIFEST, "w") as fh:
@@ -163,7 +165,7 @@ def _seal(directory: Path, version: int) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     for d in {f.parent for f in directory.rglob("*")} | {directory}:
-        _fsync_path(d)
+        fsync_path(d)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -174,16 +176,8 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     if final.exists():
         final.rename(old)
     tmp.rename(final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def clean_partial(run_dir: Path) -> list[Path]:

@@ -183,6 +183,7 @@ def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tens
         weighted losses), ``on_clipfrac``/``off_clipfrac``, ``off_ratio_*`` (raw ratio on replayed
         tokens) and ``off_token_ratio``.
     """
+    # one function rather than several: the loss and all its statistics share every intermediate tensor
     logprobs, old_logprobs, advantages = inputs.logprobs, inputs.old_logprobs, inputs.advantages
     behavior_weight, exp_mask = inputs.behavior_weight, inputs.exp_mask
     clip_low, clip_high, dual_clip_c = cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
