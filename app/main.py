@@ -305,9 +305,9 @@ def serve(args) -> int:
 def main(args=None) -> int:
     """Entry point of ``asyncrl ui`` (``args`` from its parser) or ``python -m app.main ARGS``."""
     if args is None or isinstance(args, list):
-        from asyncrl.cli import build_parser
+        from .args import parse_ui_args
 
-        args = build_parser().parse_args(["ui", *(sys.argv[1:] if args is None else args)])
+        args = parse_ui_args(sys.argv[1:] if args is None else args)
     try:
         return serve(args)
     except (UIError, ValueError, FileNotFoundError) as e:

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from app.args import add_ui_arguments
+
 from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
 from .lifecycle import watch_parent
@@ -165,13 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--names", nargs="+", metavar="NAME", help="make bundles actor-NAME instead")
     p.set_defaults(fn=cmd_keys)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
-    p.add_argument("--run", help="run directory (runs/<name>), followed while it is written")
-    p.add_argument("--connect", help="a live learner's events address (tcp://HOST:PORT; 'events' in "
-                                     "<run>/addresses.json)")
-    p.add_argument("--curve-dir", help="CURVE keys (asyncrl keys) when the learner uses wire.curve_dir")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default loopback)")
-    p.add_argument("--port", type=int, default=7860, help="port (0: any free port)")
-    p.add_argument("--auth", help="user:password (required for a non-loopback --host)")
+    add_ui_arguments(p)
     p.set_defaults(fn=cmd_ui)
     return parser
 

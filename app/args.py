@@ -1,0 +1,22 @@
+"""The command-line options of the UI, defined once: ``asyncrl ui`` (:mod:`asyncrl.cli`) and
+``python -m app.main`` both build their parser with :func:`add_ui_arguments`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_ui_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--run", help="run directory (runs/<name>), followed while it is written")
+    p.add_argument("--connect", help="a live learner's events address (tcp://HOST:PORT; 'events' in "
+                                     "<run>/addresses.json)")
+    p.add_argument("--curve-dir", help="CURVE keys (asyncrl keys) when the learner uses wire.curve_dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default loopback)")
+    p.add_argument("--port", type=int, default=7860, help="port (0: any free port)")
+    p.add_argument("--auth", help="user:password (required for a non-loopback --host)")
+    return p
+
+
+def parse_ui_args(argv: list[str]) -> argparse.Namespace:
+    """``python -m app.main ARGS``: the options of ``asyncrl ui``."""
+    return add_ui_arguments(argparse.ArgumentParser(prog="asyncrl ui")).parse_args(argv)
