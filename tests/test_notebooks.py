@@ -71,7 +71,8 @@ def test_notebooks_make_their_demo_with_the_default_settings():
 def test_default_demos_learn(algorithm, model_cache, tmp_path):
     """The default demo runs show learning, not flat zero curves: GRPO's batch reward and held-out
     accuracy rise; RLCR's held-out ECE and Brier fall, over confidences that were parsed."""
-    from asyncrl.analysis import demo_run, load_run
+    from asyncrl.analysis import load_run
+    from asyncrl.demo import demo_run
 
     run = load_run(demo_run(algorithm, tmp_path, extra_overrides=[f"model.embedded.cache_dir={model_cache}"]))
     s = run.records("learner_stop")[-1]["summary"]
@@ -89,7 +90,8 @@ def test_default_demos_learn(algorithm, model_cache, tmp_path):
 def test_demo_run_reuses_only_a_run_made_with_the_same_settings(tmp_path, tiny_overrides):
     """An old demo run (say a few steps of a tiny model) is never shown as the learning demo: a
     finished demo is reused only when it was made with the very same settings."""
-    from asyncrl.analysis import demo_run, load_run
+    from asyncrl.analysis import load_run
+    from asyncrl.demo import demo_run
 
     extra = [tiny_overrides[0]]
     first = demo_run("grpo", tmp_path, name="d", steps=2, quick=True, extra_overrides=extra)
