@@ -21,49 +21,76 @@ from .types import Trajectory
 ADV_ESTIMATORS: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
 
 
+SINGLETON_RULES = ("zero", "verl")
+STD_ESTIMATORS = ("unbiased", "population")
+
+
 @ADV_ESTIMATORS.register("grpo")
 def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = True,
-                            eps: float = 1e-6) -> Tensor:
-    """GRPO outcome advantage, one scalar per trajectory.
+                            eps: float = 1e-6, singleton: str = "zero", std: str = "unbiased") -> Tensor:
+    """GRPO outcome advantage, one scalar per trajectory (Shao et al. 2024, DeepSeekMath).
 
     Args:
         rewards: ``[N]`` float.
         group_ids: ``N`` group keys; trajectories with equal keys are normalised together.
-        norm_by_std: ``A = (R - mean_g) / (std_g + eps)`` with the unbiased std (verl);
-            ``False`` gives ``A = R - mean_g`` (Dr.GRPO, ExGRPO, RLCR).
+        norm_by_std: ``A = (R - mean_g) / (std_g + eps)``; ``False`` gives ``A = R - mean_g``
+            (Dr.GRPO, Liu et al. 2025; ExGRPO; RLCR).
+        singleton: a group of one: ``"zero"`` (ours: a lone trajectory has no baseline, A = 0) or
+            ``"verl"`` (verl's convention, mean 0 and std 1: ``A = R / (1 + eps)`` with
+            ``norm_by_std``, ``A = R`` without).
+        std: ``"unbiased"`` (divide by n - 1, verl's ``torch.std``) or ``"population"`` (divide by
+            n; the RLCR reference design's formula).
     Returns:
-        ``[N]`` advantages (same dtype as ``rewards``, no grad). A group of one gets 0: unlike verl
-        (mean 0, std 1 there, so ``A = R``), a lone trajectory has no baseline to compare with.
+        ``[N]`` advantages (same dtype as ``rewards``, no grad). Computed in float64, and a group
+        whose rewards are all equal gets exactly 0 (in float32 the mean of eight rewards of 0.7 is
+        off by ~6e-8, which ``/ (std + 1e-6)`` would turn into advantages of ~0.06).
     """
+    if singleton not in SINGLETON_RULES:
+        raise ValueError(f"unknown singleton rule {singleton!r}; valid: {', '.join(SINGLETON_RULES)}")
+    if std not in STD_ESTIMATORS:
+        raise ValueError(f"unknown std estimator {std!r}; valid: {', '.join(STD_ESTIMATORS)}")
     rewards = torch.as_tensor(rewards).detach()
     if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
         raise ValueError(f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} "
                          f"and {len(group_ids)} group ids")
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r64 = rewards.to(torch.float64)
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(group_ids):
         members[g].append(i)
-    adv = torch.zeros_like(rewards)
+    adv = torch.zeros_like(r64)
     for idx in members.values():
-        if len(idx) < 2:
-            continue
         ix = torch.tensor(idx, device=rewards.device)
-        r = rewards[ix]
+        r = r64[ix]
+        if len(idx) < 2:
+            if singleton == "verl":  # verl: mean 0, std 1 for a group of one
+                adv[ix] = r / (1.0 + eps) if norm_by_std else r
+            continue
+        if bool((r == r[0]).all()):
+            continue  # equal rewards: exactly 0, whatever the rounding of mean and std
         a = r - r.mean()
         if norm_by_std:
-            a = a / (r.std() + eps)
+            a = a / (r.std(unbiased=(std == "unbiased")) + eps)
         adv[ix] = a
-    return adv
+    return adv.to(out_dtype)
+
+
+def estimator_options(adv_cfg) -> dict:
+    """The ``train.advantage`` settings beyond ``norm_by_std`` (``singleton``, ``std``) that differ
+    from their defaults, as keyword arguments: an estimator registered without them keeps working
+    as long as they are left at their defaults."""
+    defaults = {"singleton": "zero", "std": "unbiased"}
+    return {k: v for k, d in defaults.items() if (v := getattr(adv_cfg, k, d)) != d}
 
 
 def trajectory_advantages(trajs: list[Trajectory], adv_cfg) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
     that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. Each is then multiplied by
     its ``advantage_scale``."""
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    adv = ADV_ESTIMATORS.get(adv_cfg.estimator)(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    adv = ADV_ESTIMATORS.get(adv_cfg.estimator)(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std,
+                                                **estimator_options(adv_cfg))
     own = torch.tensor([t.advantage if t.advantage is not None else 0.0 for t in trajs], dtype=torch.float32)
     has_own = torch.tensor([t.advantage is not None for t in trajs])
     scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
-    return torch.where(has_own, own, adv) * scale
+    return (torch.where(has_own, own.double(), adv.double()) * scale.double()).float()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -140,6 +140,12 @@ class ActorConfig(_Base):
 class AdvantageConfig(_Base):
     estimator: str = Field("grpo", description="Advantage estimator (registry name).")
     norm_by_std: bool = Field(True, description="Divide by the group std (false: Dr.GRPO, A = R - mean).")
+    singleton: Literal["zero", "verl"] = Field("zero", description=(
+        "Advantage of a group of one: 'zero' (no baseline, no gradient) or 'verl' (verl's mean 0 / std 1: "
+        "A = R, divided by 1 + 1e-6 with norm_by_std), which the experience-replay reference design's "
+        "isolate_replay_groups relies on (docs/replay.md)."))
+    std: Literal["unbiased", "population"] = Field("unbiased", description=(
+        "Group std for norm_by_std: 'unbiased' (n - 1, verl) or 'population' (n)."))
 
 
 class TrainConfig(_Base):
@@ -159,8 +165,26 @@ class TrainConfig(_Base):
     dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
     recompute_proximal: bool = Field(True, description=(
         "Decoupled PPO: recompute the proximal policy's log-probs before the update and weight each "
-        "token by min(exp(logp_prox - logp_behavior), is_cap). False: plain PPO against behaviour."))
-    is_cap: float = Field(5.0, gt=0, description="Cap on the behaviour importance weight.")
+        "token by a behaviour weight from rho = exp(logp_prox - logp_behavior) (off_policy_correction). "
+        "False: plain PPO against behaviour."))
+    off_policy_correction: Literal["decoupled", "token_tis", "seq_tis", "seq_mis", "icepop", "geo_mask"] = Field(
+        "decoupled", description=(
+            "Behaviour weight from rho (needs recompute_proximal; docs/off_policy.md): 'decoupled' (AReaL: "
+            "min(rho, is_cap), or 0 above is_cap with is_cap_mode=mask), 'token_tis' (min(rho_t, is_cap)), "
+            "'seq_tis' (min(prod rho_t, is_cap) per sequence), 'seq_mis' (prod rho_t, 0 above is_cap), "
+            "'icepop' (rho_t inside [is_low, is_cap], else 0), 'geo_mask' (1 when the geometric mean of rho_t "
+            "is inside [is_low, is_cap], else 0)."))
+    is_cap: float = Field(5.0, description=(
+        "Upper bound C of the behaviour weight (>= 1, so that zero staleness stays plain PPO)."))
+    is_cap_mode: Literal["truncate", "mask"] = Field("truncate", description=(
+        "off_policy_correction=decoupled: 'truncate' (min(rho, is_cap)) or 'mask' (AReaL's code: a token "
+        "whose rho exceeds is_cap gets weight 0)."))
+    is_low: float | None = Field(None, description=(
+        "Lower bound for icepop and geo_mask, in (0, 1]; null: 1 / is_cap. Geometric-mean masks want bounds "
+        "near 1 (verl suggests thresholds of 1.0001-1.001 for train/inference mismatch alone)."))
+    loss_scale_norm: float | None = Field(None, gt=0, description=(
+        "loss_agg_mode=seq-mean-token-sum-norm: the constant divisor (verl's loss_scale_factor; Dr.GRPO uses "
+        "the maximum response length). Null: sampling.max_new_tokens x env.max_turns."))
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (initial) model; 0: off.")
     kl_type: Literal["k1", "k3"] = Field("k3", description="KL estimator (k3: low-variance).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient; 0: off.")
@@ -171,6 +195,30 @@ class TrainConfig(_Base):
     exit_after_no_actors_s: float | None = Field(None, gt=0, description=(
         "Stop (checkpoint, exit code 1) after this long with no actor connected. Null: wait for actors "
         "forever."))
+
+
+    @field_validator("is_cap")
+    @classmethod
+    def _cap_at_least_one(cls, v: float) -> float:
+        if not v >= 1.0:
+            raise ValueError(f"must be >= 1: a cap below 1 would down-weight tokens of the current policy, so "
+                             f"a run with zero staleness would no longer be plain PPO")
+        return v
+
+    @field_validator("is_low")
+    @classmethod
+    def _low_in_unit(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"must be in (0, 1] (null: 1 / is_cap), so that rho = 1 is always kept")
+        return v
+
+    @model_validator(mode="after")
+    def _correction_needs_proximal(self) -> "TrainConfig":
+        if not self.recompute_proximal and (self.off_policy_correction != "decoupled" or self.is_cap_mode != "truncate"):
+            raise ValueError(f"off_policy_correction={self.off_policy_correction} with is_cap_mode={self.is_cap_mode} "
+                             f"needs recompute_proximal=true: it weights tokens by rho = exp(logp_proximal - "
+                             f"logp_behaviour), which is always 1 when the behaviour policy is the proximal one")
+        return self
 
 
 class BufferConfig(_Base):
@@ -334,6 +382,8 @@ class Config(_Base):
         if self.actor.heartbeat_s * 2 > self.wire.lease_s:
             raise ValueError(f"actor.heartbeat_s ({self.actor.heartbeat_s}) must be at most half of "
                              f"wire.lease_s ({self.wire.lease_s}), or healthy actors lose their credits")
+        if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
+            self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
         rp = self.replay
         if rp.enabled and rp.offpolicy_trajectories_per_task >= self.sampling.n:
             raise ValueError(f"replay.offpolicy_trajectories_per_task ({rp.offpolicy_trajectories_per_task}) "
@@ -389,7 +439,7 @@ def _format_validation_error(err: ValidationError, root: type[BaseModel] = None,
             allowed = ", ".join(_known_fields(parent)) if parent else "see the config docs"
             lines.append(f"unknown key '{path}'; allowed keys here: {allowed}")
         else:
-            msg = e["msg"]
+            msg = e["msg"].removeprefix("Value error, ")
             ctx = e.get("ctx") or {}
             if "expected" in ctx:
                 msg = f"{msg} (allowed: {ctx['expected']})"

@@ -1,8 +1,9 @@
 """One optimizer step on a batch of episodes: advantages -> proximal log-probs -> loss -> AdamW.
 
 Decoupled PPO (AReaL): when ``recompute_proximal`` is on, the proximal log-probs are the current
-weights' (before the update) and each token is weighted by the detached behaviour weight
-``min(exp(logp_prox - logp_behavior), is_cap)``; with no staleness this is exactly PPO.
+weights' (before the update) and each token is weighted by the detached behaviour weight of the
+chosen off-policy correction (``train.off_policy_correction``; by default
+``min(exp(logp_prox - logp_behavior), is_cap)``); with no staleness this is exactly PPO.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from ..types import Episode
 from .batch import TrainBatch, collate, compute_logprobs
 from ..advantages import trajectory_advantages
-from .core_algos import POLICY_LOSSES, LossConfig, PolicyLossInputs, behavior_importance_weight, kl_penalty
+from .core_algos import POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossInputs, behavior_weights, kl_penalty
 
 
 @dataclass
@@ -40,6 +41,7 @@ class PolicyTrainer:
         self.model = model
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg or LossConfig.from_config(train_cfg)
+        self.correction = CorrectionConfig.from_config(train_cfg)
         self.use_recorded = use_recorded_logprobs
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -61,7 +63,8 @@ class PolicyTrainer:
         """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps). A mini-batch whose loss
         or gradient norm is not finite is not applied; ``skipped_nonfinite`` is the share of such
         mini-batches. ``keep_rows``: also return the per-row log-probs and entropies. ``version``:
-        the learner's policy version, for the train/inference mismatch (:func:`mismatch_stats`)."""
+        the learner's policy version, for the train/inference mismatch (:func:`mismatch_stats`) and
+        the per-token version lag (:func:`token_lag_stats`)."""
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
         result = StepResult({})
@@ -84,15 +87,19 @@ class PolicyTrainer:
                     sums[k] += v
                     counts[k] += 1
         result.stats = {k: v / counts[k] for k, v in sums.items()}
+        if version is not None:
+            result.stats.update(token_lag_stats(batch, version))
         return result
 
     def _loss_inputs(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[PolicyLossInputs, dict[str, float]]:
         """The policy loss's inputs for a mini-batch: the proximal (decoupled PPO) or behaviour
         policy as old, recorded log-probs on replayed tokens, the staleness weight."""
         cfg = self.cfg
-        weight = None
-        if cfg.recompute_proximal:
-            weight = behavior_importance_weight(mb.old_logprobs, mb.behavior_logprobs, cfg.is_cap)
+        weight, bw = None, None
+        if cfg.recompute_proximal:  # the off-policy correction over generated, non-replayed tokens
+            bw = behavior_weights(mb.old_logprobs, mb.behavior_logprobs, mb.response_mask * (1 - mb.exp_mask),
+                                  self.correction)
+            weight = bw.weight
         else:
             mb.old_logprobs = mb.behavior_logprobs
         old, stats = mb.old_logprobs, {}
@@ -107,10 +114,12 @@ class PolicyTrainer:
             old = torch.where(use_rec.bool(), mb.recorded_logprobs, old)
             if weight is not None:
                 weight = torch.where(mb.exp_mask.bool(), torch.ones_like(weight), weight)
-        if weight is not None and mb.response_mask.bool().any():
-            w = weight[mb.response_mask.bool()]
+        if bw is not None and mb.response_mask.bool().any():
+            on = mb.response_mask.bool()
+            w = weight[on]
             stats.update(is_weight_mean=w.mean().item(), is_weight_max=w.max().item(),
-                         is_weight_capped_frac=(w >= cfg.is_cap).float().mean().item())
+                         is_weight_capped_frac=bw.capped[on].float().mean().item(),
+                         is_weight_masked_frac=bw.masked[on].float().mean().item())
         inputs = PolicyLossInputs(logp, old, mb.advantages, mb.response_mask, behavior_weight=weight,
                                   exp_mask=mb.exp_mask if has_exp else None)
         return inputs, stats
@@ -169,3 +178,22 @@ def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int)
     diff = log_r.abs()
     return {"mismatch/logprob_abs_diff_mean": float(diff.mean()), "mismatch/logprob_abs_diff_max": float(diff.max()),
             "mismatch/kl": float((log_r.exp() - log_r - 1).mean()), "mismatch/tokens": float(m.sum())}
+
+
+def token_lag_stats(batch: TrainBatch, version: int, bins: int = 4) -> dict[str, float]:
+    """Per-token version lag of the batch's generated tokens (replayed ones excluded):
+    ``version - policy_version`` of each token's row, weighted by its generated tokens.
+    ``staleness/token_lag_mean``, ``_max``, and ``staleness/token_lag_frac_<k>`` the share of tokens
+    with lag k for k < ``bins``, plus ``_ge<bins>`` for the rest. Empty when no such token."""
+    m = batch.response_mask * (1 - batch.exp_mask)
+    per_row = m.sum(-1).double().cpu()
+    total = float(per_row.sum())
+    if total <= 0:
+        return {}
+    lag = (version - batch.policy_versions.cpu()).double()
+    out = {"staleness/token_lag_mean": float((lag * per_row).sum() / total),
+           "staleness/token_lag_max": float(lag[per_row > 0].max())}
+    for k in range(bins):
+        out[f"staleness/token_lag_frac_{k}"] = float(per_row[lag == k].sum() / total)
+    out[f"staleness/token_lag_frac_ge{bins}"] = float(per_row[lag >= bins].sum() / total)
+    return out
