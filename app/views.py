@@ -205,7 +205,8 @@ def overview_figure(store: RunStore) -> Figure:
     versions (the one before training included), whatever the number of steps."""
     m = store.metrics
     fig, ax = _figure(12, cols=4)
-    _curves(ax[0], m, ["reward_mean"], "reward", extra={HELDOUT_LABEL: eval_series(store, "accuracy")})
+    _curves(ax[0], m, ["reward_mean", "rlcr/answer_reward_mean", "rlcr/confidence_reward_mean"], "reward",
+            extra={HELDOUT_LABEL: eval_series(store, "accuracy")})
     _curves(ax[1], m, ["loss", "pg_loss"], "loss")
     _curves(ax[2], m, ["approx_kl", "kl"], "KL")
     _curves(ax[3], m, ["clipfrac", "dual_clip_frac"], "clip fraction")

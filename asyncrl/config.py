@@ -267,9 +267,14 @@ class ReplayConfig(_Base):
     withhold_solved: bool = Field(True, description=(
         "Withhold fully solved tasks (the skip set) from the actors' fresh task streams."))
     isolate_replay_groups: bool = Field(False, description=(
-        "The reference design's unique off-policy group ids: each replayed trajectory is alone in its group, so "
-        "its GRPO advantage is ALWAYS 0 and it contributes no gradient. Off (ExGRPO): replayed "
-        "trajectories join their task's fresh group."))
+        "The reference design's unique off-policy group ids: each replayed trajectory is alone in its group. "
+        "Its advantage then follows train.advantage.singleton: 'verl' (the reference design, built on verl: "
+        "mean 0, std 1, so A = its reward, about +1) or 'zero' (our default: no gradient). Off (ExGRPO): "
+        "replayed trajectories join their task's fresh group."))
+    retrieval: Literal["top_k", "sample"] = Field("top_k", description=(
+        "Which stored trajectories of a replay task are replayed: 'top_k' (ours: the k first by "
+        "exp_select_mode's entropy order; a random sample for 'random') or 'sample' (the reference design: "
+        "k drawn uniformly with replacement from the task's stored ones)."))
     exp_is_correct: bool = Field(True, description=(
         "Replayed tokens take the recorded log-probs as their old policy (importance ratio against "
         "the policy that recorded them). False: the current proximal policy, as on-policy tokens."))

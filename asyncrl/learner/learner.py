@@ -214,7 +214,7 @@ class Learner:
         if self.version % self.cfg.sync.every == 0:
             self.publish()
         rewards = [t.reward for ep in episodes for t in ep.trajectories
-                   if t.sample_type != "proposer" and not t.is_replay]  # fresh rollouts only
+                   if t.sample_type not in ("proposer", "confidence") and not t.is_replay]  # fresh answers only
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
         self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0

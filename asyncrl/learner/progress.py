@@ -8,6 +8,11 @@ import numpy as np
 from tqdm import tqdm
 
 
+# rewards shown next to the headline one when a step reports them: RLCR's answer accuracy and Brier
+# confidence reward (its ``reward_mean`` is the answers' accuracy only)
+PROGRESS_SPLIT_REWARDS = (("rlcr/answer_reward_mean", "acc"), ("rlcr/confidence_reward_mean", "brier_r"))
+
+
 class Progress:
     def __init__(self, total: int, start: int, enabled: bool = True):
         self.bar = tqdm(total=total, initial=start, desc="learner", unit="step", dynamic_ncols=True,
@@ -16,6 +21,9 @@ class Progress:
     def update(self, version: int, stats: dict) -> None:
         self.bar.n = version
         post = {"reward": f"{stats.get('reward_mean', 0):.3f}", "stale": stats.get("staleness_max", 0)}
+        for key, label in PROGRESS_SPLIT_REWARDS:  # an algorithm's rewards reported apart (RLCR)
+            if key in stats:
+                post[label] = f"{stats[key]:.3f}"
         if "samples_per_s" in stats:
             post["samples/s"] = f"{stats['samples_per_s']:.0f}"
         if "eval/accuracy" in stats:

@@ -212,13 +212,20 @@ class ExperienceManager:
                 stored.append(traj)
 
     def get_offpolicy_trajectories_from_memory(self, task_id: str, num: int, group_id: str) -> list[Trajectory]:
-        """Up to ``num`` stored trajectories of ``task_id`` as replay trajectories in ``group_id``:
-        the lowest-entropy ones (argmin), the highest (argmax) or a random sample (random)."""
+        """Up to ``num`` stored trajectories of ``task_id`` as replay trajectories in ``group_id``
+        (each in a group of its own with ``isolate_replay_groups``).
+
+        ``replay.retrieval``: ``top_k`` (ours) takes the ``num`` lowest-entropy ones (argmin), the
+        highest (argmax) or a random sample without replacement (random); ``sample`` (the reference
+        design: its sort by entropy is followed by ``random.choices``, so the order does not matter)
+        draws ``min(num, stored)`` uniformly with replacement, whatever ``exp_select_mode``."""
         avail = list(self.task2trajectories.get(task_id, []))
         if not avail or num <= 0:
             return []
         mode = self.cfg.exp_select_mode
-        if mode == "argmin":
+        if getattr(self.cfg, "retrieval", "top_k") == "sample":
+            chosen = self.rng.choices(avail, k=min(num, len(avail)))
+        elif mode == "argmin":
             chosen = sorted(avail, key=lambda t: t.metadata.get("entropy", math.inf))[:num]
         elif mode == "argmax":
             chosen = sorted(avail, key=lambda t: -t.metadata.get("entropy", -math.inf))[:num]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ...envs.judge import JudgeConfig
 from ...envs.safe_arith import ArithLimits
@@ -52,7 +52,9 @@ class AbsoluteZeroConfig(BaseModel):
         "joint mode: 'sampled' (seed) trains the sampled question's proposer row only; 'group' trains "
         "every question of the final group with its learnability as reward, normalised in the group."))
     domain: str = Field("arithmetic", description="Self-play domain: arithmetic, code_o or harm.")
-    questions_per_prompt: int = Field(4, ge=1, description="Questions in one proposed question group (k).")
+    questions_per_prompt: int = Field(4, description=(
+        "Questions in one proposed question group (k >= 2: the group must be able to mix learnable and "
+        "unlearnable questions)."))
     rollout_n: int | None = Field(None, ge=1, description="Solver responses per question (null: sampling.n).")
     max_steps: int = Field(1, ge=1, description="Solver environment turns per response (reset/step loop).")
     max_repropose_attempts: int = Field(3, ge=0, description="Re-proposals of a group that is not mixed.")
@@ -70,6 +72,15 @@ class AbsoluteZeroConfig(BaseModel):
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="LLM judge endpoint (harm).")
     harm_max_chars: int = Field(2000, ge=1, description="harm: longest proposed instruction.")
     record_max_chars: int = Field(300, ge=16, description="Texts in the decision record are cut to this.")
+
+    @field_validator("questions_per_prompt")
+    @classmethod
+    def _mixable(cls, k: int) -> int:
+        if k < 2:
+            raise ValueError("must be at least 2: a one-question group is never mixed (learnable and not "
+                             "learnable), so no solver group would ever be kept and every proposer reward would "
+                             "be the same -0.5: nothing would be learned")
+        return k
 
     @model_validator(mode="after")
     def _sandbox_works_here(self) -> "AbsoluteZeroConfig":

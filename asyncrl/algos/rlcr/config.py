@@ -26,7 +26,14 @@ class RLCRConfig(BaseModel):
     lambda_ans: float = Field(1.0, ge=0, description="Scale of the answer advantages.")
     lambda_conf: float = Field(1.0, ge=0, description="Scale of the confidence advantages.")
     norm_by_std: bool = Field(False, description=(
-        "Divide advantages by their group's std (unbiased); false: A = R - mean (RLCR, Dr.GRPO)."))
+        "Divide advantages by their group's std (see std); false: A = R - mean (Dr.GRPO)."))
+    std: Literal["population", "unbiased"] = Field("population", description=(
+        "Group std used with norm_by_std: 'population' (divide by G, the RLCR reference design's formula) "
+        "or 'unbiased' (G - 1, verl's; about 1.15x larger at G = 4)."))
+    ece_bins: Literal["left_closed", "right_closed"] = Field("left_closed", description=(
+        "Held-out ECE and reliability bins: 'left_closed' [b/10, (b+1)/10) (ours; 1.0 in the last bin) or "
+        "'right_closed' (b/10, (b+1)/10] (Guo et al. 2017's ECE code; 0.0 in the first bin). Confidences "
+        "on the 0.1 grid sit on bin edges, so the choice moves ECE."))
     verifier: Literal["auto", "numeric", "math", "exact_match"] = Field("auto", description=(
         "Answer check: 'numeric' (exact number), 'math' (math-verify), 'exact_match' (normalised "
         "string), 'auto' (task.metadata['verifier'], else numeric for numeric golds, else exact_match)."))

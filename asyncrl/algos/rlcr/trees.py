@@ -127,7 +127,7 @@ def score_tree(tree: ConfidenceTree, verifier: str) -> None:
 
 
 def tree_advantages(acc: np.ndarray, conf: np.ndarray, norm_by_std: bool, lambda_ans: float = 1.0,
-                    lambda_conf: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                    lambda_conf: float = 1.0, std: str = "unbiased") -> tuple[np.ndarray, np.ndarray]:
     """Decoupled advantages of one tree.
 
     Args:
@@ -135,21 +135,21 @@ def tree_advantages(acc: np.ndarray, conf: np.ndarray, norm_by_std: bool, lambda
         conf: ``[G_a, G_c]`` conf_reward; row ``k`` is the group of answer ``k``'s confidences.
     Returns:
         ``(adv_ans [G_a], adv_conf [G_a, G_c])``: GRPO advantages (``R - mean``, divided by the
-        unbiased std + 1e-6 when ``norm_by_std``) scaled by ``lambda_ans`` / ``lambda_conf``. Row
+        group std + 1e-6 when ``norm_by_std``; ``std``: "unbiased" or "population") scaled by ``lambda_ans`` / ``lambda_conf``. Row
         ``k`` of ``adv_conf`` depends on row ``k`` of ``conf`` only.
     """
     acc = np.asarray(acc, dtype=np.float64)
     conf = np.asarray(conf, dtype=np.float64).reshape(len(acc), -1)
-    adv_ans = compute_grpo_advantages(torch.as_tensor(acc), ["prompt"] * len(acc), norm_by_std=norm_by_std)
+    adv_ans = compute_grpo_advantages(torch.as_tensor(acc), ["prompt"] * len(acc), norm_by_std=norm_by_std, std=std)
     g_c = conf.shape[1]
     groups = [str(k) for k in range(len(acc)) for _ in range(g_c)]
-    adv_conf = compute_grpo_advantages(torch.as_tensor(conf.reshape(-1)), groups, norm_by_std=norm_by_std)
+    adv_conf = compute_grpo_advantages(torch.as_tensor(conf.reshape(-1)), groups, norm_by_std=norm_by_std, std=std)
     return lambda_ans * adv_ans.numpy(), lambda_conf * adv_conf.numpy().reshape(len(acc), g_c)
 
 
 def assign_advantages(tree: ConfidenceTree, algo: RLCRConfig) -> None:
     adv_ans, adv_conf = tree_advantages(tree.acc_rewards(), tree.conf_rewards(), algo.norm_by_std,
-                                        algo.lambda_ans, algo.lambda_conf)
+                                        algo.lambda_ans, algo.lambda_conf, algo.std)
     for k, a in enumerate(tree.answers):
         a.advantage = float(adv_ans[k])
         for h, c in enumerate(a.confidences):
