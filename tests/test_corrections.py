@@ -93,6 +93,14 @@ def test_every_correction_is_one_without_staleness(name, mode):
     assert (bw.weight == 1.0).all() and not bw.capped.any() and not bw.masked.any()
 
 
+def test_config_names_every_registered_correction():
+    from typing import get_args
+
+    from asyncrl.config import TrainConfig
+    assert set(get_args(TrainConfig.model_fields["off_policy_correction"].annotation)) == set(
+        OFF_POLICY_CORRECTIONS.names())
+
+
 def test_cap_below_one_and_bad_bounds_are_refused_at_config_load():
     with pytest.raises(ConfigError, match=r"train\.is_cap.*>= 1.*plain PPO"):
         load_config(None, ["train.is_cap=0.5"])
