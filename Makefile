@@ -48,8 +48,10 @@ bwrap:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap)
 
+# Two workers, one test file each at a time (a file's fixtures are built once): most tests wait on
+# the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
 test: setup vllm browser bwrap
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(BIN)/python bench/bench_core.py
