@@ -286,10 +286,13 @@ class ReplayConfig(_Base):
 
 
 class SyncConfig(_Base):
-    type: Literal["zmq", "filesystem"] = Field("zmq", description=(
+    type: Literal["zmq", "filesystem", "ipc"] = Field("zmq", description=(
         "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
-        "`dir` and sends actors only the path (actors must see the same filesystem)."))
-    dir: str | None = Field(None, description="Directory for filesystem sync (default: <run dir>/weights).")
+        "`dir` and sends actors only the path (actors must see the same filesystem); 'ipc' writes each "
+        "version into shared memory and sends only its name and layout (actors on the learner's host)."))
+    dir: str | None = Field(None, description=(
+        "Filesystem sync: directory of the weight files (default: <run dir>/weights). ipc: directory of the "
+        "shared-memory segments (default: /dev/shm)."))
     keep: int = Field(3, ge=1, description="Filesystem sync: weight files kept.")
     every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
 

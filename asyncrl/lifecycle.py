@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PARENT_ENV = "ASYNCRL_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -83,3 +84,17 @@ def _watch(parent: int, grace_s: float, poll_s: float) -> None:
     print(f"[asyncrl] pid {os.getpid()}: still running {grace_s:g} s after its parent died; exiting now",
           file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

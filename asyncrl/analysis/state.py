@@ -3,11 +3,12 @@ folders are runs."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..lifecycle import pid_alive
 
 if TYPE_CHECKING:
     from .store import RunStore
@@ -26,19 +27,6 @@ class RunState:
 
     state: str
     reason: str
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _learner_pid(run_dir: Path | None) -> int | None:
@@ -76,7 +64,7 @@ def run_state(store: "RunStore", now: float | None = None) -> RunState:
             return RunState("silent", f"no event for {age:.0f} s and no learner_stop event")
         return RunState("running", f"last event {age:.0f} s ago")
     pid = _learner_pid(store.run_dir)
-    if pid is not None and _pid_alive(pid):
+    if pid is not None and pid_alive(pid):
         return RunState("running" if starts else "waiting",
                         f"learner pid {pid} is alive" + ("" if starts else " (starting: loading the model)"))
     if not starts and not store.metric_records():

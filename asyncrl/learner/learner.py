@@ -106,6 +106,10 @@ class Learner:
             summary = self._run()
         except OSError as e:
             self._stop_on_write_error(e)
+        finally:
+            close = getattr(self.weights_out, "close", None)
+            if close is not None:  # e.g. ipc: its shared-memory segments
+                close()
         if self._stop_reason:
             raise SystemExit(f"asyncrl learn: stopped at step {self.version}: {self._stop_reason}")
         return summary
@@ -232,7 +236,10 @@ class Learner:
     def publish(self) -> None:
         t0 = time.time()
         # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
-        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.named_parameters()}
+        # (a transport that copies the tensors out before frames() returns needs none)
+        snapshot = getattr(self.weights_out, "needs_snapshot", True)
+        state = {k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
+                 for k, v in self.model.named_parameters()}
         self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)
         self.log.event("weights_published", self.version, version=self.version,
                        bytes=int(sum(v.numel() * v.element_size() for v in state.values())),

@@ -4,9 +4,11 @@ from pathlib import Path
 
 from .base import WeightPublisher, WeightReceiver, WeightsError
 from .filesystem import FilesystemPublisher, FilesystemReceiver
+from .ipc import IpcPublisher, IpcReceiver
 from .zmq import ZmqPublisher, ZmqReceiver
 
-TRANSPORTS = {"zmq": (ZmqPublisher, ZmqReceiver), "filesystem": (FilesystemPublisher, FilesystemReceiver)}
+TRANSPORTS = {"zmq": (ZmqPublisher, ZmqReceiver), "filesystem": (FilesystemPublisher, FilesystemReceiver),
+              "ipc": (IpcPublisher, IpcReceiver)}
 
 
 def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:
@@ -16,7 +18,7 @@ def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:
 
 def make_receiver(sync_cfg) -> WeightReceiver:
     """The actor's side of ``sync.type``."""
-    return TRANSPORTS[sync_cfg.type][1]()
+    return TRANSPORTS[sync_cfg.type][1](sync_cfg)
 
 
 __all__ = ["TRANSPORTS", "WeightPublisher", "WeightReceiver", "WeightsError", "make_publisher", "make_receiver"]

@@ -33,6 +33,9 @@ class FilesystemPublisher:
 
 
 class FilesystemReceiver:
+    def __init__(self, sync_cfg=None):
+        pass
+
     def tensors(self, msg: Message) -> tuple[int, dict]:
         path = msg.body.path
         if not path:

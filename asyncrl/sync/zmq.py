@@ -18,6 +18,9 @@ class ZmqPublisher:
 
 
 class ZmqReceiver:
+    def __init__(self, sync_cfg=None):
+        pass
+
     def tensors(self, msg: Message) -> tuple[int, dict]:
         if msg.body.path:
             raise WeightsError(f"the learner sent a weights file ({msg.body.path}) but this actor expects "

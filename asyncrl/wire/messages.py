@@ -23,7 +23,8 @@ kind                  direction   meaning
 ``episode``           A -> L      trajectories, columnar, with raw array frames
 ``subscribe``         A -> L      weights channel: I have ``have``; send anything newer (also the
                                   acknowledgement that lets the next version go out)
-``weights``           L -> A      ``version`` as tensor frames, or ``path`` to a safetensors file
+``weights``           L -> A      ``version`` as tensor frames, ``path`` to a safetensors file, or a
+                                  shared-memory ``segment`` and ``layout``
 ``event``             L -> UI     one run-log record on the events channel
 ====================  ==========  ==================================================================
 """
@@ -206,12 +207,25 @@ class Subscribe(Body):
     applied_at: float | None = None
 
 
+class ShmTensor(msgspec.Struct, forbid_unknown_fields=True):
+    """Where one tensor lies in an ``ipc`` weights segment: ``nbytes`` bytes from ``offset``."""
+
+    name: Id
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: list[Count]
+    offset: Count
+    nbytes: Count
+
+
 class Weights(Body):
-    """Tensor frames named by state-dict key (zmq sync), or ``path`` to a safetensors file."""
+    """Tensor frames named by state-dict key (zmq sync), ``path`` to a safetensors file
+    (filesystem), or ``segment`` + ``layout``: a shared-memory segment on this host (ipc)."""
 
     KIND = "weights"
     version: Count
     path: Name | None = None
+    segment: Name | None = None
+    layout: list[ShmTensor] | None = None
 
 
 class Event(Body):

@@ -1,0 +1,142 @@
+"""Weight sync per transport: publish -> applied in another process, on this host.
+
+    .venv/bin/python bench/bench_sync.py [--shapes embedded qwen0.5b] [--transports zmq filesystem ipc]
+
+For each transport (``sync.type``) and tensor set, the publishing process does what the learner
+does per version (a snapshot copy of the parameters where the transport needs one, then
+``WeightPublisher.frames``) and sends the ``weights`` message over a loopback ZeroMQ socket; a
+receiving process does what an actor does (``WeightReceiver.tensors`` on the decoded message, then
+copies every tensor into its own model-sized tensors, as ``Engine.update_weights`` does) and
+answers with the version. The figure is the time from the start of the publish to that answer.
+
+Tensor sets: ``embedded`` (the shapes of the default embedded model, float32) and ``qwen0.5b``
+(Qwen2.5-0.5B's parameter shapes, bfloat16: 494M parameters, 988 MB), random values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import zmq
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.sync import make_publisher, make_receiver  # noqa: E402
+from asyncrl.wire.codec import decode  # noqa: E402
+
+
+def shapes(name: str) -> tuple[dict[str, tuple[int, ...]], torch.dtype]:
+    """Parameter name -> shape of a tensor set, and its dtype."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if name == "embedded":
+        from asyncrl.config import load_config
+        from asyncrl.models.tiny import embedded_llama_config
+        from asyncrl.models.tokenizer import build_char_tokenizer
+
+        cfg = load_config(None).model.embedded
+        config, dtype = embedded_llama_config(cfg, len(build_char_tokenizer())), torch.float32
+    else:
+        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+        dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {k: tuple(v.shape) for k, v in model.named_parameters()}, dtype
+
+
+def make_state(name: str) -> dict[str, torch.Tensor]:
+    spec, dtype = shapes(name)
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g).to(dtype) for k, s in spec.items()}
+
+
+def receive(address: str, transport: str, directory: str, tensor_set: str) -> None:
+    """The receiving process: apply every version it is sent and answer with its number."""
+    spec, dtype = shapes(tensor_set)
+    model = {k: torch.zeros(s, dtype=dtype) for k, s in spec.items()}
+    receiver = make_receiver(SimpleNamespace(type=transport, dir=directory, keep=2, every=1))
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.connect(address)
+    sock.send(b"ready")
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[0].bytes == b"stop":
+            break
+        version, tensors = receiver.tensors(decode(frames))
+        for k, t in tensors.items():
+            model[k].copy_(t)
+        sock.send(str(version).encode())
+    getattr(receiver, "close", lambda: None)()
+    sock.close(0)
+
+
+def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, rounds: int) -> np.ndarray:
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as directory:
+        cfg = SimpleNamespace(type=transport, dir=directory, keep=2, every=1)
+        publisher = make_publisher(cfg, Path(directory))
+        snapshot = getattr(publisher, "needs_snapshot", True)
+        sock = zmq.Context.instance().socket(zmq.PAIR)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        child = subprocess.Popen([sys.executable, __file__, "--receive", f"tcp://127.0.0.1:{port}", transport,
+                                  directory, tensor_set])
+        try:
+            if not sock.poll(300_000):
+                raise RuntimeError("the receiving process did not start")
+            sock.recv()
+            out = []
+            for v in tqdm(range(1, rounds + 1), desc=f"{tensor_set} {transport}", leave=False):
+                t0 = time.perf_counter()
+                sent = {k: t.clone() for k, t in state.items()} if snapshot else state  # as Learner.publish
+                sock.send_multipart(publisher.frames(sent, v), copy=False)
+                if int(sock.recv()) != v:
+                    raise RuntimeError("the receiver answered with another version")
+                out.append(time.perf_counter() - t0)
+            sock.send(b"stop")
+            child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            sock.close(0)
+            getattr(publisher, "close", lambda: None)()
+    return np.array(out) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["embedded", "qwen0.5b"], choices=["embedded", "qwen0.5b"])
+    p.add_argument("--transports", nargs="+", default=["zmq", "filesystem", "ipc"])
+    p.add_argument("--rounds", type=int, default=0, help="versions per figure (default: 30 embedded, 8 qwen0.5b)")
+    p.add_argument("--receive", nargs=4, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.receive:
+        return receive(*a.receive)
+    print("| tensors | MB | transport | publish -> applied median ms | p90 ms |\n|---|---|---|---|---|")
+    for tensor_set in a.shapes:
+        state = make_state(tensor_set)
+        mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
+        rounds = a.rounds or (30 if tensor_set == "embedded" else 8)
+        medians = {}
+        for transport in a.transports:
+            ms = bench(transport, state, tensor_set, rounds)[2:]  # the first two map and allocate (two slots)
+            medians[transport] = float(np.median(ms))
+            print(f"| {tensor_set} | {mb:.1f} | {transport} | {np.median(ms):.1f} | {np.percentile(ms, 90):.1f} |",
+                  flush=True)
+        if "zmq" in medians and "ipc" in medians:
+            print(f"| {tensor_set} | | zmq / ipc | {medians['zmq'] / medians['ipc']:.2f}x | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
