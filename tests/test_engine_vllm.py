@@ -126,15 +126,18 @@ def test_vllm_refuses_settings_it_cannot_honour():
 
 
 @pytest.mark.slow
-def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache):
-    """``asyncrl run`` with an HF learner and a vLLM actor on the CPU build: weights flow both ways."""
+@pytest.mark.parametrize("sync", ["zmq", "ipc"])
+def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync):
+    """``asyncrl run`` with an HF learner and a vLLM actor on the CPU build: weights flow both ways
+    (as tensor frames, or through shared memory with ``sync.type=ipc``)."""
     over = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=64", "model.embedded.num_heads=2",
             "model.embedded.num_layers=1", "model.embedded.intermediate_size=128", "model.embedded.warmup_steps=20",
             "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3", "engine.type=vllm",
             "engine.enforce_eager=true", "engine.dtype=float32", "engine.gpu_memory_utilization=0.08",
             f"run_root={tmp_path}", "name=vllm",
             "train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
-            "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0"]
+            "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0",
+            f"sync.type={sync}", f"sync.dir={tmp_path / 'shm'}"]
     res = run_cli("run", "-c", "configs/quickstart.yaml", *over, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "vllm" / "metrics.jsonl")
@@ -143,6 +146,7 @@ def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache):
     assert max(e["policy_version"] for e in episodes) >= 1  # generated after loading the learner's weights
     assert all(m["mismatch/logprob_abs_diff_mean"] < 1e-3 for m in metrics if "mismatch/logprob_abs_diff_mean" in m)
     assert any("mismatch/logprob_abs_diff_mean" in m for m in metrics)
+    assert not list((tmp_path / "shm").glob("asyncrl-w-*"))  # ipc: the learner removed its segments
 
 
 @pytest.mark.gpu
