@@ -97,6 +97,9 @@ def test_a_run_with_ipc_sync_trains_on_new_weights_and_cleans_up(tmp_path, tiny_
     # credits after step 1 require version >= 1: the actor generated with weights read from shared memory
     assert max(e["policy_version"] for e in episodes) >= 1, [e["policy_version"] for e in episodes]
     assert _segments(shm) == []  # the learner removed its segments on exit
+    metrics = read_jsonl(tmp_path / "ipc" / "metrics.jsonl")
+    applied = [m["sync/applied_ms_mean"] for m in metrics if "sync/applied_ms_mean" in m]
+    assert applied and all(0 <= ms < 60_000 for ms in applied), metrics  # publish -> applied, per step
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ class Actor:
         self._rejected = 0
         self._asked_weights = 0.0
         self._weights_session = None  # the learner session whose weights the engine holds
+        self._applied_at: float | None = None  # when the engine last took new weights (unix time)
         self.episodes = self.weights = None
         self.session = None
         self.unacked: OrderedDict[str, list] = OrderedDict()
@@ -160,7 +161,8 @@ class Actor:
         the next one go."""
         self._asked_weights = time.monotonic()
         have = self.engine.version if self._weights_session == self.session else -1
-        send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1))))
+        send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1),
+                                                              applied_at=self._applied_at if have >= 0 else None)))
 
     def apply_weights(self, timeout_ms: int = 0) -> bool:
         """Apply the newest weights that have arrived (waiting up to ``timeout_ms`` for some)."""
@@ -181,6 +183,7 @@ class Actor:
                 return False  # (any other version is applied, older ones too: a resumed learner's)
             self.engine.update_weights(tensors, version)
             self._weights_session = self.session
+            self._applied_at = time.time()
         except Exception as e:  # noqa: BLE001 - bad weights (a wrong file, a shape mismatch) are dropped
             self._report_bad("weights", e)
             return False

@@ -229,9 +229,22 @@ class Learner:
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.telemetry.nonfinite_steps,
-                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics}
+                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics()}
         metrics.update(self.evaluate())
         return self.telemetry.step(self.version, episodes, staleness, tokens, metrics)
+
+    def _sync_metrics(self) -> dict:
+        """Weight sync since the last step: publish -> applied per actor (its ``subscribe`` says when
+        its engine took the version), and the oldest version an actor holds."""
+        applied, self.net.applied = self.net.applied, []
+        out = {}
+        if applied:
+            ms = [1000 * s for _, _, s in applied]
+            out.update({"sync/applied_ms_mean": float(np.mean(ms)), "sync/applied_ms_max": float(np.max(ms))})
+        held = [s.have for s in self.net.subscribers.values()]
+        if held:
+            out["sync/actor_version_min"] = min(held)
+        return out
 
     def publish(self) -> None:
         t0 = time.time()

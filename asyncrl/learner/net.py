@@ -130,6 +130,8 @@ class LearnerNet:
             self.poller.register(s, zmq.POLLIN)
         self._weights_frames: list | None = None
         self.weights_version = -1
+        self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
+        self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
     def _socket(self, kind, wire_cfg, port, previous_address: str | None, max_bytes: int,
                 hwm: int | None = None):
@@ -317,6 +319,9 @@ class LearnerNet:
         say they have the previous one."""
         self._weights_frames = frames
         self.weights_version = version
+        self._published_at[version] = time.time()
+        for old in sorted(self._published_at)[:-64]:
+            del self._published_at[old]
         for ident, s in list(self.subscribers.items()):
             if s.sent <= s.have:
                 self._send_weights(ident, s)
@@ -325,6 +330,9 @@ class LearnerNet:
         s = self.subscribers.get(identity)
         if s is None:
             s = self.subscribers[identity] = Subscriber(body.actor_id)
+        published = self._published_at.get(body.have)
+        if body.applied_at is not None and body.have > s.have and published is not None:
+            self.applied.append((s.actor_id, body.have, max(body.applied_at - published, 0.0)))
         s.have, s.last_seen = body.have, time.monotonic()
         if self._weights_frames is None or self.weights_version <= s.have:
             return
