@@ -201,15 +201,15 @@ class TrainConfig(_Base):
     @classmethod
     def _cap_at_least_one(cls, v: float) -> float:
         if not v >= 1.0:
-            raise ValueError(f"must be >= 1: a cap below 1 would down-weight tokens of the current policy, so "
-                             f"a run with zero staleness would no longer be plain PPO")
+            raise ValueError("must be >= 1: a cap below 1 would down-weight tokens of the current policy, so "
+                             "a run with zero staleness would no longer be plain PPO")
         return v
 
     @field_validator("is_low")
     @classmethod
     def _low_in_unit(cls, v: float | None) -> float | None:
         if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError(f"must be in (0, 1] (null: 1 / is_cap), so that rho = 1 is always kept")
+            raise ValueError("must be in (0, 1] (null: 1 / is_cap), so that rho = 1 is always kept")
         return v
 
     @model_validator(mode="after")
@@ -286,10 +286,19 @@ class ReplayConfig(_Base):
 
 
 class SyncConfig(_Base):
-    type: Literal["zmq", "filesystem", "ipc"] = Field("zmq", description=(
+    type: Literal["zmq", "filesystem", "ipc", "nccl"] = Field("zmq", description=(
         "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
         "`dir` and sends actors only the path (actors must see the same filesystem); 'ipc' writes each "
-        "version into shared memory and sends only its name and layout (actors on the learner's host)."))
+        "version into shared memory and sends only its name and layout (actors on the learner's host); "
+        "'nccl' broadcasts each version in a torch.distributed group of the learner and its actors "
+        "(backend `backend`: nccl between GPUs, gloo on CPUs)."))
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="sync.type=nccl: the collective backend.")
+    group_host: str = Field("127.0.0.1", description=(
+        "sync.type=nccl: address of the learner's rendezvous store (reachable by every actor)."))
+    group_port: int = Field(0, ge=0, description="sync.type=nccl: the store's port (0: pick a free one).")
+    timeout_s: float = Field(30.0, gt=0, description=(
+        "sync.type=nccl: bound on every collective; an actor that does not keep up within it is dropped "
+        "from the group (reported in one line) and the learner goes on with the others."))
     dir: str | None = Field(None, description=(
         "Filesystem sync: directory of the weight files (default: <run dir>/weights). ipc: directory of the "
         "shared-memory segments (default: /dev/shm)."))

@@ -10,7 +10,8 @@ copies every tensor into its own model-sized tensors, as ``Engine.update_weights
 answers with the version. The figure is the time from the start of the publish to that answer.
 
 Tensor sets: ``embedded`` (the shapes of the default embedded model, float32) and ``qwen0.5b``
-(Qwen2.5-0.5B's parameter shapes, bfloat16: 494M parameters, 988 MB), random values.
+(Qwen2.5-0.5B's parameter shapes, bfloat16: 494M parameters, 988 MB), random values. ``nccl``
+runs with the gloo backend (CPU); its first version includes the actor joining the group.
 """
 
 from __future__ import annotations
@@ -60,11 +61,17 @@ def make_state(name: str) -> dict[str, torch.Tensor]:
     return {k: torch.randn(s, generator=g).to(dtype) for k, s in spec.items()}
 
 
+def sync_config(transport: str, directory: str) -> SimpleNamespace:
+    """The ``sync`` section both sides use (``nccl`` with the gloo backend on loopback)."""
+    return SimpleNamespace(type=transport, dir=directory, keep=2, every=1, backend="gloo", group_host="127.0.0.1",
+                           group_port=0, timeout_s=60.0)
+
+
 def receive(address: str, transport: str, directory: str, tensor_set: str) -> None:
     """The receiving process: apply every version it is sent and answer with its number."""
     spec, dtype = shapes(tensor_set)
     model = {k: torch.zeros(s, dtype=dtype) for k, s in spec.items()}
-    receiver = make_receiver(SimpleNamespace(type=transport, dir=directory, keep=2, every=1))
+    receiver = make_receiver(sync_config(transport, directory))
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.connect(address)
     sock.send(b"ready")
@@ -84,7 +91,7 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
     import subprocess
 
     with tempfile.TemporaryDirectory() as directory:
-        cfg = SimpleNamespace(type=transport, dir=directory, keep=2, every=1)
+        cfg = sync_config(transport, directory)
         publisher = make_publisher(cfg, Path(directory))
         snapshot = getattr(publisher, "needs_snapshot", True)
         sock = zmq.Context.instance().socket(zmq.PAIR)
@@ -100,6 +107,8 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
                 t0 = time.perf_counter()
                 sent = {k: t.clone() for k, t in state.items()} if snapshot else state  # as Learner.publish
                 sock.send_multipart(publisher.frames(sent, v), copy=False)
+                while not sock.poll(5):  # nccl: actors join the group between publishes (Learner.pump)
+                    getattr(publisher, "poll", lambda: None)()
                 if int(sock.recv()) != v:
                     raise RuntimeError("the receiver answered with another version")
                 out.append(time.perf_counter() - t0)
@@ -117,7 +126,8 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["embedded", "qwen0.5b"], choices=["embedded", "qwen0.5b"])
-    p.add_argument("--transports", nargs="+", default=["zmq", "filesystem", "ipc"])
+    p.add_argument("--transports", nargs="+", default=["zmq", "filesystem", "ipc", "nccl"],
+                   help="sync.type values (nccl runs with the gloo backend here)")
     p.add_argument("--rounds", type=int, default=0, help="versions per figure (default: 30 embedded, 8 qwen0.5b)")
     p.add_argument("--receive", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -175,6 +175,9 @@ class Learner:
         """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
         grant credits (``asyncrl.learner.peers.Peers``)."""
         self.peers.pump(timeout_ms, self.version)
+        poll_sync = getattr(self.weights_out, "poll", None)
+        if poll_sync is not None:  # sync.type=nccl: actors joining the weight-sync group
+            poll_sync()
         if self.peers.stop_reason and not self._stop:
             self._stop, self._stop_reason = True, self.peers.stop_reason
         self.grant()

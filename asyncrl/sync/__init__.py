@@ -3,12 +3,13 @@
 from pathlib import Path
 
 from .base import WeightPublisher, WeightReceiver, WeightsError
+from .collective import CollectivePublisher, CollectiveReceiver
 from .filesystem import FilesystemPublisher, FilesystemReceiver
 from .ipc import IpcPublisher, IpcReceiver
 from .zmq import ZmqPublisher, ZmqReceiver
 
 TRANSPORTS = {"zmq": (ZmqPublisher, ZmqReceiver), "filesystem": (FilesystemPublisher, FilesystemReceiver),
-              "ipc": (IpcPublisher, IpcReceiver)}
+              "ipc": (IpcPublisher, IpcReceiver), "nccl": (CollectivePublisher, CollectiveReceiver)}
 
 
 def make_publisher(sync_cfg, run_dir: Path) -> WeightPublisher:

@@ -226,6 +226,7 @@ class Weights(Body):
     path: Name | None = None
     segment: Name | None = None
     layout: list[ShmTensor] | None = None
+    group: Name | None = None  # nccl/gloo: the learner's weight-sync store, host:port
 
 
 class Event(Body):

@@ -1,0 +1,297 @@
+"""Collective weight sync (``sync.type: nccl``): a torch.distributed broadcast from the learner to
+its actors, with the ``nccl`` backend between GPUs or ``gloo`` (``sync.backend``) on CPUs; the same
+code either way.
+
+Membership, over a ``TCPStore`` the learner serves (``sync.group_host:group_port``):
+
+- an actor *registers* (``reg`` counter plus ``reg/<n>`` = its token) when it first hears of the
+  group and again whenever its group fails;
+- the learner forms a new group (an *epoch*) when registrations arrive: members are the members
+  of the last epoch plus the new registrations, ranks 1..N (the learner is rank 0), announced as
+  ``epoch/<e>`` and ``latest``; every member builds its process group under the store prefix
+  ``pg<e>`` and a newcomer gets the current version at once;
+- a broadcast that fails or passes ``sync.timeout_s`` (a killed or hung actor) is reported in one
+  line, the group is dropped (an empty epoch is announced), and the learner goes on; the actors
+  still alive see they were dropped and register again, so the next epoch holds exactly them. No
+  call waits without a bound.
+
+Each version is announced by a doorbell (``bell/<e>``, a count) and then sent as two broadcasts in
+the epoch's group: a header ``[version, nbytes]`` and one flat byte bucket holding every tensor at
+the offsets of :func:`asyncrl.sync.ipc.plan_layout` (the layout travels in the epoch
+announcement). On the actor a background thread watches the store and enters a broadcast only
+when the bell rings (so it can always be stopped between versions), receiving into one of three
+buffers (receiving, ready, in use by the engine): generation never waits for a transfer. The
+``weights`` message (version and the store's address) tells the actor's main loop to take the
+newest ready version between generation batches.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from ..wire.codec import Message, encode
+from ..wire.messages import ShmTensor, Weights
+from .base import WeightsError
+from .ipc import DTYPES, plan_layout
+
+_POLL_S = 0.05  # waiting for an epoch
+_RING_POLL_S = 0.005  # a member waiting for the bell (adds at most this to a transfer)
+
+
+def _store(host: str, port: int, master: bool, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _group(backend: str, store, prefix: str, rank: int, size: int, timeout_s: float):
+    """A process group of its own (not torch's default group: the learner may train in one)."""
+    store = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _broadcast(pg, tensor: torch.Tensor) -> None:
+    pg.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+
+def _abort(pg) -> None:
+    """End a group at once: its members' pending collectives fail instead of waiting."""
+    if pg is not None:
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - already broken: nothing left to end
+            pass
+
+
+class CollectivePublisher:
+    """The learner's side (rank 0 of every epoch)."""
+
+    needs_snapshot = True  # a newcomer is sent the last published version, kept as it was
+
+    def __init__(self, sync_cfg, run_dir=None):
+        self.backend, self.timeout_s = sync_cfg.backend, float(sync_cfg.timeout_s)
+        self.host = sync_cfg.group_host
+        self.store = _store(self.host, int(sync_cfg.group_port), True, self.timeout_s)
+        self.address = f"{self.host}:{self.store.port}"
+        self.epoch, self.members, self.pg, self.bell = 0, [], None, 0
+        self._regs_seen = 0
+        self._pending: list[str] = []
+        self._last: tuple[int, dict] | None = None  # (version, state) last published
+        self.last_error: str | None = None
+
+    @property
+    def _device(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    # -- membership -----------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Form a new epoch if actors registered since the last one (then send them the current
+        version). Called by the learner's loop and before every publish."""
+        regs = int(self.store.add("reg", 0))
+        if regs > self._regs_seen:
+            self._pending += [self.store.get(f"reg/{n}").decode() for n in range(self._regs_seen + 1, regs + 1)]
+            self._regs_seen = regs
+        if not self._pending or self._last is None:
+            return
+        newcomers, self._pending = self._pending, []
+        self._form([m for m in self.members if m not in newcomers] + newcomers)
+        if self.pg is not None:
+            self._send(*self._last)
+
+    def _announce(self, members: list[str], layout: list | None = None) -> None:
+        self.pg, self.epoch, self.bell = None, self.epoch + 1, 0
+        info = {"members": members, "layout": layout or [], "backend": self.backend}
+        self.store.set(f"epoch/{self.epoch}", json.dumps(info))
+        self.store.set(f"bell/{self.epoch}", "0")
+        self.store.set("latest", str(self.epoch))
+
+    def _form(self, members: list[str]) -> None:
+        layout, _ = plan_layout(self._last[1])
+        self._announce(members, msgspec.to_builtins(layout))
+        try:
+            self.pg = _group(self.backend, self.store, f"pg{self.epoch}", 0, len(members) + 1, self.timeout_s)
+            self.members = members
+        except Exception as e:  # noqa: BLE001 - a member that never came: report, go on without a group
+            self._fail(f"forming weight-sync group {self.epoch} with {members}", e)
+
+    def _fail(self, what: str, err: Exception) -> None:
+        self.last_error = (f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                           f"training goes on, live actors rejoin")
+        print(f"[learner] weight sync: {self.last_error}", file=sys.stderr, flush=True)
+        _abort(self.pg)
+        self.members = []
+        self._announce([])  # the members still alive see they were dropped and register again
+
+    # -- versions -------------------------------------------------------------------------------
+    def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
+        self._last = (int(version), state)
+        self.poll()
+        if self.pg is not None:
+            self._send(int(version), state)
+        return encode("weights", Weights(version=int(version), group=self.address))
+
+    def _send(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        layout, size = plan_layout(state)
+        bucket = torch.empty(size, dtype=torch.uint8, device=self._device)
+        for t, tensor in zip(layout, state.values()):
+            bucket[t.offset:t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+        self.bell += 1
+        self.store.set(f"bell/{self.epoch}", str(self.bell))
+        try:
+            _broadcast(self.pg, torch.tensor([version, size], dtype=torch.int64, device=self._device))
+            _broadcast(self.pg, bucket)
+        except Exception as e:  # noqa: BLE001 - a dead or stuck actor: bounded by timeout_s, then reported
+            self._fail(f"broadcasting version {version} to {self.members}", e)
+
+    def close(self) -> None:
+        _abort(self.pg)
+        self.pg = None
+
+
+class _Dropped(Exception):
+    """This actor is not in the learner's newest epoch: register again."""
+
+
+class CollectiveReceiver:
+    """The actor's side: a thread joins epochs and receives versions; ``tensors`` hands the
+    newest one to the engine."""
+
+    def __init__(self, sync_cfg=None):
+        self.timeout_s = float(sync_cfg.timeout_s) if sync_cfg is not None else 30.0
+        self._lock = threading.Condition()
+        self._buffers: list[torch.Tensor | None] = [None, None, None]
+        self._ready: tuple[int, int, list[ShmTensor]] | None = None  # (version, buffer index, layout)
+        self._taken: tuple[int, int, list[ShmTensor]] | None = None  # the one the engine was given
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.epoch = 0
+        self._member_of_current = False
+        self.error: str | None = None
+
+    def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
+        group = msg.body.group
+        if not group:
+            raise WeightsError("the learner sent no weight-sync group but this actor expects sync.type=nccl; "
+                               "use the same sync.type on both sides")
+        if self._thread is None:
+            host, port = group.rsplit(":", 1)
+            self._thread = threading.Thread(target=self._run, args=(host, int(port)), daemon=True,
+                                            name="weights-collective")
+            self._thread.start()
+            atexit.register(self.close)
+        want = msg.body.version
+        with self._lock:  # a newcomer waits for its first version (the learner sends it on joining)
+            self._lock.wait_for(lambda: (self._ready is not None and self._ready[0] >= want)
+                                or (self._taken is not None and self._taken[0] >= want), timeout=self.timeout_s)
+            if self._ready is not None:
+                self._taken, self._ready = self._ready, None
+            elif self._taken is None:
+                raise WeightsError(f"no weights from the group at {group} within {self.timeout_s:.0f} s"
+                                   + (f" ({self.error})" if self.error else ""))
+            version, index, layout = self._taken  # (the version it holds again: the actor skips it)
+        buf = self._buffers[index]
+        return version, {t.name: buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+                         for t in layout}
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self, host: str, port: int) -> None:
+        try:
+            store = _store(host, port, False, self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"cannot reach the weight-sync store at {host}:{port}: {e}"
+            return
+        token = None
+        while not self._stop.is_set():
+            if token is None:  # (again when dropped: the learner counts only who registers)
+                n = int(store.add("reg", 1))
+                token = f"{os.getpid()}-{n}"
+                store.set(f"reg/{n}", token)
+            try:
+                info = self._wait_for_epoch(store, token)
+                while info is not None:  # the next epoch that names this actor, until stopped
+                    info = self._serve_epoch(store, token, info)
+            except Exception as e:  # noqa: BLE001 - dropped, or the group failed: register again
+                self.error, token = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", None
+
+    def _newer_epoch(self, store, token: str) -> dict | None:
+        """The newest epoch if it is newer than the one served; _Dropped if it leaves this actor out
+        after it was a member."""
+        if not store.check(["latest"]):
+            return None
+        epoch = int(store.get("latest"))
+        if epoch <= self.epoch:
+            return None
+        info = json.loads(store.get(f"epoch/{epoch}"))
+        if token not in info["members"]:
+            if self.epoch and self._member_of_current:
+                raise _Dropped(f"not in the learner's weight-sync group {epoch}")
+            self.epoch = epoch  # formed before this registration was seen: wait for the next
+            return None
+        self.epoch = epoch
+        return info
+
+    def _wait_for_epoch(self, store, token: str) -> dict | None:
+        self._member_of_current = False
+        while not self._stop.is_set():
+            info = self._newer_epoch(store, token)
+            if info is not None:
+                return info
+            time.sleep(_POLL_S)
+        return None
+
+    def _serve_epoch(self, store, token: str, info: dict) -> dict | None:
+        """Receive the versions of one epoch; returns the next epoch that names this actor (None
+        when stopped)."""
+        members, epoch = info["members"], self.epoch
+        pg = _group(info["backend"], store, f"pg{epoch}", members.index(token) + 1, len(members) + 1,
+                    self.timeout_s)
+        self._member_of_current = True
+        layout = [msgspec.convert(t, ShmTensor) for t in info["layout"]]
+        device = "cuda" if info["backend"] == "nccl" else "cpu"
+        done = 0
+        while not self._stop.is_set():
+            bell = int(store.get(f"bell/{epoch}"))
+            while done < bell:  # one header + bucket per ring, in order
+                header = torch.zeros(2, dtype=torch.int64, device=device)
+                _broadcast(pg, header)
+                version, size = (int(x) for x in header.tolist())
+                index = self._free_buffer(size, device)
+                _broadcast(pg, self._buffers[index][:size])
+                with self._lock:
+                    self._ready = (version, index, layout)
+                    self._lock.notify_all()
+                done += 1
+            newer = self._newer_epoch(store, token)
+            if newer is not None:
+                return newer
+            time.sleep(_RING_POLL_S)
+        return None
+
+    def _free_buffer(self, size: int, device: str) -> int:
+        with self._lock:
+            busy = {self._taken[1] if self._taken else None, self._ready[1] if self._ready else None}
+        index = next(i for i in range(3) if i not in busy)
+        buf = self._buffers[index]
+        if buf is None or buf.numel() < size or str(buf.device.type) != device:
+            self._buffers[index] = torch.empty(size, dtype=torch.uint8, device=device)
+        return index
+
+    def close(self) -> None:
+        """Stop the thread (between versions; a transfer in progress ends within timeout_s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s)
