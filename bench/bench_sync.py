@@ -94,6 +94,7 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
         cfg = sync_config(transport, directory)
         publisher = make_publisher(cfg, Path(directory))
         snapshot = getattr(publisher, "needs_snapshot", True)
+        poll = getattr(publisher, "poll", None)  # as Learner.pump calls it
         sock = zmq.Context.instance().socket(zmq.PAIR)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         child = subprocess.Popen([sys.executable, __file__, "--receive", f"tcp://127.0.0.1:{port}", transport,
@@ -107,8 +108,8 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
                 t0 = time.perf_counter()
                 sent = {k: t.clone() for k, t in state.items()} if snapshot else state  # as Learner.publish
                 sock.send_multipart(publisher.frames(sent, v), copy=False)
-                while not sock.poll(5):  # nccl: actors join the group between publishes (Learner.pump)
-                    getattr(publisher, "poll", lambda: None)()
+                while poll is not None and not sock.poll(5):  # nccl: actors join between publishes
+                    poll()
                 if int(sock.recv()) != v:
                     raise RuntimeError("the receiver answered with another version")
                 out.append(time.perf_counter() - t0)
