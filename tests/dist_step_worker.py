@@ -5,6 +5,7 @@ argv: mode (none|ddp|fsdp2), output path. Rank 0 writes the full parameters afte
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 from asyncrl.learner import distributed
 
@@ -27,7 +28,7 @@ def main() -> None:
     opt.step()
     state = distributed.full_state_dict(model)
     if rank == 0:
-        torch.save(state, out)
+        save_file({k: v.contiguous() for k, v in state.items()}, out)  # (never pickle between processes)
     if world > 1:
         torch.distributed.destroy_process_group()
 
