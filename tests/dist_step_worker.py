@@ -30,6 +30,7 @@ def main() -> None:
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, out)  # (never pickle between processes)
     if world > 1:
+        torch.distributed.barrier()  # both ranks past the state-dict gather before the group goes
         torch.distributed.destroy_process_group()
 
 
