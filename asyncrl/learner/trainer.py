@@ -160,9 +160,7 @@ class PolicyTrainer:
         inputs, stats = self._loss_inputs(mb, logp)
         stats.update(mismatch)
         # over ranks, factors making the averaged gradient the global one; 1.0 (exact) in one process
-        pg_scale, tok_scale = 1.0, 1.0
-        if self.distributed != "none":
-            pg_scale, tok_scale = dist_learner.loss_scales(mb.response_mask, self.loss_cfg.loss_agg_mode)
+        pg_scale, tok_scale = dist_learner.loss_scales(mb.response_mask, self.loss_cfg.loss_agg_mode)
         loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
         loss = loss * pg_scale
         stats.update(loss_stats)
@@ -182,9 +180,8 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
-        finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
-        if self.distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
-            finite = dist_learner.all_true(finite)
+        # every rank must take the same branch (a rank's loss alone may be the non-finite one)
+        finite = dist_learner.all_true(bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm)))
         if finite:
             self.optimizer.step()
         else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
