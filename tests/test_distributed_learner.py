@@ -1,10 +1,9 @@
 """Issue 15: one real PolicyTrainer step on 2 gloo processes (DDP and FSDP2) equals one process.
 
 The tiny embedded model, a collated batch of 5 rows (shares of 3 and 2 rows with different token
-counts), every ``loss_agg_mode`` and a two-mini-batch step, KL and entropy terms on, gradient
-clipping off: the gradients averaged over ranks, the parameters after the AdamW step, the gathered
-full state dict and the per-row log-probs (``keep_rows``) all match a one-process step within 1e-5;
-the metrics combined over ranks match too.
+counts), every ``loss_agg_mode``, KL and entropy terms on, gradient clipping off: the gradients
+averaged over ranks, the parameters after the AdamW step and the gathered full state dict all
+match a one-process step within 1e-5; the combined loss metric matches too.
 """
 import json
 import socket
@@ -17,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.learner import distributed
+from asyncrl.learner.core_algos import LOSS_AGG_MODES
 
 from .conftest import kill_tree, subprocess_env
-from .dist_step_worker import CASES, one_step
+from .dist_step_worker import one_step
 
 WORKER = Path(__file__).with_name("dist_step_worker.py")
 
@@ -30,23 +30,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_ranks(args: list[str]) -> list[subprocess.Popen]:
-    """The worker as ranks 0 and 1 of a gloo group on loopback (the caller kills them)."""
+def _run_two_ranks(out: Path, overrides: list[str]) -> None:
+    """Both ranks as subprocesses on loopback; every one killed (with its children) in the end."""
     port = str(_free_port())
     procs = []
-    for rank in range(2):
-        env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    return procs
-
-
-def _run_two_ranks(out: Path, overrides: list[str]) -> None:
-    """Both ranks to the end; every one killed (with its children) in the end."""
-    procs = []
     try:
-        procs = _start_ranks([str(out), *overrides])
+        for rank in range(2):
+            env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
         logs = [p.communicate(timeout=240)[0] for p in procs]
         for rank, (p, log) in enumerate(zip(procs, logs)):
             assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
@@ -58,19 +52,18 @@ def _run_two_ranks(out: Path, overrides: list[str]) -> None:
 
 def test_two_process_step_matches_one(tmp_path, tiny_overrides):
     _run_two_ranks(tmp_path, tiny_overrides)
-    for case in CASES:
-        ref, ref_stats = one_step(tiny_overrides, "none", case)
-        assert any(float(v.abs().max()) > 1e-4 for k, v in ref.items() if k.startswith("grad/")), case
+    for agg in LOSS_AGG_MODES:
+        ref, ref_stats = one_step(tiny_overrides, "none", agg)
+        assert any(float(v.abs().max()) > 1e-4 for k, v in ref.items() if k.startswith("grad/")), agg
         for mode in ("ddp", "fsdp2"):
-            got = load_file(tmp_path / f"{mode}_{case}.safetensors")
-            stats = json.loads((tmp_path / f"{mode}_{case}.json").read_text())
-            assert got.keys() == ref.keys(), (mode, case, sorted(got.keys() ^ ref.keys()))
+            got = load_file(tmp_path / f"{mode}_{agg}.safetensors")
+            stats = json.loads((tmp_path / f"{mode}_{agg}.json").read_text())
+            assert got.keys() == ref.keys(), (mode, agg, sorted(got.keys() ^ ref.keys()))
             for k in ref:
                 diff = float((got[k] - ref[k]).abs().max())
-                assert diff <= 1e-5, f"{mode} {case} {k}: max abs difference {diff}"
-            # metrics combined over ranks: the scaled loss's mean, token-weighted means, the global norm
-            for key in ("loss", "grad_norm", "entropy", "kl"):
-                assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), (mode, case, key)
+                assert diff <= 1e-5, f"{mode} {agg} {k}: max abs difference {diff}"
+            assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7), (mode, agg)
+            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), (mode, agg)
 
 
 def test_shard_rows_covers_every_row_once_and_refuses_too_few():
@@ -94,17 +87,3 @@ def test_without_a_group_clear_errors_and_identity(monkeypatch):
     with pytest.raises(ValueError, match="loss_agg_mode 'sum' unknown"):
         distributed.loss_scales(torch.ones(2, 3), "sum")
     assert distributed.loss_scales(torch.ones(2, 3), "token-mean") == (1.0, 1.0)
-
-
-def test_a_stalled_rank_makes_the_others_fail_after_the_timeout_not_hang():
-    procs = []
-    try:
-        procs = _start_ranks(["--stalled-peer"])
-        log = procs[0].communicate(timeout=120)[0]  # the group timeout is 3 s; 120 s means a hang
-        assert procs[0].returncode == 3, log[-3000:]
-        assert "collective failed after" in log, log[-3000:]
-        assert procs[1].poll() is None  # the stalled rank never left its sleep: the timeout ended rank 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p)
