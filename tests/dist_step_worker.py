@@ -1,81 +1,37 @@
-"""One real PolicyTrainer step of the tiny embedded model on a fixed collated batch, per loss
-aggregation mode; run as one rank of a gloo group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
-by the test) or imported by the test for the one-process reference.
+"""One AdamW step of a tiny real model on a fixed batch, split over ranks; run under torchrun.
 
-argv: output folder, then the config overrides that select the tiny model. Rank 0 writes, for each
-distributed mode and ``loss_agg_mode``, ``<mode>_<agg>.safetensors`` (full parameters as
-``param/<name>`` and full gradients as ``grad/<name>``, after the step) and ``<mode>_<agg>.json``
-(the step's metrics). safetensors and JSON, never pickle, between processes.
+argv: mode (none|ddp|fsdp2), output path. Rank 0 writes the full parameters after the step.
 """
-from __future__ import annotations
-
-import json
 import sys
-from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from asyncrl.learner import distributed
-from asyncrl.learner.core_algos import LOSS_AGG_MODES
-from asyncrl.types import Trajectory
-
-# gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
-# token-mean side terms on (their scaling is checked together with the policy loss's)
-STEP_OVERRIDES = ["train.max_grad_norm=1e6", "train.lr=1e-3", "train.kl_coef=0.05", "train.entropy_coef=0.01"]
-
-
-def trajectories(vocab: int) -> list[Trajectory]:
-    """Five rows in two groups, unequal lengths and response lengths, one replayed row with
-    recorded log-probs: the two ranks' shares (3 and 2 rows) hold different token counts."""
-    rng = np.random.default_rng(7)
-    out = []
-    for i, (n, prompt, group, reward) in enumerate([(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0),
-                                                     (10, 2, "b", 0.0), (6, 3, "b", 1.0)]):
-        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)]
-        out.append(Trajectory(token_ids=rng.integers(4, vocab, n), loss_mask=mask,
-                              behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask, policy_version=0,
-                              reward=reward, group_id=group,
-                              is_replay=i == 3, recorded_logprobs=(-2.0 * mask) if i == 3 else None))
-    return out
-
-
-def one_step(overrides: list[str], mode: str, agg: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load the tiny model afresh, take one PolicyTrainer step under ``mode``; returns the tensors
-    after it and the step's metrics. Tensors: ``param/<name>`` and ``grad/<name>`` (full, on every
-    rank) and ``state/<name>`` (:func:`distributed.full_state_dict`: what a learner would publish;
-    rank 0 only under a process group)."""
-    from asyncrl.config import load_config
-    from asyncrl.learner.trainer import PolicyTrainer
-    from asyncrl.models.loading import load_policy
-
-    cfg = load_config(None, [*overrides, *STEP_OVERRIDES, f"train.loss_agg_mode={agg}"])
-    torch.manual_seed(0)
-    model, tok, _ = load_policy(cfg.model, cfg.seed)
-    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
-    batch = trainer.make_batch([type("E", (), {"trajectories": trajectories(len(tok))})()])
-    stats = trainer.step(batch).stats
-    inner = distributed.unwrap(trainer.model)
-    out = {}
-    for k, p in inner.named_parameters():  # under FSDP2 each full_tensor() is a collective
-        out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-        out[f"grad/{k}"] = distributed.full_grad(p)
-    out.update({f"state/{k}": v for k, v in distributed.full_state_dict(trainer.model).items()})
-    return out, stats
 
 
 def main() -> None:
-    out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
-    rank, _ = distributed.init_from_env(timeout_s=60)
-    for mode in ("ddp", "fsdp2"):
-        for agg in LOSS_AGG_MODES:
-            tensors, stats = one_step(overrides, mode, agg)
-            if rank == 0:
-                save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / f"{mode}_{agg}.safetensors")
-                (out_dir / f"{mode}_{agg}.json").write_text(json.dumps(stats))
-    torch.distributed.barrier()  # both ranks past every collective before the group goes
-    torch.distributed.destroy_process_group()
+    mode, out = sys.argv[1], sys.argv[2]
+    rank, world = distributed.init_from_env(timeout_s=60) if mode != "none" else (0, 1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    counts = [2, 4]                  # unequal shares: the loss scale must make up for it
+    lo = sum(counts[:rank]) if world > 1 else 0
+    hi = lo + counts[rank] if world > 1 else 6
+    model = distributed.wrap(model, mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    err = ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum(dim=1)
+    loss = err.sum() * distributed.rank_loss_scale(hi - lo)
+    loss.backward()
+    opt.step()
+    state = distributed.full_state_dict(model)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in state.items()}, out)  # (never pickle between processes)
+    if world > 1:
+        torch.distributed.barrier()  # both ranks past the state-dict gather before the group goes
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
