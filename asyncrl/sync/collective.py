@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..wire.codec import Message, encode
 from ..wire.messages import ShmTensor, Weights
 from .base import WeightsError
-from .ipc import DTYPES, plan_layout
+from .ipc import pack, plan_layout, unpack
 
 _POLL_S = 0.05  # waiting for an epoch
 _RING_POLL_S = 0.005  # a member waiting for the bell (adds at most this to a transfer)
@@ -91,6 +91,7 @@ class CollectivePublisher:
         self._regs_seen = 0
         self._pending: list[str] = []
         self._last: tuple[int, dict] | None = None  # (version, state) last published
+        self._bucket: torch.Tensor | None = None
         self.last_error: str | None = None
 
     @property
@@ -146,9 +147,10 @@ class CollectivePublisher:
 
     def _send(self, version: int, state: dict[str, torch.Tensor]) -> None:
         layout, size = plan_layout(state)
-        bucket = torch.empty(size, dtype=torch.uint8, device=self._device)
-        for t, tensor in zip(layout, state.values()):
-            bucket[t.offset:t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+        if self._bucket is None or self._bucket.numel() != size:  # one buffer, reused every version
+            self._bucket = torch.empty(size, dtype=torch.uint8, device=self._device)
+        bucket = self._bucket
+        pack(bucket, layout, state)
         self.bell += 1
         self.store.set(f"bell/{self.epoch}", str(self.bell))
         try:
@@ -203,9 +205,7 @@ class CollectiveReceiver:
                 raise WeightsError(f"no weights from the group at {group} within {self.timeout_s:.0f} s"
                                    + (f" ({self.error})" if self.error else ""))
             version, index, layout = self._taken  # (the version it holds again: the actor skips it)
-        buf = self._buffers[index]
-        return version, {t.name: buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
-                         for t in layout}
+        return version, unpack(self._buffers[index], layout)
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self, host: str, port: int) -> None:

@@ -77,6 +77,17 @@ def plan_layout(state: dict[str, torch.Tensor]) -> tuple[list[ShmTensor], int]:
     return layout, offset
 
 
+def pack(dst: torch.Tensor, layout: list[ShmTensor], state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state``'s tensors into the byte buffer ``dst`` at the places ``layout`` gives them."""
+    for t, tensor in zip(layout, state.values()):
+        dst[t.offset:t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+
+
+def unpack(buf: torch.Tensor, layout: list[ShmTensor]) -> dict[str, torch.Tensor]:
+    """The tensors of ``layout`` as views of the byte buffer ``buf`` (no copy)."""
+    return {t.name: buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in layout}
+
+
 class _Segment:
     """One mapped segment: ``header`` (int64 [begin, end]) and ``data`` (uint8), as views."""
 
@@ -130,10 +141,7 @@ class IpcPublisher:
             self._key = key
         seg = self._slots[version % 2]
         seg.header[0], seg.header[1] = version, -1
-        data = torch.from_numpy(seg.data)
-        for t, (name, tensor) in zip(layout, state.items()):
-            src = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
-            data[t.offset:t.offset + t.nbytes].copy_(src)
+        pack(torch.from_numpy(seg.data), layout, state)
         seg.header[1] = version
         return encode("weights", Weights(version=int(version), segment=seg.name, layout=layout))
 
@@ -176,8 +184,7 @@ class IpcReceiver:
         if seg.header[0] != version:
             raise WeightsError(f"version {version} in {body.segment} was overwritten while this actor copied it; "
                                f"the next follows")
-        out = {t.name: buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in body.layout}
-        return version, out
+        return version, unpack(buf, body.layout)
 
     def _segment(self, name: str) -> _Segment:
         if not _NAME.match(name):
