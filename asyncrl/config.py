@@ -192,6 +192,11 @@ class TrainConfig(_Base):
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
     threads: int = Field(1, ge=1, description="Torch CPU threads for the learner.")
     device: str = Field("cpu", description="Learner torch device.")
+    distributed: Literal["none", "ddp", "fsdp2"] = Field("none", description=(
+        "The training step over several processes (accelerate launch / torchrun; configs/accelerate/): "
+        "'none' (one process), 'ddp' (DistributedDataParallel) or 'fsdp2' (fully_shard per decoder layer). "
+        "Each rank trains on its share of every mini-batch; gradients equal one process's "
+        "(asyncrl.learner.distributed). Not yet read by `asyncrl learn`."))
     exit_after_no_actors_s: float | None = Field(None, gt=0, description=(
         "Stop (checkpoint, exit code 1) after this long with no actor connected. Null: wait for actors "
         "forever."))

@@ -1,37 +1,110 @@
-"""One AdamW step of a tiny real model on a fixed batch, split over ranks; run under torchrun.
+"""One real PolicyTrainer step of the tiny embedded model on a fixed collated batch, per loss
+aggregation mode; run as one rank of a gloo group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+by the test) or imported by the test for the one-process reference.
 
-argv: mode (none|ddp|fsdp2), output path. Rank 0 writes the full parameters after the step.
+argv: output folder, then the config overrides that select the tiny model. Rank 0 writes, for each
+distributed mode and ``loss_agg_mode``, ``<mode>_<agg>.safetensors`` (full parameters as
+``param/<name>`` and full gradients as ``grad/<name>``, after the step) and ``<mode>_<agg>.json``
+(the step's metrics). safetensors and JSON, never pickle, between processes.
 """
-import sys
+from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from asyncrl.learner import distributed
+from asyncrl.learner.core_algos import LOSS_AGG_MODES
+from asyncrl.types import Trajectory
+
+# gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
+# token-mean side terms on (their scaling is checked together with the policy loss's)
+STEP_OVERRIDES = ["train.max_grad_norm=1e6", "train.lr=1e-3", "train.kl_coef=0.05", "train.entropy_coef=0.01"]
+
+
+def trajectories(vocab: int) -> list[Trajectory]:
+    """Five rows in two groups, unequal lengths and response lengths, one replayed row with
+    recorded log-probs: the two ranks' shares (3 and 2 rows) hold different token counts."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i, (n, prompt, group, reward) in enumerate([(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0),
+                                                     (10, 2, "b", 0.0), (6, 3, "b", 1.0)]):
+        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)]
+        out.append(Trajectory(token_ids=rng.integers(4, vocab, n), loss_mask=mask,
+                              behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask, policy_version=0,
+                              reward=reward, group_id=group,
+                              is_replay=i == 3, recorded_logprobs=(-2.0 * mask) if i == 3 else None))
+    return out
+
+
+# name -> overrides: every loss aggregation mode in one step, and two mini-batches (two optimizer
+# steps, each mini-batch split over the ranks, proximal log-probs from a full-batch forward first)
+CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
+         "two_minibatches": ["train.mini_batches=2"]}
+
+
+def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load the tiny model afresh, take one PolicyTrainer step (``keep_rows``) under ``mode`` for
+    ``CASES[case]``; returns the tensors after it and the step's metrics. Tensors: ``param/<name>``
+    and ``grad/<name>`` (full, on every rank), ``rows/logprobs`` and ``rows/entropy`` (every row of
+    the batch) and ``state/<name>`` (:func:`distributed.full_state_dict`: what a learner would
+    publish; rank 0 only under a process group)."""
+    from asyncrl.config import load_config
+    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.models.loading import load_policy
+
+    cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
+    torch.manual_seed(0)
+    model, tok, _ = load_policy(cfg.model, cfg.seed)
+    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
+    batch = trainer.make_batch([type("E", (), {"trajectories": trajectories(len(tok))})()])
+    result = trainer.step(batch, keep_rows=True)
+    inner = distributed.unwrap(trainer.model)
+    out = {"rows/logprobs": result.row_logprobs, "rows/entropy": result.row_entropy}
+    for k, p in inner.named_parameters():  # under FSDP2 each full_tensor() is a collective
+        out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        out[f"grad/{k}"] = distributed.full_grad(p)
+    out.update({f"state/{k}": v for k, v in distributed.full_state_dict(trainer.model).items()})
+    return out, result.stats
+
+
+def stalled_peer() -> None:
+    """``--stalled-peer``: rank 1 joins the group and then never enters a collective (a hung
+    rank); rank 0's first collective must fail after the group's 3 s timeout: it prints the error
+    and exits 3. The test kills rank 1."""
+    rank, _ = distributed.init_from_env(timeout_s=3)
+    if rank == 1:
+        time.sleep(600)  # stands for a rank that hangs; killed by the test long before
+        return
+    started = time.monotonic()
+    try:
+        distributed.loss_scales(torch.ones(2, 3), "token-mean")
+    except Exception as exc:  # noqa: BLE001 - the point is that it raises at all, and when
+        print(f"collective failed after {time.monotonic() - started:.1f}s: {type(exc).__name__}: {exc}"[:500],
+              flush=True)
+        os._exit(3)  # the group is broken: no orderly destroy
+    print("collective returned without the other rank", flush=True)
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    rank, world = distributed.init_from_env(timeout_s=60) if mode != "none" else (0, 1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-    y = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
-    counts = [2, 4]                  # unequal shares: the loss scale must make up for it
-    lo = sum(counts[:rank]) if world > 1 else 0
-    hi = lo + counts[rank] if world > 1 else 6
-    model = distributed.wrap(model, mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    err = ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum(dim=1)
-    loss = err.sum() * distributed.rank_loss_scale(hi - lo)
-    loss.backward()
-    opt.step()
-    state = distributed.full_state_dict(model)
-    if rank == 0:
-        save_file({k: v.contiguous() for k, v in state.items()}, out)  # (never pickle between processes)
-    if world > 1:
-        torch.distributed.barrier()  # both ranks past the state-dict gather before the group goes
-        torch.distributed.destroy_process_group()
+    if sys.argv[1] == "--stalled-peer":
+        return stalled_peer()
+    out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
+    rank, _ = distributed.init_from_env(timeout_s=60)
+    for mode in ("ddp", "fsdp2"):
+        for case in CASES:
+            tensors, stats = one_step(overrides, mode, case)
+            if rank == 0:
+                save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / f"{mode}_{case}.safetensors")
+                (out_dir / f"{mode}_{case}.json").write_text(json.dumps(stats))
+    torch.distributed.barrier()  # both ranks past every collective before the group goes
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

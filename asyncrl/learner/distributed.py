@@ -1,69 +1,226 @@
-"""The learner over several processes (issue 15, first piece): DDP or FSDP2 on a process group.
+"""The learner's training step over several processes (issue 15): DDP or FSDP2 on a process group.
 
-Promised here, used by nothing else yet (the Learner loop is not wired to it):
-- ``init_from_env`` joins the group that ``torchrun`` / ``accelerate launch`` describe in the
-  environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), gloo on CPU, with a timeout on every
-  collective so a killed rank ends the others with an error instead of a hang.
-- ``wrap`` puts a model under DistributedDataParallel (gradients averaged) or under FSDP2's
-  ``fully_shard`` on a 1-D device mesh (parameters sharded).
-- ``full_state_dict`` gives the full, unsharded parameters (what actors and checkpoints need).
-Gradient averaging equals the one-process gradient only when each rank's loss is its share of
-the global normalisation: ``rank_loss_scale`` gives that factor.
+Promised here (the Learner loop and the launcher are not wired to it yet):
+
+- :func:`init_from_env` joins the group that ``torchrun`` / ``accelerate launch`` describe in the
+  environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on CUDA,
+  with a timeout on every collective so that a dead rank ends the others with an error, not a hang.
+- :func:`wrap` puts a model under DistributedDataParallel (gradients averaged over ranks) or FSDP2
+  (``fully_shard`` on every decoder layer and on the root, over a 1-D device mesh).
+- :func:`shard_rows` gives each rank its contiguous share of a batch's rows.
+- :func:`loss_scales`: DDP and FSDP2 *average* gradients over the ``W`` ranks, so each rank's loss,
+  normalised over its own rows, is multiplied by a factor that makes the average equal the
+  one-process gradient of the whole batch, for every ``loss_agg_mode`` of
+  :func:`asyncrl.learner.core_algos.agg_loss` (token-mean: ``W * n_local / N_global`` tokens;
+  seq-mean modes: the same with non-empty rows; seq-mean-token-sum-norm: ``W``, its divisor being
+  a constant).
+- :func:`full_state_dict`: the full, unsharded parameters on every rank, on the CPU (for
+  publishing weights and for checkpoints); :func:`reduce_stats` and :func:`gather_rows` combine
+  per-rank metrics and per-row tensors. Metrics cross ranks as msgpack bytes, never pickle.
 """
 from __future__ import annotations
 
 import datetime
 import os
 
+import msgpack
 import torch
 import torch.distributed as dist
 
+MODES = ("none", "ddp", "fsdp2")
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def active() -> bool:
+    """True when a process group with more than one rank is up."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
-    """Join the process group named by the launcher's environment; returns (rank, world_size)."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise RuntimeError(f"distributed.init_from_env: {name} is not set; start under "
-                               "torchrun or accelerate launch")
+    """Join the process group named by the launcher's environment; returns ``(rank, world_size)``.
+
+    gloo on CPU, nccl (and ``cuda:LOCAL_RANK``) when CUDA is available. Every collective is bounded
+    by ``timeout_s``: a rank that died makes the others raise instead of waiting for ever."""
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"distributed.init_from_env: {', '.join(missing)} not set; start under torchrun "
+                           "or accelerate launch (they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+    if timeout_s <= 0:
+        raise ValueError(f"distributed.init_from_env: timeout_s={timeout_s}; expected a positive number of seconds")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "gloo"
+        if torch.cuda.is_available():
+            backend = "nccl"
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
+def _device() -> torch.device:
+    """The device collectives run on: the current CUDA device under nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes a Hugging Face model names in
+    ``_no_split_modules`` (its decoder layers), outermost first."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Wrap ``model`` for ``mode`` 'ddp' or 'fsdp2'; 'none' returns it unchanged."""
+    """``model`` under ``mode``: 'none' (unchanged), 'ddp' (a DistributedDataParallel wrapper) or
+    'fsdp2' (sharded in place by ``fully_shard``: each decoder layer, then the root, which keeps
+    tied embeddings together). Needs :func:`init_from_env` first for 'ddp' and 'fsdp2'."""
+    if mode not in MODES:
+        raise ValueError(f"distributed.wrap: mode {mode!r} unknown; expected one of {', '.join(MODES)}")
     if mode == "none":
         return model
+    if not dist.is_initialized():
+        raise RuntimeError(f"distributed.wrap: mode {mode!r} needs a process group; call init_from_env first")
     if mode == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
-    if mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
-        fully_shard(model, mesh=mesh)
-        return model
-    raise ValueError(f"distributed.wrap: mode {mode!r} unknown; expected 'none', 'ddp' or 'fsdp2'")
+        dev = _device()
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under a DDP wrapper (FSDP2 shards in place, so there it is ``model`` itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def shard_rows(n_rows: int, rank: int, world: int) -> slice:
+    """Rank ``rank``'s contiguous rows of ``n_rows``: sizes differ by at most one, the first
+    ``n_rows % world`` ranks taking one more. Every rank must get a row (a rank with none would
+    have nothing to run forward and backward on), so ``n_rows >= world``."""
+    if not 0 <= rank < world:
+        raise ValueError(f"distributed.shard_rows: rank {rank} outside a world of {world}")
+    if n_rows < world:
+        raise ValueError(f"distributed.shard_rows: {n_rows} rows cannot be split over {world} ranks; "
+                         f"expected at least one row per rank (a larger batch or fewer mini_batches)")
+    base, extra = divmod(n_rows, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def loss_scales(mask: torch.Tensor, agg_mode: str) -> tuple[float, float]:
+    """``(policy_scale, token_scale)`` for this rank's losses over its rows' ``mask[b, T]``.
+
+    ``policy_scale`` multiplies the policy loss aggregated by ``agg_mode``; ``token_scale`` a
+    token-mean term (KL, entropy). With gradients averaged over ``W`` ranks, a token-mean loss
+    ``S_r / n_r`` scaled by ``W n_r / N`` contributes ``S_r / N``: the ranks sum to the global mean.
+    1.0 for both without a process group. One all-reduce of two numbers."""
+    from .core_algos import LOSS_AGG_MODES
+    if agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"distributed.loss_scales: loss_agg_mode {agg_mode!r} unknown; "
+                         f"expected one of {', '.join(LOSS_AGG_MODES)}")
+    if not active():
+        return 1.0, 1.0
+    m = mask.detach().double()
+    local = torch.stack([m.sum(), (m.sum(-1) > 0).sum().double()]).to(_device())
+    total = local.clone()
+    dist.all_reduce(total)
+    w = dist.get_world_size()
+    token_scale = w * float(local[0]) / max(float(total[0]), 1.0)
+    if agg_mode == "token-mean":
+        return token_scale, token_scale
+    if agg_mode == "seq-mean-token-sum-norm":
+        return float(w), token_scale
+    return w * float(local[1]) / max(float(total[1]), 1.0), token_scale
+
+
+def all_true(flag: bool) -> bool:
+    """True only when ``flag`` holds on every rank (so that every rank takes the same branch)."""
+    if not active():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def _all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order."""
+    dev, w = _device(), dist.get_world_size()
+    size = torch.tensor([len(payload)], dtype=torch.long, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(w)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    bufs = [torch.empty_like(buf) for _ in range(w)]
+    dist.all_gather(bufs, buf)
+    return [b[: int(s)].cpu().numpy().tobytes() for b, s in zip(bufs, sizes)]
+
+
+def reduce_stats(stats: dict[str, float], weight: float, mean_keys: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Combine each rank's metrics into the whole batch's (the same dict on every rank).
+
+    A key's value over the ranks that report it: the maximum for ``*_max``, the minimum for
+    ``*_min``, the sum for ``*tokens`` (counts), the plain mean for ``mean_keys`` (figures already
+    on the global scale, e.g. a scaled loss), else the mean weighted by each rank's ``weight``
+    (its loss tokens: exact for token means). Without a process group, ``stats`` unchanged."""
+    if not active():
+        return stats
+    parts = [msgpack.unpackb(b) for b in _all_gather_bytes(msgpack.packb({"w": float(weight), "s": stats}))]
+    out: dict[str, float] = {}
+    for key in sorted({k for p in parts for k in p["s"]}):
+        vals = [(p["s"][key], p["w"]) for p in parts if key in p["s"]]
+        xs = [v for v, _ in vals]
+        if key.endswith("_max"):
+            out[key] = max(xs)
+        elif key.endswith("_min"):
+            out[key] = min(xs)
+        elif key.endswith("tokens"):
+            out[key] = sum(xs)
+        elif key in mean_keys:
+            out[key] = sum(xs) / len(xs)
+        else:
+            total = sum(w for _, w in vals)
+            out[key] = sum(v * w for v, w in vals) / total if total > 0 else sum(xs) / len(xs)
+    return out
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's rows ``[b_r, ...]`` in rank order (the rows :func:`shard_rows`
+    gave them), on the CPU. Trailing shapes must agree. Without a process group, ``local``."""
+    if not active():
+        return local.cpu()
+    dev, w = _device(), dist.get_world_size()
+    n = torch.tensor([local.shape[0]], dtype=torch.long, device=dev)
+    counts = [torch.zeros_like(n) for _ in range(w)]
+    dist.all_gather(counts, n)
+    most = max(int(c) for c in counts)
+    padded = torch.zeros((most, *local.shape[1:]), dtype=local.dtype, device=dev)
+    padded[: local.shape[0]] = local.detach().to(dev)
+    parts = [torch.empty_like(padded) for _ in range(w)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(c)] for p, c in zip(parts, counts)]).cpu()
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full parameters on every rank (gathered from shards under FSDP2), CPU tensors."""
+    """The full parameters and buffers as CPU tensors, named as in the unwrapped model (no DDP
+    ``module.`` prefix): what weight publishing and checkpoints need. Under a process group this is
+    a collective (every rank calls it) and, with ``cpu_offload``, only rank 0 receives the tensors:
+    the other ranks get an empty dict, so no rank but the one that publishes holds a full copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    inner = unwrap(model)
     if not dist.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=opts).items()}
+        return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.detach().cpu() for k, v in get_model_state_dict(inner, options=opts).items()}
 
 
-def rank_loss_scale(local_tokens: int) -> float:
-    """Factor for a rank's token-sum loss so that averaged gradients equal the global token mean.
-
-    DDP/FSDP average gradients over ``W`` ranks; a rank whose loss is ``sum_local / N_global * W``
-    contributes exactly its share of ``sum_all / N_global``.
-    """
-    if not dist.is_initialized():
-        return 1.0 / max(local_tokens, 1)
-    n = torch.tensor([float(local_tokens)])
-    dist.all_reduce(n)
-    return dist.get_world_size() / max(n.item(), 1.0)
+def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's full gradient on the CPU (gathered from shards under FSDP2: a collective)."""
+    g = param.grad
+    if g is None:
+        return None
+    return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()

@@ -4,6 +4,11 @@ Decoupled PPO (AReaL): when ``recompute_proximal`` is on, the proximal log-probs
 weights' (before the update) and each token is weighted by the detached behaviour weight of the
 chosen off-policy correction (``train.off_policy_correction``; by default
 ``min(exp(logp_prox - logp_behavior), is_cap)``); with no staleness this is exactly PPO.
+
+Over several processes (``distributed='ddp'`` or ``'fsdp2'``, issue 15) every rank is given the same
+collated batch, takes its rows of each mini-batch (:func:`distributed.shard_rows`) and scales its
+losses (:func:`distributed.loss_scales`) so that the gradient averaged over ranks is the one-process
+gradient of the whole mini-batch; metrics are combined over ranks (:func:`distributed.reduce_stats`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..types import Episode
+from . import distributed as dist_learner
 from .batch import TrainBatch, collate, compute_logprobs
 from ..advantages import trajectory_advantages
 from .core_algos import POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossInputs, behavior_weights, kl_penalty
@@ -34,10 +40,18 @@ class StepResult:
 class PolicyTrainer:
     """One optimizer step on a batch: proximal log-probs, the registered policy loss (``train.policy_loss``
     with :class:`LossConfig`), KL and entropy terms, AdamW. Rows carrying recorded log-probs on
-    their ``exp_mask`` tokens use them as the old policy when ``use_recorded_logprobs``."""
+    their ``exp_mask`` tokens use them as the old policy when ``use_recorded_logprobs``.
+
+    ``distributed``: 'none' (one process), or 'ddp' / 'fsdp2' under a process group already joined
+    (:func:`distributed.init_from_env`); ``model`` is then wrapped here (FSDP2 shards it in place) and
+    ``self.model`` is the wrapped model: read full weights with :func:`distributed.full_state_dict`."""
 
     def __init__(self, model, tokenizer, train_cfg, temperature: float, loss_cfg: LossConfig | None = None,
-                 use_recorded_logprobs: bool = True):
+                 use_recorded_logprobs: bool = True, distributed: str = "none"):
+        if distributed != "none" and not dist_learner.active():
+            raise RuntimeError(f"PolicyTrainer: distributed={distributed!r} needs a process group of more than "
+                               "one rank; call asyncrl.learner.distributed.init_from_env first, or use 'none'")
+        self.distributed = distributed
         self.model = model
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg or LossConfig.from_config(train_cfg)
@@ -45,14 +59,15 @@ class PolicyTrainer:
         self.use_recorded = use_recorded_logprobs
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
-                                           weight_decay=train_cfg.weight_decay)
         self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
         self.ref_model = None
-        if train_cfg.kl_coef > 0:
+        if train_cfg.kl_coef > 0:  # a full copy on every rank, taken before any sharding
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+                                           weight_decay=train_cfg.weight_decay)
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
         trajs = [t for ep in episodes for t in ep.trajectories]
@@ -80,12 +95,18 @@ class PolicyTrainer:
         first = True
         for _ in range(self.cfg.ppo_epochs):
             for mb in batch.split(self.cfg.mini_batches):
+                if self.distributed != "none":  # this rank's rows of the mini-batch
+                    mb = mb.select(dist_learner.shard_rows(mb.batch_size, torch.distributed.get_rank(),
+                                                           torch.distributed.get_world_size()))
                 stats = self._minibatch_step(mb, single_pass, result if keep_rows and single_pass else None,
                                              version if first else None)
                 first = False
                 for k, v in stats.items():
                     sums[k] += v
                     counts[k] += 1
+        if self.distributed != "none" and keep_rows and single_pass:  # each rank holds its own rows
+            result.row_logprobs = dist_learner.gather_rows(result.row_logprobs)
+            result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         result.stats = {k: v / counts[k] for k, v in sums.items()}
         if version is not None:
             result.stats.update(token_lag_stats(batch, version))
@@ -138,28 +159,39 @@ class PolicyTrainer:
             mb.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
         inputs, stats = self._loss_inputs(mb, logp)
         stats.update(mismatch)
+        # over ranks, factors making the averaged gradient the global one; 1.0 (exact) in one process
+        pg_scale, tok_scale = 1.0, 1.0
+        if self.distributed != "none":
+            pg_scale, tok_scale = dist_learner.loss_scales(mb.response_mask, self.loss_cfg.loss_agg_mode)
         loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
+        loss = loss * pg_scale
         stats.update(loss_stats)
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature)
             kl = kl_penalty(logp, ref_logp, cfg.kl_type)
             kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
-            loss = loss + cfg.kl_coef * kl_val
+            loss = loss + cfg.kl_coef * kl_val * tok_scale
             stats["kl"] = kl_val.item()
         ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
         if want_entropy:
-            loss = loss - cfg.entropy_coef * ent
+            loss = loss - cfg.entropy_coef * ent * tok_scale
         stats["entropy"] = ent.item()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
+        if self.distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
+            finite = dist_learner.all_true(finite)
         if finite:
             self.optimizer.step()
         else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
             self.optimizer.zero_grad(set_to_none=True)
         stats.update(loss=loss.item(), grad_norm=float(grad_norm), skipped_nonfinite=float(not finite))
+        if self.distributed != "none":  # a scaled loss averages to the global one over ranks
+            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()), mean_keys=frozenset({"loss"}))
         return stats
 
 
