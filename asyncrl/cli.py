@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,13 +66,42 @@ def cmd_learn(args) -> int:
         args.override.append("checkpoint.resume=true")
     cfg, _ = _load(args)
     preflight(cfg)  # before anything is built or written: one-line ConfigErrors
+    ranks = _learner_group(cfg)
+    if isinstance(ranks, int):  # a rank other than 0: it trained with rank 0 and has exited
+        return ranks
     try:
-        learner = Learner(cfg, overwrite=args.overwrite)
+        learner = Learner(cfg, overwrite=args.overwrite, ranks=ranks)
     except _start_errors() as e:
+        ranks.stop()
         return _start_refused(args, e)
+    except BaseException:
+        ranks.stop()
+        raise
     summary = learner.run()
     print(json.dumps({"summary": summary}))
     return 0
+
+
+def _learner_group(cfg):
+    """Under torchrun / accelerate launch / ``asyncrl run --learner-procs`` (WORLD_SIZE > 1): join
+    the group; rank 0 gets its :class:`asyncrl.learner.group.Ranks`, any other rank trains with it
+    here and gets its exit code. One process: a ``Ranks`` of one."""
+    from .learner import distributed
+    from .learner.group import Ranks, follow
+
+    world = distributed.launched_world()
+    mode = distributed.resolve_mode(cfg.train.distributed, world)
+    if world == 1:
+        return Ranks(None, "none")
+    if cfg.train.device == "cuda":  # one GPU per rank
+        cfg.train.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    rank, _ = distributed.init_from_env(cfg.train.distributed_timeout_s)
+    control = distributed.Control()
+    if rank == 0:
+        print(f"[learner] {world} learner processes ({mode}); rank 0 owns the sockets, buffer and checkpoints",
+              flush=True)
+        return Ranks(control, mode)
+    return follow(cfg, control, mode)
 
 
 def cmd_serve(args) -> int:
@@ -111,7 +141,9 @@ def cmd_run(args) -> int:
         prepare(cfg, overwrite=args.overwrite)
     except _start_errors() as e:
         return _start_refused(args, e)
-    return launch(cfg, args.config, overrides, ui=args.ui)
+    if args.learner_procs < 1:
+        raise SystemExit(f"asyncrl run: --learner-procs {args.learner_procs}; expected 1 or more processes")
+    return launch(cfg, args.config, overrides, ui=args.ui, learner_procs=args.learner_procs)
 
 
 def cmd_keys(args) -> int:
@@ -160,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
     _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
+    p.add_argument("--learner-procs", type=int, default=1, metavar="N",
+                   help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
+                        "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
     p.add_argument("--out", required=True, help="directory for the key bundles (DIR/server, DIR/actor-<name>)")

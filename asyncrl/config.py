@@ -196,7 +196,11 @@ class TrainConfig(_Base):
         "The training step over several processes (accelerate launch / torchrun; configs/accelerate/): "
         "'none' (one process), 'ddp' (DistributedDataParallel) or 'fsdp2' (fully_shard per decoder layer). "
         "Each rank trains on its share of every mini-batch; gradients equal one process's "
-        "(asyncrl.learner.distributed). Not yet read by `asyncrl learn`."))
+        "(asyncrl.learner.distributed). 'none' under a launcher of several processes: DDP, or FSDP2 "
+        "when the accelerate config says FSDP. One process always trains as 'none'."))
+    distributed_timeout_s: float = Field(120.0, gt=0, description=(
+        "Learner group (several learner processes): a training collective that waits longer than this "
+        "for a rank (dead or stalled) fails with an error instead of hanging."))
     exit_after_no_actors_s: float | None = Field(None, gt=0, description=(
         "Stop (checkpoint, exit code 1) after this long with no actor connected. Null: wait for actors "
         "forever."))

@@ -97,7 +97,8 @@ def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | N
     raise TimeoutError(f"no {path} after {timeout:.0f}s")
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False) -> int:
+def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
+           learner_procs: int = 1) -> int:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     addr_file = run_dir / "addresses.json"
@@ -110,15 +111,15 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     procs: list[subprocess.Popen] = []
     training_over = False
     try:
-        learner = subprocess.Popen(_cli("learn", *base), env=env)
-        procs.append(learner)
+        learner, *ranks = start_learner_group(_cli("learn", *base), learner_procs, env, run_dir)
+        procs += [learner, *ranks]
         addrs = wait_for_addresses(addr_file, learner, stop=stop, report_s=WAIT_REPORT_S)
         actors = [_start_actor(run_dir, base, addrs, i, env) for i in range(cfg.actor.num)]
         procs += actors
         ui_proc = _start_ui(cfg, run_dir, addrs, env) if ui else None
         procs += [ui_proc] if ui_proc is not None else []
         print(f"[asyncrl] learner at {addrs['control']}, {cfg.actor.num} actor(s); logs in {run_dir}", flush=True)
-        code = _supervise(learner, actors, run_dir, stop)
+        code = _supervise(learner, actors, run_dir, stop, ranks)
         if ui_proc is not None:  # the dashboard outlives the training until the user stops it
             stop_all([learner, *actors], stop)
             training_over = True
@@ -136,6 +137,28 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
                   f"for the learner to checkpoint (stop again to kill now)", flush=True)
         stop_all(procs, stop)
     return code
+
+
+def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:
+    """``n`` learner processes of one group (``asyncrl.learner.group``), as ``torchrun`` would start
+    them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port).
+    Rank 0 prints to this terminal; rank i > 0 to ``<run>/learner-rank<i>.log``. One process: no
+    group variables at all."""
+    if n < 1:
+        raise ValueError(f"--learner-procs {n}: expected at least 1 learner process")
+    if n == 1:
+        return [subprocess.Popen(command, env=env)]
+    group = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(_free_port())}
+    procs = []
+    for rank in range(n):
+        rank_env = {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        if rank == 0:
+            procs.append(subprocess.Popen(command, env=rank_env))
+            continue
+        with open(run_dir / f"learner-rank{rank}.log", "a") as log:
+            procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
 
 
 def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict) -> subprocess.Popen:
@@ -168,10 +191,17 @@ def _serve_until_stopped(ui: subprocess.Popen, code: int, stop: StopSignals) -> 
         print(f"[asyncrl] the UI exited with code {ui.returncode}", flush=True)
 
 
-def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_dir: Path, stop: StopSignals) -> int:
-    """Wait for the learner to finish; an actor that fails ends the run (exit code 1)."""
+def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_dir: Path, stop: StopSignals,
+               ranks: list[subprocess.Popen] = ()) -> int:
+    """Wait for the learner to finish; an actor or a learner rank that fails ends the run (exit
+    code 1)."""
     while learner.poll() is None:
         stop.check()
+        for i, p in enumerate(ranks, start=1):
+            if p.poll() not in (None, 0):
+                print(f"[asyncrl] learner rank {i} exited with code {p.returncode}; see "
+                      f"{run_dir / f'learner-rank{i}.log'}", flush=True)
+                return 1
         for i, p in enumerate(actors):
             if p.poll() not in (None, 0):
                 print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see {run_dir / f'actor-{i}.log'}",

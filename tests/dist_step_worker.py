@@ -53,8 +53,9 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     """Load the tiny model afresh, take one PolicyTrainer step (``keep_rows``) under ``mode`` for
     ``CASES[case]``; returns the tensors after it and the step's metrics. Tensors: ``param/<name>``
     and ``grad/<name>`` (full, on every rank), ``rows/logprobs`` and ``rows/entropy`` (every row of
-    the batch) and ``state/<name>`` (:func:`distributed.full_state_dict`: what a learner would
-    publish; rank 0 only under a process group)."""
+    the batch), ``state/<name>`` (:func:`distributed.full_state_dict`: what a learner would
+    publish) and ``optim/<name>/<key>`` (:func:`distributed.optimizer_state`: what a checkpoint
+    saves); the last two on rank 0 only under a process group."""
     from asyncrl.config import load_config
     from asyncrl.learner.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
@@ -71,6 +72,9 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
         out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
         out[f"grad/{k}"] = distributed.full_grad(p)
     out.update({f"state/{k}": v for k, v in distributed.full_state_dict(trainer.model).items()})
+    # the optimizer state as a checkpoint saves it (by parameter name, gathered from the shards)
+    for name, entry in distributed.optimizer_state(trainer.model, trainer.optimizer).get("state", {}).items():
+        out.update({f"optim/{name}/{key}": torch.as_tensor(v).detach().cpu() for key, v in entry.items()})
     return out, result.stats
 
 

@@ -71,6 +71,50 @@ def test_two_process_step_matches_one(tmp_path, tiny_overrides):
             # metrics combined over ranks: the scaled loss's mean, token-weighted means, the global norm
             for key in ("loss", "grad_norm", "entropy", "kl"):
                 assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), (mode, case, key)
+        assert any(k.startswith("optim/") for k in ref), "the optimizer state was not compared"
+
+
+def _optim_dict(flat: dict) -> dict:
+    """``optim/<name>/<key>`` tensors -> an optimizer state by parameter name (param_groups from a
+    fresh optimizer's)."""
+    state: dict = {}
+    for k, v in flat.items():
+        if k.startswith("optim/"):
+            name, key = k[len("optim/"):].rsplit("/", 1)
+            state.setdefault(name, {})[key] = v
+    return state
+
+
+def test_a_sharded_checkpoint_state_loads_into_one_process(tmp_path, tiny_overrides):
+    """What an FSDP2 group saves (full parameters and the optimizer state by name, gathered from the
+    shards) loads into a one-process model and optimizer and gives back exactly those states; the
+    index-keyed optimizer state of checkpoints from before issue 15 converts to the same."""
+    from asyncrl.config import load_config
+    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.models.loading import load_policy
+
+    _run_two_ranks(tmp_path, tiny_overrides)
+    got = load_file(tmp_path / "fsdp2_token-mean.safetensors")
+    cfg = load_config(None, tiny_overrides)
+    model, tok, _ = load_policy(cfg.model, cfg.seed)
+    trainer = PolicyTrainer(model, tok, cfg.train, 1.0)
+    fresh = distributed.optimizer_state(model, trainer.optimizer)
+    saved = {"state": _optim_dict(got), "param_groups": fresh["param_groups"]}
+    params = {k[len("param/"):]: v for k, v in got.items() if k.startswith("param/")}
+    assert set(saved["state"]) == {n for n, _ in model.named_parameters()}
+    distributed.load_states(model, trainer.optimizer, params, saved)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+    back = distributed.optimizer_state(model, trainer.optimizer)
+    for name, entry in saved["state"].items():
+        for key, v in entry.items():
+            assert torch.equal(torch.as_tensor(back["state"][name][key]), v), (name, key)
+    # the old format: Optimizer.state_dict() keys parameters by index
+    old = trainer.optimizer.state_dict()
+    assert isinstance(next(iter(old["state"])), int)
+    converted = distributed.by_name(old, [n for n, _ in model.named_parameters()])
+    for name, entry in converted["state"].items():
+        assert torch.equal(entry["exp_avg"], saved["state"][name]["exp_avg"]), name
 
 
 def test_shard_rows_covers_every_row_once_and_refuses_too_few():

@@ -123,11 +123,21 @@ def quarantine(path: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
-                    keep: int, write_extra=None) -> Path:
+                    keep: int, write_extra=None, states: tuple[dict, dict] | None = None) -> Path:
     """Write ``step_<version>`` and keep the newest ``keep`` checkpoints. ``write_extra(dir)``, if
-    given, writes more files into the checkpoint before it is sealed (the experience replay pool)."""
+    given, writes more files into the checkpoint before it is sealed (the experience replay pool).
+
+    The optimizer state is saved keyed by parameter name (``distributed.optimizer_state``), so that
+    one process, DDP and FSDP2 read each other's checkpoints. ``states``: the full ``(model state,
+    optimizer state)`` already gathered from a process group's shards (rank 0's); without it they
+    are taken from ``model`` and ``optimizer`` here (one process)."""
     import torch
 
+    from .distributed import optimizer_state
+
+    if states is None:
+        states = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer_state(model, optimizer))
+    model_state, optim_state = states
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:08d}"
@@ -135,9 +145,9 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+        model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # local file, never sent over the wire
+        torch.save(optim_state, tmp / "optimizer.pt")  # local file, never sent over the wire
         buffer.save(tmp / "buffer.bin")
         if write_extra is not None:
             write_extra(tmp)
@@ -189,22 +199,44 @@ def clean_partial(run_dir: Path) -> list[Path]:
     return left
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Load weights and optimizer state into ``model``/``optimizer``; returns ``state.json``. Any
-    failure raises CheckpointError naming the file."""
+def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
+    """``(model state, optimizer state by parameter name, state.json)`` of a checkpoint, checked
+    against ``model`` (a one-process module: the unwrapped model of any mode has the same names).
+    Any failure raises CheckpointError naming the file."""
     import torch
     from safetensors.torch import load_file
+
+    from .distributed import by_name
 
     weights = {}
     for f in sorted((path / "model").glob("*.safetensors")):
         weights.update(_load(f, load_file))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    real_missing = [m for m in missing if not m.endswith("lm_head.weight")]  # tied embeddings
-    if real_missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
+    expected = set(model.state_dict())
+    missing = [m for m in expected - set(weights) if not m.endswith("lm_head.weight")]  # tied embeddings
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
                               f"unexpected {unexpected[:5]}")
-    optimizer.load_state_dict(_load(path / "optimizer.pt", lambda f: torch.load(f, weights_only=True)))
-    return _load(path / "state.json", lambda f: json.loads(f.read_text()))
+    optim = _load(path / "optimizer.pt", lambda f: torch.load(f, weights_only=True))
+    names = [n for n, _ in model.named_parameters()]
+    try:
+        optim = by_name(optim, names)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path / 'optimizer.pt'}: not an optimizer state of this model ({e})") from e
+    return weights, optim, _load(path / "state.json", lambda f: json.loads(f.read_text()))
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Load weights and optimizer state into a one-process ``model``/``optimizer``; returns
+    ``state.json``. Any failure raises CheckpointError naming the file."""
+    from .distributed import load_states
+
+    weights, optim, state = read_checkpoint(path, model)
+    try:
+        load_states(model, optimizer, weights, optim)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into the model: {str(e)[:300]}") from e
+    return state
 
 
 def _load(f: Path, reader):

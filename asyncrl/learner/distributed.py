@@ -1,6 +1,6 @@
 """The learner's training step over several processes (issue 15): DDP or FSDP2 on a process group.
 
-Promised here (the Learner loop and the launcher are not wired to it yet):
+Promised here (``asyncrl.learner.group`` runs the learner's ranks on top of it):
 
 - :func:`init_from_env` joins the group that ``torchrun`` / ``accelerate launch`` describe in the
   environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on CUDA,
@@ -29,6 +29,31 @@ import torch.distributed as dist
 
 MODES = ("none", "ddp", "fsdp2")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_world(env: dict | None = None) -> int:
+    """WORLD_SIZE as set by ``torchrun`` / ``accelerate launch`` / ``asyncrl run --learner-procs``;
+    1 when no launcher set it."""
+    env = os.environ if env is None else env
+    try:
+        return max(int(env.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']!r} is not a whole number of processes") from None
+
+
+def resolve_mode(configured: str, world: int, env: dict | None = None) -> str:
+    """The mode a learner of ``world`` processes runs: 'none' for one process (whatever the config
+    says); otherwise ``train.distributed`` when set, else what the accelerate config chose
+    (``accelerate launch`` with ``distributed_type: FSDP`` sets ACCELERATE_USE_FSDP=true: 'fsdp2';
+    anything else: 'ddp')."""
+    env = os.environ if env is None else env
+    if configured not in MODES:
+        raise ValueError(f"train.distributed={configured!r}; expected one of {', '.join(MODES)}")
+    if world <= 1:
+        return "none"
+    if configured != "none":
+        return configured
+    return "fsdp2" if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" else "ddp"
 
 
 def active() -> bool:
@@ -224,3 +249,103 @@ def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     if g is None:
         return None
     return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()
+
+
+# -- rank 0 -> the other ranks: what to do next -------------------------------------------------
+
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                                       torch.int64, torch.int32, torch.int8, torch.uint8,
+                                                       torch.bool)}
+
+
+def pack(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> tuple[bytes, bytes]:
+    """``(msgpack header, raw bytes)`` of a message: the header's fields plus, under ``"tensors"``,
+    each tensor's name, dtype and shape; their bytes concatenated in that order (no pickle)."""
+    specs, chunks = [], []
+    for name, t in (tensors or {}).items():
+        t = t.detach().to("cpu").contiguous()
+        specs.append([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+        chunks.append(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+    return msgpack.packb({**header, "tensors": specs}), b"".join(chunks)
+
+
+def unpack(head: bytes, data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The inverse of :func:`pack` (tensors on the CPU, each its own copy)."""
+    header = msgpack.unpackb(head)
+    tensors, offset = {}, 0
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    for name, dtype, shape in header.pop("tensors"):
+        dt = _DTYPES[dtype]
+        n = int(torch.tensor(shape, dtype=torch.long).prod().item()) * torch.empty(0, dtype=dt).element_size()
+        tensors[name] = raw[offset: offset + n].view(dt).reshape(shape)
+        offset += n
+    return header, tensors
+
+
+class Control:
+    """Rank 0 tells the other ranks what to do next (:meth:`send`), they wait for it (:meth:`recv`).
+
+    A gloo group of its own (the training group may be nccl), with a long timeout: a follower may
+    wait for minutes while rank 0 waits for actors or evaluates. A rank 0 that dies closes its
+    connections, which ends a follower's wait with an error at once."""
+
+    def __init__(self, idle_timeout_s: float = 7 * 24 * 3600.0):
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
+
+    def send(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        head, data = pack(header, tensors)
+        sizes = torch.tensor([len(head), len(data)], dtype=torch.long)
+        dist.broadcast(sizes, src=0, group=self.group)
+        for payload in (head, data):
+            if payload:
+                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+
+    def recv(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        sizes = torch.zeros(2, dtype=torch.long)
+        dist.broadcast(sizes, src=0, group=self.group)
+        out = []
+        for n in sizes.tolist():
+            buf = torch.empty(int(n), dtype=torch.uint8)
+            if n:
+                dist.broadcast(buf, src=0, group=self.group)
+            out.append(buf.numpy().tobytes())
+        return unpack(*out)
+
+
+# -- checkpoints: one format whatever the number of processes -------------------------------------
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state keyed by parameter name (not index), on the CPU: the same format
+    from 1 process, DDP or FSDP2 (gathered from shards: a collective; only rank 0 receives it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def by_name(optim_state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter name. ``optim_state`` is either that already or
+    ``torch.optim.Optimizer.state_dict()``'s (keyed by the index of each parameter in
+    ``model.parameters()``, whose names are ``names`` in order: a checkpoint from before issue 15)."""
+    groups = optim_state.get("param_groups", [])
+    if all(isinstance(p, str) for g in groups for p in g.get("params", [])):
+        return optim_state
+
+    def name(i):
+        if not 0 <= int(i) < len(names):
+            raise ValueError(f"optimizer state refers to parameter {i}; the model has {len(names)}")
+        return names[int(i)]
+    return {"state": {name(i): v for i, v in optim_state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in groups]}
+
+
+def load_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                optim_state: dict) -> None:
+    """Load full (unsharded, by-name) model and optimizer states into ``model``/``optimizer``, in any
+    mode. Under a process group this is a collective: rank 0 passes the states, the other ranks
+    empty dicts, and each rank receives its part (its shards under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    group = dist.is_initialized() and dist.get_world_size() > 1
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=group, strict=False)
+    set_model_state_dict(model, model_state, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)

@@ -36,28 +36,30 @@ from .hooks import LearnerHook
 from .startup import Startup
 from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
-from .core_algos import LossConfig
-from .trainer import PolicyTrainer
+from .group import Ranks
 
 
 class Learner:
-    def __init__(self, cfg: Config, overwrite: bool = False):
+    def __init__(self, cfg: Config, overwrite: bool = False, ranks: Ranks | None = None):
         """Claim the run directory (``asyncrl.rundir``: refused before anything is written if it is
         locked or holds a run that ``cfg.checkpoint.resume`` does not continue; ``overwrite`` deletes
-        the old run first), build the model, then resume from the plan's checkpoint and WAL."""
+        the old run first), build the model, then resume from the plan's checkpoint and WAL.
+
+        ``ranks``: rank 0's handle on a group of learner processes (``asyncrl.learner.group``);
+        by default one process."""
         self.cfg = cfg
+        self.ranks = ranks or Ranks(None, "none")
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
-        self.model, self.tokenizer, self.model_dir = load_policy(
+        model, self.tokenizer, self.model_dir = load_policy(
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
             warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
-        self.trainer = PolicyTrainer(self.model, self.tokenizer, cfg.train, cfg.sampling.temperature,
-                                     loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
-                                     use_recorded_logprobs=cfg.replay.exp_is_correct)
+        self.trainer = self.ranks.start(cfg, model, self.tokenizer)
+        self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
@@ -78,7 +80,7 @@ class Learner:
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop = False
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
-        self.version, state, report = self.start.restore(self.model, self.trainer.optimizer, self.hooks, self.buffer)
+        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.buffer.open_wal(self.version)
@@ -107,6 +109,7 @@ class Learner:
         except OSError as e:
             self._stop_on_write_error(e)
         finally:
+            self.ranks.stop()
             close = getattr(self.weights_out, "close", None)
             if close is not None:  # e.g. ipc: its shared-memory segments
                 close()
@@ -206,7 +209,7 @@ class Learner:
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
         batch = self.trainer.make_batch(episodes) if has_rows else None
-        result = (self.trainer.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
+        result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
                   if batch else None)
         stats = result.stats if result is not None else {}
         if stats.get("skipped_nonfinite"):
@@ -275,7 +278,7 @@ class Learner:
         path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
                                self.buffer, {"rewards_per_step": self.rewards_per_step},
                                keep=self.cfg.checkpoint.keep,
-                               write_extra=self._save_hooks)
+                               write_extra=self._save_hooks, states=self.ranks.checkpoint_states())
         self.buffer.open_wal(self.version)
         # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
         # checkpoint damaged can fall back to an older one without losing acknowledged episodes

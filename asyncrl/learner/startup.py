@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
-from .checkpoint import clean_partial, load_checkpoint, quarantine
+from .checkpoint import CheckpointError, clean_partial, quarantine, read_checkpoint
 
 
 class Startup:
@@ -66,11 +66,19 @@ class Startup:
         except json.JSONDecodeError:
             return None
 
-    def restore(self, model, optimizer, hooks, buffer) -> tuple[int, dict, Any]:
-        """Load the plan's checkpoint (if any) into ``model``/``optimizer``/``hooks`` and rebuild
-        ``buffer`` from it and the WAL. Returns ``(version, checkpoint state, restore report)``."""
+    def restore(self, model, load, hooks, buffer) -> tuple[int, dict, Any]:
+        """Load the plan's checkpoint (if any): its states, checked against the one-process
+        ``model``, go to ``load(model_state, optimizer_state)`` (``Ranks.load``: every learner
+        rank's model and optimizer), its files to ``hooks``; rebuild ``buffer`` from it and the WAL.
+        Returns ``(version, checkpoint state, restore report)``."""
         ckpt = self.plan.checkpoint
-        state = load_checkpoint(ckpt, model, optimizer) if ckpt is not None else {}
+        state = {}
+        if ckpt is not None:
+            weights, optim_state, state = read_checkpoint(ckpt, model)
+            try:
+                load(weights, optim_state)
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise CheckpointError(f"checkpoint {ckpt} cannot be loaded into the model: {str(e)[:300]}") from e
         version = int(state.get("version", self.plan.step))
         for hook in hooks if ckpt is not None else ():
             hook.load(ckpt, version)

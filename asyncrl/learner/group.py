@@ -1,0 +1,176 @@
+"""The learner as a group of processes (issue 15): rank 0 is the learner, the other ranks train with it.
+
+``asyncrl learn`` under ``torchrun`` / ``accelerate launch`` (configs/accelerate/) or
+``asyncrl run --learner-procs N`` starts N processes with RANK/WORLD_SIZE set. Rank 0 runs
+:class:`asyncrl.learner.learner.Learner` as in one process: it alone owns the sockets, the buffer
+and its write-ahead log, events, metrics, evaluation and checkpoints. The other ranks run
+:func:`follow`: they hold the model (a DDP replica or their FSDP2 shards) and its optimizer, and do
+what rank 0 announces on the control channel (:class:`asyncrl.learner.distributed.Control`, msgpack
+and raw tensor bytes):
+
+- ``start``: build the model and the trainer (the wrap is itself a collective);
+- ``load``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards);
+- ``step``: the collated batch; every rank trains on its rows of each mini-batch
+  (:class:`asyncrl.learner.trainer.PolicyTrainer`), gradients combined over the ranks;
+- ``state``: join the gathering of the full parameters (FSDP2: for publishing and evaluation);
+- ``checkpoint``: join the gathering of the full model and optimizer states, which rank 0 writes
+  in the one-process format (so either kind of run resumes the other's checkpoints);
+- ``stop``: exit 0.
+
+:class:`Ranks` is rank 0's side of the same protocol; with one process it calls the trainer
+directly and announces nothing. A follower ignores SIGINT/SIGTERM (rank 0 decides when the group
+stops: it checkpoints first, with the followers' help) and exits when rank 0 is gone: the control
+channel's connection closes and its wait fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import torch
+
+from . import distributed as dist_learner
+from .batch import TrainBatch
+from .core_algos import LossConfig
+from .trainer import PolicyTrainer, StepResult
+
+_LIST_FIELDS = ("sample_types", "group_ids")
+
+
+def make_trainer(cfg, model, tokenizer, mode: str) -> PolicyTrainer:
+    """The learner's trainer for ``cfg`` (every rank builds the same one)."""
+    return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
+                         loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
+                         use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode)
+
+
+def batch_message(batch: TrainBatch) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A batch as a control message's header fields and tensors."""
+    tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in _LIST_FIELDS}
+    return {name: list(getattr(batch, name)) for name in _LIST_FIELDS}, tensors
+
+
+def batch_from(header: dict, tensors: dict[str, torch.Tensor], device: str) -> TrainBatch:
+    return TrainBatch(**{k: v.to(device) for k, v in tensors.items()},
+                      **{name: list(header[name]) for name in _LIST_FIELDS})
+
+
+class Ranks:
+    """Rank 0's handle on the training group; the trainer itself when there is one process.
+
+    ``plain`` is rank 0's unsharded model, the one that is published, evaluated and saved: the
+    trainer's own module in one process and under DDP (a replica), a separate full copy under FSDP2
+    that :meth:`step` refreshes from the shards after every update."""
+
+    def __init__(self, control: dist_learner.Control | None, mode: str):
+        self.control, self.mode = control, mode
+        self.trainer: PolicyTrainer | None = None
+        self.plain: torch.nn.Module | None = None
+
+    @property
+    def world(self) -> int:
+        return torch.distributed.get_world_size() if self.control is not None else 1
+
+    def _say(self, op: str, tensors: dict | None = None, **fields) -> None:
+        if self.control is not None:
+            self.control.send({"op": op, **fields}, tensors)
+
+    def start(self, cfg, model, tokenizer) -> PolicyTrainer:
+        """Build the trainer on every rank (rank 0 passes its loaded model)."""
+        self._say("start")
+        if self.mode == "fsdp2":  # the shards replace the module's parameters: keep a full copy to publish
+            import copy
+            self.plain = copy.deepcopy(model)
+        else:
+            self.plain = model
+        self.trainer = make_trainer(cfg, model, tokenizer, self.mode)
+        return self.trainer
+
+    def load(self, weights: dict, optim_state: dict) -> None:
+        """A checkpoint's full model and optimizer state into every rank's model and optimizer."""
+        self._say("load")
+        dist_learner.load_states(self.trainer.model, self.trainer.optimizer, weights, optim_state)
+        if self.plain is not self.trainer.model and self.mode == "fsdp2":
+            self.plain.load_state_dict(weights, strict=False)
+
+    def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> StepResult:
+        if self.control is not None:
+            fields, tensors = batch_message(batch)
+            self._say("step", tensors, keep_rows=keep_rows, version=version, **fields)
+        result = self.trainer.step(batch, keep_rows=keep_rows, version=version)
+        if self.mode == "fsdp2":
+            self._refresh_plain()
+        return result
+
+    def _refresh_plain(self) -> None:
+        self._say("state")
+        full = dist_learner.full_state_dict(self.trainer.model)
+        with torch.no_grad():
+            for name, p in self.plain.named_parameters():
+                p.copy_(full[name])
+
+    def checkpoint_states(self) -> tuple[dict, dict] | None:
+        """The full ``(model state, optimizer state)`` gathered from the group (rank 0's); None in
+        one process (the checkpoint takes them from the model and optimizer itself)."""
+        if self.control is None:
+            return None
+        self._say("checkpoint")
+        model_state = dist_learner.full_state_dict(self.trainer.model)
+        return model_state, dist_learner.optimizer_state(self.trainer.model, self.trainer.optimizer)
+
+    def stop(self) -> None:
+        """Release the other ranks (they exit 0). Never raises: it is called on the way out."""
+        if self.control is None:
+            return
+        try:
+            self._say("stop")
+        except Exception as e:  # a follower already gone: nothing to release
+            print(f"[learner] could not tell the other learner ranks to stop: {e}", flush=True)
+        self.control = None
+
+
+def follow(cfg, control: dist_learner.Control, mode: str) -> int:
+    """A rank other than 0: do what rank 0 announces until it says stop (exit code 0) or is gone
+    (exit code 1, one line)."""
+    from ..models.loading import load_policy
+    from ..rollout.workflow import workflow_class
+
+    rank = torch.distributed.get_rank()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops
+        signal.signal(sig, signal.SIG_IGN)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.train.threads)
+    trainer: PolicyTrainer | None = None
+    steps = 0
+    try:
+        while True:
+            header, tensors = control.recv()
+            op = header["op"]
+            if op == "stop":
+                print(f"[learner rank {rank}] stopping after {steps} step(s)", flush=True)
+                return 0
+            if op == "start":
+                model, tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
+                                                  warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+                trainer = make_trainer(cfg, model, tokenizer, mode)
+                print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
+            elif trainer is None:
+                raise RuntimeError(f"rank 0 sent {op!r} before 'start'")
+            elif op == "load":
+                dist_learner.load_states(trainer.model, trainer.optimizer, {}, {})
+            elif op == "step":
+                batch = batch_from(header, tensors, cfg.train.device)
+                trainer.step(batch, keep_rows=bool(header["keep_rows"]), version=int(header["version"]))
+                steps += 1
+            elif op == "state":
+                dist_learner.full_state_dict(trainer.model)
+            elif op == "checkpoint":
+                dist_learner.full_state_dict(trainer.model)
+                dist_learner.optimizer_state(trainer.model, trainer.optimizer)
+            else:
+                raise RuntimeError(f"rank 0 sent an unknown operation {op!r}")
+    except RuntimeError as e:  # gloo: the connection to rank 0 closed (it exited or was killed)
+        print(f"[learner rank {rank}] rank 0 is gone or the group failed after {steps} step(s): "
+              f"{str(e).splitlines()[0][:300]}", flush=True)
+        return 1
