@@ -92,6 +92,10 @@ def _learner_group(cfg):
     world = distributed.launched_world()
     mode = distributed.resolve_mode(cfg.train.distributed, world)
     if world == 1:
+        if cfg.train.distributed != "none":
+            print(f"[learner] train.distributed={cfg.train.distributed} but one learner process: training as one "
+                  f"process (start several with asyncrl run --learner-procs N, torchrun or accelerate launch)",
+                  flush=True)
         return Ranks(None, "none")
     if cfg.train.device == "cuda":  # one GPU per rank
         cfg.train.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"

@@ -291,6 +291,7 @@ class ResumableRun:
         self.procs: list[subprocess.Popen] = []
         self.actors: list[subprocess.Popen] = []
         self.learner: subprocess.Popen | None = None
+        self.group: list[subprocess.Popen] = []  # the current life's learner ranks, when more than one
         self.lives = 0
 
     def __enter__(self) -> "ResumableRun":
@@ -304,15 +305,31 @@ class ResumableRun:
         self.procs.append(proc)
         return proc
 
-    def start_learner(self, *extra: str, resume: bool = False) -> subprocess.Popen:
-        """A new learner life (``--resume`` when ``resume``)."""
+    def start_learner(self, *extra: str, resume: bool = False, procs: int = 1) -> subprocess.Popen:
+        """A new learner life (``--resume`` when ``resume``): one process, or a group of ``procs``
+        (ranks on loopback, as ``asyncrl run --learner-procs`` starts them; rank i > 0 logs to
+        ``learner<life>-rank<i>.log``). Returns rank 0."""
         self.lives += 1
-        self.learner = self._start(["learn", *self.overrides, *extra, *(["--resume"] if resume else [])],
-                                   f"learner{self.lives}.log")
+        args = ["learn", *self.overrides, *extra, *(["--resume"] if resume else [])]
+        self.group = []
+        if procs == 1:
+            self.learner = self._start(args, f"learner{self.lives}.log")
+            return self.learner
+        from asyncrl.launcher import _free_port
+        group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        for rank in range(procs):
+            name = f"learner{self.lives}.log" if rank == 0 else f"learner{self.lives}-rank{rank}.log"
+            with open(self.logs / name, "w") as fh:
+                proc = subprocess.Popen(cli(*args), stdout=fh, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True,
+                                        env={**subprocess_env(), **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            self.procs.append(proc)
+            self.group.append(proc)
+        self.learner = self.group[0]
         return self.learner
 
-    def resume(self, *extra: str) -> subprocess.Popen:
-        return self.start_learner(*extra, resume=True)
+    def resume(self, *extra: str, procs: int = 1) -> subprocess.Popen:
+        return self.start_learner(*extra, resume=True, procs=procs)
 
     def addresses(self, timeout: float = 120) -> dict:
         """The current learner's addresses (``addresses.json``), once it has bound its sockets."""
@@ -353,9 +370,12 @@ class ResumableRun:
         self.wait_for(reached, f"step {version}", timeout)
 
     def kill_learner(self) -> None:
-        """SIGKILL the learner process (a crash: nothing flushed, nothing said to the actors)."""
-        self.learner.send_signal(signal.SIGKILL)
-        self.learner.wait(timeout=10)
+        """SIGKILL the learner process, or every process of its group (a crash: nothing flushed,
+        nothing said to the actors)."""
+        for proc in self.group or [self.learner]:
+            proc.send_signal(signal.SIGKILL)
+        for proc in self.group or [self.learner]:
+            proc.wait(timeout=10)
 
     def finish(self, timeout: float = 300, actor_timeout: float = 60) -> None:
         """Wait for the learner to finish its run (exit 0, else fail with its log's tail), then for

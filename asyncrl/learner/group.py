@@ -90,9 +90,9 @@ class Ranks:
     def load(self, weights: dict, optim_state: dict) -> None:
         """A checkpoint's full model and optimizer state into every rank's model and optimizer."""
         self._say("load")
-        dist_learner.load_states(self.trainer.model, self.trainer.optimizer, weights, optim_state)
-        if self.plain is not self.trainer.model and self.mode == "fsdp2":
+        if self.mode == "fsdp2":  # first: loading into the shards turns the dict's tensors into DTensors
             self.plain.load_state_dict(weights, strict=False)
+        dist_learner.load_states(self.trainer.model, self.trainer.optimizer, dict(weights), optim_state)
 
     def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> StepResult:
         if self.control is not None:
