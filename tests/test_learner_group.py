@@ -5,7 +5,7 @@ One run, three learner lives: an FSDP2 group whose rank 0 is killed with SIGKILL
 exits on its own), one process resuming the group's checkpoint (killed with SIGKILL), an FSDP2 group
 again resuming the one-process checkpoint and finishing. Versions advance, the actor applies the published weights, nothing acknowledged is lost,
 no episode is trained twice and step numbers continue. ``asyncrl run --learner-procs 2`` (DDP)
-finishes a short run and its rank 1 exits 0.
+finishes a short run with experience replay and its rank 1 exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from asyncrl.learner.checkpoint import list_checkpoints
 
 from .conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli
 from .test_pipeline import COMMON
+from .test_replay_e2e import REPLAY
 
 pytestmark = pytest.mark.slow
 
@@ -74,12 +75,18 @@ def test_group_killed_and_resumed_across_one_and_two_processes(tmp_path, tiny_ov
     assert max(versions) >= single, sorted(versions)
 
 
-def test_run_with_two_learner_processes(tmp_path, tiny_overrides):
-    out = run_cli("run", "--learner-procs", "2", *tiny_overrides, *COMMON, "train.total_steps=4",
+def test_run_with_two_learner_processes_and_replay(tmp_path, tiny_overrides):
+    """``asyncrl run --learner-procs 2`` (DDP) with experience replay: rank 0's replay hook adds
+    stored trajectories to batches that both ranks train on (replayed rows with recorded log-probs)."""
+    total = 10
+    out = run_cli("run", "--learner-procs", "2", *tiny_overrides, *COMMON, *REPLAY, f"train.total_steps={total}",
                   f"run_root={tmp_path}", "name=ddp", timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "2 learner processes (ddp)" in out.stdout
     rank1 = (tmp_path / "ddp" / "learner-rank1.log").read_text()
-    assert "ready (ddp, 2 ranks)" in rank1 and "stopping after 4 step(s)" in rank1, rank1
+    assert "ready (ddp, 2 ranks)" in rank1 and f"stopping after {total} step(s)" in rank1, rank1
     metrics = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
-    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["version"] for m in metrics] == list(range(1, total + 1))
+    replayed = [m for m in metrics if m.get("replay/replayed_trajectories", 0) > 0]
+    assert replayed, "no replayed trajectory was ever trained"
+    assert all(m["replay/off_token_ratio"] > 0 for m in replayed)
