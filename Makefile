@@ -51,7 +51,7 @@ bwrap:
 # Two workers, one test file each at a time (a file's fixtures are built once): most tests wait on
 # the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
 test: setup vllm browser bwrap
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: setup
 	$(BIN)/python bench/bench_core.py

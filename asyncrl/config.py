@@ -121,6 +121,10 @@ class EngineConfig(_Base):
     enforce_eager: bool = Field(False, description=(
         "vLLM: no CUDA graphs / compilation (starts faster, generates slower; set on CPU)."))
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine spans.")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20, description=(
+        "vLLM: the KV cache's size in bytes, instead of what gpu_memory_utilization leaves for it. On the "
+        "CPU build the share is taken from the process's whole memory, so a process that already holds "
+        "much (a test run, a learner) may have none left: set this there."))
 
 
 class ActorConfig(_Base):

@@ -56,8 +56,16 @@ def _run_two_ranks(out: Path, overrides: list[str]) -> None:
                 kill_tree(p)
 
 
-def test_two_process_step_matches_one(tmp_path, tiny_overrides):
-    _run_two_ranks(tmp_path, tiny_overrides)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_overrides) -> Path:
+    """The worker's outputs from 2 ranks (run once for this file's tests)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    _run_two_ranks(out, tiny_overrides)
+    return out
+
+
+def test_two_process_step_matches_one(two_ranks, tiny_overrides):
+    tmp_path = two_ranks
     for case in CASES:
         ref, ref_stats = one_step(tiny_overrides, "none", case)
         assert any(float(v.abs().max()) > 1e-4 for k, v in ref.items() if k.startswith("grad/")), case
@@ -85,7 +93,7 @@ def _optim_dict(flat: dict) -> dict:
     return state
 
 
-def test_a_sharded_checkpoint_state_loads_into_one_process(tmp_path, tiny_overrides):
+def test_a_sharded_checkpoint_state_loads_into_one_process(two_ranks, tiny_overrides):
     """What an FSDP2 group saves (full parameters and the optimizer state by name, gathered from the
     shards) loads into a one-process model and optimizer and gives back exactly those states; the
     index-keyed optimizer state of checkpoints from before issue 15 converts to the same."""
@@ -93,8 +101,7 @@ def test_a_sharded_checkpoint_state_loads_into_one_process(tmp_path, tiny_overri
     from asyncrl.learner.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
-    _run_two_ranks(tmp_path, tiny_overrides)
-    got = load_file(tmp_path / "fsdp2_token-mean.safetensors")
+    got = load_file(two_ranks / "fsdp2_token-mean.safetensors")
     cfg = load_config(None, tiny_overrides)
     model, tok, _ = load_policy(cfg.model, cfg.seed)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0)

@@ -41,7 +41,8 @@ def setup(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     engine_cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", "engine.dtype=float32",
-                             "engine.gpu_memory_utilization=0.08"]).engine  # CPU: a share of host memory
+                             "engine.kv_cache_memory_bytes=268435456"]).engine  # CPU: a fixed KV cache
+    # (not a share of memory: vLLM's CPU build subtracts what this test process already holds)
     engine = VLLMEngine(path, tok, engine_cfg, max_model_len=128, seed=0)
     return engine, model, tok
 
@@ -133,7 +134,7 @@ def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync):
     over = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=64", "model.embedded.num_heads=2",
             "model.embedded.num_layers=1", "model.embedded.intermediate_size=128", "model.embedded.warmup_steps=20",
             "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3", "engine.type=vllm",
-            "engine.enforce_eager=true", "engine.dtype=float32", "engine.gpu_memory_utilization=0.08",
+            "engine.enforce_eager=true", "engine.dtype=float32", "engine.kv_cache_memory_bytes=268435456",
             f"run_root={tmp_path}", "name=vllm",
             "train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
             "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncrl.sync import WeightsError, make_publisher, make_receiver
+from asyncrl.lifecycle import pid_alive
 from asyncrl.sync.ipc import PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import ShmTensor, Weights
@@ -117,5 +118,10 @@ def test_segments_of_a_killed_learner_are_swept_by_the_next(tmp_path, tiny_overr
         kill_tree(proc)
     left = _segments(shm)
     assert len(left) == 2  # SIGKILL: nobody removed them
+    owners = {int(name[len(PREFIX):].split("-")[0]) for name in left}
+    deadline = time.time() + 60  # a killed process takes a moment to be gone (it may be reaped late)
+    while any(pid_alive(pid) for pid in owners) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(pid) for pid in owners), owners
     IpcPublisher(_cfg(shm)).close()  # the next publisher on the host sweeps segments of dead learners
     assert _segments(shm) == []

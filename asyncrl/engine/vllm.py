@@ -69,7 +69,9 @@ class VLLMEngine:
                        max_model_len=engine_cfg.max_model_len or max_model_len,
                        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
                        tensor_parallel_size=engine_cfg.tensor_parallel_size,
-                       enforce_eager=engine_cfg.enforce_eager, logprobs_mode="processed_logprobs")
+                       enforce_eager=engine_cfg.enforce_eager, logprobs_mode="processed_logprobs",
+                       **({"kv_cache_memory_bytes": engine_cfg.kv_cache_memory_bytes}
+                          if engine_cfg.kv_cache_memory_bytes else {}))
 
     # ----------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
