@@ -92,7 +92,12 @@ def trl_worker(args) -> None:
     rows = []
     for _ in range(args.trl_prompts):
         task = next(stream)
-        text = tokenizer.decode(render_tokens(tokenizer, task.prompt), skip_special_tokens=True)
+        # TRL tokenizes a text prompt with add_special_tokens=False: keep the template's special tokens
+        # in the text so that it sees the same token ids as asyncrl's actor
+        ids = render_tokens(tokenizer, task.prompt)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+            raise SystemExit(f"the prompt {text!r} does not tokenize back to the actor's ids {ids}")
         tasks[task.id] = task
         rows.append({"prompt": text, "task_id": task.id})
     reward_fn = get_reward_fn(cfg.env.reward)
