@@ -106,7 +106,14 @@ def summarise(run_dir: Path) -> dict:
             "token_lag_mean": statistics.fmean(m.get("staleness/token_lag_mean", 0.0) for m in metrics),
             "masked_frac": statistics.fmean(m.get("is_weight_masked_frac", 0.0) for m in metrics),
             "capped_frac": statistics.fmean(m.get("is_weight_capped_frac", 0.0) for m in metrics),
-            "curve": [(m["t"] - t0, m["reward_mean"]) for m in metrics]}
+            "wall_s": span, "curve": [(m["t"] - t0, m["reward_mean"]) for m in metrics],
+            "eval_curve": [(e["t"] - t0, e["accuracy"]) for e in evals if "t" in e]}
+
+
+def heldout_at(r: dict, t: float):
+    """Held-out accuracy of the last evaluation at most ``t`` seconds after the run's first step."""
+    before = [a for s, a in r.get("eval_curve", []) if s <= t]
+    return before[-1] if before else None
 
 
 def _mean_sd(xs: list) -> str:
@@ -117,14 +124,18 @@ def _mean_sd(xs: list) -> str:
 
 
 def report(results: dict[str, list[dict]]) -> None:
-    cols = ["setting", "runs", "steps", "samples/s", "reward last min", "held-out acc (step)", "token lag",
-            "capped", "masked"]
+    # equal wall time: every run's held-out accuracy at the time the shortest run finished
+    spans = [r["wall_s"] for rs in results.values() for r in rs if r.get("wall_s")]
+    t_eq = min(spans) if spans else 0.0
+    cols = ["setting", "runs", "steps", "samples/s", "reward last min", "held-out acc (step)",
+            f"held-out at {t_eq:.0f} s", "token lag", "capped", "masked"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for setting, rs in results.items():
         steps = [r.get("heldout_step") for r in rs]
         print(f"| {setting} | {len(rs)} | {_mean_sd([r.get('steps') for r in rs])} | "
               f"{_mean_sd([r.get('samples_per_s') for r in rs])} | {_mean_sd([r.get('reward_last_minute') for r in rs])} | "
               f"{_mean_sd([r.get('heldout') for r in rs])} ({'/'.join(str(s) for s in steps)}) | "
+              f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} | "
               f"{_mean_sd([r.get('token_lag_mean') for r in rs])} | {_mean_sd([r.get('capped_frac') for r in rs])} | "
               f"{_mean_sd([r.get('masked_frac') for r in rs])} |")
 
@@ -184,6 +195,9 @@ def main() -> None:
                       f"{summary.get('heldout')} at step {summary.get('heldout_step')}", flush=True)
                 results.setdefault(setting, []).append(summary)
     report(results)
+    out = Path(args.run_root) / "results.json"
+    out.write_text(json.dumps(results))
+    print(f"results: {out}")
     plot(results, args.png or Path(args.run_root) / "staleness.png")
 
 
