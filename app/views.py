@@ -144,9 +144,15 @@ def run_status(store: RunStore, live: dict | None = None) -> str:
 def _episodes_card(store: RunStore) -> str:
     """Episode events received; when the UI keeps only the latest ones, says so (never a cap as a count)."""
     n, kept = store.counts.get("episode", 0), len(store.records("episode"))
-    every = (store.config.get("log") or {}).get("episode_events_every", 1)
+    log = store.config.get("log") or {}
+    mode, every = log.get("episode_events", "all"), log.get("episode_events_every", 1)
     text = f"{n:,}" + (f" <small>(latest {kept:,} kept)</small>" if kept < n else "")
-    return text + (f" <small>(every {every}th)</small>" if every and every != 1 else "")
+    if mode == "none":
+        return text + " <small>(log.episode_events=none)</small>"
+    if every and every != 1:
+        note = f"every {every}th" + (" without a decision" if mode == "sampled" else "")
+        return text + f" <small>({note})</small>"
+    return text
 
 
 def overview_html(store: RunStore, live: dict | None = None) -> str:

@@ -7,11 +7,17 @@ bad values fail at start-up with the field path and what is allowed (``ConfigErr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+
+# a torch CPU thread count: a number, or "auto" (chosen from the machine: see cpu_threads)
+Threads = Annotated[int, Field(ge=1)] | Literal["auto"]
 
 
 class ConfigError(ValueError):
@@ -130,7 +136,9 @@ class EngineConfig(_Base):
 class ActorConfig(_Base):
     num: int = Field(1, ge=1, description="Actor processes started by `asyncrl run`.")
     tasks_per_batch: int = Field(8, ge=1, description="Tasks generated together in one engine call.")
-    threads: int = Field(1, ge=1, description="Torch CPU threads per actor.")
+    threads: Threads = Field("auto", description=(
+        "Torch CPU threads per actor. auto: the cores this process may use (its CPU affinity) less the "
+        "learner's share (train.threads), split evenly over actor.num actors; at least 1."))
     heartbeat_s: float = Field(2.0, gt=0, description=(
         "Seconds between actor status messages (sent from a thread of their own, so a long generation "
         "batch keeps the actor's lease; see wire.lease_s)."))
@@ -194,7 +202,10 @@ class TrainConfig(_Base):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient; 0: off.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
-    threads: int = Field(1, ge=1, description="Torch CPU threads for the learner.")
+    threads: Threads = Field("auto", description=(
+        "Torch CPU threads for the learner (each learner process of a group). auto: half the cores this "
+        "process may use (its CPU affinity; at least 1), split over the group's processes; the other "
+        "half is the actors' (actor.threads)."))
     device: str = Field("cpu", description="Learner torch device.")
     distributed: Literal["none", "ddp", "fsdp2"] = Field("none", description=(
         "The training step over several processes (accelerate launch / torchrun; configs/accelerate/): "
@@ -365,7 +376,14 @@ class EvalConfig(_Base):
 
 
 class LogConfig(_Base):
-    episode_events_every: int = Field(1, ge=1, description="Write every k-th episode to the event log.")
+    episode_events: Literal["all", "sampled", "none"] = Field("sampled", description=(
+        "Which trained episodes become `episode` events (events.jsonl and the events socket). all: every "
+        "one (tens of MB per minute at quick-start speed); sampled: every `log.episode_events_every`-th "
+        "episode, plus every episode that carries a decision (Absolute Zero proposals and learnability, "
+        "RLCR confidence trees, environment failures), which the UI's Tasks and Trees views are built "
+        "from; none: no episode events (those views stay empty)."))
+    episode_events_every: int = Field(10, ge=1, description=(
+        "With log.episode_events=sampled: write every k-th episode that carries no decision."))
     progress: bool = Field(True, description="Show a progress bar.")
     sample_every: int = Field(10, ge=0, description=(
         "Every k steps write a `sample` event: one trained trajectory's tokens, loss and exp masks, "
@@ -543,3 +561,26 @@ def validate_section(model_cls: type[BaseModel], data: dict[str, Any], prefix: s
         return model_cls.model_validate(data or {})
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, model_cls, prefix)) from None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(cfg: "Config", role: Literal["learner", "actor"]) -> int:
+    """Torch threads for a learner process or an actor: the configured number, or for ``auto`` half
+    the usable cores for the learner (split over a group's ``WORLD_SIZE`` processes) and the rest
+    split over ``actor.num`` actors; at least 1 each."""
+    cores = usable_cores()
+    learner = cfg.train.threads if cfg.train.threads != "auto" else max(1, cores // 2)
+    if role == "learner":
+        if cfg.train.threads != "auto":
+            return cfg.train.threads
+        return max(1, learner // max(1, int(os.environ.get("WORLD_SIZE", "1") or 1)))
+    if cfg.actor.threads != "auto":
+        return cfg.actor.threads
+    return max(1, (cores - learner) // cfg.actor.num)

@@ -37,7 +37,8 @@ def tiny_overrides(model_cache) -> list[str]:
     overrides = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=32",
                  "model.embedded.num_layers=1", "model.embedded.num_heads=2",
                  "model.embedded.intermediate_size=64", "model.embedded.warmup_steps=20",
-                 "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3"]
+                 "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3",
+                 "log.episode_events=all"]  # tests check every trained episode against what was sent
     from asyncrl.config import load_config
     from asyncrl.models.tiny import build_embedded_model
 

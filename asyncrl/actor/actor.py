@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from ..rollout.workflow import RolloutContext, get_workflow
-from ..config import Config
+from ..config import Config, cpu_threads
 from ..envs.base import make_env
 from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
@@ -50,7 +50,7 @@ class Actor:
         self.cfg = cfg
         self.actor_id = actor_id
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
-        torch.set_num_threads(cfg.actor.threads)
+        torch.set_num_threads(cpu_threads(cfg, "actor"))
         torch.manual_seed(self.seed)
         self.workflow = get_workflow(cfg.algorithm, cfg)
         model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)

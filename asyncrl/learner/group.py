@@ -30,6 +30,7 @@ import signal
 
 import torch
 
+from ..config import cpu_threads
 from . import distributed as dist_learner
 from .batch import TrainBatch
 from .core_algos import LossConfig
@@ -140,7 +141,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops
         signal.signal(sig, signal.SIG_IGN)
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.train.threads)
+    torch.set_num_threads(cpu_threads(cfg, "learner"))
     trainer: PolicyTrainer | None = None
     steps = 0
     try:

@@ -18,7 +18,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import Config, cpu_threads
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..rollout.workflow import workflow_class
@@ -50,7 +50,7 @@ class Learner:
         self.cfg = cfg
         self.ranks = ranks or Ranks(None, "none")
         torch.manual_seed(cfg.seed)
-        torch.set_num_threads(cfg.train.threads)
+        torch.set_num_threads(cpu_threads(cfg, "learner"))
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first

@@ -58,10 +58,14 @@ class Telemetry:
                 "tokens_per_s": sum(i[3] for i in items) / span}
 
     def _log_episodes(self, version: int, episodes: list[Episode], staleness: list[int]) -> None:
+        mode, every = self.cfg.log.episode_events, self.cfg.log.episode_events_every
+        if mode == "none":
+            return
         for ep, st in zip(episodes, staleness):
-            self._episode_counter += 1
-            if self._episode_counter % self.cfg.log.episode_events_every:
-                continue
+            if mode == "sampled" and not ep.decision:
+                self._episode_counter += 1
+                if (self._episode_counter - 1) % every:  # the 1st, (k+1)-th, ... plain episode
+                    continue
             self.log.event("episode", version, episode_id=ep.id, actor_id=ep.actor_id,
                            task_id=ep.task.id if ep.task else None,
                            prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
