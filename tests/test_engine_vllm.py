@@ -137,7 +137,7 @@ def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync):
             "engine.enforce_eager=true", "engine.dtype=float32", "engine.kv_cache_memory_bytes=268435456",
             f"run_root={tmp_path}", "name=vllm",
             "train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
-            "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0",
+            "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0", "log.episode_events=all",
             f"sync.type={sync}", f"sync.dir={tmp_path / 'shm'}"]
     res = run_cli("run", "-c", "configs/quickstart.yaml", *over, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

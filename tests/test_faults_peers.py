@@ -142,7 +142,7 @@ def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_override
     """19.8: each subscriber has at most one version queued, and silent ones are dropped."""
     lease = 4.0
     run = LiveRun(tmp_path, "subs", _overrides(tiny_overrides, f"wire.lease_s={lease}", "actor.heartbeat_s=0.5",
-                                               "log.episode_events_every=1000"))
+                                               "log.episode_events=sampled", "log.episode_events_every=1000"))
     subs = []
     try:
         run.actor()
@@ -172,7 +172,7 @@ def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_override
 
 def test_floods_and_oversized_messages_do_not_starve_training(tmp_path, tiny_overrides):
     """19.9 and 19.10: size limits, and garbage that neither stops training nor fills the log."""
-    run = LiveRun(tmp_path, "flood", _overrides(tiny_overrides, "log.episode_events_every=1000",
+    run = LiveRun(tmp_path, "flood", _overrides(tiny_overrides, "log.episode_events=sampled", "log.episode_events_every=1000",
                                                 "wire.bad_log_every_s=2"))
     socks = []
     try:
