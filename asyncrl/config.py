@@ -170,6 +170,10 @@ class TrainConfig(_Base):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the version advances once).")
     policy_loss: str = Field("ppo", description="Policy loss (registry name).")
+    shared_prefix: bool = Field(True, description=(
+        "Run the tokens shared by a batch's rows up to their first trained token (a prompt's completions) "
+        "once per forward, the rows' suffixes attending to that prefix's key/value cache: the same log-probs "
+        "and gradients on fewer tokens (one process only; a learner group runs the full rows)."))
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = Field("token-mean", description="Loss aggregation.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")

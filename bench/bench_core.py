@@ -1,6 +1,7 @@
 """Core benchmark: learner ingest vs raw pyzmq, weight publish -> applied latency, async vs sync.
 
-    .venv/bin/python bench/bench_core.py [--steps 40] [--episodes 2000] [--skip-runs]
+    .venv/bin/python bench/bench_core.py [--steps 40] [--episodes 2000] [--skip-runs | --only-runs]
+    .venv/bin/python bench/bench_core.py --only-runs --steps 300 --threads 1,1 2,1 2,2   # thread pairs
 
 Prints three tables:
 1. Learner ingest: the learner's real path (PULL -> decode -> validate -> WAL append -> fsync -> ack) for
@@ -9,7 +10,8 @@ Prints three tables:
 2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
    process's engine (the embedded demo model), over loopback.
 3. Wall time for the same number of optimizer steps with the quick-start config, asynchronous
-   (max_staleness 1) versus synchronous (max_staleness 0), plus completions per second.
+   (max_staleness 1) versus synchronous (max_staleness 0), plus completions per second; with
+   ``--threads``, sync and async for each pair of learner/actor torch thread counts instead.
 """
 
 from __future__ import annotations
@@ -156,14 +158,29 @@ def bench_weights(rounds: int) -> dict:
             "publish_to_applied_ms_p90": float(np.percentile(lat, 90))}
 
 
-def bench_runs(steps: int) -> list[dict]:
+DEFAULT_RUNS = (("sync (max_staleness 0)", ["buffer.max_staleness=0"]),
+                ("async (max_staleness 1)", ["buffer.max_staleness=1"]),
+                ("async, 2 actors (max_staleness 2)", ["buffer.max_staleness=2", "actor.num=2"]))
+
+
+def thread_runs(pairs: list[str]) -> list[tuple[str, list[str]]]:
+    """Sync and async runs for each ``LEARNER,ACTOR`` torch thread pair (``auto`` allowed)."""
+    out = []
+    for pair in pairs:
+        learner, _, actor = pair.partition(",")
+        for label, staleness in (("sync", 0), ("async", 1)):
+            out.append((f"{label}, threads learner {learner} / actor {actor}",
+                        [f"buffer.max_staleness={staleness}", f"train.threads={learner}", f"actor.threads={actor}"]))
+    return out
+
+
+def bench_runs(steps: int, runs=DEFAULT_RUNS) -> list[dict]:
     rows = []
-    for label, staleness, actors in (("sync (max_staleness 0)", 0, 1), ("async (max_staleness 1)", 1, 1),
-                                     ("async, 2 actors (max_staleness 2)", 2, 2)):
+    for label, overrides in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(ROOT / "configs/quickstart.yaml"),
-                   f"run_root={tmp}", "name=bench", f"train.total_steps={steps}", f"buffer.max_staleness={staleness}",
-                   f"actor.num={actors}", "eval.every=0", "eval.size=1", "log.progress=false", "checkpoint.every=0"]
+                   f"run_root={tmp}", "name=bench", f"train.total_steps={steps}", *overrides,
+                   "eval.every=0", "eval.size=1", "log.progress=false", "checkpoint.every=0"]
             t0 = time.time()
             subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
             wall = time.time() - t0
@@ -192,17 +209,22 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--skip-runs", action="store_true")
+    ap.add_argument("--only-runs", action="store_true", help="just the quick-start runs")
+    ap.add_argument("--threads", nargs="*", metavar="LEARNER,ACTOR",
+                    help="instead of the default runs: sync and async runs for each torch thread pair, e.g. 1,1 2,1")
     ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
         weights_probe(args.probe[0], int(args.probe[1]))
         return
-    _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
-           [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
-    _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
-           [bench_weights(args.rounds)])
+    if not args.only_runs:
+        _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
+               [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
+        _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
+               [bench_weights(args.rounds)])
     if not args.skip_runs:
-        _print(f"quick-start config, {args.steps} steps: async vs synchronous", bench_runs(args.steps))
+        runs = thread_runs(args.threads) if args.threads else DEFAULT_RUNS
+        _print(f"quick-start config, {args.steps} steps: async vs synchronous", bench_runs(args.steps, runs))
 
 
 if __name__ == "__main__":

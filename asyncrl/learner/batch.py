@@ -18,7 +18,7 @@ from torch import Tensor
 from asyncrl.learner.core_algos import entropy_from_logits, logprobs_from_logits
 from asyncrl.types import Trajectory
 
-__all__ = ["TrainBatch", "collate", "compute_logprobs"]
+__all__ = ["TrainBatch", "collate", "compute_logprobs", "shared_prefix_plan"]
 
 
 @dataclass
@@ -137,7 +137,8 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
 
 
 def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                     with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+                     with_entropy: bool = False, entropy_grad: bool = True,
+                     shared_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
     """Forward a Hugging Face causal LM over ``batch``; log-probs of the targets.
 
     Returns ``(logprobs[B, T-1], entropy[B, T-1] or None)`` from ``logits[:, :-1] / temperature``
@@ -145,14 +146,115 @@ def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: flo
     the proximal/reference passes). Padded positions hold finite junk; mask them.
     ``entropy_grad=False`` computes the entropy without a graph (for logging: no memory is kept for
     a backward pass through it).
+
+    ``shared_prefix``: rows that start with the same tokens up to their first trained token (the
+    completions of one prompt) run that prefix once (:func:`shared_prefix_plan`); the same values
+    as the full forward up to float rounding, on fewer tokens. Used when it saves at least a fifth of
+    the padded tokens and the model returns a key/value cache; otherwise the plain forward.
     """
+    plan = shared_prefix_plan(batch) if shared_prefix else None
+    if plan is not None:
+        out = _shared_prefix_forward(model, batch, plan, temperature, with_entropy, entropy_grad)
+        if out is not None:
+            return out
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1]
+    return _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
+
+
+def _targets(logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
+             entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    logprobs = logprobs_from_logits(logits, labels)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits)
     return logprobs, entropy
+
+
+@dataclass
+class PrefixPlan:
+    """How :func:`compute_logprobs` splits a batch: ``G`` distinct prefixes (``prefix_ids[G, P]``,
+    right-padded, ``prefix_mask``), ``group[B]`` (each row's prefix), ``start[B]`` (each row's first
+    trained token: the prefix is tokens ``0 .. start-1``) and ``S`` (the longest suffix)."""
+
+    prefix_ids: Tensor
+    prefix_mask: Tensor
+    group: Tensor
+    start: Tensor
+    suffix_len: int
+
+
+def shared_prefix_plan(batch: TrainBatch, min_saving: float = 0.2) -> PrefixPlan | None:
+    """The prefix sharing plan for ``batch``, or None when every row has its own prefix, a row has
+    no trained token, or sharing saves less than ``min_saving`` of the padded tokens."""
+    ids, lengths = batch.input_ids, batch.attention_mask.sum(1)
+    trained = batch.response_mask > 0
+    if batch.batch_size < 2 or not bool(trained.any(1).all()):
+        return None
+    start = trained.float().argmax(1) + 1  # token index of the first trained token (>= 1)
+    keys: dict[tuple[int, ...], int] = {}
+    group = [keys.setdefault(tuple(row[:k].tolist()), len(keys))
+             for row, k in zip(ids.cpu(), start.tolist())]
+    G, B, T = len(keys), *ids.shape
+    P, S = int(start.max()), int((lengths - start).max())
+    if G == B or G * P + B * S > (1 - min_saving) * B * T:
+        return None
+    prefix_ids = torch.zeros(G, P, dtype=torch.long)
+    prefix_mask = torch.zeros(G, P, dtype=torch.long)
+    for key, g in keys.items():
+        prefix_ids[g, : len(key)] = torch.tensor(key, dtype=torch.long)
+        prefix_mask[g, : len(key)] = 1
+    dev = ids.device
+    return PrefixPlan(prefix_ids.to(dev), prefix_mask.to(dev), torch.tensor(group, device=dev), start, S)
+
+
+def _shared_prefix_forward(model, batch: TrainBatch, plan: PrefixPlan, temperature: float, with_entropy: bool,
+                           entropy_grad: bool) -> tuple[Tensor, Tensor | None] | None:
+    """The prefixes once (keeping their key/value cache), then every row's suffix attending to its
+    group's cache (repeated per row: the gradient flows back into the prefix pass). Target position
+    ``j`` (predicting token ``j + 1``) takes its logits from the prefix pass while ``j < start - 1``
+    and from the suffix pass after. None when the model gives no full cache (gradient
+    checkpointing, sliding-window layers): the caller runs the plain forward."""
+    from transformers import DynamicCache
+
+    ids, group, start, S = batch.input_ids, plan.group, plan.start, plan.suffix_len
+    B, T = ids.shape
+    P = plan.prefix_ids.shape[1]
+    pre = model(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, use_cache=True)
+    cache = getattr(pre, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != P for layer in layers):
+        return None
+    rows = DynamicCache()
+    for i, layer in enumerate(layers):
+        rows.update(layer.keys.index_select(0, group), layer.values.index_select(0, group), i)
+    steps = torch.arange(S, device=ids.device)
+    lengths = batch.attention_mask.sum(1)
+    suffix_mask = (steps[None] < (lengths - start)[:, None]).long()
+    index = (start[:, None] + steps[None]).clamp(max=T - 1)  # token index of each suffix slot
+    suffix_ids = ids.gather(1, index) * suffix_mask
+    mask = torch.cat([plan.prefix_mask.index_select(0, group), suffix_mask], 1)
+    suf = model(input_ids=suffix_ids, attention_mask=mask, position_ids=start[:, None] + steps[None],
+                past_key_values=rows, use_cache=False)
+    # suffix targets: token start + s for s in 0..S-1, predicted by the prefix's last logits (s = 0)
+    # and the suffix logits at s - 1
+    last = pre.logits.index_select(0, group)[torch.arange(B, device=ids.device), start - 1]
+    lp_s, ent_s = _targets(torch.cat([last[:, None], suf.logits[:, :-1]], 1), ids.gather(1, index),
+                           temperature, with_entropy, entropy_grad)
+    lp_p, ent_p = _targets(pre.logits[:, :-1], plan.prefix_ids[:, 1:], temperature, with_entropy, entropy_grad)
+    j = torch.arange(T - 1, device=ids.device)[None].expand(B, -1)
+    in_prefix = j < (start - 1)[:, None]
+    from_prefix = j.clamp(max=max(P - 2, 0))
+    from_suffix = (j - (start - 1)[:, None]).clamp(min=0, max=S - 1)
+
+    def place(prefix_part: Tensor | None, suffix_part: Tensor | None) -> Tensor | None:
+        if prefix_part is None:
+            return None
+        if P < 2:  # every prefix is one token: no prefix targets
+            return suffix_part.gather(1, from_suffix)
+        return torch.where(in_prefix, prefix_part.index_select(0, group).gather(1, from_prefix),
+                           suffix_part.gather(1, from_suffix))
+
+    return place(lp_p, lp_s), place(ent_p, ent_s)

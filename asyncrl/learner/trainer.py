@@ -66,6 +66,9 @@ class PolicyTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
+        # one forward of each shared prompt (batch.compute_logprobs); a wrapped model's forward hooks
+        # (DDP's reducer, FSDP2's reshard) are written for one forward per backward
+        self.shared_prefix = train_cfg.shared_prefix and distributed == "none"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
                                            weight_decay=train_cfg.weight_decay)
 
@@ -85,7 +88,8 @@ class PolicyTrainer:
         result = StepResult({})
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
-                logp0, ent0 = compute_logprobs(self.model, batch, self.temperature, with_entropy=keep_rows)
+                logp0, ent0 = compute_logprobs(self.model, batch, self.temperature, with_entropy=keep_rows,
+                                              shared_prefix=self.shared_prefix)
             if self.cfg.recompute_proximal:
                 batch.old_logprobs = logp0
             if keep_rows:
@@ -151,7 +155,7 @@ class PolicyTrainer:
         want_entropy = cfg.entropy_coef > 0
         # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
         logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                         entropy_grad=want_entropy)
+                                         entropy_grad=want_entropy, shared_prefix=self.shared_prefix)
         mismatch = mismatch_stats(logp.detach(), mb, version) if version is not None else {}
         if rows is not None:  # single pass: this forward is under the weights before the update
             rows.row_logprobs, rows.row_entropy = logp.detach().cpu(), entropy.detach().cpu()
@@ -168,7 +172,7 @@ class PolicyTrainer:
         stats.update(loss_stats)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature)
+                ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature, shared_prefix=self.shared_prefix)
             kl = kl_penalty(logp, ref_logp, cfg.kl_type)
             kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
             loss = loss + cfg.kl_coef * kl_val * tok_scale
