@@ -5,6 +5,7 @@ corrections, several seeds each, at equal wall time (``--minutes``) or equal fre
     python bench/bench_staleness.py --seeds 3 --minutes 5                       # 8 settings x 3 seeds, ~2 h
     python bench/bench_staleness.py --seeds 3 --steps 400 --corrections off decoupled icepop
     python bench/bench_staleness.py --seeds 1 --minutes 0.4 --staleness 0 1 --corrections decoupled  # smoke
+    python bench/bench_staleness.py --merge runs/grid_a runs/grid_b --png docs/staleness.png  # grids together
 
 Each run is ``asyncrl run -c CONFIG`` in its own process group (stopped with SIGINT at the time
 limit, killed if it does not stop; always killed in ``finally``). Per run it reads
@@ -176,7 +177,16 @@ def main() -> None:
     ap.add_argument("--run-root", default=str(ROOT / "runs" / "bench_staleness"))
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: <run-root>/staleness.png)")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="RUN_ROOT",
+                    help="no runs: print the table and draw the plot of earlier grids' results.json together")
     args = ap.parse_args()
+    if args.merge:
+        results = {}
+        for root in args.merge:
+            results.update(json.loads((root / "results.json").read_text()))
+        report(results)
+        plot(results, args.png or args.merge[0] / "staleness.png")
+        return
     if args.minutes is None and args.steps is None:
         args.minutes = 5.0
     Path(args.run_root).mkdir(parents=True, exist_ok=True)

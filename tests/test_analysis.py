@@ -109,6 +109,8 @@ def test_frames_of_real_runs(demo_runs):
     nodes = rlcr.rlcr_nodes()
     assert rlcr.algorithm == "rlcr" and len(nodes) == 6 * 2 * 2
     assert set(nodes["correct"]) <= {0.0, 1.0} and nodes["brier_reward"].between(0, 1).all()
+    for turn in ("answer_tokens", "confidence_tokens"):  # generated (trained) tokens of each turn
+        assert (nodes[turn] >= 1).all() and (nodes[turn] % 1 == 0).all(), nodes[turn]
     evals = rlcr.evals()
     assert evals["version"].tolist() == [0, 2, 3]
     assert reliability_frame(evals.iloc[-1].to_dict())["count"].sum() == 8

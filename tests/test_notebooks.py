@@ -14,7 +14,7 @@ from .conftest import ROOT
 NOTEBOOKS = ROOT / "notebooks"
 # notebook -> (run it reads, figures it must draw)
 CASES = {"run_overview": ("absolute_zero", 3), "self_play_curriculum": ("absolute_zero", 3),
-         "calibration": ("rlcr", 3)}
+         "calibration": ("rlcr", 4)}
 
 
 @pytest.fixture(scope="session")

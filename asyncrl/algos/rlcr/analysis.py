@@ -9,10 +9,17 @@ import pandas as pd
 from ...analysis.records import prompt_text
 
 
+def _span(node: dict) -> float:
+    """Generated tokens of a tree node: the length of its trained span (NaN when it has none)."""
+    span = node.get("mask_span")
+    return float(span[1] - span[0]) if span else np.nan
+
+
 def rlcr_nodes_frame(episodes: list[dict]) -> pd.DataFrame:
     """RLCR: one row per confidence node (prompt -> answer k -> confidence h); an answer without
     confidences gets one row with ``h`` NaN. ``correct`` is the answer's ``acc_reward``; ``brier_reward``
-    the confidence's reward ``1 - (correct - confidence)^2``."""
+    the confidence's reward ``1 - (correct - confidence)^2``; ``answer_tokens`` and ``confidence_tokens``
+    the generated (trained) tokens of each turn."""
     rows = []
     for e in episodes:
         d = e.get("decision") or {}
@@ -23,7 +30,7 @@ def rlcr_nodes_frame(episodes: list[dict]) -> pd.DataFrame:
         for a in d.get("answers") or []:
             ans = {**base, "k": a.get("k"), "answer_text": a.get("text"), "answer": a.get("answer"),
                    "answer_format_ok": bool(a.get("format_ok")), "correct": a.get("acc_reward"),
-                   "answer_advantage": a.get("advantage")}
+                   "answer_advantage": a.get("advantage"), "answer_tokens": _span(a)}
             confs = a.get("confidences") or []
             if not confs:
                 rows.append({**ans, "h": np.nan})
@@ -31,7 +38,8 @@ def rlcr_nodes_frame(episodes: list[dict]) -> pd.DataFrame:
                 rows.append({**ans, "h": c.get("h"), "confidence_text": c.get("text"),
                              "confidence": c.get("confidence") if c.get("confidence") is not None else np.nan,
                              "confidence_format_ok": bool(c.get("format_ok")), "brier_reward": c.get("conf_reward"),
-                             "confidence_advantage": c.get("advantage")})
+                             "confidence_advantage": c.get("advantage"), "confidence_tokens": _span(c)})
     return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", "prompt", "k", "correct", "h",
-                                                          "confidence", "brier_reward"])
+                                                          "confidence", "brier_reward", "answer_tokens",
+                                                          "confidence_tokens"])
 
