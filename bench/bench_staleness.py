@@ -142,25 +142,35 @@ def report(results: dict[str, list[dict]]) -> None:
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
-    """Batch reward over wall time, one line per setting (runs' points pooled, 30 s bins)."""
+    """Two panels, one line per setting, means over its runs: batch reward over wall time (10 s
+    bins, the runs' points pooled) and held-out accuracy at each evaluation (x: the evaluation's
+    mean time since the first step)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(13, 5))
     for setting, rs in results.items():
         bins: dict[int, list[float]] = {}
         for r in rs:
             for t, rew in r.get("curve", []):
-                bins.setdefault(int(t // 30), []).append(rew)
+                bins.setdefault(int(t // 10), []).append(rew)
         if bins:
             ks = sorted(bins)
-            ax.plot([k * 0.5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
-    ax.set_xlabel("minutes since the first step")
-    ax.set_ylabel("batch reward (mean over seeds, 30 s bins)")
-    ax.legend(fontsize=7)
+            line, = ax_r.plot([k * 10 + 5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
+            curves = [r.get("eval_curve", []) for r in rs]
+            n = min((len(c) for c in curves), default=0)
+            if n:
+                ax_e.plot([statistics.fmean(c[i][0] for c in curves) for i in range(n)],
+                          [statistics.fmean(c[i][1] for c in curves) for i in range(n)], marker=".",
+                          color=line.get_color(), label=setting)
+    ax_r.set_xlabel("seconds since the first step")
+    ax_r.set_ylabel("batch reward (mean over seeds, 10 s bins)")
+    ax_e.set_xlabel("seconds since the first step")
+    ax_e.set_ylabel("held-out greedy accuracy (mean over seeds)")
+    ax_e.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     print(f"plot: {path}")
 
 
