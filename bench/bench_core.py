@@ -6,7 +6,8 @@
 Prints three tables:
 1. Learner ingest: the learner's real path (PULL -> decode -> validate -> WAL append -> fsync -> ack) for
    pre-encoded episodes pushed by a sender thread, next to a raw pyzmq PUSH/PULL of the same bytes
-   measured in the same run, as a ratio.
+   measured in the same run, as a ratio; then the same path's stages timed one by one (microseconds
+   per episode, no sockets): decode, validate, WAL append, fsync (one per 256 episodes, as one poll).
 2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
    process's engine (the embedded demo model), over loopback.
 3. Wall time for the same number of optimizer steps with the quick-start config, asynchronous
@@ -91,6 +92,41 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
             "learner_episodes_per_s": learner_rate, "learner_MB_per_s": learner_rate * nbytes / 1e6,
             "raw_pyzmq_msgs_per_s": raw_rate, "raw_MB_per_s": raw_rate * nbytes / 1e6,
             "ratio_learner_to_raw": learner_rate / raw_rate}
+
+
+def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
+    """Microseconds per episode of each stage of the learner's ingest path, timed on its own over
+    ``n`` pre-received episodes (no sockets), in the order the learner runs them."""
+    rng = np.random.default_rng(0)
+    received = [[zmq.Frame(bytes(memoryview(f))) for f in encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng))]
+                for _ in range(n)]
+    cfg = load_config(None)
+    net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
+    validator = EpisodeValidator(vocab_size=128, limits=net.limits)
+    arrivals = []
+    t0 = time.perf_counter()
+    for frames in received:
+        net._take_episode(frames, arrivals)  # what LearnerNet.poll does with each episode message
+    t1 = time.perf_counter()
+    for arrival in arrivals:
+        if validator.check(arrival, version=0) is not None:
+            raise RuntimeError("bench episode rejected")
+    t2 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        buf = ReplayBuffer(Path(tmp), capacity=10**9)
+        buf.open_wal(0)
+        write = sync = 0.0
+        for i in range(0, n, 256):
+            t3 = time.perf_counter()
+            for arrival in arrivals[i:i + 256]:
+                buf.add(arrival.episode, arrival.frames)
+            t4 = time.perf_counter()
+            buf.sync()
+            write, sync = write + t4 - t3, sync + time.perf_counter() - t4
+    net.close()
+    us = 1e6 / n
+    return {"trajectories/episode": n_traj, "decode_us": (t1 - t0) * us, "validate_us": (t2 - t1) * us,
+            "wal_append_us": write * us, "fsync_us": sync * us}
 
 
 def weights_probe(address: str, rounds: int) -> None:
@@ -220,6 +256,8 @@ def main() -> None:
     if not args.only_runs:
         _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
                [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
+        _print("learner ingest stages, microseconds per episode (no sockets)",
+               [ingest_stages(args.episodes, 8, 8, 6), ingest_stages(args.episodes // 4, 64, 40, 40)])
         _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
                [bench_weights(args.rounds)])
     if not args.skip_runs:
