@@ -173,7 +173,7 @@ class TrainConfig(_Base):
     shared_prefix: bool = Field(True, description=(
         "Run the tokens shared by a batch's rows up to their first trained token (a prompt's completions) "
         "once per forward, the rows' suffixes attending to that prefix's key/value cache: the same log-probs "
-        "and gradients on fewer tokens (one process only; a learner group runs the full rows)."))
+        "and gradients on fewer tokens (in a learner group, each rank over its own rows)."))
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = Field("token-mean", description="Loss aggregation.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")

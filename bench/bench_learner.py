@@ -6,7 +6,8 @@
 Each setup ``PROCSxTHREADS[:MODE]`` runs the learner's real training step
 (:class:`asyncrl.learner.trainer.PolicyTrainer`, the config's loss, AdamW) on the model the config
 selects (default: the embedded quick-start model) over a fixed batch of ``--batch`` trajectories of
-``--prompt`` + ``--response`` tokens, in PROCS processes of THREADS torch threads each (a gloo group
+``--prompt`` + ``--response`` tokens (``--group`` completions per prompt, sharing it; or
+``--distinct-prompts``), in PROCS processes of THREADS torch threads each (a gloo group
 on loopback for PROCS > 1, DDP or FSDP2). Rank 0 times ``--steps`` steps after one warm-up step and
 prints the median step time and trajectories/s; under FSDP2 the step includes gathering the full
 parameters (what the learner publishes). On a CUDA machine run it with ``-o train.device=cuda``.
@@ -55,9 +56,14 @@ def worker(args) -> None:
     rng = np.random.default_rng(0)
     n = args.prompt + args.response
     mask = np.r_[np.zeros(args.prompt), np.ones(args.response)]
-    trajs = [Trajectory(token_ids=rng.integers(4, len(tok), n), loss_mask=mask,
-                        behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask, policy_version=0,
-                        reward=float(i % 2), group_id=str(i // 8)) for i in range(args.batch)]
+    prompts = [rng.integers(4, len(tok), args.prompt) for _ in range(args.batch)]
+    trajs = []
+    for i in range(args.batch):
+        ids = rng.integers(4, len(tok), n)
+        if not args.distinct_prompts:  # a group's completions share its prompt, as in GRPO
+            ids[:args.prompt] = prompts[i // args.group]
+        trajs.append(Trajectory(token_ids=ids, loss_mask=mask, behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask,
+                                policy_version=0, reward=float(i % 2), group_id=str(i // args.group)))
     times = []
     for i in range(args.steps + 1):
         batch = trainer.make_batch([type("E", (), {"trajectories": trajs})()])
@@ -85,7 +91,8 @@ def run_setup(setup: str, args) -> dict:
     procs, threads = (int(x) for x in shape.split("x"))
     cmd = [sys.executable, __file__, "--worker", "--threads", str(threads), "--mode", mode or "ddp",
            "--batch", str(args.batch), "--steps", str(args.steps), "--prompt", str(args.prompt),
-           "--response", str(args.response), *[x for o in args.override for x in ("-o", o)]]
+           "--response", str(args.response), "--group", str(args.group),
+           *(["--distinct-prompts"] if args.distinct_prompts else []), *[x for o in args.override for x in ("-o", o)]]
     group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     running = []
     for rank in range(procs):
@@ -115,6 +122,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--response", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt (they share its tokens)")
+    ap.add_argument("--distinct-prompts", action="store_true",
+                    help="every trajectory its own prompt (nothing for train.shared_prefix to share)")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)

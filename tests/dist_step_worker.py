@@ -28,15 +28,23 @@ from asyncrl.types import Trajectory
 STEP_OVERRIDES = ["train.max_grad_norm=1e6", "train.lr=1e-3", "train.kl_coef=0.05", "train.entropy_coef=0.01"]
 
 
-def trajectories(vocab: int) -> list[Trajectory]:
+def trajectories(vocab: int, shared_prompts: bool = False) -> list[Trajectory]:
     """Five rows in two groups, unequal lengths and response lengths, one replayed row with
-    recorded log-probs: the two ranks' shares (3 and 2 rows) hold different token counts."""
+    recorded log-probs: the two ranks' shares (3 and 2 rows) hold different token counts. With
+    ``shared_prompts`` each group's rows start with the same 8-token prompt (the shared-prefix
+    forward runs it once, on each rank)."""
     rng = np.random.default_rng(7)
+    shapes = ([(13, 8, "a", 1.0), (16, 8, "a", 0.0), (11, 8, "a", 1.0), (14, 8, "b", 0.0), (10, 8, "b", 1.0)]
+              if shared_prompts else
+              [(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0), (10, 2, "b", 0.0), (6, 3, "b", 1.0)])
+    prompts = {g: rng.integers(4, vocab, 8) for g in "ab"}
     out = []
-    for i, (n, prompt, group, reward) in enumerate([(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0),
-                                                     (10, 2, "b", 0.0), (6, 3, "b", 1.0)]):
+    for i, (n, prompt, group, reward) in enumerate(shapes):
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)]
-        out.append(Trajectory(token_ids=rng.integers(4, vocab, n), loss_mask=mask,
+        ids = rng.integers(4, vocab, n)
+        if shared_prompts:
+            ids[:prompt] = prompts[group]
+        out.append(Trajectory(token_ids=ids, loss_mask=mask,
                               behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask, policy_version=0,
                               reward=reward, group_id=group,
                               is_replay=i == 3, recorded_logprobs=(-2.0 * mask) if i == 3 else None))
@@ -46,7 +54,8 @@ def trajectories(vocab: int) -> list[Trajectory]:
 # name -> overrides: every loss aggregation mode in one step, and two mini-batches (two optimizer
 # steps, each mini-batch split over the ranks, proximal log-probs from a full-batch forward first)
 CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
-         "two_minibatches": ["train.mini_batches=2"]}
+         "two_minibatches": ["train.mini_batches=2"],
+         "shared_prefix": ["train.shared_prefix=true"]}  # with trajectories(shared_prompts=True)
 
 
 def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -60,14 +69,32 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     from asyncrl.learner.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
+    from asyncrl.learner import batch as batch_module
+
     cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
     torch.manual_seed(0)
     model, tok, _ = load_policy(cfg.model, cfg.seed)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
-    batch = trainer.make_batch([type("E", (), {"trajectories": trajectories(len(tok))})()])
-    result = trainer.step(batch, keep_rows=True)
+    rows = trajectories(len(tok), shared_prompts=case == "shared_prefix")
+    batch = trainer.make_batch([type("E", (), {"trajectories": rows})()])
+    shared_forwards = []  # how many forwards ran each prompt once (the test checks the case used it)
+    plain = batch_module._shared_prefix_forward
+
+    def counted(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        shared_forwards.append(out is not None)
+        return out
+
+    batch_module._shared_prefix_forward = counted
+    try:
+        result = trainer.step(batch, keep_rows=True)
+    finally:
+        batch_module._shared_prefix_forward = plain
+    result.stats["shared_prefix_forwards"] = sum(shared_forwards)
     inner = distributed.unwrap(trainer.model)
-    out = {"rows/logprobs": result.row_logprobs, "rows/entropy": result.row_entropy}
+    # rows/valid: the real (unpadded) target positions; padded ones hold whatever a forward left there
+    out = {"rows/logprobs": result.row_logprobs, "rows/entropy": result.row_entropy,
+           "rows/valid": batch.attention_mask[:, 1:].cpu().to(torch.uint8)}
     for k, p in inner.named_parameters():  # under FSDP2 each full_tensor() is a collective
         out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
         out[f"grad/{k}"] = distributed.full_grad(p)

@@ -66,9 +66,9 @@ class PolicyTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
-        # one forward of each shared prompt (batch.compute_logprobs); a wrapped model's forward hooks
-        # (DDP's reducer, FSDP2's reshard) are written for one forward per backward
-        self.shared_prefix = train_cfg.shared_prefix and distributed == "none"
+        # one forward of each shared prompt (batch.compute_logprobs), in a learner group too: each
+        # rank plans over its own rows
+        self.shared_prefix = train_cfg.shared_prefix
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
                                            weight_decay=train_cfg.weight_decay)
 
