@@ -17,15 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# The longest test files, first: `make test` runs two files at a time (pytest-xdist --dist loadfile,
-# which hands out files in collection order), and a long file started last keeps one worker busy
-# after the other has finished.
-_LONGEST_FIRST = ("test_notebooks.py", "test_ui.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: (_LONGEST_FIRST.index(item.path.name) if item.path.name in _LONGEST_FIRST
-                                 else len(_LONGEST_FIRST)))  # stable: the order within a file is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
