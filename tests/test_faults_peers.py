@@ -287,7 +287,11 @@ def test_curve_keys_admit_only_authorised_actors_and_report_the_rest(tmp_path, t
         stranger.curve_publickey, stranger.curve_secretkey = public, secret
         stranger.curve_serverkey = zmq.auth.load_certificate(str(keys / "server" / "server.key"))[0]
         stranger.connect(run.addresses["control"])
-        stranger.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": "intruder", "capacity": 8}))
+        try:  # without blocking: once the learner has refused the handshake, a DEALER has no peer to queue for
+            stranger.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": "intruder", "capacity": 8}),
+                                    flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         assert run.wait(lambda: run.events("connection_refused"), 60)
         assert run.events("connection_refused")[0]["client_key"] == public.decode()
         assert "intruder" not in {e.get("actor_id") for e in run.events("actor_status")}
