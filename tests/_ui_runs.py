@@ -57,33 +57,41 @@ def _browser(args: list[str], profile: Path, timeout: float = 120) -> subprocess
         kill_tree(proc)  # chromium's renderer and GPU processes too
 
 
-def dump_dom(url: str, profile: Path) -> str:
-    res = _browser(["--dump-dom", url], profile)
+def dump_dom(url: str, profile: Path, shot: Path | None = None) -> str:
+    """The rendered DOM of ``url``; with ``shot``, a screenshot of the same render is saved there
+    (one browser run for both: a second run of a live page may render something else)."""
+    res = _browser(["--dump-dom", *([f"--screenshot={shot}"] if shot else []), url], profile)
     assert res.returncode == 0, f"chromium --dump-dom {url} failed: {res.stderr[-2000:]}"
     return res.stdout
 
 
-def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "") -> str:
-    """Dump ``url`` until ``check(dom)`` is true (the page may still be loading data)."""
+def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "",
+             screenshot_name: str | None = None) -> str:
+    """Dump ``url`` until ``check(dom)`` is true (the page may still be loading data). With
+    ``screenshot_name``, the render that passed is also saved as that file in ``test-artifacts/``."""
     deadline = time.time() + timeout
     dom = ""
+    shot = None
+    if screenshot_name:
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = profile.parent / f"{profile.name}-{screenshot_name}"
     while time.time() < deadline:
-        dom = dump_dom(url, profile)
+        if shot is not None:
+            shot.unlink(missing_ok=True)
+        dom = dump_dom(url, profile, shot)
         if check(dom):
+            if shot is not None:
+                _keep_screenshot(shot, ARTIFACTS / screenshot_name, url)
             return dom
         time.sleep(1)
     raise AssertionError(f"{url}: {what or 'expected content'} not in the page after {timeout:.0f}s; "
                          f"text was: {visible_text(dom)[:3000]}")
 
 
-def screenshot(url: str, name: str, profile: Path) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    out = ARTIFACTS / name
+def _keep_screenshot(shot: Path, out: Path, url: str) -> None:
+    assert shot.exists() and shot.stat().st_size > 10_000, f"no screenshot of {url} (or a blank one) at {shot}"
     out.unlink(missing_ok=True)
-    res = _browser([f"--screenshot={out}", url], profile)
-    assert res.returncode == 0 and out.exists() and out.stat().st_size > 10_000, \
-        f"no screenshot of {url}: {res.stderr[-2000:]}"
-    return out
+    shutil.copyfile(shot, out)
 
 
 def visible_text(dom: str) -> str:

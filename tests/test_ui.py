@@ -18,7 +18,7 @@ import zmq
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
-from ._ui_runs import (LineReader, make_runs, start_logged, screenshot, start_ui, stop, ui_url, visible_text,
+from ._ui_runs import (LineReader, make_runs, start_logged, start_ui, stop, ui_url, visible_text,
                        wait_dom)
 from .conftest import ROOT, cli, read_jsonl
 
@@ -43,14 +43,16 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         azr_url, rlcr_url = (ui_url(reader) for _, reader in procs)
 
         # Overview: the learner's policy version and the actor list
-        dom = wait_dom(azr_url + "?view=overview", profile, lambda d: _version(d) > 0, what="a policy version")
+        dom = wait_dom(azr_url + "?view=overview", profile, lambda d: _version(d) > 0, what="a policy version",
+                       screenshot_name="ui-overview.png")
         assert _version(dom) == azr.version == 3
         text = visible_text(dom)
         assert "actor-0" in text and "absolute_zero" in text and "finished" in text
         assert 'data-testid="matplotlib"' in dom and "data:image/png" in dom  # the curves
 
         # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
-        dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups")
+        dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups",
+                       screenshot_name="ui-tasks.png")
         groups = azr.azr_groups()
         table = dom[dom.index('id="azr-groups"'):]
         table = table[: table.index("</table>")]
@@ -68,7 +70,8 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert "does not use RLCR" in visible_text(dom)
 
         # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
-        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d, what="confidence trees")
+        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d, what="confidence trees",
+                       screenshot_name="ui-trees.png")
         nodes = rlcr.rlcr_nodes()
         assert dom.count('class="arl-tree rlcr-tree"') == nodes["episode_id"].nunique() == 6
         assert dom.count('class="rlcr-confidence"') == len(nodes) == 6 * 2 * 2
@@ -83,10 +86,6 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         sample = rlcr.records("sample")[-1]
         assert dom.count('class="arl-tok"') >= len(sample["tokens"])
         assert f"Step {sample['step']}: {sample['sample_type']} trajectory" in visible_text(dom)
-
-        for url, name in ((azr_url + "?view=overview", "ui-overview.png"), (azr_url + "?view=tasks", "ui-tasks.png"),
-                          (rlcr_url + "?view=trees", "ui-trees.png")):
-            screenshot(url, name, profile)
     finally:
         for proc, _ in procs:
             stop(proc)
@@ -106,9 +105,8 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
         assert served == announced
         dom = wait_dom(served + "?view=overview", profile,
                        lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),
-                       what="a live policy version >= 2 and received events")
+                       what="a live policy version >= 2 and received events", screenshot_name="ui-live.png")
         assert "finished" not in visible_text(dom)
-        screenshot(served + "?view=overview", "ui-live.png", profile)
     finally:
         code = stop(proc, signal.SIGINT, timeout=120)
     assert code == 130, "".join(reader.lines)[-3000:]
@@ -281,12 +279,12 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
         assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
 
         picked = url + "?runs=grpo40,absolute_zero&metrics=reward_mean,eval/accuracy"
-        dom = wait_dom(picked, profile, lambda d: _version(d) == 40, what="the first picked run's version")
+        dom = wait_dom(picked, profile, lambda d: _version(d) == 40, what="the first picked run's version",
+                       screenshot_name="ui-compare.png")
         assert 'id="metric-explorer"' in dom
         for series in ("grpo40 · reward_mean", "absolute_zero · reward_mean", "grpo40 · eval/accuracy"):
             assert series in dom, series  # the overlaid curves' legend
         assert "finished" in visible_text(dom)
-        screenshot(picked, "ui-compare.png", profile)
 
         dom = wait_dom(url + "?view=config&runs=rlcr", profile, lambda d: 'id="config-view"' in d, what="the config")
         text = visible_text(dom)
@@ -308,9 +306,8 @@ def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_ov
         announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:\d+/)").group(1)
         reader.wait_for(r"\[asyncrl\] training finished; the UI is still serving at " + re.escape(announced))
         dom = wait_dom(announced + "?view=overview", profile, lambda d: "finished" in visible_text(d),
-                       what="the finished run")
+                       what="the finished run", screenshot_name="ui-after-training.png")
         assert _version(dom) == 3
-        screenshot(announced + "?view=overview", "ui-after-training.png", profile)
         time.sleep(1)
         assert proc.poll() is None  # still serving
     finally:
@@ -359,10 +356,10 @@ def test_a_killed_learner_shows_as_crashed(tmp_path, tiny_overrides):
     profile = tmp_path / "chromium"
     try:
         url = ui_url(ui_reader)
-        dom = wait_dom(url + "?view=overview", profile, lambda d: 'class="arl-state-crashed"' in d, what="crashed")
+        dom = wait_dom(url + "?view=overview", profile, lambda d: 'class="arl-state-crashed"' in d, what="crashed",
+                       screenshot_name="ui-crashed.png")
         text = visible_text(dom)
         assert "finished" not in text and "no learner_stop event" in text
-        screenshot(url + "?view=overview", "ui-crashed.png", profile)
     finally:
         stop(ui)
 
