@@ -12,7 +12,7 @@ from app.args import add_ui_arguments
 
 from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
-from .lifecycle import watch_parent
+from .lifecycle import freeze_startup_heap, watch_parent
 from .preflight import preflight
 from .runlog import check_trackers
 
@@ -77,6 +77,7 @@ def cmd_learn(args) -> int:
     except BaseException:
         ranks.stop()
         raise
+    freeze_startup_heap()  # a process of its own from here on: see asyncrl.lifecycle
     summary = learner.run()
     print(json.dumps({"summary": summary}))
     return 0

@@ -4,10 +4,12 @@
     .venv/bin/python bench/bench_core.py --only-runs --steps 300 --threads 1,1 2,1 2,2   # thread pairs
 
 Prints three tables:
-1. Learner ingest: the learner's real path (PULL -> decode -> validate -> WAL append -> fsync -> ack) for
-   pre-encoded episodes pushed by a sender thread, next to a raw pyzmq PUSH/PULL of the same bytes
-   measured in the same run, as a ratio; then the same path's stages timed one by one (microseconds
-   per episode, no sockets): decode, validate, WAL append, fsync (one per 256 episodes, as one poll).
+1. Learner ingest: episodes sent by a PUSH in another process (as an actor's are) and received by
+   the learner's real path (PULL -> decode -> validate -> WAL append -> fsync per poll -> ack), by the
+   floor of any checked and durable ingest (PULL -> decode checked against the wire schema -> append
+   to a file -> fsync per batch of up to 256), and by a bare pyzmq receive of the same bytes, each
+   as a ratio to the bare one; then the learner path's stages timed one by one (microseconds per
+   episode, no sockets): decode, validate, WAL append, fsync (one per 256 episodes, as one poll).
 2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
    process's engine (the embedded demo model), over loopback.
 3. Wall time for the same number of optimizer steps with the quick-start config, asynchronous
@@ -19,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,11 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.buffer import ReplayBuffer  # noqa: E402
+from asyncrl.learner.buffer import ReplayBuffer, encode_record  # noqa: E402
 from asyncrl.learner.net import LearnerNet  # noqa: E402
 from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
+from asyncrl.lifecycle import freeze_startup_heap  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
-from asyncrl.wire.bench_util import measure_ingest  # noqa: E402
+from asyncrl.wire.sockets import bind  # noqa: E402
 from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg, encode_weights  # noqa: E402
 
 
@@ -52,30 +55,72 @@ def demo_episode(n_traj: int, prompt_len: int, gen_len: int, rng) -> Episode:
     return Episode(trajectories=trajs, actor_id="bench", task=task)
 
 
-def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
+def encoded_episodes(n: int, n_traj: int, prompt_len: int, gen_len: int) -> list[list]:
     rng = np.random.default_rng(0)
-    encoded = [encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng)) for _ in range(n)]
-    nbytes = sum(memoryview(f).nbytes for f in encoded[0])
+    return [encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng)) for _ in range(n)]
+
+
+def send_episodes(address: str, go_address: str, n: int, n_traj: int, prompt_len: int, gen_len: int) -> None:
+    """The sender process: encodes ``n + 1`` episodes, connects a PUSH to ``address``, sends the
+    first (a warm-up), waits for a message on ``go_address`` and sends the other ``n``."""
+    encoded = encoded_episodes(n + 1, n_traj, prompt_len, gen_len)
+    ctx = zmq.Context()
+    push, go = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    go.connect(go_address)
+    push.connect(address)
+    push.send_multipart(encoded[0], copy=False)
+    if not go.poll(120_000):
+        raise SystemExit("bench sender: no go from the receiver within 120 s")
+    go.recv()
+    for frames in encoded[1:]:
+        push.send_multipart(frames, copy=False)
+    push.close(linger=-1)  # until all are delivered
+    ctx.destroy(0)
+
+
+def _receive(address: str, n: int, shape: tuple, take) -> float:
+    """Episodes per second received by ``take`` (called as ``take(timeout_ms) -> count`` until
+    ``n`` arrived) from a sender in another process, as actors are; timed from the go sent after
+    the warm-up episode to the last episode, so the sender's start-up is not counted."""
+    ctx = zmq.Context()
+    go = ctx.socket(zmq.PUSH)
+    go.linger = 0
+    proc = subprocess.Popen([sys.executable, __file__, "--send", address, bind(go, "127.0.0.1", 0), str(n),
+                             *map(str, shape)])
+    try:
+        got = 0
+        while got == 0:
+            got = take(120_000)  # the warm-up episode
+        t0 = time.perf_counter()
+        go.send(b"go")
+        got = 0
+        while got < n:
+            got += take(60_000)
+        elapsed = time.perf_counter() - t0
+        proc.wait(60)
+    finally:
+        proc.kill()
+        ctx.destroy(0)
+    return n / elapsed
+
+
+def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
+    """Four receivers of the same episodes from a sender process: the learner's real path; the
+    least any checked and durable ingest must do (receive, decode and check the message against the
+    wire schema, append it to a file, fsync per batch); the same without the check (receive and
+    write); and a bare pyzmq receive."""
+    shape = (n_traj, prompt_len, gen_len)
+    nbytes = sum(memoryview(f).nbytes for f in encoded_episodes(1, *shape)[0])
     cfg = load_config(None)
     with tempfile.TemporaryDirectory() as tmp:
         net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
         validator = EpisodeValidator(vocab_size=128, limits=net.limits)
         buf = ReplayBuffer(Path(tmp), capacity=10**9)
         buf.open_wal(0)
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(net.addresses["episodes"])
-        time.sleep(0.2)
 
-        def sender():
-            for frames in encoded:
-                push.send_multipart(frames, copy=False)
-
-        t0 = time.perf_counter()
-        threading.Thread(target=sender, daemon=True).start()
-        got = 0
-        while got < n:
-            arrivals, _ = net.poll(1000)
+        def learner_take(timeout_ms: int) -> int:  # what the learner's loop does per poll
+            arrivals, _ = net.poll(timeout_ms)
+            got = 0
             for arrival in arrivals:
                 problem = validator.check(arrival, version=0)
                 if problem is not None:
@@ -83,15 +128,70 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
                 got += buf.add(arrival.episode, arrival.frames)
             buf.sync()
             net.ack({"bench": [a.episode.id for a in arrivals]})
-        learner_rate = n / (time.perf_counter() - t0)
-        push.close(0)
-        ctx.destroy(0)
+            return got
+
+        learner_rate = _receive(net.addresses["episodes"], n, shape, learner_take)
         net.close()
-    raw_rate = measure_ingest([bytes(memoryview(f)) for f in encoded[0]], n)
+
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        address = bind(pull, "127.0.0.1", 0)
+        fd = os.open(Path(tmp) / "floor.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+        def floor_take(timeout_ms: int) -> int:
+            if not pull.poll(timeout_ms):
+                return 0
+            got = 0
+            while got < 256:
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                decode(frames, max_header_bytes=64 * 1024, kinds=("episode",))
+                os.write(fd, encode_record(frames))
+                got += 1
+            os.fsync(fd)
+            return got
+
+        floor_rate = _receive(address, n, shape, floor_take)
+
+        def write_take(timeout_ms: int) -> int:
+            if not pull.poll(timeout_ms):
+                return 0
+            got = 0
+            while got < 256:
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                os.write(fd, encode_record(frames))
+                got += 1
+            os.fsync(fd)
+            return got
+
+        write_rate = _receive(address, n, shape, write_take)
+        os.close(fd)
+
+        def bare_take(timeout_ms: int) -> int:
+            if not pull.poll(timeout_ms):
+                return 0
+            got = 0
+            while got < 256:
+                try:
+                    pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                got += 1
+            return got
+
+        raw_rate = _receive(address, n, shape, bare_take)
+        ctx.destroy(0)
     return {"trajectories/episode": n_traj, "bytes/episode": nbytes, "episodes": n,
             "learner_episodes_per_s": learner_rate, "learner_MB_per_s": learner_rate * nbytes / 1e6,
+            "floor_episodes_per_s": floor_rate, "write_only_episodes_per_s": write_rate,
             "raw_pyzmq_msgs_per_s": raw_rate, "raw_MB_per_s": raw_rate * nbytes / 1e6,
-            "ratio_learner_to_raw": learner_rate / raw_rate}
+            "ratio_learner_to_raw": learner_rate / raw_rate, "ratio_floor_to_raw": floor_rate / raw_rate,
+            "ratio_write_only_to_raw": write_rate / raw_rate}
 
 
 def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
@@ -249,12 +349,21 @@ def main() -> None:
     ap.add_argument("--threads", nargs="*", metavar="LEARNER,ACTOR",
                     help="instead of the default runs: sync and async runs for each torch thread pair, e.g. 1,1 2,1")
     ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--send", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's collector settings (asyncrl learn freezes its start-up heap: asyncrl.lifecycle)")
     args = ap.parse_args()
     if args.probe:
         weights_probe(args.probe[0], int(args.probe[1]))
         return
+    if args.send:
+        send_episodes(args.send[0], args.send[1], *map(int, args.send[2:]))
+        return
     if not args.only_runs:
-        _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs raw pyzmq, same bytes, same run",
+        if not args.default_gc:
+            freeze_startup_heap()  # as asyncrl learn does once its model is built
+        _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs the floor (PULL -> schema check "
+               "-> file + fsync) vs raw pyzmq; same bytes from a sender process, same run",
                [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
         _print("learner ingest stages, microseconds per episode (no sockets)",
                [ingest_stages(args.episodes, 8, 8, 6), ingest_stages(args.episodes // 4, 64, 40, 40)])

@@ -4,6 +4,7 @@ signal exits cleanly, and start-up waits for a slow learner instead of a fixed d
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,3 +159,22 @@ def test_a_process_started_by_hand_is_not_watched():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "None", res.stderr
     assert os.environ.get(PARENT_ENV) is None
+
+
+def test_freezing_the_start_up_heap_still_collects_what_comes_after():
+    """``asyncrl learn`` freezes the objects alive after start-up (the collector stops walking them);
+    cyclic garbage made afterwards is still collected."""
+    code = ("import gc, json\n"
+            "from asyncrl.lifecycle import freeze_startup_heap\n"
+            "before = gc.get_freeze_count()\n"
+            "freeze_startup_heap()\n"
+            "class Node: pass\n"
+            "a = Node(); a.self = a; del a\n"
+            "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()[0], gc.collect()]))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, frozen, young, collected = json.loads(out.stdout)
+    assert before == 0 and frozen > 1000, (before, frozen)
+    assert young == 10_000
+    assert collected >= 1  # the node, made after the freeze
