@@ -104,6 +104,27 @@ def _receive(address: str, n: int, shape: tuple, take) -> float:
     return n / elapsed
 
 
+def _draining(pull, handle=None, fd: int | None = None):
+    """A ``take`` for :func:`_receive`: every message waiting on ``pull`` (at most 256, as in one
+    learner poll), each passed to ``handle``, then one fsync of ``fd``."""
+    def take(timeout_ms: int) -> int:
+        if not pull.poll(timeout_ms):
+            return 0
+        got = 0
+        while got < 256:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if handle is not None:
+                handle(frames)
+            got += 1
+        if fd is not None:
+            os.fsync(fd)
+        return got
+    return take
+
+
 def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     """Four receivers of the same episodes from a sender process: the learner's real path; the
     least any checked and durable ingest must do (receive, decode and check the message against the
@@ -138,53 +159,14 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
         address = bind(pull, "127.0.0.1", 0)
         fd = os.open(Path(tmp) / "floor.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-        def floor_take(timeout_ms: int) -> int:
-            if not pull.poll(timeout_ms):
-                return 0
-            got = 0
-            while got < 256:
-                try:
-                    frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                decode(frames, max_header_bytes=64 * 1024, kinds=("episode",))
-                os.write(fd, encode_record(frames))
-                got += 1
-            os.fsync(fd)
-            return got
+        def check_and_write(frames) -> None:
+            decode(frames, max_header_bytes=64 * 1024, kinds=("episode",))
+            os.write(fd, encode_record(frames))
 
-        floor_rate = _receive(address, n, shape, floor_take)
-
-        def write_take(timeout_ms: int) -> int:
-            if not pull.poll(timeout_ms):
-                return 0
-            got = 0
-            while got < 256:
-                try:
-                    frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                os.write(fd, encode_record(frames))
-                got += 1
-            os.fsync(fd)
-            return got
-
-        write_rate = _receive(address, n, shape, write_take)
+        floor_rate = _receive(address, n, shape, _draining(pull, check_and_write, fd))
+        write_rate = _receive(address, n, shape, _draining(pull, lambda fr: os.write(fd, encode_record(fr)), fd))
         os.close(fd)
-
-        def bare_take(timeout_ms: int) -> int:
-            if not pull.poll(timeout_ms):
-                return 0
-            got = 0
-            while got < 256:
-                try:
-                    pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                got += 1
-            return got
-
-        raw_rate = _receive(address, n, shape, bare_take)
+        raw_rate = _receive(address, n, shape, _draining(pull))
         ctx.destroy(0)
     return {"trajectories/episode": n_traj, "bytes/episode": nbytes, "episodes": n,
             "learner_episodes_per_s": learner_rate, "learner_MB_per_s": learner_rate * nbytes / 1e6,
