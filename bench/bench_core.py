@@ -7,8 +7,8 @@ Prints three tables:
 1. Learner ingest: episodes sent by a PUSH in another process (as an actor's are) and received by
    the learner's real path (PULL -> decode -> validate -> WAL append -> fsync per poll -> ack), by the
    floor of any checked and durable ingest (PULL -> decode checked against the wire schema -> append
-   to a file -> fsync per batch of up to 256), and by a bare pyzmq receive of the same bytes, each
-   as a ratio to the bare one; then the learner path's stages timed one by one (microseconds per
+   to a file -> fsync per batch of up to 256), by the same without the decode (PULL -> append ->
+   fsync), and by a bare pyzmq receive of the same bytes, each as a ratio to the bare one; then the learner path's stages timed one by one (microseconds per
    episode, no sockets): decode, validate, WAL append, fsync (one per 256 episodes, as one poll).
 2. Weight sync: time from ``publish_weights`` on the learner to the new weights applied in an actor
    process's engine (the embedded demo model), over loopback.
@@ -153,6 +153,7 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
 
         learner_rate = _receive(net.addresses["episodes"], n, shape, learner_take)
         net.close()
+        header_bytes = net.limits.header_bytes  # the learner's own bound on an episode header
 
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
@@ -160,7 +161,7 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
         fd = os.open(Path(tmp) / "floor.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
         def check_and_write(frames) -> None:
-            decode(frames, max_header_bytes=64 * 1024, kinds=("episode",))
+            decode(frames, max_header_bytes=header_bytes, kinds=("episode",))
             os.write(fd, encode_record(frames))
 
         floor_rate = _receive(address, n, shape, _draining(pull, check_and_write, fd))

@@ -56,7 +56,7 @@ def worker(args) -> None:
     rng = np.random.default_rng(0)
     n = args.prompt + args.response
     mask = np.r_[np.zeros(args.prompt), np.ones(args.response)]
-    prompts = [rng.integers(4, len(tok), args.prompt) for _ in range(args.batch)]
+    prompts = [rng.integers(4, len(tok), args.prompt) for _ in range(-(-args.batch // args.group))]
     trajs = []
     for i in range(args.batch):
         ids = rng.integers(4, len(tok), n)
