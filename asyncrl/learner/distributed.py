@@ -81,6 +81,15 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_group() -> None:
+    """Destroy this process's process groups on an orderly way out (each rank, after the last
+    collective). Left to the interpreter's exit, gloo's worker threads can be torn down after the
+    interpreter and the process aborts ("terminate called without an active exception", exit -6;
+    pytorch/pytorch#190489): a follower that had trained and stopped cleanly once exited that way."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _device() -> torch.device:
     """The device collectives run on: the current CUDA device under nccl, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

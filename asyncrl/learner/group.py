@@ -128,6 +128,8 @@ class Ranks:
             self._say("stop")
         except Exception as e:  # a follower already gone: nothing to release
             print(f"[learner] could not tell the other learner ranks to stop: {e}", flush=True)
+        else:
+            dist_learner.leave_group()
         self.control = None
 
 
@@ -150,6 +152,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
             op = header["op"]
             if op == "stop":
                 print(f"[learner rank {rank}] stopping after {steps} step(s)", flush=True)
+                dist_learner.leave_group()
                 return 0
             if op == "start":
                 model, tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
