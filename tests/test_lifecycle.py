@@ -25,16 +25,23 @@ RUN = ["sampling.n=2", "sampling.max_new_tokens=4", "actor.tasks_per_batch=2", "
        "actor.heartbeat_s=0.5"]
 
 
+def _env_without_openmp_settings() -> dict:
+    """The test environment without the OpenMP wait settings (this process's own ``import asyncrl``
+    set one), as a user's shell has it."""
+    return {k: v for k, v in subprocess_env().items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+
+
 def _start_run(tmp_path, tiny_overrides, name: str, ignore_sigint: bool = False) -> subprocess.Popen:
-    """``asyncrl run`` in its own session; with ``ignore_sigint`` it starts with SIGINT ignored, as
-    every background job of a non-interactive shell does (``trap '' INT`` is inherited by exec)."""
+    """``asyncrl run`` in its own session, from an environment without OpenMP wait settings; with
+    ``ignore_sigint`` it starts with SIGINT ignored, as every background job of a non-interactive
+    shell does (``trap '' INT`` is inherited by exec)."""
     cmd = cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, *RUN,
               f"run_root={tmp_path}", f"name={name}")
     if ignore_sigint:
         cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env_without_openmp_settings(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_training(proc: subprocess.Popen, run_dir, log, timeout: float = 240) -> set[int]:
@@ -75,6 +82,10 @@ def test_children_die_when_the_parent_is_killed(tmp_path, tiny_overrides):
     kids: set[int] = set()
     try:
         kids = _wait_training(proc, tmp_path / "orphans", tmp_path / "orphans.log")
+        # the learner and the actor train with bounded OpenMP spinning (asyncrl/__init__.py)
+        for pid in kids:
+            environ = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
+            assert environ.get(b"GOMP_SPINCOUNT") == b"10000", (pid, environ.get(b"GOMP_SPINCOUNT"))
         proc.send_signal(signal.SIGKILL)  # no chance to clean up
         proc.wait(timeout=30)
         left = _wait_gone(kids, timeout=45)
@@ -178,3 +189,15 @@ def test_freezing_the_start_up_heap_still_collects_what_comes_after():
     assert before == 0 and frozen > 1000, (before, frozen)
     assert young == 10_000
     assert collected >= 1  # the node, made after the freeze
+
+
+@pytest.mark.parametrize("given, expected", [({}, "10000"), ({"GOMP_SPINCOUNT": "500"}, "500"),
+                                             ({"OMP_WAIT_POLICY": "active"}, None)])
+def test_importing_asyncrl_bounds_openmp_spinning_unless_the_user_chose(given, expected):
+    """``import asyncrl`` sets GOMP_SPINCOUNT before torch is loaded (so libgomp reads it), and keeps a
+    spin count or wait policy the user set."""
+    code = "import asyncrl, os, sys; assert 'torch' not in sys.modules; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**_env_without_openmp_settings(), **given},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(expected)
