@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from asyncrl import OPENMP_SPINCOUNT
 from asyncrl.launcher import LearnerExited, wait_for_addresses
 from asyncrl.lifecycle import PARENT_ENV
 
@@ -85,7 +86,7 @@ def test_children_die_when_the_parent_is_killed(tmp_path, tiny_overrides):
         # the learner and the actor train with bounded OpenMP spinning (asyncrl/__init__.py)
         for pid in kids:
             environ = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
-            assert environ.get(b"GOMP_SPINCOUNT") == b"1000", (pid, environ.get(b"GOMP_SPINCOUNT"))
+            assert environ.get(b"GOMP_SPINCOUNT") == OPENMP_SPINCOUNT.encode(), (pid, environ.get(b"GOMP_SPINCOUNT"))
         proc.send_signal(signal.SIGKILL)  # no chance to clean up
         proc.wait(timeout=30)
         left = _wait_gone(kids, timeout=45)
@@ -191,7 +192,7 @@ def test_freezing_the_start_up_heap_still_collects_what_comes_after():
     assert collected >= 1  # the node, made after the freeze
 
 
-@pytest.mark.parametrize("given, expected", [({}, "1000"), ({"GOMP_SPINCOUNT": "500"}, "500"),
+@pytest.mark.parametrize("given, expected", [({}, OPENMP_SPINCOUNT), ({"GOMP_SPINCOUNT": "500"}, "500"),
                                              ({"OMP_WAIT_POLICY": "active"}, None)])
 def test_importing_asyncrl_bounds_openmp_spinning_unless_the_user_chose(given, expected):
     """``import asyncrl`` sets GOMP_SPINCOUNT before torch is loaded (so libgomp reads it), and keeps a
