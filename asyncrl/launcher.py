@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -141,7 +142,9 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
 
 def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:
     """``n`` learner processes of one group (``asyncrl.learner.group``), as ``torchrun`` would start
-    them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port).
+    them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port), and
+    ASYNCRL_STORE_SECRET, with which rank 0 serves the group's rendezvous store (bound to loopback
+    alone, answering only that secret: ``asyncrl.learner.distributed``).
     Rank 0 prints to this terminal; rank i > 0 to ``<run>/learner-rank<i>.log``. One process: no
     group variables at all."""
     if n < 1:
@@ -149,7 +152,7 @@ def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) ->
     if n == 1:
         return [subprocess.Popen(command, env=env)]
     group = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(_free_port())}
+             "MASTER_PORT": str(_free_port()), "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
     procs = []
     for rank in range(n):
         rank_env = {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}

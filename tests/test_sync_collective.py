@@ -22,8 +22,9 @@ DEADLINE_S = 120
 
 
 class Peer:
-    def __init__(self, address: str, last: int):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.collective_peer", address, str(last)], cwd=ROOT,
+    def __init__(self, pub: CollectivePublisher, last: int):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.collective_peer", pub.address, pub.server.secret,
+                                      str(last)], cwd=ROOT,
                                      env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -53,12 +54,12 @@ def test_versions_late_joiners_and_a_killed_actor():
     peers: list[Peer] = []
     try:
         pub.frames(expected(1), 1)
-        peers += [Peer(pub.address, 6), Peer(pub.address, 6)]
+        peers += [Peer(pub, 6), Peer(pub, 6)]
         _until(lambda: len(pub.members) == 2 and all(1 in p.versions() for p in peers), "two members at v1", pub)
         for v in (2, 3):
             pub.frames(expected(v), v)
         _until(lambda: all(3 in p.versions() for p in peers), "v3 at both", pub)
-        peers.append(Peer(pub.address, 6))  # a late joiner gets the current version when it joins
+        peers.append(Peer(pub, 6))  # a late joiner gets the current version when it joins
         _until(lambda: len(pub.members) == 3 and peers[2].versions()[:1] == [3], "the late joiner at v3", pub)
         pub.frames(expected(4), 4)
         _until(lambda: all(4 in p.versions() for p in peers), "v4 at all three", pub)

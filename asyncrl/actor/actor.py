@@ -56,7 +56,7 @@ class Actor:
         model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)
         self.tokenizer = load_tokenizer(model_dir, cfg.tasks.prompt_format)
         self.engine = make_engine(cfg, model_dir, self.tokenizer)
-        self.weights_in = make_receiver(cfg.sync)
+        self.weights_in = make_receiver(cfg.sync, cfg.wire, actor_id)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)
         self.ctx = zmq.Context.instance()

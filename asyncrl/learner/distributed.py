@@ -77,8 +77,38 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
         if torch.cuda.is_available():
             backend = "nccl"
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _group_store(timeout_s)
+        if store is None:  # torchrun / accelerate: their own rendezvous store (MASTER_ADDR:MASTER_PORT)
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+_STORE: list = []  # this process's rendezvous store objects, alive as long as the group
+
+
+def _group_store(timeout_s: float):
+    """With ``ASYNCRL_STORE_SECRET`` set (``asyncrl run --learner-procs`` sets it), the group meets
+    at an authenticated, bounded :class:`asyncrl.sync.store.StoreServer` that rank 0 binds on
+    MASTER_ADDR:MASTER_PORT alone (a plain ``TCPStore`` listens on every interface and takes anyone's
+    keys); without it, None: the launcher's own store."""
+    secret = os.environ.get("ASYNCRL_STORE_SECRET")
+    if not secret:
+        return None
+    from ..sync.store import StoreClient, StoreServer
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if int(os.environ["RANK"]) == 0:
+        server = StoreServer(host, port, secret=secret)
+        _STORE.append(server)
+        store = server.local(timeout_s)
+    else:
+        store = StoreClient(host, port, secret, timeout_s=timeout_s)
+    _STORE.append(store)
+    return store
 
 
 def leave_group() -> None:
@@ -88,6 +118,10 @@ def leave_group() -> None:
     pytorch/pytorch#190489): a follower that had trained and stopped cleanly once exited that way."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    while _STORE:
+        store = _STORE.pop()
+        if hasattr(store, "close"):
+            store.close()
 
 
 def _device() -> torch.device:

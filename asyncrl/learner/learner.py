@@ -63,7 +63,7 @@ class Learner:
         self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
-        self.weights_out = make_publisher(cfg.sync, self.run_dir)
+        self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
                                                                           "max_position_embeddings", None)))

@@ -2,7 +2,10 @@
 its actors, with the ``nccl`` backend between GPUs or ``gloo`` (``sync.backend``) on CPUs; the same
 code either way.
 
-Membership, over a ``TCPStore`` the learner serves (``sync.group_host:group_port``):
+Membership, over the rendezvous store the learner serves (``sync.group_host:group_port``,
+:class:`asyncrl.sync.store.StoreServer`: bound to that host alone, CURVE off loopback, bounded, and
+answering only requests that carry its secret, which reaches the actors in the learner's ``weights``
+message; a plain ``TCPStore`` would listen on every interface and take anyone's registrations):
 
 - an actor *registers* (``reg`` counter plus ``reg/<n>`` = its token) when it first hears of the
   group and again whenever its group fails;
@@ -12,8 +15,9 @@ Membership, over a ``TCPStore`` the learner serves (``sync.group_host:group_port
   ``pg<e>`` and a newcomer gets the current version at once;
 - a broadcast that fails or passes ``sync.timeout_s`` (a killed or hung actor) is reported in one
   line, the group is dropped (an empty epoch is announced), and the learner goes on; the actors
-  still alive see they were dropped and register again, so the next epoch holds exactly them. No
-  call waits without a bound.
+  still alive see they were dropped and register again, so the next epoch holds exactly them. A
+  member that never came to a group's rendezvous (it set no ``ready/<e>/<token>``) is never waited
+  for again. No call waits without a bound.
 
 Each version is announced by a doorbell (``bell/<e>``, a count) and then sent as two broadcasts in
 the epoch's group: a header ``[version, nbytes]`` and one flat byte bucket holding every tensor at
@@ -43,14 +47,11 @@ from ..wire.codec import Message, encode
 from ..wire.messages import ShmTensor, Weights
 from .base import WeightsError
 from .ipc import pack, plan_layout, unpack
+from .store import StoreClient, StoreServer
 
 _POLL_S = 0.05  # waiting for an epoch
-_RING_POLL_S = 0.005  # a member waiting for the bell (adds at most this to a transfer)
-
-
-def _store(host: str, port: int, master: bool, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+_RING_WAIT_S = 0.2  # a member waiting for the bell (the store answers as soon as it rings)
+_MAX_PENDING = 1024  # registrations waiting for the next epoch, at most
 
 
 def _group(backend: str, store, prefix: str, rank: int, size: int, timeout_s: float):
@@ -82,14 +83,17 @@ class CollectivePublisher:
 
     needs_snapshot = True  # a newcomer is sent the last published version, kept as it was
 
-    def __init__(self, sync_cfg, run_dir=None):
+    def __init__(self, sync_cfg, run_dir=None, wire_cfg=None):
         self.backend, self.timeout_s = sync_cfg.backend, float(sync_cfg.timeout_s)
         self.host = sync_cfg.group_host
-        self.store = _store(self.host, int(sync_cfg.group_port), True, self.timeout_s)
-        self.address = f"{self.host}:{self.store.port}"
+        self.server = StoreServer(self.host, int(sync_cfg.group_port),
+                                  curve_dir=getattr(wire_cfg, "curve_dir", None))
+        self.store = self.server.local(self.timeout_s)  # (kept: a process group holds it by reference)
+        self.address = self.server.address
         self.epoch, self.members, self.pg, self.bell = 0, [], None, 0
         self._regs_seen = 0
         self._pending: list[str] = []
+        self.never_came: set[str] = set()  # members that missed a rendezvous: never waited for again
         self._last: tuple[int, dict] | None = None  # (version, state) last published
         self._bucket: torch.Tensor | None = None
         self.last_error: str | None = None
@@ -104,7 +108,12 @@ class CollectivePublisher:
         version). Called by the learner's loop and before every publish."""
         regs = int(self.store.add("reg", 0))
         if regs > self._regs_seen:
-            self._pending += [self.store.get(f"reg/{n}").decode() for n in range(self._regs_seen + 1, regs + 1)]
+            for n in range(self._regs_seen + 1, regs + 1):
+                token = self.server.table.values([f"reg/{n}"])[0]
+                self.store.delete_key(f"reg/{n}")  # (the store holds only what is still to be read)
+                if token and token.decode(errors="replace") not in self.never_came \
+                        and len(self._pending) < _MAX_PENDING:
+                    self._pending.append(token.decode(errors="replace"))
             self._regs_seen = regs
         if not self._pending or self._last is None:
             return
@@ -114,11 +123,20 @@ class CollectivePublisher:
             self._send(*self._last)
 
     def _announce(self, members: list[str], layout: list | None = None) -> None:
+        old = self.epoch
         self.pg, self.epoch, self.bell = None, self.epoch + 1, 0
         info = {"members": members, "layout": layout or [], "backend": self.backend}
         self.store.set(f"epoch/{self.epoch}", json.dumps(info))
         self.store.set(f"bell/{self.epoch}", "0")
         self.store.set("latest", str(self.epoch))
+        if old > 1:  # what a member may still read is the newest epoch and the one before
+            self._forget(old - 1)
+
+    def _forget(self, epoch: int) -> None:
+        for key in (f"epoch/{epoch}", f"bell/{epoch}"):
+            self.store.delete_key(key)
+        for key in [k for k in list(self.server.table.data) if k.startswith((f"pg{epoch}/", f"ready/{epoch}/"))]:
+            self.store.delete_key(key)
 
     def _form(self, members: list[str]) -> None:
         layout, _ = plan_layout(self._last[1])
@@ -127,7 +145,11 @@ class CollectivePublisher:
             self.pg = _group(self.backend, self.store, f"pg{self.epoch}", 0, len(members) + 1, self.timeout_s)
             self.members = members
         except Exception as e:  # noqa: BLE001 - a member that never came: report, go on without a group
-            self._fail(f"forming weight-sync group {self.epoch} with {members}", e)
+            absent = [m for m in members if not self.store.check([f"ready/{self.epoch}/{m}"])]
+            self.never_came.update(absent)
+            self._fail(f"forming weight-sync group {self.epoch} with {members}"
+                       + (f" ({len(absent)} never came and will not be waited for again: {absent[:4]})"
+                          if absent else ""), e)
 
     def _fail(self, what: str, err: Exception) -> None:
         self.last_error = (f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
@@ -143,7 +165,7 @@ class CollectivePublisher:
         self.poll()
         if self.pg is not None:
             self._send(int(version), state)
-        return encode("weights", Weights(version=int(version), group=self.address))
+        return encode("weights", Weights(version=int(version), group=self.address, group_key=self.server.secret))
 
     def _send(self, version: int, state: dict[str, torch.Tensor]) -> None:
         layout, size = plan_layout(state)
@@ -162,6 +184,7 @@ class CollectivePublisher:
     def close(self) -> None:
         _abort(self.pg)
         self.pg = None
+        self.server.close()
 
 
 class _Dropped(Exception):
@@ -172,8 +195,9 @@ class CollectiveReceiver:
     """The actor's side: a thread joins epochs and receives versions; ``tensors`` hands the
     newest one to the engine."""
 
-    def __init__(self, sync_cfg=None):
+    def __init__(self, sync_cfg=None, wire_cfg=None, actor_id: str | None = None):
         self.timeout_s = float(sync_cfg.timeout_s) if sync_cfg is not None else 30.0
+        self._curve = (getattr(wire_cfg, "curve_dir", None), actor_id)
         self._lock = threading.Condition()
         self._buffers: list[torch.Tensor | None] = [None, None, None]
         self._ready: tuple[int, int, list[ShmTensor]] | None = None  # (version, buffer index, layout)
@@ -189,9 +213,12 @@ class CollectiveReceiver:
         if not group:
             raise WeightsError("the learner sent no weight-sync group but this actor expects sync.type=nccl; "
                                "use the same sync.type on both sides")
+        if not msg.body.group_key:
+            raise WeightsError("the learner's weights message names a weight-sync group but no group_key; "
+                               "learner and actor must run the same asyncrl version")
         if self._thread is None:
             host, port = group.rsplit(":", 1)
-            self._thread = threading.Thread(target=self._run, args=(host, int(port)), daemon=True,
+            self._thread = threading.Thread(target=self._run, args=(host, int(port), msg.body.group_key), daemon=True,
                                             name="weights-collective")
             self._thread.start()
             atexit.register(self.close)
@@ -208,9 +235,11 @@ class CollectiveReceiver:
         return version, unpack(self._buffers[index], layout)
 
     # -- the thread -----------------------------------------------------------------------------
-    def _run(self, host: str, port: int) -> None:
+    def _run(self, host: str, port: int, secret: str) -> None:
         try:
-            store = _store(host, port, False, self.timeout_s)
+            store = StoreClient(host, port, secret, timeout_s=self.timeout_s, curve_dir=self._curve[0],
+                                actor_id=self._curve[1])
+            self._store = store  # (kept alive while process groups use it)
         except Exception as e:  # noqa: BLE001
             self.error = f"cannot reach the weight-sync store at {host}:{port}: {e}"
             return
@@ -257,14 +286,17 @@ class CollectiveReceiver:
         """Receive the versions of one epoch; returns the next epoch that names this actor (None
         when stopped)."""
         members, epoch = info["members"], self.epoch
+        store.set(f"ready/{epoch}/{token}", "1")  # (a member that never sets it is not waited for again)
         pg = _group(info["backend"], store, f"pg{epoch}", members.index(token) + 1, len(members) + 1,
                     self.timeout_s)
         self._member_of_current = True
         layout = [msgspec.convert(t, ShmTensor) for t in info["layout"]]
         device = "cuda" if info["backend"] == "nccl" else "cpu"
         done = 0
+        seen: list = [None, None]
         while not self._stop.is_set():
-            bell = int(store.get(f"bell/{epoch}"))
+            seen = store.wait_change([f"bell/{epoch}", "latest"], seen, _RING_WAIT_S)
+            bell = int(seen[0] or 0)
             while done < bell:  # one header + bucket per ring, in order
                 header = torch.zeros(2, dtype=torch.int64, device=device)
                 _broadcast(pg, header)
@@ -278,7 +310,6 @@ class CollectiveReceiver:
             newer = self._newer_epoch(store, token)
             if newer is not None:
                 return newer
-            time.sleep(_RING_POLL_S)
         return None
 
     def _free_buffer(self, size: int, device: str) -> int:

@@ -15,7 +15,7 @@ from .base import WeightsError
 
 
 class FilesystemPublisher:
-    def __init__(self, sync_cfg, run_dir: Path):
+    def __init__(self, sync_cfg, run_dir: Path, wire_cfg=None):
         self.dir = Path(sync_cfg.dir or Path(run_dir) / "weights").resolve()
         self.keep = sync_cfg.keep
 
@@ -33,7 +33,7 @@ class FilesystemPublisher:
 
 
 class FilesystemReceiver:
-    def __init__(self, sync_cfg=None):
+    def __init__(self, sync_cfg=None, wire_cfg=None, actor_id=None):
         pass
 
     def tensors(self, msg: Message) -> tuple[int, dict]:

@@ -121,7 +121,7 @@ class IpcPublisher:
 
     needs_snapshot = False  # the tensors are copied into the segment before frames() returns
 
-    def __init__(self, sync_cfg=None, run_dir=None):
+    def __init__(self, sync_cfg=None, run_dir=None, wire_cfg=None):
         self.dir = Path(sync_cfg.dir) if sync_cfg is not None and sync_cfg.dir else default_dir()
         self.dir.mkdir(parents=True, exist_ok=True)
         sweep_stale(self.dir)
@@ -161,7 +161,7 @@ class IpcReceiver:
     """The actor's side: maps the named segment (kept open while the learner uses it), copies the
     version out with one memory copy into a buffer of its own, and checks it was not overwritten."""
 
-    def __init__(self, sync_cfg=None):
+    def __init__(self, sync_cfg=None, wire_cfg=None, actor_id=None):
         self.dir = Path(sync_cfg.dir) if sync_cfg is not None and sync_cfg.dir else default_dir()
         self._open: dict[str, _Segment] = {}
         self._buf: torch.Tensor | None = None

@@ -8,7 +8,7 @@ from .base import WeightsError
 
 
 class ZmqPublisher:
-    def __init__(self, sync_cfg=None, run_dir=None):
+    def __init__(self, sync_cfg=None, run_dir=None, wire_cfg=None):
         pass
 
     def frames(self, state: dict, version: int) -> list:
@@ -18,7 +18,7 @@ class ZmqPublisher:
 
 
 class ZmqReceiver:
-    def __init__(self, sync_cfg=None):
+    def __init__(self, sync_cfg=None, wire_cfg=None, actor_id=None):
         pass
 
     def tensors(self, msg: Message) -> tuple[int, dict]:

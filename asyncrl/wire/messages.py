@@ -227,6 +227,7 @@ class Weights(Body):
     segment: Name | None = None
     layout: list[ShmTensor] | None = None
     group: Name | None = None  # nccl/gloo: the learner's weight-sync store, host:port
+    group_key: Name | None = None  # nccl/gloo: the secret every request to that store must carry
 
 
 class Event(Body):
