@@ -137,6 +137,7 @@ class CollectivePublisher:
             self.store.delete_key(key)
         for key in [k for k in list(self.server.table.data) if k.startswith((f"pg{epoch}/", f"ready/{epoch}/"))]:
             self.store.delete_key(key)
+        self.server.table.cancelled.discard(f"pg{epoch}/")
 
     def _form(self, members: list[str]) -> None:
         layout, _ = plan_layout(self._last[1])
@@ -147,6 +148,7 @@ class CollectivePublisher:
         except Exception as e:  # noqa: BLE001 - a member that never came: report, go on without a group
             absent = [m for m in members if not self.store.check([f"ready/{self.epoch}/{m}"])]
             self.never_came.update(absent)
+            self.server.table.cancel(f"pg{self.epoch}/")  # the members that came stop waiting now
             self._fail(f"forming weight-sync group {self.epoch} with {members}"
                        + (f" ({len(absent)} never came and will not be waited for again: {absent[:4]})"
                           if absent else ""), e)

@@ -62,6 +62,7 @@ class _Table:
         self.total = 0
         self.cv = threading.Condition()
         self.refused = 0  # requests refused (secret, bounds, malformed): the learner reports them
+        self.cancelled: set[str] = set()  # key prefixes whose waiters are answered at once (a failed group)
 
     def _put(self, key: str, value: bytes) -> None:
         if len(value) > self.max_value:
@@ -105,9 +106,18 @@ class _Table:
         with self.cv:
             return all(k in self.data for k in keys)
 
+    def cancel(self, prefix: str) -> None:
+        """Fail every present and future wait for keys under ``prefix`` (a group that will never
+        form: its members stop waiting for a peer that did not come)."""
+        with self.cv:
+            self.cancelled.add(prefix)
+            self.cv.notify_all()
+
     def wait(self, keys: list[str], timeout_s: float) -> bool:
         with self.cv:
-            return self.cv.wait_for(lambda: all(k in self.data for k in keys), timeout=timeout_s)
+            self.cv.wait_for(lambda: all(k in self.data for k in keys)
+                             or any(k.startswith(p) for k in keys for p in self.cancelled), timeout=timeout_s)
+            return all(k in self.data for k in keys)
 
     def get(self, key: str, timeout_s: float) -> bytes:
         if not self.wait([key], timeout_s):
