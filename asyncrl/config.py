@@ -349,8 +349,15 @@ class WireConfig(_Base):
         "Credits are leases: an actor (or weight subscriber) silent this long is dropped and its "
         "outstanding credits return to the pool; any message from it renews the lease, and a dropped "
         "actor is admitted again on its next message."))
+    credit_timeout_s: float | None = Field(None, gt=0, description=(
+        "Credits are renewed by progress, not by heartbeats: an actor that holds credits and delivers "
+        "no episode for this long loses them (back to the pool) and gets one at a time until it delivers "
+        "(also after a new hello). "
+        "Null: 3 x lease_s."))
     max_capacity: int = Field(64, ge=1, description="Most credits one actor may hold (a hello's capacity is capped).")
-    max_actors: int = Field(256, ge=1, description="Most actors admitted at once; further hellos are refused.")
+    max_actors: int = Field(256, ge=1, description=(
+        "Most actors admitted at once; when full, an actor id that delivered episodes before takes the "
+        "place of the earliest admitted actor that never delivered one, any other hello is refused."))
     max_trajectories_per_episode: int = Field(1024, ge=1, description=(
         "Largest episode accepted, in trajectories (with max_tokens_per_trajectory it sets the "
         "learner's ZMQ_MAXMSGSIZE: a larger frame disconnects its sender)."))

@@ -9,6 +9,7 @@ generous deadlines; every process is stopped in a ``finally``.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -353,3 +354,42 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
         kill_tree(proc)
         for sock in socks.values():
             sock.close(0)
+
+
+def test_a_heartbeat_only_actor_loses_its_credits_and_a_returning_actor_finds_room(tmp_path, tiny_overrides):
+    """25.2: a peer that sends a valid status every second but never an episode held 64 credits
+    for ever (training at 0.0-0.2 steps/s), and peers filling the table kept a restarted actor
+    out. Its credits now return after wire.credit_timeout_s, and the real actor, restarted into a
+    full table, takes the place of the peer that never delivered."""
+    credit_timeout = 4.0
+    run = LiveRun(tmp_path, "hog", _overrides(tiny_overrides, "wire.lease_s=30", f"wire.credit_timeout_s={credit_timeout}",
+                                              "actor.heartbeat_s=0.5", "wire.max_actors=2"))
+    hog = connect(zmq.DEALER, run.addresses["control"])
+    hog.setsockopt(zmq.IDENTITY, b"hog:1")
+    hog.disconnect(run.addresses["control"])  # (the identity applies to the next connection)
+    hog.connect(run.addresses["control"])
+    stop = threading.Event()
+
+    def heartbeat():  # valid status messages, bounded in count and time
+        for _ in range(600):
+            if stop.wait(1.0):
+                return
+            hog.send_multipart(frames(SCHEMA_VERSION, "status", {"actor_id": "hog", "identity": "hog:1",
+                                                                  "capacity": 64, "version": 0}))
+    try:
+        hog.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": "hog", "capacity": 64}))
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        first = run.actor("actor-0", 0)
+        assert run.wait_version(3, 240) is not None, run.log_tail(lines=20)  # trains beside the hog
+        assert run.wait(lambda: any(e.get("actor_id") == "hog" for e in run.events("credits_reclaimed")), 120)
+        first.kill()
+        first.wait(timeout=30)
+        v = run.version()
+        run.actor("actor-0", 0)  # the table is full (the killed actor's lease has 30 s to run, the hog)
+        assert run.wait_version(v + 3, 240) is not None, run.log_tail(lines=20)
+        assert any(e.get("reason") == "evicted" and e.get("actor_id") == "hog" for e in run.events("actor_dropped"))
+    finally:
+        stop.set()
+        hog.close(0)
+        run.stop()

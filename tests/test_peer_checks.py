@@ -168,3 +168,48 @@ def test_a_subscriber_gets_one_version_at_a_time_the_newest(net):
         assert version == 5 and tensors["w"].tolist() == [5.0] * 3  # conflated to the newest
     finally:
         sub.close(0)
+
+
+def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
+    """Issue 25.2: an actor that heartbeats but never delivers loses its credits after
+    wire.credit_timeout_s and gets one at a time until it delivers; a full table makes room for an actor id
+    that delivered before, by evicting a stranger that never did."""
+    cfg = load_config(None, ["wire.lease_s=30", "wire.credit_timeout_s=0.5", "wire.max_capacity=5",
+                             "wire.max_actors=2", "actor.heartbeat_s=0.1"]).wire
+    net = LearnerNet(cfg, lambda ch, e: None)
+    socks = [_dealer(net.addresses["control"]) for _ in range(4)]
+    try:
+        socks[0].send_multipart(encode_msg("hello", actor_id="real", capacity=5))
+        socks[1].send_multipart(encode_msg("hello", actor_id="hog", capacity=5))
+        _pump_until(net, lambda: len(net.actors) == 2)
+        real, hog = sorted(net.actors.values(), key=lambda a: a.actor_id != "real")
+        assert net.grant_credits(10, min_version=0) == 10 and hog.outstanding == 5
+        net.received_from("real", 5)  # the real actor delivers, the hog only heartbeats
+        deadline = time.time() + DEADLINE_S
+        while time.time() < deadline and not net.reclaimed:
+            hog.last_seen = time.monotonic()  # (its heartbeats keep its lease)
+            net.expire()
+            time.sleep(0.05)
+        (taken, n), = net.take_reclaimed()[0]
+        assert taken is hog and n == 5 and hog.outstanding == 0 and hog.hog
+        assert net.grant_credits(10, min_version=0) == 6 and real.outstanding == 5 and hog.outstanding == 1
+        # the table is full (2): a stranger is refused, the returning real actor is not
+        socks[2].send_multipart(encode_msg("hello", actor_id="stranger", capacity=5))
+        with pytest.raises(WireError, match="actors_full|table full"):
+            deadline = time.time() + DEADLINE_S
+            while time.time() < deadline:
+                for identity, msg in net.poll(50)[1]:
+                    net.handle_control(identity, msg)
+        socks[3].send_multipart(encode_msg("hello", actor_id="real", capacity=5))  # restarted: a new socket
+        _pump_until(net, lambda: sum(a.actor_id == "real" for a in net.actors.values()) == 2)
+        assert "hog" not in {a.actor_id for a in net.actors.values()}
+        assert [a.actor_id for a in net.take_reclaimed()[1]] == ["hog"]
+        assert socks[1].poll(DEADLINE_S * 1000)
+        kinds = [decode(socks[1].recv_multipart()).kind]
+        while socks[1].poll(200):
+            kinds.append(decode(socks[1].recv_multipart()).kind)
+        assert "stop" in kinds  # the evicted stranger is told
+    finally:
+        for s in socks:
+            s.close(0)
+        net.close()

@@ -86,6 +86,10 @@ class ActorState:
     status: Status | None = None
     last_seen: float = field(default_factory=time.monotonic)
     withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
+    admitted_at: float = field(default_factory=time.monotonic)
+    progress_at: float = field(default_factory=time.monotonic)  # its last episode, or the grant that gave it work
+    delivered: int = 0  # episodes received from it
+    hog: bool = False  # its credits were taken back for want of progress: one at a time until it delivers
 
 
 @dataclass
@@ -104,6 +108,11 @@ class LearnerNet:
         self.ctx = zmq.Context.instance()
         self.session = uuid.uuid4().hex
         self.lease_s = wire_cfg.lease_s
+        self.credit_timeout_s = wire_cfg.credit_timeout_s or 3 * wire_cfg.lease_s
+        self.reclaimed: list[tuple[ActorState, int]] = []  # credits taken back since the last call
+        self.evicted: list[ActorState] = []  # strangers dropped for a returning actor since the last call
+        self._hogs: dict[str, None] = {}  # actor ids whose credits were taken back (kept across hellos)
+        self._known: dict[str, None] = {}  # actor ids that delivered an episode (never refused for a stranger)
         self.max_capacity, self.max_actors = wire_cfg.max_capacity, wire_cfg.max_actors
         self.limits = limits or Limits.from_config(wire_cfg)
         self.auth = start_curve_auth(self.ctx, wire_cfg.curve_dir) if wire_cfg.curve_dir else None
@@ -223,9 +232,17 @@ class LearnerNet:
 
     def _admit(self, identity: bytes, actor_id: str, capacity: int) -> ActorState:
         if identity not in self.actors and len(self.actors) >= self.max_actors:
-            raise WireError(f"actor table full ({self.max_actors} actors, wire.max_actors); refused "
-                            f"{actor_id!r}", reason="actors_full")
-        state = ActorState(identity, actor_id, min(capacity, self.max_capacity))
+            strangers = [a for a in self.actors.values() if a.delivered == 0]
+            if actor_id not in self._known or not strangers:
+                raise WireError(f"actor table full ({self.max_actors} actors, wire.max_actors); refused "
+                                f"{actor_id!r}", reason="actors_full")
+            # an actor that delivered before comes back: the stranger admitted first makes room
+            stranger = min(strangers, key=lambda a: a.admitted_at)
+            del self.actors[stranger.identity]
+            self.evicted.append(stranger)
+            self.send_control(stranger.identity, Stop(reason=f"the actor table is full and {actor_id!r}, "
+                                                             f"which delivered episodes before, came back"))
+        state = ActorState(identity, actor_id, min(capacity, self.max_capacity), hog=actor_id in self._hogs)
         self.actors[identity] = state
         self.send_control(identity, Welcome(session=self.session, addresses=self.addresses,
                                             lease_s=self.lease_s))
@@ -238,11 +255,28 @@ class LearnerNet:
         dead = [a for a in self.actors.values() if now - a.last_seen > self.lease_s]
         for a in dead:
             del self.actors[a.identity]
+        for a in self.actors.values():  # credits are renewed by progress, not by heartbeats
+            if a.outstanding and now - a.progress_at > self.credit_timeout_s:
+                self.reclaimed.append((a, a.outstanding))
+                a.outstanding, a.hog = 0, True
+                self._remember(self._hogs, a.actor_id)
         live_ids = {a.actor_id for a in self.actors.values()}
         for ident in [i for i, s in self.subscribers.items()
                       if now - s.last_seen > self.lease_s and s.actor_id not in live_ids]:
             del self.subscribers[ident]
         return dead
+
+    def _remember(self, table: dict, actor_id: str) -> None:
+        table.pop(actor_id, None)
+        table[actor_id] = None
+        while len(table) > 4 * self.max_actors:  # bounded: the oldest are forgotten first
+            del table[next(iter(table))]
+
+    def take_reclaimed(self) -> tuple[list[tuple[ActorState, int]], list[ActorState]]:
+        """Credits taken back for want of progress, and strangers evicted, since the last call."""
+        out = (self.reclaimed, self.evicted)
+        self.reclaimed, self.evicted = [], []
+        return out
 
     def send_control(self, identity: bytes, body) -> None:
         send_routed(self.control, identity, encode(body.KIND, body))
@@ -265,7 +299,12 @@ class LearnerNet:
         for a in self.actors.values():
             if a.actor_id == actor_id:
                 a.outstanding = max(0, a.outstanding - n)
-                a.last_seen = now
+                a.last_seen = a.progress_at = now
+                a.delivered += n
+                a.hog = False
+        self._hogs.pop(actor_id, None)
+        if actor_id not in self._known:
+            self._remember(self._known, actor_id)
 
     def grant_credits(self, free: int, min_version: int, work=None) -> int:
         """Hand out up to ``free`` credits one at a time, round-robin over the actors below their
@@ -285,7 +324,7 @@ class LearnerNet:
         while free > 0:
             progress = False
             for ident, a in order:
-                if free > 0 and a.outstanding + grants[ident] < a.capacity:
+                if free > 0 and a.outstanding + grants[ident] < (1 if a.hog else a.capacity):
                     grants[ident] += 1
                     free -= 1
                     granted += 1
@@ -296,6 +335,8 @@ class LearnerNet:
             if grants[ident]:
                 extra = work(a, grants[ident]) if work is not None else {}
                 self.send_control(ident, Credit(n=grants[ident], min_version=min_version, **extra))
+                if not a.outstanding:  # the clock for its progress starts with the work
+                    a.progress_at = time.monotonic()
                 a.outstanding += grants[ident]
         return granted
 

@@ -173,6 +173,17 @@ class Peers:
             self.reports.report("actor_dropped", "lease", f"{a.actor_id} was silent for more than "
                                 f"{self.net.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
                                 f"return to the pool", actor_id=a.actor_id, outstanding=a.outstanding)
+        reclaimed, evicted = self.net.take_reclaimed()
+        for a, n in reclaimed:
+            self.reports.report("credits_reclaimed", "no_progress", f"{a.actor_id} held {n} credits and "
+                                f"delivered no episode for {self.net.credit_timeout_s:g} s (wire.credit_timeout_s); "
+                                f"they return to the pool and it gets one at a time until it delivers",
+                                actor_id=a.actor_id, outstanding=n)
+        for a in evicted:
+            self._status_logged.pop(a.identity, None)
+            self.reports.report("actor_dropped", "evicted", f"{a.actor_id} (never delivered an episode) made "
+                                f"room in the full actor table for an actor that did",
+                                actor_id=a.actor_id, outstanding=a.outstanding)
         for key, _ in self.net.take_denied():
             self.reports.report("connection_refused", "curve_key", f"a CURVE client with key {key} is "
                                 f"not in the server's authorized keys", client_key=key)
