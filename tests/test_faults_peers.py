@@ -393,3 +393,31 @@ def test_a_heartbeat_only_actor_loses_its_credits_and_a_returning_actor_finds_ro
         stop.set()
         hog.close(0)
         run.stop()
+
+
+def test_a_revoked_key_is_dropped_while_the_learner_runs_and_told_why(tmp_path, tiny_overrides):
+    """25.3: deleting authorized/actor-a2.key while the learner ran still admitted a2. Now its
+    open connection's messages are refused and it is stopped with the reason, a restarted a2 is
+    refused at the handshake and says so in one line, and a1 trains on."""
+    keys = tmp_path / "keys"
+    make_curve_keys(str(keys), ["a1", "a2"])
+    run = LiveRun(tmp_path, "revoke", _overrides(tiny_overrides, f"wire.curve_dir={keys}", "actor.heartbeat_s=0.5"))
+    try:
+        a1 = run.actor("a1", 0)
+        a2 = run.actor("a2", 1)
+        assert run.wait(lambda: {"a1", "a2"} <= {e.get("actor_id") for e in run.events("actor_status")}, 240), \
+            run.log_tail(lines=20)
+        assert run.wait_version(2, 240) is not None, run.log_tail(lines=20)
+        (keys / "server" / "authorized" / "actor-a2.key").unlink()
+        assert a2.wait(timeout=120) == 0  # told to stop, with the reason
+        assert "key" in run.log_tail("a2", lines=5) and "revoked" in run.log_tail("a2", lines=5)
+        assert any(e["reason"].endswith("revoked_key") for e in run.events("bad_message")), run.events("bad_message")
+        v = run.version()
+        a2 = run.actor("a2", 1)  # comes back with the revoked key: refused at the handshake, one line why
+        assert run.wait(lambda: "refused this actor's CURVE key" in run.log_tail("a2", lines=5), 240), \
+            run.log_tail("a2", lines=5)
+        assert run.wait(lambda: run.events("connection_refused"), 60)
+        assert run.wait_version(v + 2, 240) is not None, run.log_tail(lines=20)  # a1 trains on
+        assert a1.poll() is None
+    finally:
+        run.stop()

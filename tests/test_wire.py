@@ -465,3 +465,19 @@ def test_curve_exchange_and_auth(ctx, tmp_path):
 def test_missing_curve_keys_explain_how_to_make_them(ctx, tmp_path):
     with pytest.raises(WireSecurityError, match="asyncrl keys --out DIR"):
         apply_curve_server(ctx.socket(zmq.PULL), str(tmp_path))
+
+
+def test_an_actor_bundle_holding_the_server_secret_is_warned_about(ctx, tmp_path):
+    import shutil
+    import warnings as w
+
+    from asyncrl.wire.sockets import actor_bundle
+
+    keys = tmp_path / "keys"
+    make_curve_keys(str(keys), ["0"])
+    with w.catch_warnings():
+        w.simplefilter("error")
+        actor_bundle(str(keys / "actor-0"))  # as made: no warning
+    shutil.copyfile(keys / "server" / "server.key_secret", keys / "actor-0" / "server.key_secret")
+    with pytest.warns(UserWarning, match="holds the learner's secret key"):
+        actor_bundle(str(keys / "actor-0"))

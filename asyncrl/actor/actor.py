@@ -25,6 +25,7 @@ from collections import Counter, OrderedDict, deque
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..rollout.workflow import RolloutContext, get_workflow
 from ..config import Config, cpu_threads
@@ -38,7 +39,7 @@ from ..types import Task
 from ..sync import make_receiver
 from ..wire.codec import decode, encode, encode_episode
 from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
-from ..wire.sockets import apply_curve_client, connect, drain, send_frames
+from ..wire.sockets import apply_curve_client, connect, drain, refused_actor_line, send_frames
 from .heartbeat import Heartbeat
 
 _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
@@ -62,6 +63,9 @@ class Actor:
         self.ctx = zmq.Context.instance()
         self.identity = f"{actor_id}:{os.getpid()}".encode()
         self.control = self._socket(zmq.DEALER, control_address)
+        self._auth_monitor = (self.control.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                              if self.cfg.wire.curve_dir else None)
+        self._refused_said = False
         self.heartbeat = Heartbeat(self, control_address)
         self._bad: Counter[str] = Counter()  # bad messages from the learner per channel, reported at a limited rate
         self._rejected = 0
@@ -100,9 +104,20 @@ class Actor:
                                                         version=max(self.engine.version, -1), pid=os.getpid())))
 
     def handle_control(self, timeout_ms: int) -> None:
+        self._check_refused()
         if self.control.poll(timeout_ms):
             drain(self.control, lambda fr: self._on_control(decode(fr, kinds=_CONTROL_KINDS)), limit=1000,
                   on_error=lambda e: self._report_bad("control", e))
+
+    def _check_refused(self) -> None:
+        """With CURVE: say once, in one line, when the learner refused this actor's key."""
+        if self._auth_monitor is None:
+            return
+        while self._auth_monitor.poll(0):
+            line = refused_actor_line(recv_monitor_message(self._auth_monitor))
+            if line and not self._refused_said:
+                self._refused_said = True
+                print(f"[{self.actor_id}] {line}", flush=True)
 
     def _report_bad(self, channel: str, error: Exception) -> None:
         """A message from the learner that could not be used: per channel the first three, then
@@ -132,6 +147,8 @@ class Actor:
             self._on_replay_work(body)
         elif isinstance(body, Stop):
             self.stopping = True
+            if body.reason:
+                print(f"[{self.actor_id}] the learner stopped this actor: {body.reason}", flush=True)
 
     def _on_welcome(self, body: Welcome) -> None:
         new_session = body.session != self.session
@@ -299,6 +316,9 @@ class Actor:
 
     def close(self) -> None:
         self.heartbeat.stop()  # its last status says stopping
+        if self._auth_monitor is not None:
+            self.control.disable_monitor()
+            self._auth_monitor.close(0)
         for s in (self.control, self.episodes, self.weights):
             if s is not None:
                 s.close()

@@ -79,7 +79,12 @@ class Heartbeat(threading.Thread):
             pass
 
     def _on_reply(self, frames) -> None:
-        msg = decode(frames, kinds=("alive",))
+        msg = decode(frames, kinds=("alive", "stop"))
+        if msg.kind == "stop":  # (a revoked key: the learner answers whichever socket spoke)
+            if not self.actor.stopping:
+                print(f"[{self.actor.actor_id}] the learner stopped this actor: {msg.body.reason}", flush=True)
+            self.actor.stopping = True
+            return
         now = time.monotonic()
         if self._warned_at is not None:
             print(f"[{self.actor.actor_id}] the learner is back (session {msg.body.session[:8]}) after "

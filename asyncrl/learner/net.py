@@ -188,7 +188,25 @@ class LearnerNet:
                 progress = progress or n > 0
         return episodes, control
 
+    def _check_key(self, frames, channel: str) -> None:
+        """With CURVE: refuse a message whose connection's key is no longer authorised (revoked
+        while the learner runs: its connection predates the revocation); the sender is stopped."""
+        if self.auth is None:
+            return
+        user = frames[0].get("User-Id")
+        if self.auth.keys.admits(user or ""):
+            return
+        if channel == "control":
+            identity = frames[0].bytes
+            main = identity[:-3] if identity.endswith(b":hb") else identity  # (its heartbeat socket)
+            self.actors.pop(main, None)
+            self.send_control(identity, Stop(reason=f"this actor's CURVE key {user} was revoked (no longer in "
+                                                    f"the learner's authorized/ directory)"))
+        raise WireError(f"a {channel} message from CURVE key {user}, which is no longer authorised (revoked); "
+                        f"dropped", reason="revoked_key")
+
     def _take_episode(self, frames, out: list[Arrival]) -> None:
+        self._check_key(frames, "episodes")
         try:
             msg = decode(frames, max_header_bytes=self.limits.header_bytes, kinds=("episode",))
             episode = decode_episode(msg)
@@ -205,6 +223,7 @@ class LearnerNet:
         return out
 
     def _take_routed(self, frames, out: list | None, channel: str) -> None:
+        self._check_key(frames, channel)
         identity = frames[0].bytes
         if channel == "weights":
             msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("subscribe",))

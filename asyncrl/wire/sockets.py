@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,6 +124,10 @@ def actor_bundle(curve_dir: str, actor_id: str | None = None) -> Path:
         candidates += sorted(p for p in root.glob("actor-*") if p.is_dir())
     for d in candidates:
         if (d / "actor.key_secret").is_file() and (d / "server.key").is_file():
+            if (d / "server.key_secret").exists() or (d / "server" / "server.key_secret").exists():
+                warnings.warn(f"the actor's CURVE bundle {d} holds the learner's secret key (server.key_secret): "
+                              f"whoever reads this machine can impersonate the learner; copy only "
+                              f"DIR/actor-<name> made by `asyncrl keys` to an actor's machine", stacklevel=2)
             return d
     raise WireSecurityError(f"no CURVE actor keys for {actor_id or 'this client'} in {root} "
                             f"(expected actor.key_secret and server.key there or in "
@@ -156,18 +161,55 @@ def apply_curve_client(sock: zmq.Socket, curve_dir: str, actor_id: str | None = 
 
 class _AuthorizedKeys:
     """The authenticator's CURVE callback: admits the public keys in ``authorized/`` and keeps
-    the refused ones (z85 text, time) for the learner to report."""
+    the refused ones (z85 text, time) for the learner to report. The directory is read again
+    whenever it changes (at most every ``_RELOAD_S``), so a key deleted while the learner runs is
+    refused at its next handshake, and :meth:`admits` lets the learner drop the messages of a
+    connection made before the revocation."""
+
+    _RELOAD_S = 0.2
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.keys = {zmq.auth.load_certificate(str(p))[0] for p in directory.glob("*.key")}
         self.denied: collections.deque[tuple[str, float]] = collections.deque(maxlen=1000)
         self._lock = threading.Lock()
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self.keys: set[bytes] = set()
+        self._reload(force=True)
+
+    def _reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self._RELOAD_S:
+            return
+        self._checked = now
+        try:
+            st = self.directory.stat()
+            files = sorted(self.directory.glob("*.key"))
+            stamp = (st.st_mtime_ns, st.st_ino, tuple((p.name, p.stat().st_mtime_ns) for p in files))
+        except OSError:
+            stamp, files = None, []
+        if stamp == self._stamp and not force:
+            return
+        keys = set()
+        for p in files:
+            try:
+                keys.add(zmq.auth.load_certificate(str(p))[0])
+            except (OSError, ValueError):  # a half-written or foreign file admits nobody
+                continue
+        self.keys, self._stamp = keys, stamp
+
+    def admits(self, z85_key: str | bytes) -> bool:
+        """Whether the key (z85, as ZeroMQ's User-Id of a CURVE connection) is authorised now."""
+        with self._lock:
+            self._reload()
+            key = z85_key.encode("ascii") if isinstance(z85_key, str) else z85_key
+            return key in self.keys
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        if client_key in self.keys:
-            return True
         with self._lock:
+            self._reload()
+            if client_key in self.keys:
+                return True
             self.denied.append((client_key.decode("ascii", "replace"), time.time()))
         return False
 
@@ -190,6 +232,16 @@ def start_curve_auth(ctx: zmq.Context, curve_dir: str):
     auth.configure_curve_callback(domain="*", credentials_provider=keys)
     auth.keys = keys
     return auth
+
+
+def refused_actor_line(event: dict | None) -> str | None:
+    """One line for an actor whose CURVE handshake the learner refused (a socket monitor's
+    ``EVENT_HANDSHAKE_FAILED_AUTH``; ``value`` is the ZAP status), else None."""
+    if not event or event.get("event") != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return None
+    return (f"the learner at {event.get('endpoint', b'').decode(errors='replace') or '?'} refused this actor's "
+            f"CURVE key (ZAP status {event.get('value')}): its public key is not (or no longer) in the "
+            f"learner's authorized/ directory; ask its operator to add it (`asyncrl keys --out DIR --names ...`)")
 
 
 def _tcp_host(sock: zmq.Socket, host: str) -> str:
