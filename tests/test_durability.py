@@ -132,6 +132,81 @@ def test_a_damaged_byte_stops_reading_at_that_record(tmp_path):
         list(read_frame_records(wal))  # a checkpoint file is read strictly
 
 
+@pytest.mark.parametrize("where", ["payload", "header", "length"])
+def test_one_damaged_byte_in_the_middle_loses_only_its_record(tmp_path, where):
+    """25.4: a flipped byte in the middle of a WAL cut everything after it (127 of 254 intact
+    episodes gone). Reading resynchronises on the next valid record: only the damaged record is
+    lost, its bytes are quarantined and reported, and the segment is rewritten without them."""
+    ids = [f"e{i:03d}" for i in range(254)]
+    _write_wal(tmp_path, ids)
+    wal = tmp_path / "wal-00000000.bin"
+    size = len(encode_record(encode_episode(_episode("e000"))))  # every record here has this size
+    data = bytearray(wal.read_bytes())
+    middle = 127 * size
+    data[middle + {"payload": 40, "header": 1, "length": 5}[where]] ^= 0x10
+    wal.write_bytes(bytes(data))
+    buf = ReplayBuffer(tmp_path, capacity=10_000)
+    report = buf.restore(None, set())
+    assert set(buf.episodes) == set(ids) - {"e127"}  # every other record is recovered
+    assert report.recovered == 253 and not report.truncated
+    (scan,) = report.damaged
+    (d,) = scan.damaged
+    assert (d.start, d.end, d.records) == (middle, middle + size, 1), d
+    assert d.quarantine.read_bytes() == bytes(data[middle:middle + size])
+    assert wal.stat().st_size == 253 * size  # rewritten without the damaged bytes
+    buf2 = ReplayBuffer(tmp_path, capacity=10_000)
+    report2 = buf2.restore(None, set())
+    assert set(buf2.episodes) == set(ids) - {"e127"} and not report2.damaged and not report2.truncated
+    _resume_append_crash_resume(tmp_path, set(ids) - {"e127"}, where)
+
+
+def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
+    """25.5: a record written straight into the WAL (valid checksum, token id 10**6) was restored
+    and crashed every resume at the step that took it. It now fails the receipt checks on restore,
+    is quarantined and reported, and the rest are restored."""
+    from asyncrl.config import load_config as _load
+    from asyncrl.learner.net import Arrival, Limits
+    from asyncrl.learner.peers import EpisodeValidator
+
+    _write_wal(tmp_path, ["a", "b"])
+    evil = _episode("evil")
+    evil.trajectories[0].token_ids = np.array([1, 2, 10**6, 3, 4, 5])
+    with open(tmp_path / "wal-00000000.bin", "ab") as f:
+        f.write(encode_record(encode_episode(evil)))
+    _write_wal(tmp_path, ["c"], segment=1)
+    validator = EpisodeValidator(100, Limits.from_config(_load(None, []).wire, 64))
+    buf = ReplayBuffer(tmp_path, capacity=10_000)
+    report = buf.restore(None, set(), validate=lambda ep, msg: validator.check(Arrival(ep, [], msg.arrays), 0))
+    assert set(buf.episodes) == {"a", "b", "c"}
+    assert [(eid, reason.split(":")[0]) for _, eid, reason in report.invalid] == [("evil", "token_range")]
+    assert "evil" in buf.seen  # (acknowledged once: never taken again)
+    kept = [decode_episode(decode(r)).id for r in read_frame_records(tmp_path / "quarantine" / "invalid-records.bin")]
+    assert kept == ["evil"]
+    assert [decode_episode(decode(r)).id for r in read_frame_records(tmp_path / "wal-00000000.bin")] == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_poisoned_wal_record_trains_on(tmp_path, tiny_overrides):
+    """25.5 end to end: a resume that restores a record with an impossible token id reports and
+    quarantines it, and trains to the end instead of crashing at the step that took it."""
+    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=poison", "checkpoint.every=2",
+                 "buffer.max_staleness=1000"]
+    res = _cli("run", *overrides, "train.total_steps=2")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    evil = _episode("evil", n=6)
+    evil.trajectories[0].token_ids = np.array([1, 2, 10**6, 3, 4, 5])
+    wal = sorted((tmp_path / "poison" / "buffer").glob("wal-*.bin"))[-1]
+    with open(wal, "ab") as f:
+        f.write(encode_record(encode_episode(evil)))
+    res = _cli("run", *overrides, "train.total_steps=5", "--resume")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "episode evil fails the receipt checks (token_range" in res.stdout
+    events = read_jsonl(tmp_path / "poison" / "events.jsonl")
+    assert [e["episode_id"] for e in events if e["kind"] == "wal_quarantined"] == ["evil"]
+    assert "evil" not in {e.get("episode_id") for e in events if e["kind"] == "episode"}
+    assert [m["step"] for m in read_jsonl(tmp_path / "poison" / "metrics.jsonl")][-1] == 5
+
+
 def test_a_wal_of_the_old_format_is_refused_by_name(tmp_path):
     ep = _episode("old")
     frames = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")) for f in encode_episode(ep)]

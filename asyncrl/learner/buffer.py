@@ -10,8 +10,12 @@ Promises:
 - A checkpoint stores the unconsumed episodes and ``seen``; the learner deletes WAL segments older
   than the oldest checkpoint it keeps (so a damaged newest checkpoint can fall back to an older one
   without losing what was acknowledged since). Resuming reads the checkpoint, then every WAL record
-  it has not seen; a segment's bad tail (torn write, garbage, zero fill) is reported and cut off
-  before anything is appended.
+  it has not seen, each checked again as on receipt (a record that fails is quarantined, never
+  trained). Damage in the middle of a segment costs only the damaged bytes: reading resynchronises
+  on the next record whose header and checksum are valid, the damaged bytes are kept in
+  ``buffer/quarantine/`` and the segment is rewritten without them; only a bad tail (torn write,
+  garbage, zero fill, with no valid record after it) is cut off. Everything is reported: the byte
+  ranges, how many records they held at least, and the episode ids quarantined.
 
 Record format (the WAL, a checkpoint's ``buffer.bin`` and the replay pool), little-endian::
 
@@ -28,6 +32,7 @@ anything is allocated.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections import OrderedDict
@@ -90,15 +95,30 @@ def _split_frames(payload: bytes) -> list[bytes] | None:
 
 
 @dataclass
+class Damage:
+    """Bytes ``[start, end)`` of a record file that hold no valid record, between good ones (or
+    at its tail); ``records`` is how many record markers they hold (at least one record lost, or
+    the tail of a torn one)."""
+
+    start: int
+    end: int
+    problem: str
+    records: int = 1
+    quarantine: Path | None = None
+
+
+@dataclass
 class RecordScan:
     """What reading a record file found: ``good_bytes`` is the end of the last good record; when it
-    is short of ``size``, ``problem`` says why reading stopped there."""
+    is short of ``size``, ``problem`` says why reading stopped there. With resynchronisation,
+    ``damaged`` lists the bad ranges skipped before it."""
 
     path: Path
     size: int = 0
     good_bytes: int = 0
     records: int = 0
     problem: str | None = None
+    damaged: list[Damage] = field(default_factory=list)
 
     @property
     def bytes_cut(self) -> int:
@@ -146,6 +166,64 @@ def scan_records(path: Path, scan: RecordScan | None = None) -> Iterator[list[by
             yield frames
 
 
+def _valid_at(mm, offset: int, size: int) -> bool:
+    """Whether a whole valid record (marker, length, checksum, frame table) starts at ``offset``."""
+    if offset + _HEAD.size > size:
+        return False
+    magic, length, crc = _HEAD.unpack_from(mm, offset)
+    if magic != RECORD_MAGIC or length > MAX_RECORD_BYTES or offset + _HEAD.size + length > size:
+        return False
+    payload = mm[offset + _HEAD.size: offset + _HEAD.size + length]
+    return crc32c.crc32c(payload, crc32c.crc32c(_U32.pack(length))) == crc and _split_frames(payload) is not None
+
+
+def _resync(path: Path, start: int, size: int) -> int | None:
+    """The offset of the first valid record after the bad one at ``start`` (None: none follows)."""
+    if size <= start + 1:
+        return None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = mm.find(RECORD_MAGIC, start + 1)
+        while pos != -1:
+            if _valid_at(mm, pos, size):
+                return pos
+            pos = mm.find(RECORD_MAGIC, pos + 1)
+    return None
+
+
+def _markers(path: Path, start: int, end: int) -> int:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        n, pos = 0, mm.find(RECORD_MAGIC, start, end)
+        while pos != -1:
+            n, pos = n + 1, mm.find(RECORD_MAGIC, pos + 1, end)
+        return max(1, n)
+
+
+def scan_records_resync(path: Path, scan: RecordScan) -> Iterator[list[bytes]]:
+    """Like :func:`scan_records`, but a bad record followed by a valid one is skipped (recorded in
+    ``scan.damaged``) and reading goes on there; ``scan.problem`` is left only for a bad tail."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        scan.size = os.fstat(f.fileno()).st_size
+        offset = 0
+        while offset < scan.size:
+            f.seek(offset)
+            frames, problem = _next_record(f, offset, scan.size)
+            if frames is None:
+                if not scan.records and not scan.damaged:
+                    scan.good_bytes = offset
+                    _refuse_old_format(path, scan)
+                nxt = _resync(path, offset, scan.size)
+                if nxt is None:
+                    scan.problem = problem
+                    return
+                scan.damaged.append(Damage(offset, nxt, problem, _markers(path, offset, nxt)))
+                offset = nxt
+                continue
+            offset = scan.good_bytes = f.tell()
+            scan.records += 1
+            yield frames
+
+
 def _refuse_old_format(path: Path, scan: RecordScan) -> None:
     """A file whose very first bytes are a frame count and a length (asyncrl's first WAL format,
     without checksums) is refused by name rather than cut to nothing."""
@@ -175,12 +253,17 @@ def read_frame_records(path: Path, strict: bool = True) -> Iterator[list[bytes]]
 @dataclass
 class RestoreReport:
     """What ``restore`` rebuilt: episodes from the checkpoint's buffer file, episodes recovered from
-    the WAL, WAL records that would not decode, and the bad tails cut off (``RecordScan`` each)."""
+    the WAL, WAL records that would not decode, the bad tails cut off (``RecordScan`` each), the
+    segments with damage in the middle (``RecordScan`` with ``damaged``), and the records that
+    failed the receipt checks (``(file, episode id, reason)``), all kept in ``quarantine``."""
 
     from_checkpoint: int = 0
     recovered: int = 0
     undecodable: int = 0
     truncated: list[RecordScan] = field(default_factory=list)
+    damaged: list[RecordScan] = field(default_factory=list)
+    invalid: list[tuple[str, str, str]] = field(default_factory=list)
+    quarantine: Path | None = None
 
 
 def fsync_path(path: Path) -> None:
@@ -292,32 +375,108 @@ class ReplayBuffer:
             if int(p.stem.split("-")[1]) < segment:
                 p.unlink()
 
-    def restore(self, buffer_file: Path | None, seen: set[str]) -> RestoreReport:
+    def restore(self, buffer_file: Path | None, seen: set[str], validate=None) -> RestoreReport:
         """Rebuild from a checkpoint's buffer file (read strictly: it was verified against the
-        checkpoint's manifest) plus every WAL record it has not seen. Each WAL segment is read up to
-        its first bad record and cut back to there (``report.truncated``), so appending after a
+        checkpoint's manifest) plus every WAL record it has not seen.
+
+        ``validate(episode, message) -> (reason, text) | None`` is the learner's receipt check; a
+        record that fails it is quarantined and not buffered. Each WAL segment is read past damage
+        in its middle (see the module docstring); a bad tail is cut off (``report.truncated``), a
+        segment with damaged or invalid records is rewritten without them, so appending after a
         crash never leaves good records behind garbage."""
-        report = RestoreReport()
+        report = RestoreReport(quarantine=self.dir / "quarantine")
         self.seen = set(seen)
         if buffer_file is not None and buffer_file.exists():
             for frames in read_frame_records(buffer_file, strict=True):
-                ep = decode_episode(decode(frames))
+                msg = decode(frames)
+                ep = decode_episode(msg)
+                if self._failed(validate, ep, msg, frames, buffer_file, report):
+                    continue
                 self.episodes[ep.id] = (ep, frames)
                 self.seen.add(ep.id)
                 report.from_checkpoint += 1
         for wal in self.wal_segments():
             scan = RecordScan(wal)
-            for frames in scan_records(wal, scan):
+            keep: list[list[bytes]] = []
+            dropped = 0
+            for frames in scan_records_resync(wal, scan):
                 try:
-                    ep = decode_episode(decode(frames))
+                    msg = decode(frames)
+                    ep = decode_episode(msg)
                 except WireError:
                     report.undecodable += 1
+                    keep.append(frames)
                     continue
+                if ep.id not in self.seen and self._failed(validate, ep, msg, frames, wal, report):
+                    dropped += 1
+                    self.seen.add(ep.id)  # (acknowledged: its actor will not send it again)
+                    continue
+                keep.append(frames)
                 if ep.id not in self.seen:
                     self.seen.add(ep.id)
                     self.episodes[ep.id] = (ep, frames)
                     report.recovered += 1
+            for d in scan.damaged:
+                d.quarantine = self._quarantine_bytes(wal, d.start, d.end)
             if scan.problem is not None:
+                scan.damaged.append(Damage(scan.good_bytes, scan.size, scan.problem,
+                                           quarantine=self._quarantine_bytes(wal, scan.good_bytes, scan.size)))
+            if scan.damaged[:-1 if scan.problem else None] or dropped:
+                _rewrite(wal, keep)
+                report.damaged.append(scan)
+            elif scan.problem is not None:
                 _cut(wal, scan.good_bytes)
+            if scan.problem is not None:
                 report.truncated.append(scan)
         return report
+
+    def _failed(self, validate, ep, msg, frames, source: Path, report: RestoreReport) -> bool:
+        """Run the receipt check; a failing record goes to quarantine (True)."""
+        if validate is None:
+            return False
+        try:
+            problem = validate(ep, msg)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+            problem = ("invalid", f"{type(e).__name__}: {e}")
+        if problem is None:
+            return False
+        q = self.dir / "quarantine"
+        q.mkdir(exist_ok=True)
+        with open(q / "invalid-records.bin", "ab") as f:
+            write_frames(f, frames)
+            f.flush()
+            os.fsync(f.fileno())
+        report.invalid.append((str(source), ep.id, f"{problem[0]}: {problem[1]}"))
+        return True
+
+    def _quarantine_bytes(self, path: Path, start: int, end: int) -> Path | None:
+        if end <= start:
+            return None
+        q = self.dir / "quarantine"
+        q.mkdir(exist_ok=True)
+        out = q / f"{path.name}.{start}-{end}.bad"
+        with open(path, "rb") as src, open(out, "wb") as dst:
+            src.seek(start)
+            left = end - start
+            while left > 0:  # in pieces: a damaged region may be most of a large segment
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                dst.write(chunk)
+                left -= len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        fsync_path(q)
+        return out
+
+
+def _rewrite(path: Path, records: list[list[bytes]]) -> None:
+    """Replace the record file ``path`` by one holding ``records``, atomically and durably."""
+    tmp = path.with_name(path.name + ".rewrite")
+    with open(tmp, "wb") as f:
+        for frames in records:
+            write_frames(f, frames)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)

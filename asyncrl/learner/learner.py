@@ -80,7 +80,8 @@ class Learner:
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop = False
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
-        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer)
+        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
+                                                           self.peers.validator)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.buffer.open_wal(self.version)

@@ -18,6 +18,9 @@ from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prep
 from .checkpoint import CheckpointError, clean_partial, quarantine, read_checkpoint
 
 
+_ANY_VERSION = 1 << 62
+
+
 class Startup:
     def __init__(self, cfg, overwrite: bool):
         """Check (read-only), lock the run dir for this process's life, decide again under the
@@ -66,11 +69,12 @@ class Startup:
         except json.JSONDecodeError:
             return None
 
-    def restore(self, model, load, hooks, buffer) -> tuple[int, dict, Any]:
+    def restore(self, model, load, hooks, buffer, validator=None) -> tuple[int, dict, Any]:
         """Load the plan's checkpoint (if any): its states, checked against the one-process
         ``model``, go to ``load(model_state, optimizer_state)`` (``Ranks.load``: every learner
         rank's model and optimizer), its files to ``hooks``; rebuild ``buffer`` from it and the WAL.
-        Returns ``(version, checkpoint state, restore report)``."""
+        Every restored record is checked as on receipt by ``validator`` (``EpisodeValidator``: what
+        fails is quarantined, never trained). Returns ``(version, checkpoint state, restore report)``."""
         ckpt = self.plan.checkpoint
         state = {}
         if ckpt is not None:
@@ -82,7 +86,25 @@ class Startup:
         version = int(state.get("version", self.plan.step))
         for hook in hooks if ckpt is not None else ():
             hook.load(ckpt, version)
-        report = buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])))
+        validate = None
+        if validator is not None:
+            from .net import Arrival
+
+            def validate(ep, msg):  # (no future-version check: after a fallback to an older checkpoint,
+                # episodes of the versions it forgot are legitimate, as they were when acknowledged)
+                return validator.check(Arrival(ep, [], msg.arrays), _ANY_VERSION)
+        report = buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])),
+                                validate=validate)
+        for scan in report.damaged:
+            for d in scan.damaged[:-1] if scan.problem else scan.damaged:
+                self.note("wal_damaged", f"{scan.path}: {d.end - d.start} damaged byte(s) at offset {d.start} "
+                          f"({d.problem}; {d.records} record(s) lost there), kept in {d.quarantine}; read on "
+                          f"from the next valid record at {d.end}", file=str(scan.path), offset=d.start,
+                          end=d.end, records_lost=d.records, reason=d.problem, quarantine=str(d.quarantine))
+        for source, eid, reason in report.invalid:
+            self.note("wal_quarantined", f"{source}: episode {eid} fails the receipt checks ({reason}); not "
+                      f"trained, kept in {report.quarantine / 'invalid-records.bin'}", file=source, episode_id=eid,
+                      reason=reason)
         for scan in report.truncated:
             self.note("wal_truncated", f"{scan.path}: cut {scan.bytes_cut} byte(s) at offset {scan.good_bytes} after "
                       f"{scan.records} good record(s): {scan.problem}", file=str(scan.path), offset=scan.good_bytes,
