@@ -384,6 +384,13 @@ class EvalConfig(_Base):
     every: int = Field(20, ge=0, description="Evaluate on held-out tasks every k steps (0: start and end only).")
     size: int = Field(200, ge=1, description="Held-out tasks per evaluation (at most tasks.eval_size).")
     temperature: float = Field(0.0, ge=0, description="0: greedy decoding; otherwise sampling temperature.")
+    timeout_s: float = Field(600.0, gt=0, description=(
+        "Most seconds one evaluation's environment and reward calls may take in all; past it the rest "
+        "fail at once and the evaluation is reported incomplete. The learner keeps answering its actors "
+        "and taking episodes meanwhile. If every call of an evaluation times out (or its first "
+        "eval.hung_after do), the run stops with one line: the reward hangs."))
+    hung_after: int = Field(8, ge=1, description=(
+        "Consecutive timed-out calls at the start of an evaluation after which it is given up as hung."))
 
 
 class LogConfig(_Base):

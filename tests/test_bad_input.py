@@ -183,6 +183,25 @@ def test_a_hanging_reward_does_not_block_a_stop(tmp_path, tiny_overrides):
         kill_tree(proc)
 
 
+@pytest.mark.slow
+def test_a_hanging_reward_stops_the_run_with_one_line_and_the_learner_keeps_answering(tmp_path, tiny_overrides):
+    """25.6: with env.call_timeout_s=5 and a reward that sleeps for ever, the learner's evaluation
+    blocked its loop (0 steps in 240 s, its actor saw it silent for 84 s). Now the learner answers
+    its actors while it waits, gives the evaluation up once its first calls all timed out, and the
+    run stops with one line saying the reward hangs."""
+    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
+                  "name=hung", "env.reward=tests.plugins_for_tests:hanging_reward", "env.call_timeout_s=2",
+                  "eval.size=8", "eval.hung_after=4", "actor.learner_timeout_s=3", "actor.heartbeat_s=0.5",
+                  "train.total_steps=50", "log.progress=false", "checkpoint.every=0", timeout=400)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = [x for x in res.stderr.splitlines() if "timed out" in x and "hangs" in x]
+    assert lines and "hanging_reward" in lines[0] and "env.call_timeout_s=2" in lines[0], res.stderr[-3000:]
+    events = read_jsonl(tmp_path / "hung" / "events.jsonl")
+    assert [e["kind"] for e in events if e["kind"] == "eval_hung"] == ["eval_hung"]
+    actor_log = (tmp_path / "hung" / "actor-0.log").read_text()
+    assert "no word from the learner" not in actor_log, actor_log[-2000:]  # answered while evaluating
+
+
 # ---- the learner never applies a non-finite update --------------------------------------------
 
 def test_a_batch_with_a_non_finite_loss_is_skipped_not_applied():

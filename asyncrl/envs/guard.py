@@ -68,10 +68,17 @@ class _Worker:
 _workers = threading.local()  # the calling thread's worker
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+class CallTimeout(EnvFailure):
+    """A guarded call that gave no result within ``env.call_timeout_s`` (or its caller's budget)."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str,
+                      tick: Callable[[], Any] | None = None) -> Any:
     """``fn()`` on the calling thread's worker thread, waited for at most ``timeout_s`` seconds
     (None: no limit) and abandoned when :func:`request_stop` is called. Exceptions propagate; a
-    timeout or a stop raises EnvFailure naming ``what`` (and the next call gets a new worker)."""
+    timeout (CallTimeout) or a stop raises EnvFailure naming ``what`` (and the next call gets a new
+    worker). ``tick()``, if given, runs on the calling thread at least every half second while it
+    waits (the learner answers its actors during a slow evaluation)."""
     if _STOP.is_set():
         raise EnvFailure(f"{what}: not called, the process is stopping")
     worker = getattr(_workers, "worker", None)
@@ -88,7 +95,9 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str)
             _workers.worker = None  # this one is busy with the abandoned call for good
             if stopping:
                 raise EnvFailure(f"{what}: abandoned, the process is stopping")
-            raise EnvFailure(f"{what}: no result after {timeout_s:g} s (env.call_timeout_s)")
+            raise CallTimeout(f"{what}: no result after {timeout_s:g} s (env.call_timeout_s)")
+        if tick is not None:
+            tick()
         step = min(step * 2, 0.5)
     if "error" in box:
         raise box["error"]
@@ -141,6 +150,10 @@ class GuardedEnv:
         self.max_failure_rate = max_failure_rate
         self.calls = 0
         self.failures = 0
+        self.timeouts = 0  # failures that were timeouts (or calls refused past ``deadline``)
+        self.by_method: dict[str, list[int]] = {}  # method -> [calls, timeouts]
+        self.tick: Callable[[], Any] | None = None  # run while waiting (see call_with_timeout)
+        self.deadline: float | None = None  # monotonic time after which calls fail at once (a budget)
         self.last_error: str | None = None
         self._recent: deque[bool] = deque(maxlen=FAILURE_WINDOW)
 
@@ -161,8 +174,24 @@ class GuardedEnv:
         what = f"{self.name} ({method}, task {task.id})"
         self._check_rate()
         self.calls += 1
+        counts = self.by_method.setdefault(method, [0, 0])
+        counts[0] += 1
+        timeout = self.timeout_s
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.timeouts += 1
+                counts[1] += 1
+                self._record(f"{what}: not called, over the evaluation's time budget (eval.timeout_s)")
+                raise CallTimeout(self.last_error)
+            timeout = left if timeout is None else min(timeout, left)
         try:
-            value = call_with_timeout(fn, self.timeout_s, what)
+            value = call_with_timeout(fn, timeout, what, self.tick)
+        except CallTimeout as e:
+            self.timeouts += 1
+            counts[1] += 1
+            self._record(str(e))
+            raise
         except EnvFailure as e:
             self._record(str(e))
             raise

@@ -16,7 +16,21 @@ from ..rollout.workflow import get_workflow
 from ..envs.base import make_env
 from ..envs.tasks import eval_tasks
 
+
+class EvaluationHung(RuntimeError):
+    """Every call of an evaluation timed out: the reward (or environment) hangs; ``str`` is one line."""
+
 GREEDY_TEMPERATURE = 1e-4  # softmax(logits / 1e-4) puts all mass on the argmax
+
+
+def _hung_methods(env, before: dict, at_least: int) -> list[tuple[str, int]]:
+    """The methods with at least ``at_least`` calls since ``before``, every one timed out."""
+    out = []
+    for method, (calls, timeouts) in env.by_method.items():
+        c0, t0 = before.get(method, (0, 0))
+        if calls - c0 >= at_least and timeouts - t0 == calls - c0:
+            out.append((method, calls - c0))
+    return out
 
 
 class Evaluator:
@@ -37,18 +51,50 @@ class Evaluator:
         every = self.cfg.eval.every
         return self._last is None or (every > 0 and version - self._last >= every)
 
-    def maybe_run(self, model, version: int, force: bool = False) -> dict:
+    def maybe_run(self, model, version: int, force: bool = False, tick=None) -> dict:
+        """Evaluate if due. ``tick()`` runs while environment calls are awaited (the learner's loop
+        keeps answering); the calls are bounded by ``eval.timeout_s`` in all. Raises EvaluationHung
+        when every call timed out (or the first ``eval.hung_after`` did)."""
         if not self.tasks or not (force or self.due(version)) or self._last == version:
             return {}
         t0 = time.time()
         engine = HFEngine(model, self.tokenizer, device=str(next(model.parameters()).device))
-        custom = self.workflow.evaluate(engine, self.tokenizer, self.env, self.tasks, self.sampling, self.cfg)
-        result = dict(custom) if custom is not None else self._accuracy(engine)
-        model.train()
+        env = self.env
+        before = {m: list(c) for m, c in env.by_method.items()}
+        timeouts0 = env.timeouts
+        env.tick, env.deadline = self._watch(tick, before), time.monotonic() + self.cfg.eval.timeout_s
+        try:
+            custom = self.workflow.evaluate(engine, self.tokenizer, env, self.tasks, self.sampling, self.cfg)
+            result = dict(custom) if custom is not None else self._accuracy(engine)
+        finally:
+            env.tick, env.deadline = None, None
+            model.train()
+        hung = _hung_methods(env, before, 1)
+        if hung:
+            method, calls = hung[0]
+            raise EvaluationHung(f"every one of the {calls} {method} calls of the held-out evaluation at version "
+                                 f"{version} timed out (env.call_timeout_s={self.cfg.env.call_timeout_s}, "
+                                 f"eval.timeout_s={self.cfg.eval.timeout_s:g}): {env.name} hangs; last: {env.last_error}")
+        timeouts = env.timeouts - timeouts0
+        if timeouts:
+            result["timeouts"] = timeouts
         result.update(version=version, greedy=not self.cfg.eval.temperature, eval_s=time.time() - t0)
         self.history.append(result)
         self._last = version
         return result
+
+    def _watch(self, tick, before: dict):
+        """The tick the guarded calls run: the caller's, plus giving up the evaluation (its budget
+        set to now) once the first ``eval.hung_after`` calls of a method (reset, step, evaluate) have
+        all timed out."""
+        env, hung_after = self.env, self.cfg.eval.hung_after
+
+        def watch():
+            if tick is not None:
+                tick()
+            if env.deadline is not None and _hung_methods(env, before, hung_after):
+                env.deadline = time.monotonic()  # the rest fail at once
+        return watch
 
     def _accuracy(self, engine) -> dict:
         convs = start_conversations(self.tokenizer, self.env, self.tasks, 1,

@@ -28,7 +28,7 @@ from ..types import Episode
 from ..wire.sockets import check_bind_host
 from .buffer import ReplayBuffer
 from .checkpoint import (checkpoint_step, list_checkpoints, save_checkpoint)
-from .evaluate import Evaluator
+from .evaluate import EvaluationHung, Evaluator
 from .net import LearnerNet, Limits
 from .peers import Peers
 from .progress import Progress, summary_table
@@ -80,6 +80,7 @@ class Learner:
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop = False
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
+        self._last_tick = 0.0
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
                                                            self.peers.validator)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
@@ -266,10 +267,23 @@ class Learner:
                        encode_s=time.time() - t0, subscribers=len(self.net.subscribers))
 
     def evaluate(self, force: bool = False) -> dict:
-        result = self.evaluator.maybe_run(self.model, self.version, force=force)
+        """Evaluate if due; the loop keeps answering actors and taking episodes meanwhile (no
+        credits are granted and nothing is trained). A hung evaluation stops the run with one line."""
+        try:
+            result = self.evaluator.maybe_run(self.model, self.version, force=force, tick=self._eval_tick)
+        except EvaluationHung as e:
+            self.log.event("eval_hung", self.version, error=str(e))
+            if not self._stop:
+                self._stop, self._stop_reason = True, str(e)
+            return {}
         if result:
             self.log.event("eval", self.version, **result)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+
+    def _eval_tick(self) -> None:
+        if time.monotonic() - self._last_tick >= 0.2:
+            self._last_tick = time.monotonic()
+            self.peers.pump(0, self.version)
 
     def _save_hooks(self, directory: Path) -> None:
         for hook in self.hooks:
