@@ -45,6 +45,12 @@ def check_args(args) -> tuple[str, str] | None:
         if not sep or not user or not password:
             raise UIError("--auth must be user:password (both non-empty)")
         auth = (user, password)
+    if bool(getattr(args, "tls_cert", None)) != bool(getattr(args, "tls_key", None)):
+        raise UIError("--tls-cert and --tls-key go together (a PEM certificate and its private key)")
+    for name in ("tls_cert", "tls_key"):
+        path = getattr(args, name, None)
+        if path and not Path(path).is_file():
+            raise UIError(f"--{name.replace('_', '-')} {path}: no such file")
     if not is_loopback(args.host) and auth is None:
         raise UIError(f"refusing to serve on {args.host!r} without a login: anything but loopback "
                       f"(127.0.0.1, ::1, localhost) requires --auth user:password")
@@ -274,12 +280,19 @@ def serve(args) -> int:
     demo = build_app(catalog, live, title=title)
     port = args.port or free_port(args.host)
     try:
+        from starlette.middleware import Middleware
+
+        from .login_limit import LoginLimiter
+
+        tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
+               if getattr(args, "tls_cert", None) else {})
         demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
-                    share=False, css=CSS, footer_links=[])
+                    share=False, css=CSS, footer_links=[], app_kwargs={"middleware": [Middleware(LoginLimiter)]},
+                    **tls)
     except OSError as e:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{port}/"
+    url = f"{'https' if getattr(args, 'tls_cert', None) else 'http'}://{host}:{port}/"
     what = (f"folder of runs {args.run}: {len(catalog.names())} run(s) to pick from" if folder else
             f"{'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
             f"{'live events from ' + args.connect if args.connect else ''}")
