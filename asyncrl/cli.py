@@ -14,6 +14,7 @@ from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
 from .lifecycle import freeze_startup_heap, watch_parent
 from .preflight import preflight
+from .rundir import check_writable
 from .runlog import check_trackers
 
 
@@ -66,6 +67,8 @@ def cmd_learn(args) -> int:
         args.override.append("checkpoint.resume=true")
     cfg, _ = _load(args)
     preflight(cfg)  # before anything is built or written: one-line ConfigErrors
+    if os.environ.get("RANK", "0") == "0":
+        check_writable(cfg.run_dir)
     ranks = _learner_group(cfg)
     if isinstance(ranks, int):  # a rank other than 0: it trained with rank 0 and has exited
         return ranks
@@ -141,6 +144,7 @@ def cmd_run(args) -> int:
         overrides.append(f"actor.num={args.actors}")
         cfg = load_config(args.config, overrides)
     print(f"[asyncrl] {preflight(cfg).heldout}", flush=True)
+    check_writable(cfg.run_dir)
     check_trackers(cfg.log.trackers)  # the learner's trackers: a missing library stops here, in one line
     try:  # before anything starts: the lock, fresh/resume/overwrite, damaged checkpoints, frozen keys
         prepare(cfg, overwrite=args.overwrite)

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from filelock import FileLock, Timeout
 
-from .config import Config, dump_config
+from .config import Config, ConfigError, dump_config
 from .learner.checkpoint import checkpoint_step, list_checkpoints, select_checkpoint
 
 LOCK_FILE = "learner.lock"
@@ -65,6 +65,20 @@ class StartPlan:
 
 
 # -- what a run directory holds ------------------------------------------------------------------
+def check_writable(run_dir: Path) -> None:
+    """ConfigError (one line) unless ``run_dir`` can be created and written: found before anything
+    is built, rather than as a traceback (and atexit handlers' tracebacks) once the run starts."""
+    import tempfile
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write the run directory {run_dir} ({e.strerror or e}); pick a writable "
+                          f"run_root= or name=, or fix its permissions") from None
+
+
 def run_state(run_dir: Path) -> list[str]:
     """A short description of each kind of run state present (empty: nothing to lose)."""
     run_dir = Path(run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 
@@ -268,3 +269,15 @@ def test_the_console_script_finds_plugins_in_the_working_directory(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "cannot import" not in res.stderr, res.stderr
     assert "nope.jsonl does not exist" in res.stderr  # the plugins resolved; the next check spoke
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a read-only /sys (Linux)")
+@pytest.mark.parametrize("command", ["run", "learn"])
+def test_an_unwritable_run_dir_stops_in_one_line_without_tracebacks(tmp_path, command):
+    """25.8: an unwritable run dir printed an atexit traceback after the one-line stop."""
+    res = run_cli(command, "-c", str(ROOT / "configs" / "quickstart.yaml"), "run_root=/sys/kernel/asyncrl-unwritable",
+                  timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "cannot write the run directory /sys/kernel/asyncrl-unwritable" in lines[0], lines

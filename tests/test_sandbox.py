@@ -143,3 +143,12 @@ def test_limits_are_in_place_before_the_program_runs():
         res = run_python(code, FAST.model_copy(update={"isolation": isolation}), check=False)
         assert res.ok, res.reason
         assert res.output == f"1 {256 * 1024 * 1024} 4096 0"
+
+
+def test_a_busy_program_at_the_wall_clock_limit_is_reported_as_cpu_not_timeout():
+    """25.8: a CPU-bound program stopped by the wall clock said 'timeout'; one that waits still does."""
+    lim = SandboxLimits(timeout_s=1.5, cpu_s=30, memory_mb=256, determinism_runs=1)
+    busy = run_python("x = 0\nwhile True:\n    x += 1", lim)
+    assert not busy.ok and busy.reason.startswith("cpu time limit"), busy.reason
+    waiting = run_python("import time\ntime.sleep(100)", lim, check=False)
+    assert not waiting.ok and waiting.reason.startswith("timeout"), waiting.reason

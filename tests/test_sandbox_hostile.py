@@ -359,7 +359,7 @@ def test_a_run_killed_at_its_timeout_leaves_no_process():
     try:
         res = run_python(program, SandboxLimits(timeout_s=1.0, cpu_s=30, block_fork=False, determinism_runs=1),
                          check=False)
-        assert not res.ok and res.reason.startswith("timeout"), res
+        assert not res.ok and res.reason.startswith(("timeout", "cpu time limit")), res  # (it busy-loops)
         assert _wait_no_processes(marker) == []
     finally:
         for pid in _processes_with(marker):

@@ -313,6 +313,11 @@ def _execute(argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tup
         try:
             code = proc.wait(timeout=lim.timeout_s)
         except subprocess.TimeoutExpired:
+            cpu = _tree_cpu_s(proc.pid)  # (before the kill) a busy program is a CPU problem, not a slow one
+            if cpu >= 0.5 * lim.timeout_s:
+                return SandboxResult(False, reason=f"cpu time limit: busy computing until the {lim.timeout_s:g} s "
+                                                   f"wall-clock limit ({cpu:.1f} s of CPU)",
+                                     seconds=time.perf_counter() - t0)
             return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s (wall clock)",
                                  seconds=time.perf_counter() - t0)
         finally:
@@ -338,6 +343,28 @@ def _is_signal(n: int) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and every descendant (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        used[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    tree, frontier = {root}, [root]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier and p not in tree]
+        tree.update(frontier)
+    return sum(used.get(p, 0.0) for p in tree)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
