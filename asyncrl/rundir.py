@@ -70,6 +70,8 @@ def check_writable(run_dir: Path) -> None:
     is built, rather than as a traceback (and atexit handlers' tracebacks) once the run starts."""
     import tempfile
 
+    run_dir = Path(run_dir)
+    made = [p for p in [run_dir, *run_dir.parents] if not p.exists()]  # what the check creates, deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check-"):
@@ -77,6 +79,12 @@ def check_writable(run_dir: Path) -> None:
     except OSError as e:
         raise ConfigError(f"cannot write the run directory {run_dir} ({e.strerror or e}); pick a writable "
                           f"run_root= or name=, or fix its permissions") from None
+    finally:
+        for p in made:  # nothing is left behind by the check (a later check may still refuse the run)
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 def run_state(run_dir: Path) -> list[str]:

@@ -61,7 +61,7 @@ class FusionServer:
         assert body["language"] == "python"
         lim = SandboxLimits(timeout_s=body["run_timeout"], memory_mb=body["memory_limit_MB"], determinism_runs=1)
         res = run_python(body["code"], lim, check=False)
-        timed_out = not res.ok and res.reason.startswith("timeout")
+        timed_out = not res.ok and res.reason.startswith(("timeout", "cpu time limit: busy"))  # (wall-clock kills)
         run = {"status": "TimeLimitExceeded" if timed_out else "Finished", "execution_time": res.seconds,
                "return_code": 0 if res.ok else 1, "stdout": res.output + "\n" if res.ok else "",
                "stderr": "" if res.ok else f"Traceback (most recent call last):\n{res.reason}\n"}
