@@ -20,6 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from asyncrl.analysis import (NA, RunStore, calibration_summary, curves_frame, eval_series,  # noqa: E402
                                metric_columns, reliability_frame, run_state, staleness_counts)
+from asyncrl.layout import config_snapshot  # noqa: E402
 
 MAX_QUESTION_ROWS = 400
 STATUS_FILTERS = ["all", "learnable", "not learnable", "invalid", "sampled"]
@@ -261,7 +262,7 @@ def config_html(store: RunStore) -> str:
     run_dir = store.run_dir
     snaps = []
     if run_dir is not None:
-        first = run_dir / "config.yaml"
+        first = config_snapshot(run_dir)
         if first.exists():
             snaps.append(("config.yaml (the run's first segment)", first))
         resumes = sorted(run_dir.glob("config.resume-*.yaml"),

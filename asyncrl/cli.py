@@ -14,6 +14,7 @@ from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
 from .lifecycle import freeze_startup_heap, watch_parent
 from .preflight import preflight
+from . import layout
 from .rundir import check_writable
 from .runlog import check_trackers
 
@@ -53,8 +54,8 @@ def _start_refused(args, error: Exception) -> int:
 
 
 def _start_errors() -> tuple[type[Exception], ...]:
-    from .learner.buffer import RecordError
-    from .learner.checkpoint import CheckpointError
+    from .records import RecordError
+    from .layout import CheckpointError
     from .rundir import RunDirError
 
     return RunDirError, CheckpointError, RecordError
@@ -120,7 +121,7 @@ def cmd_serve(args) -> int:
     preflight(cfg)
     control = args.connect
     if control is None:
-        addr_file = Path(args.run_dir or cfg.run_dir) / "addresses.json"
+        addr_file = layout.addresses(Path(args.run_dir or cfg.run_dir))
         if not addr_file.exists():
             raise SystemExit(f"asyncrl serve: give --connect tcp://HOST:PORT (the learner's control address) "
                              f"or start the learner first so that {addr_file} exists")

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from . import layout
+
 from .config import Config
 from .lifecycle import child_env
 
@@ -102,7 +104,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
            learner_procs: int = 1) -> int:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    addr_file = run_dir / "addresses.json"
+    addr_file = layout.addresses(run_dir)
     addr_file.unlink(missing_ok=True)
     base = (["--config", config_path] if config_path else []) + [x for o in overrides for x in ("-o", o)]
     env = child_env()
@@ -159,13 +161,13 @@ def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) ->
         if rank == 0:
             procs.append(subprocess.Popen(command, env=rank_env))
             continue
-        with open(run_dir / f"learner-rank{rank}.log", "a") as log:
+        with open(layout.learner_rank_log(run_dir, rank), "a") as log:
             procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
 def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict) -> subprocess.Popen:
-    with open(run_dir / f"actor-{i}.log", "a") as log:  # the child keeps its own descriptor
+    with open(layout.actor_log(run_dir, i), "a") as log:  # the child keeps its own descriptor
         return subprocess.Popen(_cli("serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}",
                                      "--index", str(i)), env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -203,11 +205,11 @@ def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_di
         for i, p in enumerate(ranks, start=1):
             if p.poll() not in (None, 0):
                 print(f"[asyncrl] learner rank {i} exited with code {p.returncode}; see "
-                      f"{run_dir / f'learner-rank{i}.log'}", flush=True)
+                      f"{layout.learner_rank_log(run_dir, i)}", flush=True)
                 return 1
         for i, p in enumerate(actors):
             if p.poll() not in (None, 0):
-                print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see {run_dir / f'actor-{i}.log'}",
+                print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see {layout.actor_log(run_dir, i)}",
                       flush=True)
                 return 1
         time.sleep(0.2)

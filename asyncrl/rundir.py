@@ -29,13 +29,10 @@ import yaml
 from filelock import FileLock, Timeout
 
 from .config import Config, ConfigError, dump_config
-from .learner.checkpoint import checkpoint_step, list_checkpoints, select_checkpoint
+from .layout import (EVENTS, LOCK_FILE, METRICS, METRICS_DISCARDED, PID_FILE, RUN_FILES, buffer_dir, checkpoint_step, config_snapshot,
+                     list_checkpoints, select_checkpoint, wal_segments)
 
-LOCK_FILE = "learner.lock"
-PID_FILE = "learner.pid"
-# Files and folders asyncrl writes into a run directory; --overwrite removes exactly these.
-RUN_FILES = ("checkpoints", "buffer", "weights", "metrics.jsonl", "metrics.discarded.jsonl", "events.jsonl",
-             "config.yaml", "config.resume-*.yaml", "addresses.json", "actor-*.log", PID_FILE)
+# (asyncrl.layout.RUN_FILES: what asyncrl writes into a run directory; --overwrite removes exactly these)
 # Keys a resume may not change: the checkpoint's weights belong to this model and this algorithm.
 FROZEN_ON_RESUME = ("model", "algorithm")
 # Keys never compared: where the run is, whether it resumes, and where the built model is cached.
@@ -94,13 +91,13 @@ def run_state(run_dir: Path) -> list[str]:
     ckpts = list_checkpoints(run_dir)
     if ckpts:
         found.append(f"{len(ckpts)} checkpoint(s), newest step {checkpoint_step(ckpts[-1])}")
-    wal = [p for p in (run_dir / "buffer").glob("wal-*.bin") if p.stat().st_size > 0]
+    wal = [p for p in wal_segments(buffer_dir(run_dir)) if p.stat().st_size > 0]
     if wal:
         found.append(f"a write-ahead log ({sum(p.stat().st_size for p in wal)} bytes)")
     steps = trained_steps(run_dir)
     if steps:
         found.append(f"metrics up to step {steps}")
-    elif (run_dir / "events.jsonl").exists() and (run_dir / "events.jsonl").stat().st_size > 0:
+    elif (run_dir / EVENTS).exists() and (run_dir / EVENTS).stat().st_size > 0:
         found.append("an event log")
     return found
 
@@ -108,7 +105,7 @@ def run_state(run_dir: Path) -> list[str]:
 def trained_steps(run_dir: Path) -> int:
     """The highest step in ``metrics.jsonl`` (0 when none)."""
     best = 0
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if path.exists():
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -224,7 +221,7 @@ def remove_run_files(run_dir: Path) -> list[Path]:
 
 # -- config snapshots ----------------------------------------------------------------------------
 def snapshot_path(run_dir: Path, step: int, resumed: bool) -> Path:
-    return Path(run_dir) / (f"config.resume-{step}.yaml" if resumed else "config.yaml")
+    return config_snapshot(run_dir, step if resumed else None)
 
 
 def _snapshots(run_dir: Path) -> list[tuple[int, Path]]:
@@ -242,7 +239,7 @@ def previous_snapshot(run_dir: Path, step: int) -> Path | None:
     earlier = [p for m, p in _snapshots(run_dir) if m < step]
     if earlier:
         return earlier[-1]
-    first = Path(run_dir) / "config.yaml"
+    first = config_snapshot(run_dir)
     return first if first.exists() else None
 
 
@@ -289,7 +286,7 @@ def discard_metrics_after(run_dir: Path, step: int) -> int:
     """Move ``metrics.jsonl`` lines past ``step`` (trained after the checkpoint a resume starts from,
     so their weights are gone) to ``metrics.discarded.jsonl``; returns how many. The file is cut at
     the first such line, so step numbers never repeat."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if not path.exists():
         return 0
     with open(path, "rb") as f:
@@ -307,7 +304,7 @@ def discard_metrics_after(run_dir: Path, step: int) -> int:
     if cut is None:
         return 0
     tail = data[cut:]
-    with open(Path(run_dir) / "metrics.discarded.jsonl", "ab") as f:
+    with open(Path(run_dir) / METRICS_DISCARDED, "ab") as f:
         f.write(tail if tail.endswith(b"\n") else tail + b"\n")
         f.flush()
         os.fsync(f.fileno())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ConfigError
+from .layout import EVENTS, METRICS
 
 EVENTS_SCHEMA = 1
 
@@ -152,8 +153,8 @@ class RunLog:
                  trackers: list | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = JsonlWriter(self.dir / "metrics.jsonl")
-        self.events = JsonlWriter(self.dir / "events.jsonl")
+        self.metrics = JsonlWriter(self.dir / METRICS)
+        self.events = JsonlWriter(self.dir / EVENTS)
         self.on_event = on_event
         self.trackers = list(trackers or [])
 

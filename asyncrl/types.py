@@ -20,6 +20,13 @@ from typing import Any
 
 import numpy as np
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as text: chat messages' contents joined by newlines (a logged record's ``prompt``)."""
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    return "" if prompt is None else str(prompt)
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 

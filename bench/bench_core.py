@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.buffer import ReplayBuffer, encode_record  # noqa: E402
+from asyncrl.learner.buffer import ReplayBuffer  # noqa: E402
+from asyncrl.records import encode_record  # noqa: E402
 from asyncrl.learner.net import LearnerNet  # noqa: E402
 from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
 from asyncrl.lifecycle import freeze_startup_heap  # noqa: E402

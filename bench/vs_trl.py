@@ -139,7 +139,7 @@ def trl_worker(args) -> None:
 def run_asyncrl(args) -> dict:
     """``asyncrl run`` for ``--minutes`` of training (stopped with SIGINT: it checkpoints), then the
     held-out accuracy of the checkpoint it saved."""
-    from asyncrl.learner.checkpoint import latest_checkpoint
+    from asyncrl.layout import latest_checkpoint
     from asyncrl.models.loading import load_model, load_tokenizer
 
     cfg = _cfg(args)

@@ -243,7 +243,7 @@ def stop_processes(procs) -> None:
 def wal_ids(run_dir: Path) -> set[str]:
     """Episode ids in every WAL segment of a run: what the learner acknowledged since the oldest kept
     checkpoint (a killed learner's last record may be torn: reading stops there)."""
-    from asyncrl.learner.buffer import read_frame_records
+    from asyncrl.records import read_frame_records
     from asyncrl.wire.codec import decode, decode_episode
 
     ids = set()
@@ -255,7 +255,7 @@ def wal_ids(run_dir: Path) -> set[str]:
 
 def checkpoint_buffer_ids(ckpt: Path) -> set[str]:
     """Episode ids in a checkpoint's saved buffer (read strictly: a checkpoint is whole or refused)."""
-    from asyncrl.learner.buffer import read_frame_records
+    from asyncrl.records import read_frame_records
     from asyncrl.wire.codec import decode, decode_episode
 
     return {decode_episode(decode(f)).id for f in read_frame_records(ckpt / "buffer.bin")}

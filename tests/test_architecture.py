@@ -28,7 +28,21 @@ FORBIDDEN = [
     (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
     (("app",), ("asyncrl.cli",), "the UI app does not import the command line (the CLI starts the app)"),
     (("asyncrl.analysis",), ("app",), "run analysis is UI-free (the app reads it, not the other way)"),
+    (("asyncrl.rundir",), ("asyncrl.learner",), "the run directory's rules sit below the learner (paths and "
+                                               "checkpoint selection are asyncrl.layout)"),
+    (("asyncrl.engine",), ("asyncrl.models",), "engines run a loaded model; they do not build or load one"),
+    (("asyncrl.models",), ("asyncrl.engine",), "building a model needs no engine (init_model measures it)"),
+    (("asyncrl.algos",), ("asyncrl.analysis",), "algorithms sit below the run analysis that reads their records"),
 ]
+
+# The ground floor: modules any layer may import, which import no other asyncrl module but each other.
+GROUND = ("asyncrl.layout", "asyncrl.records", "asyncrl.types")
+
+
+def ground_floor_edges(graph: dict[str, set[str]], ground=GROUND) -> list[str]:
+    """One line per import from a ground-floor module to a module above it."""
+    return [f"{m} -> {i}: the ground floor imports only the ground floor" for m in sorted(graph) if _within(m, ground)
+            for i in sorted(graph[m]) if not _within(i, ground)]
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -187,7 +201,7 @@ def test_no_import_cycles():
 
 
 def test_no_forbidden_import_directions():
-    bad = forbidden_edges(import_graph())
+    bad = forbidden_edges(import_graph()) + ground_floor_edges(import_graph())
     assert not bad, "imports in a forbidden direction (importer -> imported):\n" + "\n".join("  " + b for b in bad)
 
 
@@ -222,3 +236,5 @@ def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
     assert find_cycles(graph) == [["asyncrl.actor.actor", "asyncrl.rollout.loop", "asyncrl.actor.actor"]]
     assert forbidden_edges(graph) == [
         "asyncrl.envs.base -> asyncrl.learner.buffer: code that runs on an actor never imports the learner"]
+    assert ground_floor_edges({"asyncrl.layout": {"asyncrl.types", "asyncrl.config"}}) == [
+        "asyncrl.layout -> asyncrl.config: the ground floor imports only the ground floor"]

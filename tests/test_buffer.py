@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl.learner.buffer import ReplayBuffer, read_frame_records
+from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.records import read_frame_records
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 

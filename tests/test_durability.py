@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner.buffer import (RecordError, RecordScan, ReplayBuffer, encode_record, read_frame_records,
-                                    scan_records)
-from asyncrl.learner.checkpoint import (MANIFEST, list_checkpoints, save_checkpoint, select_checkpoint,
-                                        verify_checkpoint)
+from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.records import RecordError, RecordScan, encode_record, read_frame_records, scan_records
+from asyncrl.learner.checkpoint import save_checkpoint
+from asyncrl.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
 from asyncrl.rundir import RunDirError, plan_start
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode

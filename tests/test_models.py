@@ -76,7 +76,7 @@ def test_embedded_model_builds_and_is_cached(tmp_path, monkeypatch):
     cfg = _tiny_cfg(tmp_path / "cache")
     path = tiny.build_embedded_model(cfg, seed=0, progress=False)
     info = json.loads((path / tiny.META_FILE).read_text())
-    assert info["seed"] == 0 and 1 <= info["steps"] <= 20 and 0 <= info["sampled_accuracy"] <= 1
+    assert info["seed"] == 0 and 1 <= info["steps"] <= 20 and 0 <= info["expected_accuracy"] <= 1
     assert info["num_parameters"] == tiny.count_parameters(cfg)
     assert [p.name for p in path.parent.iterdir() if not p.name.startswith(".")] == [path.name]
 

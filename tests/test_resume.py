@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.learner.buffer import encode_record
-from asyncrl.learner.checkpoint import list_checkpoints
+from asyncrl.records import encode_record
+from asyncrl.layout import list_checkpoints
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import encode_episode
 

@@ -34,7 +34,7 @@ from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
 from ..envs.guard import request_stop as request_env_stop
 from ..engine import make_engine
-from ..models.loading import load_tokenizer, resolve_model_path
+from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..types import Task
 from ..sync import make_receiver
 from ..wire.codec import decode, encode, encode_episode
@@ -56,7 +56,8 @@ class Actor:
         self.workflow = get_workflow(cfg.algorithm, cfg)
         model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)
         self.tokenizer = load_tokenizer(model_dir, cfg.tasks.prompt_format)
-        self.engine = make_engine(cfg, model_dir, self.tokenizer)
+        self.engine = make_engine(cfg, model_dir, self.tokenizer,
+                                  lambda: load_model(model_dir, cfg.model.dtype, cfg.engine.device))
         self.weights_in = make_receiver(cfg.sync, cfg.wire, actor_id)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from .records import prompt_text
+from ..types import prompt_text
 
 
 def metrics_frame(records: list[dict]) -> pd.DataFrame:

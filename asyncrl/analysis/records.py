@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
 
 
 class TruncatedRecordWarning(UserWarning):
@@ -82,10 +81,3 @@ def quiet_records(path: Path) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return read_records(path)
-
-
-def prompt_text(prompt: Any) -> str:
-    """A record's ``prompt`` as text (chat messages joined by newlines)."""
-    if isinstance(prompt, list):
-        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
-    return "" if prompt is None else str(prompt)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..layout import PID_FILE, RUN_MARKERS
 from ..lifecycle import pid_alive
 
 if TYPE_CHECKING:
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
 
 NA = "n/a"  # how a figure over zero samples is shown (never 0)
 SILENT_AFTER_S = 120.0  # a live-only view with no news for this long: state "silent"
-PID_FILE = "learner.pid"  # written by the learner's run lock (asyncrl.rundir) while it lives
 
 
 @dataclass
@@ -76,7 +76,6 @@ def run_state(store: "RunStore", now: float | None = None) -> RunState:
 
 
 # ------------------------------------------------------------------------------------- runs and curves
-RUN_MARKERS = ("metrics.jsonl", "events.jsonl", "config.yaml", "addresses.json", PID_FILE)
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from ..layout import EVENTS, METRICS, config_snapshot
 from ..runlog import EVENTS_SCHEMA
 from .frames import (actors_frame, episodes_frame, events_frames, evals_frame, kind_frame, metrics_frame,
                      trajectories_frame)
@@ -196,8 +197,8 @@ class RunReader:
         self.dir = Path(run_dir)
         self.store = store if store is not None else RunStore()
         self.store.run_dir = self.dir
-        self._metrics = _Tail(self.dir / "metrics.jsonl")
-        self._events = _Tail(self.dir / "events.jsonl")
+        self._metrics = _Tail(self.dir / METRICS)
+        self._events = _Tail(self.dir / EVENTS)
         self._config_mtime = None
 
     def poll(self) -> int:
@@ -214,7 +215,7 @@ class RunReader:
         return self._metrics.partial + self._events.partial
 
     def _read_config(self) -> None:
-        path = self.dir / "config.yaml"
+        path = config_snapshot(self.dir)
         try:
             mtime = path.stat().st_mtime
         except FileNotFoundError:
@@ -267,7 +268,7 @@ def load_events(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     by_kind: dict[str, list[dict]] = defaultdict(list)
-    for rec in read_records(Path(run_dir) / "events.jsonl"):
+    for rec in read_records(Path(run_dir) / EVENTS):
         if isinstance(rec.get("kind"), str):
             by_kind[rec["kind"]].append(rec)
         else:
@@ -279,5 +280,5 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
     """``run_dir/metrics.jsonl`` as a DataFrame indexed by step (last record per step)."""
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    return metrics_frame(read_records(Path(run_dir) / "metrics.jsonl"))
+    return metrics_frame(read_records(Path(run_dir) / METRICS))
 

@@ -1,25 +1,29 @@
 """Generation engines by ``engine.type``: ``hf`` (transformers, CPU or GPU) and ``vllm`` (vLLM).
 
 Every engine keeps the ``Engine`` contract of ``asyncrl.engine.base``. An engine is made from the
-model directory and the tokenizer (:func:`make_engine`); each kind loads the weights its own way.
+model directory, the tokenizer and a loader of the model (:func:`make_engine`): the ``hf`` engine
+runs the model the loader returns, ``vllm`` loads the directory its own way. (Engines import no
+model-building code: ``asyncrl.models`` and ``asyncrl.engine`` stand side by side.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ..config import Config, ConfigError
 from .base import Engine, Generation
 
 
-def _hf(cfg: Config, model_dir: Path, tokenizer) -> Engine:
-    from ..models.loading import load_model
+def _hf(cfg: Config, model_dir: Path, tokenizer, load_model) -> Engine:
     from .hf import HFEngine
 
-    return HFEngine(load_model(model_dir, cfg.model.dtype, cfg.engine.device), tokenizer, device=cfg.engine.device)
+    if load_model is None:
+        raise ValueError("engine.type=hf runs a loaded model: give make_engine a load_model")
+    return HFEngine(load_model(), tokenizer, device=cfg.engine.device)
 
 
-def _vllm(cfg: Config, model_dir: Path, tokenizer) -> Engine:
+def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:
     from .vllm import VLLMEngine, require_vllm
 
     require_vllm()
@@ -31,11 +35,12 @@ def _vllm(cfg: Config, model_dir: Path, tokenizer) -> Engine:
 ENGINES = {"hf": _hf, "vllm": _vllm}
 
 
-def make_engine(cfg: Config, model_dir: str | Path, tokenizer) -> Engine:
-    """The ``engine.type`` engine over the model in ``model_dir``."""
+def make_engine(cfg: Config, model_dir: str | Path, tokenizer, load_model: Callable[[], object] | None = None) -> Engine:
+    """The ``engine.type`` engine over the model in ``model_dir``; ``load_model()`` returns the
+    loaded model for an engine that runs one in this process (``hf``), called only by such."""
     if cfg.engine.type not in ENGINES:
         raise ConfigError(f"engine.type: unknown engine {cfg.engine.type!r}; available: {', '.join(ENGINES)}")
-    return ENGINES[cfg.engine.type](cfg, Path(model_dir), tokenizer)
+    return ENGINES[cfg.engine.type](cfg, Path(model_dir), tokenizer, load_model)
 
 
 def _context_length(model_dir: Path) -> int | None:

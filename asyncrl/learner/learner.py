@@ -27,7 +27,8 @@ from ..runlog import RunLog, check_trackers, open_trackers
 from ..types import Episode
 from ..wire.sockets import check_bind_host
 from .buffer import ReplayBuffer
-from .checkpoint import (checkpoint_step, list_checkpoints, save_checkpoint)
+from ..layout import ADDRESSES, buffer_dir, checkpoint_step, list_checkpoints
+from .checkpoint import save_checkpoint
 from .evaluate import EvaluationHung, Evaluator
 from .net import LearnerNet, Limits
 from .peers import Peers
@@ -60,7 +61,7 @@ class Learner:
             warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
-        self.buffer = ReplayBuffer(self.run_dir / "buffer", cfg.buffer.capacity)
+        self.buffer = ReplayBuffer(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
@@ -86,7 +87,7 @@ class Learner:
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.buffer.open_wal(self.version)
-        (self.run_dir / "addresses.json").write_text(json.dumps(self.net.addresses, indent=1))
+        (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _on_bad_message(self, channel: str, error: Exception) -> None:

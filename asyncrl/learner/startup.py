@@ -10,15 +10,24 @@ printed at once and logged as events once the event log is open (``flush``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
-from .checkpoint import CheckpointError, clean_partial, quarantine, read_checkpoint
+from ..layout import CheckpointError, clean_partial, quarantine_checkpoint, read_addresses
+from .checkpoint import read_checkpoint
 
 
 _ANY_VERSION = 1 << 62
+
+
+def _receipt_check(validator):
+    """``validate(episode, message)`` for ``ReplayBuffer.restore``: the learner's receipt checks,
+    without the future-version one (after a fallback to an older checkpoint, episodes of the
+    versions it forgot are legitimate, as they were when acknowledged)."""
+    from .net import Arrival
+
+    return lambda ep, msg: validator.check(Arrival(ep, [], msg.arrays), _ANY_VERSION)
 
 
 class Startup:
@@ -34,7 +43,7 @@ class Startup:
         if self.plan.mode == "fresh" and cfg.checkpoint.resume:
             print(f"[learner] nothing to resume in {self.run_dir}: starting a fresh run", flush=True)
         for path, problem in self.plan.damaged:
-            moved = quarantine(path)
+            moved = quarantine_checkpoint(path)
             self.note("checkpoint_damaged", f"checkpoint {path.name} is damaged: {problem}; moved to {moved.name}",
                       path=str(path), problem=problem, moved_to=str(moved))
         clean_partial(self.run_dir)
@@ -61,13 +70,7 @@ class Startup:
 
     def previous_addresses(self) -> dict | None:
         """The addresses a resumed learner binds again (so that waiting actors reconnect)."""
-        path = self.run_dir / "addresses.json"
-        if not (self.plan.mode == "resume" and path.exists()):
-            return None
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            return None
+        return read_addresses(self.run_dir) if self.plan.mode == "resume" else None
 
     def restore(self, model, load, hooks, buffer, validator=None) -> tuple[int, dict, Any]:
         """Load the plan's checkpoint (if any): its states, checked against the one-process
@@ -86,15 +89,8 @@ class Startup:
         version = int(state.get("version", self.plan.step))
         for hook in hooks if ckpt is not None else ():
             hook.load(ckpt, version)
-        validate = None
-        if validator is not None:
-            from .net import Arrival
-
-            def validate(ep, msg):  # (no future-version check: after a fallback to an older checkpoint,
-                # episodes of the versions it forgot are legitimate, as they were when acknowledged)
-                return validator.check(Arrival(ep, [], msg.arrays), _ANY_VERSION)
         report = buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])),
-                                validate=validate)
+                                validate=_receipt_check(validator) if validator is not None else None)
         for scan in report.damaged:
             for d in scan.damaged[:-1] if scan.problem else scan.damaged:
                 self.note("wal_damaged", f"{scan.path}: {d.end - d.start} damaged byte(s) at offset {d.start} "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -38,8 +37,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..config import EmbeddedModelConfig, SamplingConfig, TasksConfig
-from ..envs.arithmetic import arithmetic_reward, make_problem
+from ..config import EmbeddedModelConfig, TasksConfig
+from ..envs.arithmetic import make_problem
+from ..layout import replace_dir
 from ..types import Task
 from .tokenizer import build_char_tokenizer
 
@@ -132,10 +132,7 @@ def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
             _build_into(tmp, cfg, seed, progress, available)
-            if final.exists():
-                _replace_dir(tmp, final)
-            else:
-                os.replace(tmp, final)
+            replace_dir(tmp, final)  # (a final without metadata: a crashed build from elsewhere, swapped out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -159,14 +156,6 @@ def _remove_orphans(root: Path, name: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """``final`` exists without metadata (a crashed build from elsewhere): swap it out."""
-    stale = final.with_name(final.name + f".stale-{os.getpid()}")
-    os.replace(final, stale)
-    os.replace(tmp, final)
-    shutil.rmtree(stale, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------------------- build
 @dataclass
 class _Example:
@@ -176,7 +165,7 @@ class _Example:
 
 def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
                 formats: dict[str, WarmstartFormat]) -> None:
-    """Initialise, warm-start, evaluate and save the model into ``out``."""
+    """Initialise, warm-start (to an expected accuracy) and save the model into ``out``."""
     start = time.perf_counter()
     with _deterministic(seed, threads=2):
         tokenizer = build_char_tokenizer()
@@ -184,8 +173,6 @@ def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         result = warm_start(model, tokenizer, cfg, seed, progress, formats)
-        result["sampled_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1.0, seed)
-        result["greedy_accuracy"] = evaluate_accuracy(model, tokenizer, heldout_tasks(), 1e-6, seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     info = {"build_version": BUILD_VERSION, "seed": seed, "config": cfg.model_dump(mode="json"),
@@ -294,23 +281,6 @@ def _train_step(model, opt, sched, examples: list[_Example]) -> float:
     opt.step()
     sched.step()
     return loss.item()
-
-
-def evaluate_accuracy(model, tokenizer, tasks: list[Task], temperature: float, seed: int,
-                      max_new_tokens: int = 8) -> float:
-    """Fraction of ``tasks`` answered exactly right, sampling one reply each at ``temperature``.
-
-    A temperature of ~1e-6 is greedy decoding. Uses its own seeded generator (no global RNG use).
-    """
-    from ..engine.hf import HFEngine  # local import: the engine does not depend on this module
-
-    engine = HFEngine(model, tokenizer, device=str(next(model.parameters()).device))
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True,
-                                                              tokenize=False), add_special_tokens=False)
-               for t in tasks]
-    sampling = SamplingConfig(n=1, temperature=temperature, max_new_tokens=max_new_tokens)
-    gens = engine.generate(prompts, sampling, seed=seed)
-    return float(np.mean([arithmetic_reward(t, g.text) for t, g in zip(tasks, gens)]))
 
 
 def expected_accuracy(model, tokenizer, tasks: list[Task]) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from ..layout import WEIGHTS
 from ..wire.codec import Message, encode
 from ..wire.messages import Weights
 from .base import WeightsError
@@ -16,7 +17,7 @@ from .base import WeightsError
 
 class FilesystemPublisher:
     def __init__(self, sync_cfg, run_dir: Path, wire_cfg=None):
-        self.dir = Path(sync_cfg.dir or Path(run_dir) / "weights").resolve()
+        self.dir = Path(sync_cfg.dir or Path(run_dir) / WEIGHTS).resolve()
         self.keep = sync_cfg.keep
 
     def frames(self, state: dict, version: int) -> list:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ...analysis.records import prompt_text
+from ...types import prompt_text
 
 
 def _span(node: dict) -> float:
