@@ -238,3 +238,15 @@ def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
         "asyncrl.envs.base -> asyncrl.learner.buffer: code that runs on an actor never imports the learner"]
     assert ground_floor_edges({"asyncrl.layout": {"asyncrl.types", "asyncrl.config"}}) == [
         "asyncrl.layout -> asyncrl.config: the ground floor imports only the ground floor"]
+
+
+def test_weight_transports_declare_what_the_learner_calls():
+    """The sync Protocols name every call (``needs_snapshot``, ``frames``, ``poll``, ``close``;
+    ``tensors``, ``close``): each transport has them, and the learner probes none with getattr."""
+    from asyncrl.sync import TRANSPORTS
+
+    for name, (publisher, receiver) in TRANSPORTS.items():
+        assert all(callable(getattr(publisher, m, None)) for m in ("frames", "poll", "close")), name
+        assert isinstance(publisher.needs_snapshot, bool), name
+        assert all(callable(getattr(receiver, m, None)) for m in ("tensors", "close")), name
+    assert "getattr(self.weights_out" not in (ROOT / "asyncrl" / "learner" / "learner.py").read_text()

@@ -323,3 +323,4 @@ class Actor:
         for s in (self.control, self.episodes, self.weights):
             if s is not None:
                 s.close()
+        self.weights_in.close()

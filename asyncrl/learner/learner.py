@@ -113,9 +113,7 @@ class Learner:
             self._stop_on_write_error(e)
         finally:
             self.ranks.stop()
-            close = getattr(self.weights_out, "close", None)
-            if close is not None:  # e.g. ipc: its shared-memory segments
-                close()
+            self.weights_out.close()  # e.g. ipc: its shared-memory segments
         if self._stop_reason:
             raise SystemExit(f"asyncrl learn: stopped at step {self.version}: {self._stop_reason}")
         return summary
@@ -181,9 +179,7 @@ class Learner:
         """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
         grant credits (``asyncrl.learner.peers.Peers``)."""
         self.peers.pump(timeout_ms, self.version)
-        poll_sync = getattr(self.weights_out, "poll", None)
-        if poll_sync is not None:  # sync.type=nccl: actors joining the weight-sync group
-            poll_sync()
+        self.weights_out.poll()  # sync.type=nccl: actors joining the weight-sync group
         if self.peers.stop_reason and not self._stop:
             self._stop, self._stop_reason = True, self.peers.stop_reason
         self.grant()
@@ -259,7 +255,7 @@ class Learner:
         t0 = time.time()
         # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
         # (a transport that copies the tensors out before frames() returns needs none)
-        snapshot = getattr(self.weights_out, "needs_snapshot", True)
+        snapshot = self.weights_out.needs_snapshot
         state = {k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
                  for k, v in self.model.named_parameters()}
         self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)

@@ -27,8 +27,20 @@ class WeightsError(ValueError):
 
 
 class WeightPublisher(Protocol):
+    """What the learner calls (and nothing else: no attribute is probed)."""
+
+    needs_snapshot: bool  # True: ``frames`` keeps the tensors it is given (the learner passes copies)
+
     def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
         """The frames of the ``weights`` message for ``version`` (``state``: name -> CPU tensor)."""
+        ...
+
+    def poll(self) -> None:
+        """Housekeeping between steps (``nccl``: actors joining the group)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the transport holds (shared memory, sockets, groups)."""
         ...
 
 
@@ -36,3 +48,26 @@ class WeightReceiver(Protocol):
     def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, {name: tensor})`` from a received ``weights`` message, or WeightsError."""
         ...
+
+    def close(self) -> None:
+        """Release what the receiver holds (threads, shared memory)."""
+        ...
+
+
+class Publisher:
+    """Defaults for a :class:`WeightPublisher`: keeps its input, no housekeeping, nothing to close."""
+
+    needs_snapshot = True
+
+    def poll(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Receiver:
+    """Defaults for a :class:`WeightReceiver`: nothing to close."""
+
+    def close(self) -> None:
+        pass

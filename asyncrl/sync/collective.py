@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..wire.codec import Message, encode
 from ..wire.messages import ShmTensor, Weights
-from .base import WeightsError
+from .base import Publisher, Receiver, WeightsError
 from .ipc import pack, plan_layout, unpack
 from .store import StoreClient, StoreServer
 
@@ -78,7 +78,7 @@ def _abort(pg) -> None:
             pass
 
 
-class CollectivePublisher:
+class CollectivePublisher(Publisher):
     """The learner's side (rank 0 of every epoch)."""
 
     needs_snapshot = True  # a newcomer is sent the last published version, kept as it was
@@ -193,7 +193,7 @@ class _Dropped(Exception):
     """This actor is not in the learner's newest epoch: register again."""
 
 
-class CollectiveReceiver:
+class CollectiveReceiver(Receiver):
     """The actor's side: a thread joins epochs and receives versions; ``tensors`` hands the
     newest one to the engine."""
 

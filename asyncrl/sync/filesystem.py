@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from ..layout import WEIGHTS
 from ..wire.codec import Message, encode
 from ..wire.messages import Weights
-from .base import WeightsError
+from .base import Publisher, Receiver, WeightsError
 
 
-class FilesystemPublisher:
+class FilesystemPublisher(Publisher):
     def __init__(self, sync_cfg, run_dir: Path, wire_cfg=None):
         self.dir = Path(sync_cfg.dir or Path(run_dir) / WEIGHTS).resolve()
         self.keep = sync_cfg.keep
@@ -33,7 +33,7 @@ class FilesystemPublisher:
         return encode("weights", Weights(version=int(version), path=str(final)))
 
 
-class FilesystemReceiver:
+class FilesystemReceiver(Receiver):
     def __init__(self, sync_cfg=None, wire_cfg=None, actor_id=None):
         pass
 

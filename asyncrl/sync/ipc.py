@@ -37,7 +37,7 @@ import torch
 from ..lifecycle import pid_alive
 from ..wire.codec import Message, encode
 from ..wire.messages import ShmTensor, Weights
-from .base import WeightsError
+from .base import Publisher, Receiver, WeightsError
 
 PREFIX = "asyncrl-w-"
 HEADER_BYTES = 64  # [begin version, end version] as int64, padded so tensors start 64-byte aligned
@@ -116,7 +116,7 @@ class _Segment:
             self.path.unlink(missing_ok=True)
 
 
-class IpcPublisher:
+class IpcPublisher(Publisher):
     """The learner's side: ``frames`` writes ``state`` into the next slot and returns the message."""
 
     needs_snapshot = False  # the tensors are copied into the segment before frames() returns
@@ -157,7 +157,7 @@ class IpcPublisher:
         self._key = None
 
 
-class IpcReceiver:
+class IpcReceiver(Receiver):
     """The actor's side: maps the named segment (kept open while the learner uses it), copies the
     version out with one memory copy into a buffer of its own, and checks it was not overwritten."""
 

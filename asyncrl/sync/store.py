@@ -281,6 +281,8 @@ class StoreServer:
                 self._waiting -= 1
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # (closed already)
         self._stop.set()
         self._thread.join(timeout=5)
         with self._out_lock:
@@ -402,5 +404,7 @@ class StoreClient(dist.Store):
 
     def close(self) -> None:
         with self._lock:
+            if self._sock.closed:
+                return
             self._sock.close(0)
         self._ctx.term()

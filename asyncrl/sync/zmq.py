@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from ..wire.codec import Message, decode_weights, encode_weights
-from .base import WeightsError
+from .base import Publisher, Receiver, WeightsError
 
 
-class ZmqPublisher:
+class ZmqPublisher(Publisher):
     def __init__(self, sync_cfg=None, run_dir=None, wire_cfg=None):
         pass
 
@@ -17,7 +17,7 @@ class ZmqPublisher:
         return encode_weights(state, version)
 
 
-class ZmqReceiver:
+class ZmqReceiver(Receiver):
     def __init__(self, sync_cfg=None, wire_cfg=None, actor_id=None):
         pass
 
