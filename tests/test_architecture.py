@@ -250,3 +250,31 @@ def test_weight_transports_declare_what_the_learner_calls():
         assert isinstance(publisher.needs_snapshot, bool), name
         assert all(callable(getattr(receiver, m, None)) for m in ("tensors", "close")), name
     assert "getattr(self.weights_out" not in (ROOT / "asyncrl" / "learner" / "learner.py").read_text()
+
+
+def test_every_name_table_is_a_registry_with_the_import_path_fallback():
+    from asyncrl.advantages import ADV_ESTIMATORS
+    from asyncrl.algos.absolute_zero.domains import DOMAINS
+    from asyncrl.config import ConfigError
+    from asyncrl.engine import ENGINES
+    from asyncrl.envs.base import ENVS, REWARDS
+    from asyncrl.learner.core_algos import OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+    from asyncrl.models.tiny import BUILTIN_FORMATS
+    from asyncrl.registry import Registry
+    from asyncrl.rollout.workflow import WORKFLOWS, workflow_class
+    from asyncrl.sync import TRANSPORTS
+
+    workflow_class("grpo")  # (the built-in algorithms register on first use)
+    tables = (WORKFLOWS, ENGINES, TRANSPORTS, ENVS, REWARDS, DOMAINS, BUILTIN_FORMATS, ADV_ESTIMATORS,
+              POLICY_LOSSES, OFF_POLICY_CORRECTIONS)
+    assert all(isinstance(t, Registry) for t in tables)
+    assert REWARDS.resolve("exact_match", "env.reward") is REWARDS["exact_match"]
+    assert REWARDS.resolve("tests.plugins_for_tests:short_reply_reward", "env.reward").__name__ == "short_reply_reward"
+    assert ENVS.resolve("calculator", "env.type").__name__ == "CalculatorEnv"  # a lazily imported built-in
+    try:
+        REWARDS.resolve("nope", "env.reward", what="function")
+    except ConfigError as e:
+        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, or an import "
+                          "path 'pkg.module:function'")
+    else:
+        raise AssertionError("an unknown name was accepted")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import Config, ConfigError
+from ..registry import Registry
 from .base import Engine, Generation
 
 
@@ -32,7 +33,7 @@ def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:
                       seed=cfg.seed, dtype=cfg.model.dtype)
 
 
-ENGINES = {"hf": _hf, "vllm": _vllm}
+ENGINES: Registry[Callable[..., Engine]] = Registry("engine", {"hf": _hf, "vllm": _vllm})
 
 
 def make_engine(cfg: Config, model_dir: str | Path, tokenizer, load_model: Callable[[], object] | None = None) -> Engine:

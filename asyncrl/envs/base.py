@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..config import ConfigError
-from ..plugins import resolve_import
+from ..registry import Registry
 from ..types import Task
 from .arithmetic import arithmetic_reward
 from .guard import GuardedEnv, validate_scores
@@ -55,16 +55,11 @@ def exact_match_reward(task: Task, response: str) -> float:
     return float(any(normalize_answer(response) == normalize_answer(str(g)) for g in golds))
 
 
-REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward}
+REWARDS: Registry[RewardFn] = Registry("reward", {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward})
 
 
 def get_reward_fn(spec: str) -> RewardFn:
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" not in spec and "." not in spec:
-        raise ConfigError(f"env.reward: unknown reward {spec!r}; built-in: {', '.join(REWARDS)}, "
-                         f"or an import path 'pkg.module:function'")
-    return resolve_import(spec, "env.reward")
+    return REWARDS.resolve(spec, "env.reward", what="function")
 
 
 def scores_from(value: Any) -> dict[str, float]:
@@ -91,8 +86,8 @@ class SingleTurnEnv:
 
 
 # built-in environments: a class, or an import path loaded on first use
-ENVS: dict[str, "type | str"] = {"single_turn": SingleTurnEnv,
-                                 "calculator": "asyncrl.envs.calculator:CalculatorEnv"}
+ENVS: Registry["type | str"] = Registry("environment", {"single_turn": SingleTurnEnv,
+                                                        "calculator": "asyncrl.envs.calculator:CalculatorEnv"})
 
 
 def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
@@ -100,15 +95,7 @@ def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
     (``asyncrl.envs.guard``): its calls time out, and a failing call raises EnvFailure. With
     ``stop_on_failures`` too many failures raise TooManyFailures (``env.max_failure_rate``)."""
     spec = env_cfg.type
-    if spec in ENVS:
-        cls = ENVS[spec]
-        if isinstance(cls, str):
-            cls = resolve_import(cls, "env.type")
-    elif ":" in spec or "." in spec:
-        cls = resolve_import(spec, "env.type")
-    else:
-        raise ConfigError(f"env.type: unknown environment {spec!r}; built-in: {', '.join(ENVS)}, "
-                         f"or an import path 'pkg.module:Class'")
+    cls = ENVS.resolve(spec, "env.type", what="Class")
     try:
         env = cls(reward=env_cfg.reward, max_turns=env_cfg.max_turns, **env_cfg.kwargs)
     except ConfigError:

@@ -40,6 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..config import EmbeddedModelConfig, TasksConfig
 from ..envs.arithmetic import make_problem
 from ..layout import replace_dir
+from ..registry import Registry
 from ..types import Task
 from .tokenizer import build_char_tokenizer
 
@@ -72,8 +73,8 @@ def _calculator_format(rng: random.Random) -> tuple[Messages, str]:
 
 # ``fn(rng) -> (chat messages, assistant completion text)``: the completion is the text of the final
 # assistant turn without the ``<|end|>`` EOS (the builder adds it); earlier turns go in ``messages``.
-BUILTIN_FORMATS: dict[str, WarmstartFormat] = {"arithmetic": _arithmetic_format,
-                                               "calculator": _calculator_format}  # the multi-turn calculator env
+BUILTIN_FORMATS: Registry[WarmstartFormat] = Registry("warm-start format", {
+    "arithmetic": _arithmetic_format, "calculator": _calculator_format})  # calculator: the multi-turn env
 
 
 # --------------------------------------------------------------------------------------- model

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..config import ConfigError
+from ..registry import Registry
 from ..plugins import resolve_import
 from ..types import Episode, Task
 
@@ -67,15 +68,12 @@ class Workflow:
         return None
 
 
-WORKFLOWS: dict[str, type[Workflow]] = {}
+WORKFLOWS: Registry[type[Workflow]] = Registry("algorithm")
 
 
 def register_workflow(name: str):
     """Class decorator: make the workflow available as ``algorithm: name``."""
-    def deco(cls: type[Workflow]) -> type[Workflow]:
-        WORKFLOWS[name] = cls
-        return cls
-    return deco
+    return WORKFLOWS.register(name)
 
 
 def workflow_class(name: str) -> type[Workflow]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...envs.base import StepResult
+from ...registry import Registry
 from ...envs.safe_arith import ArithLimits, evaluate_expression, parse_int_reply
 from ...types import Task
 
@@ -92,14 +93,11 @@ def seed_text(seed: Task) -> str:
 
 
 DomainFactory = Callable[[Any], Domain]  # algo config -> Domain
-DOMAINS: dict[str, DomainFactory] = {}
+DOMAINS: Registry[DomainFactory] = Registry("domain")
 
 
 def register_domain(name: str):
-    def deco(factory: DomainFactory) -> DomainFactory:
-        DOMAINS[name] = factory
-        return factory
-    return deco
+    return DOMAINS.register(name)
 
 
 def make_domain(algo_cfg) -> Domain:
