@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.buffer import ReplayBuffer  # noqa: E402
+from asyncrl.learner.buffer import EpisodeQueue  # noqa: E402
 from asyncrl.records import encode_record  # noqa: E402
 from asyncrl.learner.net import LearnerNet  # noqa: E402
 from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
@@ -137,7 +137,7 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
         validator = EpisodeValidator(vocab_size=128, limits=net.limits)
-        buf = ReplayBuffer(Path(tmp), capacity=10**9)
+        buf = EpisodeQueue(Path(tmp), capacity=10**9)
         buf.open_wal(0)
 
         def learner_take(timeout_ms: int) -> int:  # what the learner's loop does per poll
@@ -197,7 +197,7 @@ def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
             raise RuntimeError("bench episode rejected")
     t2 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        buf = ReplayBuffer(Path(tmp), capacity=10**9)
+        buf = EpisodeQueue(Path(tmp), capacity=10**9)
         buf.open_wal(0)
         write = sync = 0.0
         for i in range(0, n, 256):

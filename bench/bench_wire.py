@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from asyncrl.types import Episode, Task, Trajectory
-from asyncrl.wire.bench_util import measure_ingest, timed_rate
+from wire_util import measure_ingest, timed_rate  # noqa: E402 (bench/, beside this script)
 from asyncrl.wire.codec import (decode, decode_episode, decode_weights, encode_episode,
                                 encode_weights)
 

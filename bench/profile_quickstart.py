@@ -35,7 +35,7 @@ STAGES: dict[str, list[tuple[str, str]]] = {
     "learner": [
         ("wait for episodes (poll)", r"^Poller\.poll|^Socket\.poll"),
         ("decode + validate", r"^decode|^decode_episode|^EpisodeValidator|^_take_episode"),
-        ("WAL append + fsync", r"^ReplayBuffer\.(add|sync)|^WriteAheadLog|^Peers\._write"),
+        ("WAL append + fsync", r"^EpisodeQueue\.(add|sync)|^WriteAheadLog|^Peers\._write"),
         ("ack + credits", r"^LearnerNet\.(ack|grant_credits|send_control)"),
         ("batch: advantages + collate", r"^PolicyTrainer\.make_batch|^collate|compute_advantages|^grpo_advantages"),
         ("optimizer + clip", r"^(AdamW|Optimizer)\.|^_single_tensor_adam|^_multi_tensor_adam|clip_grad_norm"),

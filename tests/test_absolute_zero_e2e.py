@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.learner.buffer import EpisodeQueue
 from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
@@ -70,7 +70,7 @@ def test_empty_episode_keeps_its_version_through_wire_and_buffer(tmp_path):
                  metrics={"unified_filter/num_sampled": 0})
     back = decode_episode(decode(encode_episode(ep)))
     assert back.trajectories == [] and back.policy_version == 5
-    buf = ReplayBuffer(tmp_path / "buf", capacity=8)
+    buf = EpisodeQueue(tmp_path / "buf", capacity=8)
     buf.open_wal(0)
     buf.add(back, encode_episode(back))
     taken = buf.take(1, version=6, max_staleness=1)

@@ -224,7 +224,7 @@ def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
         "asyncrl/rollout/__init__.py": "",
         "asyncrl/rollout/loop.py": "def f():\n    from ..actor.actor import x\n",
         "asyncrl/envs/__init__.py": "",
-        "asyncrl/envs/base.py": "from asyncrl.learner.buffer import ReplayBuffer\nfrom .. import config\n",
+        "asyncrl/envs/base.py": "from asyncrl.learner.buffer import EpisodeQueue\nfrom .. import config\n",
         "asyncrl/learner/__init__.py": "",
         "asyncrl/learner/buffer.py": "from asyncrl import config\n",
         "app/__init__.py": "",

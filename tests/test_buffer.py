@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.learner.buffer import EpisodeQueue
 from asyncrl.records import read_frame_records
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
@@ -22,7 +22,7 @@ def _add(buf, version, eid):
 
 
 def test_take_respects_staleness_and_order(tmp_path):
-    buf = ReplayBuffer(tmp_path, capacity=100)
+    buf = EpisodeQueue(tmp_path, capacity=100)
     buf.open_wal(0)
     for v, eid in [(5, "a"), (3, "b"), (4, "c"), (1, "old")]:
         assert _add(buf, v, eid)
@@ -35,7 +35,7 @@ def test_take_respects_staleness_and_order(tmp_path):
 
 
 def test_duplicates_are_refused_and_not_logged_twice(tmp_path):
-    buf = ReplayBuffer(tmp_path, capacity=100)
+    buf = EpisodeQueue(tmp_path, capacity=100)
     buf.open_wal(0)
     assert _add(buf, 0, "x")
     assert not _add(buf, 0, "x")
@@ -44,7 +44,7 @@ def test_duplicates_are_refused_and_not_logged_twice(tmp_path):
 
 
 def test_restore_from_checkpoint_and_wal_with_torn_tail(tmp_path):
-    buf = ReplayBuffer(tmp_path, capacity=100)
+    buf = EpisodeQueue(tmp_path, capacity=100)
     buf.open_wal(0)
     _add(buf, 0, "consumed")
     _add(buf, 0, "pending")
@@ -56,7 +56,7 @@ def test_restore_from_checkpoint_and_wal_with_torn_tail(tmp_path):
     buf.sync()
     with open(tmp_path / "wal-00000001.bin", "ab") as f:
         f.write(b"\x03\x00\x00\x00\x10")  # a torn record from a crash mid-write
-    fresh = ReplayBuffer(tmp_path, capacity=100)
+    fresh = EpisodeQueue(tmp_path, capacity=100)
     report = fresh.restore(tmp_path / "buffer.bin", seen)
     assert report.recovered == 1 and report.from_checkpoint == 1
     assert [(t.path.name, t.bytes_cut) for t in report.truncated] == [("wal-00000001.bin", 5)]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.learner.buffer import EpisodeQueue
 from asyncrl.records import RecordError, RecordScan, encode_record, read_frame_records, scan_records
 from asyncrl.learner.checkpoint import save_checkpoint
 from asyncrl.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
@@ -37,8 +37,8 @@ def _episode(eid: str, version: int = 0, n: int = 6) -> Episode:
     return Episode(trajectories=[t], id=eid)
 
 
-def _write_wal(directory, ids, segment: int = 0) -> ReplayBuffer:
-    buf = ReplayBuffer(directory, capacity=10_000)
+def _write_wal(directory, ids, segment: int = 0) -> EpisodeQueue:
+    buf = EpisodeQueue(directory, capacity=10_000)
     buf.open_wal(segment)
     for eid in ids:
         ep = _episode(eid)
@@ -49,7 +49,7 @@ def _write_wal(directory, ids, segment: int = 0) -> ReplayBuffer:
 
 
 def _restored_ids(directory) -> tuple[set[str], list[RecordScan]]:
-    buf = ReplayBuffer(directory, capacity=10_000)
+    buf = EpisodeQueue(directory, capacity=10_000)
     report = buf.restore(None, set())
     return set(buf.episodes), report.truncated
 
@@ -57,7 +57,7 @@ def _restored_ids(directory) -> tuple[set[str], list[RecordScan]]:
 def _resume_append_crash_resume(directory, kept: set[str], tag: str) -> None:
     """After a first restore: append acknowledged episodes, crash mid-write (half a record at the
     tail), restore again: everything acknowledged is there, the half record is not."""
-    buf = ReplayBuffer(directory, capacity=10_000)
+    buf = EpisodeQueue(directory, capacity=10_000)
     buf.restore(None, set())
     buf.open_wal(0)
     after = {f"{tag}-after-{i}" for i in range(3)}
@@ -145,7 +145,7 @@ def test_one_damaged_byte_in_the_middle_loses_only_its_record(tmp_path, where):
     middle = 127 * size
     data[middle + {"payload": 40, "header": 1, "length": 5}[where]] ^= 0x10
     wal.write_bytes(bytes(data))
-    buf = ReplayBuffer(tmp_path, capacity=10_000)
+    buf = EpisodeQueue(tmp_path, capacity=10_000)
     report = buf.restore(None, set())
     assert set(buf.episodes) == set(ids) - {"e127"}  # every other record is recovered
     assert report.recovered == 253 and not report.truncated
@@ -154,7 +154,7 @@ def test_one_damaged_byte_in_the_middle_loses_only_its_record(tmp_path, where):
     assert (d.start, d.end, d.records) == (middle, middle + size, 1), d
     assert d.quarantine.read_bytes() == bytes(data[middle:middle + size])
     assert wal.stat().st_size == 253 * size  # rewritten without the damaged bytes
-    buf2 = ReplayBuffer(tmp_path, capacity=10_000)
+    buf2 = EpisodeQueue(tmp_path, capacity=10_000)
     report2 = buf2.restore(None, set())
     assert set(buf2.episodes) == set(ids) - {"e127"} and not report2.damaged and not report2.truncated
     _resume_append_crash_resume(tmp_path, set(ids) - {"e127"}, where)
@@ -175,7 +175,7 @@ def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
         f.write(encode_record(encode_episode(evil)))
     _write_wal(tmp_path, ["c"], segment=1)
     validator = EpisodeValidator(100, Limits.from_config(_load(None, []).wire, 64))
-    buf = ReplayBuffer(tmp_path, capacity=10_000)
+    buf = EpisodeQueue(tmp_path, capacity=10_000)
     report = buf.restore(None, set(), validate=lambda ep, msg: validator.check(Arrival(ep, [], msg.arrays), 0))
     assert set(buf.episodes) == {"a", "b", "c"}
     assert [(eid, reason.split(":")[0]) for _, eid, reason in report.invalid] == [("evil", "token_range")]
@@ -213,7 +213,7 @@ def test_a_wal_of_the_old_format_is_refused_by_name(tmp_path):
     old = len(frames).to_bytes(4, "little") + b"".join(len(f).to_bytes(8, "little") + f for f in frames)
     (tmp_path / "wal-00000000.bin").write_bytes(old)
     with pytest.raises(RecordError, match="wal-00000000.bin: written by an older asyncrl"):
-        ReplayBuffer(tmp_path, 100).restore(None, set())
+        EpisodeQueue(tmp_path, 100).restore(None, set())
     assert (tmp_path / "wal-00000000.bin").read_bytes() == old  # nothing cut
 
 
@@ -221,13 +221,13 @@ _FULL_DISK_WAL = """
 import json, resource, signal, sys
 from pathlib import Path
 import numpy as np
-from asyncrl.learner.buffer import ReplayBuffer
+from asyncrl.learner.buffer import EpisodeQueue
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import encode_episode
 def _episode(eid, n):
     return Episode(id=eid, trajectories=[Trajectory(token_ids=np.arange(n), loss_mask=[1] * n,
                                                     behavior_logprobs=[0.0] * n, policy_version=0)])
-buf = ReplayBuffer(Path(sys.argv[1]), 10_000)
+buf = EpisodeQueue(Path(sys.argv[1]), 10_000)
 buf.open_wal(0)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
@@ -273,9 +273,9 @@ def policy(tiny_overrides):
     return model, tokenizer, opt
 
 
-def _two_checkpoints(run_dir, policy) -> ReplayBuffer:
+def _two_checkpoints(run_dir, policy) -> EpisodeQueue:
     model, tokenizer, opt = policy
-    buf = ReplayBuffer(run_dir / "buffer", 1000)
+    buf = EpisodeQueue(run_dir / "buffer", 1000)
     buf.open_wal(0)
     for step in (2, 4):
         for i in range(6):
@@ -305,13 +305,13 @@ def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_ove
         import resource, signal, sys, torch
         from pathlib import Path
         from asyncrl.config import load_config
-        from asyncrl.learner.buffer import ReplayBuffer
+        from asyncrl.learner.buffer import EpisodeQueue
         from asyncrl.learner.checkpoint import save_checkpoint
         from asyncrl.models.loading import load_policy
         cfg = load_config(None, {tiny_overrides!r})
         model, tok, _ = load_policy(cfg.model, cfg.seed)
         opt = torch.optim.AdamW(model.parameters())
-        buf = ReplayBuffer(Path(sys.argv[1]) / "buffer", 100)
+        buf = EpisodeQueue(Path(sys.argv[1]) / "buffer", 100)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
         try:

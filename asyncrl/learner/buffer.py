@@ -1,4 +1,6 @@
-"""Policy-version-tagged replay buffer with a write-ahead log.
+"""The learner's queue of acknowledged episodes (:class:`EpisodeQueue`): policy-version tagged,
+behind a write-ahead log. (Experience replay, which trains on past successes again, is
+``asyncrl.learner.replay``; this queue only holds what actors delivered until a step takes it.)
 
 Promises:
 - ``add`` appends the episode's wire frames to the WAL as one checksummed record; after ``sync()``
@@ -50,7 +52,9 @@ class RestoreReport:
     quarantine: Path | None = None
 
 
-class ReplayBuffer:
+class EpisodeQueue:
+    """Acknowledged episodes waiting for a training step, with their WAL (module docstring)."""
+
     def __init__(self, directory: Path, capacity: int):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)

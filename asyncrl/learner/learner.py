@@ -26,7 +26,7 @@ from ..sync import make_publisher
 from ..runlog import RunLog, check_trackers, open_trackers
 from ..types import Episode
 from ..wire.sockets import check_bind_host
-from .buffer import ReplayBuffer
+from .buffer import EpisodeQueue
 from ..layout import ADDRESSES, buffer_dir, checkpoint_step, list_checkpoints
 from .checkpoint import save_checkpoint
 from .evaluate import EvaluationHung, Evaluator
@@ -61,7 +61,7 @@ class Learner:
             warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
-        self.buffer = ReplayBuffer(buffer_dir(self.run_dir), cfg.buffer.capacity)
+        self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version = 0
         self.bad_messages = 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)

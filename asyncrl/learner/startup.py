@@ -22,7 +22,7 @@ _ANY_VERSION = 1 << 62
 
 
 def _receipt_check(validator):
-    """``validate(episode, message)`` for ``ReplayBuffer.restore``: the learner's receipt checks,
+    """``validate(episode, message)`` for ``EpisodeQueue.restore``: the learner's receipt checks,
     without the future-version one (after a fallback to an older checkpoint, episodes of the
     versions it forgot are legitimate, as they were when acknowledged)."""
     from .net import Arrival

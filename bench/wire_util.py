@@ -1,4 +1,4 @@
-"""Throughput helpers for wire benchmarks (used by ``bench/bench_wire.py``; reusable elsewhere).
+"""Throughput helpers for wire benchmarks (used by ``bench/bench_wire.py``; bench code, not part of the library).
 
 ``measure_ingest`` times a PUSH/PULL transfer over ``tcp://127.0.0.1`` of the same message ``n``
 times, with a sender thread and the caller's thread receiving, so codec cost and transport cost
