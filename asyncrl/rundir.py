@@ -84,7 +84,7 @@ def check_writable(run_dir: Path) -> None:
                 break
 
 
-def run_state(run_dir: Path) -> list[str]:
+def state_found(run_dir: Path) -> list[str]:
     """A short description of each kind of run state present (empty: nothing to lose)."""
     run_dir = Path(run_dir)
     found = []
@@ -165,7 +165,7 @@ def _in_use(run_dir: Path) -> str:
 def plan_start(cfg: Config) -> StartPlan:
     """Decide fresh or resume for ``cfg`` (``checkpoint.resume``); reads only (see module doc)."""
     run_dir = cfg.run_dir
-    state = run_state(run_dir)
+    state = state_found(run_dir)
     if not state:
         return StartPlan(run_dir, "fresh", state=state)
     if not cfg.checkpoint.resume:
@@ -194,7 +194,7 @@ def prepare(cfg: Config, overwrite: bool = False) -> StartPlan:
     if overwrite and cfg.checkpoint.resume:
         raise RunDirError("--overwrite and --resume (checkpoint.resume=true) contradict each other: choose one")
     check_unlocked(cfg.run_dir)
-    if overwrite and run_state(cfg.run_dir):
+    if overwrite and state_found(cfg.run_dir):
         lock = RunLock(cfg.run_dir)
         lock.acquire()
         try:

@@ -132,7 +132,7 @@ def test_a_warmstart_format_given_by_the_caller_is_used(tmp_path):
 
 def test_collate_masks_the_prompt(tok):
     ex = tiny._Example(prompt_ids=[4, 24, 25], target_ids=[26, 3])
-    batch = tiny.collate([ex, tiny._Example([4], [3])], pad_id=0)
+    batch = tiny.collate_examples([ex, tiny._Example([4], [3])], pad_id=0)
     assert batch["input_ids"].tolist() == [[4, 24, 25, 26, 3], [4, 3, 0, 0, 0]]
     assert batch["labels"].tolist() == [[-100, -100, -100, 26, 3], [-100, 3, -100, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]

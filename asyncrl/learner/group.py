@@ -34,7 +34,7 @@ from ..config import cpu_threads
 from . import distributed as dist_learner
 from .batch import TrainBatch
 from .core_algos import LossConfig
-from .trainer import PolicyTrainer, StepResult
+from .trainer import PolicyTrainer, TrainStepResult
 
 _LIST_FIELDS = ("sample_types", "group_ids")
 
@@ -95,7 +95,7 @@ class Ranks:
             self.plain.load_state_dict(weights, strict=False)
         dist_learner.load_states(self.trainer.model, self.trainer.optimizer, dict(weights), optim_state)
 
-    def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> StepResult:
+    def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> TrainStepResult:
         if self.control is not None:
             fields, tensors = batch_message(batch)
             self._say("step", tensors, keep_rows=keep_rows, version=version, **fields)

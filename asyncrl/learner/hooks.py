@@ -2,7 +2,7 @@
 
 A hook sees each batch before it is collated and each step's result after it, and may add fields
 to actors' credit messages and files to checkpoints. The trainer knows nothing about hooks: it
-takes loss inputs and returns a :class:`asyncrl.learner.trainer.StepResult`.
+takes loss inputs and returns a :class:`asyncrl.learner.trainer.TrainStepResult`.
 
 Per step the learner calls, in order: ``before_batch`` (it may add trajectories to episodes),
 the trainer's step (with per-row log-probs and entropies when ``needs_rows``), ``after_step``
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ..types import Episode
-from .trainer import StepResult
+from .trainer import TrainStepResult
 
 
 class LearnerHook(Protocol):
@@ -25,7 +25,7 @@ class LearnerHook(Protocol):
     def before_batch(self, episodes: list[Episode], version: int) -> None:
         """Called with the episodes of the next batch (they may be changed in place)."""
 
-    def after_step(self, episodes: list[Episode], result: StepResult | None, version: int) -> dict[str, float]:
+    def after_step(self, episodes: list[Episode], result: TrainStepResult | None, version: int) -> dict[str, float]:
         """Called after the step that trained ``episodes`` at ``version`` (``result`` None when
         the batch had no rows); returns metrics for ``metrics.jsonl``."""
 

@@ -27,7 +27,7 @@ from .core_algos import POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossI
 
 
 @dataclass
-class StepResult:
+class TrainStepResult:
     """One training step: mean statistics over its mini-batches, and (when asked for) the
     learner's per-row log-probs and entropies under the weights before the update, ``[B, T-1]`` on
     the CPU, rows in batch order (what experience replay records)."""
@@ -77,7 +77,7 @@ class PolicyTrainer:
         adv = trajectory_advantages(trajs, self.cfg.advantage)
         return collate(trajs, adv, self.pad_id, device=self.cfg.device)
 
-    def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> StepResult:
+    def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
         """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps). A mini-batch whose loss
         or gradient norm is not finite is not applied; ``skipped_nonfinite`` is the share of such
         mini-batches. ``keep_rows``: also return the per-row log-probs and entropies. ``version``:
@@ -85,7 +85,7 @@ class PolicyTrainer:
         the per-token version lag (:func:`token_lag_stats`)."""
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
-        result = StepResult({})
+        result = TrainStepResult({})
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
                 logp0, ent0 = compute_logprobs(self.model, batch, self.temperature, with_entropy=keep_rows,
@@ -149,7 +149,7 @@ class PolicyTrainer:
                                   exp_mask=mb.exp_mask if has_exp else None)
         return inputs, stats
 
-    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: StepResult | None,
+    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: TrainStepResult | None,
                         version: int | None) -> dict[str, float]:
         cfg = self.cfg
         want_entropy = cfg.entropy_coef > 0

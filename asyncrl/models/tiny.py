@@ -255,7 +255,7 @@ def _example_stream(tokenizer, formats: list[WarmstartFormat], rng: random.Rando
                        tokenizer.encode(completion, add_special_tokens=False) + [eos])
 
 
-def collate(examples: list[_Example], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_examples(examples: list[_Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``, ``attention_mask``, ``labels`` long [B, S].
 
     ``labels`` is -100 on prompt and padding tokens, so the loss covers the completion only.
@@ -275,7 +275,7 @@ def collate(examples: list[_Example], pad_id: int) -> dict[str, torch.Tensor]:
 def _train_step(model, opt, sched, examples: list[_Example]) -> float:
     """One AdamW step on the completion-token cross-entropy; returns the loss."""
     model.train()
-    loss = model(**collate(examples, pad_id=0)).loss
+    loss = model(**collate_examples(examples, pad_id=0)).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -296,7 +296,7 @@ def expected_accuracy(model, tokenizer, tasks: list[Task]) -> float:
         prompt = tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False)
         examples.append(_Example(tokenizer.encode(prompt, add_special_tokens=False),
                                  tokenizer.encode(str(t.answer), add_special_tokens=False) + [eos]))
-    batch = collate(examples, pad_id=0)
+    batch = collate_examples(examples, pad_id=0)
     was_training = model.training
     model.eval()
     with torch.inference_mode():
