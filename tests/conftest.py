@@ -26,6 +26,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The unit tests and the end-to-end ones (marked ``slow``: real processes, real runs) reported
+    apart, so that ``make test`` says how each half went."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if outcome == "passed" and getattr(rep, "when", "call") != "call":
+                continue
+            kind = "end-to-end" if "slow" in getattr(rep, "keywords", {}) else "unit"
+            counts[kind, outcome] += 1
+    if counts:
+        for kind in ("unit", "end-to-end"):
+            parts = [f"{counts[kind, o]} {o}" for o in ("passed", "failed", "error", "skipped") if counts[kind, o]]
+            terminalreporter.write_line(f"{kind} tests: {', '.join(parts) or 'none'}")
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
