@@ -395,7 +395,11 @@ def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
 
     a = Actor.__new__(Actor)  # no model or sockets: only the replay bookkeeping of credit messages
     a.cfg, a.actor_id = load_config(None, ["sampling.n=4"]), "actor-0"
-    a.workflow, a.assigned, a.withheld, a._bad = GRPOWorkflow(a.cfg), deque(), set(), Counter()
+    from asyncrl.actor.net import ActorNet
+
+    a.net = ActorNet.__new__(ActorNet)  # (only its report of bad messages)
+    a.net.actor_id, a.net.bad = a.actor_id, Counter()
+    a.workflow, a.assigned, a.withheld = GRPOWorkflow(a.cfg), deque(), set()
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])
     task = Task("p", [{"role": "user", "content": "1+1="}], 2)
     credit = decode(encode_msg("credit", n=2, min_version=0, withhold={"reset": True, "add": ["x", "z"]},

@@ -10,6 +10,9 @@ Delivery: each episode is kept until the learner acknowledges that it is in its 
 with a new session (it restarted), everything unacknowledged is resent; the learner de-duplicates
 by episode id.
 
+The protocol (sockets, hello/welcome, sessions, credits, ack and resend, the weight subscription)
+is :class:`asyncrl.actor.net.ActorNet`; this module is the loop that generates.
+
 Peers: a heartbeat thread (``asyncrl.actor.heartbeat``) keeps the actor's lease and says when the
 learner is gone. A ``welcome`` means the learner holds no credits for this actor (it is new, or it
 dropped the actor by its lease), so the actor's own count restarts at zero. Every message is
@@ -21,11 +24,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import Counter, OrderedDict, deque
+from collections import deque
 
 import torch
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..rollout.workflow import RolloutContext, get_workflow
 from ..config import Config, cpu_threads
@@ -37,12 +38,10 @@ from ..engine import make_engine
 from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..types import Task
 from ..sync import make_receiver
-from ..wire.codec import decode, encode, encode_episode
-from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
-from ..wire.sockets import apply_curve_client, connect, drain, refused_actor_line, send_frames
+from ..wire.codec import decode
+from ..wire.messages import Credit
 from .heartbeat import Heartbeat
-
-_CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
+from .net import ActorNet
 _WEIGHTS_ASK_S = 2.0  # while waiting for newer weights, ask the learner again this often
 
 
@@ -61,24 +60,13 @@ class Actor:
         self.weights_in = make_receiver(cfg.sync, cfg.wire, actor_id)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)
-        self.ctx = zmq.Context.instance()
         self.identity = f"{actor_id}:{os.getpid()}".encode()
-        self.control = self._socket(zmq.DEALER, control_address)
-        self._auth_monitor = (self.control.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-                              if self.cfg.wire.curve_dir else None)
-        self._refused_said = False
+        self.net = ActorNet(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
+                            on_welcome=self._on_welcome)
         self.heartbeat = Heartbeat(self, control_address)
-        self._bad: Counter[str] = Counter()  # bad messages from the learner per channel, reported at a limited rate
-        self._rejected = 0
-        self._asked_weights = 0.0
         self._weights_session = None  # the learner session whose weights the engine holds
         self._applied_at: float | None = None  # when the engine last took new weights (unix time)
-        self.episodes = self.weights = None
-        self.session = None
-        self.unacked: OrderedDict[str, list] = OrderedDict()
-        self.credits = 0
-        self.min_version = 0
-        self.stopping = False
+        self._stop_asked = False
         self.batches = 0
         self.weight_updates = 0
         self._gen_s = 0.0
@@ -87,89 +75,40 @@ class Actor:
         self.assigned: deque[tuple[Task, int, int]] = deque()
         self.withheld: set[str] = set()
 
-    def _socket(self, kind, address):
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 2000)
-        if kind == zmq.DEALER:
-            sock.setsockopt(zmq.IDENTITY, self.identity)
-        if kind == zmq.PUSH:
-            sock.setsockopt(zmq.SNDHWM, self.cfg.wire.hwm)
-        if self.cfg.wire.curve_dir:
-            apply_curve_client(sock, self.cfg.wire.curve_dir, self.actor_id)
-        connect(sock, address)
-        return sock
+    # -- what the heartbeat and the loop read -------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stop_asked or self.net.stop_requested
 
-    # -- control --------------------------------------------------------------------------------
-    def hello(self) -> None:
-        send_frames(self.control, encode("hello", Hello(actor_id=self.actor_id, capacity=self.cfg.actor.tasks_per_batch,
-                                                        version=max(self.engine.version, -1), pid=os.getpid())))
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stop_asked = value
 
-    def handle_control(self, timeout_ms: int) -> None:
-        self._check_refused()
-        if self.control.poll(timeout_ms):
-            drain(self.control, lambda fr: self._on_control(decode(fr, kinds=_CONTROL_KINDS)), limit=1000,
-                  on_error=lambda e: self._report_bad("control", e))
+    @property
+    def unacked(self):
+        return self.net.unacked
 
-    def _check_refused(self) -> None:
-        """With CURVE: say once, in one line, when the learner refused this actor's key."""
-        if self._auth_monitor is None:
-            return
-        while self._auth_monitor.poll(0):
-            line = refused_actor_line(recv_monitor_message(self._auth_monitor))
-            if line and not self._refused_said:
-                self._refused_said = True
-                print(f"[{self.actor_id}] {line}", flush=True)
+    @property
+    def credits(self) -> int:
+        return self.net.credits
+
+    @property
+    def session(self) -> str | None:
+        return self.net.session
 
     def _report_bad(self, channel: str, error: Exception) -> None:
-        """A message from the learner that could not be used: per channel the first three, then
-        every 100th."""
-        self._bad[channel] += 1
-        n = self._bad[channel]
-        if n <= 3 or n % 100 == 0:
-            print(f"[{self.actor_id}] dropped a bad {channel} message ({n} so far): "
-                  f"{type(error).__name__}: {error}", flush=True)
+        self.net.report_bad(channel, error)
 
-    def _on_control(self, msg) -> None:
-        body = msg.body
-        if isinstance(body, Welcome):
-            self._on_welcome(body)
-        elif isinstance(body, Ack):
-            for eid in body.ids:
-                self.unacked.pop(eid, None)
-            for r in body.rejected:
-                if self.unacked.pop(r.id, None) is not None:
-                    self._rejected += 1
-                    if self._rejected <= 3 or self._rejected % 100 == 0:
-                        print(f"[{self.actor_id}] the learner rejected episode {r.id} ({self._rejected} so "
-                              f"far; dropped, not sent again): {r.reason}", flush=True)
-        elif isinstance(body, Credit):
-            self.credits += body.n
-            self.min_version = max(self.min_version, body.min_version)
-            self._on_replay_work(body)
-        elif isinstance(body, Stop):
-            self.stopping = True
-            if body.reason:
-                print(f"[{self.actor_id}] the learner stopped this actor: {body.reason}", flush=True)
+    def hello(self) -> None:
+        self.net.hello(self.cfg.actor.tasks_per_batch, self.engine.version, os.getpid())
 
-    def _on_welcome(self, body: Welcome) -> None:
-        new_session = body.session != self.session
-        self.session = body.session
-        if self.episodes is None:  # both sockets or neither (a bad address fails this message only)
-            episodes = self._socket(zmq.PUSH, body.addresses["episodes"])
-            try:
-                self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
-            except Exception:
-                episodes.close(0)
-                raise
-            self.episodes = episodes
-        self.credits = 0  # the learner holds none for us now (new learner, or we were dropped by lease)
-        self.assigned.clear()  # and no assignments
+    def _on_welcome(self, new_session: bool) -> None:
+        """A welcome: the learner holds no assignments for this actor now; a new session (it
+        restarted) also resends its skip set and is told which weights this actor holds."""
+        self.assigned.clear()
         if new_session:
-            self.withheld = set()  # it resends its skip set too
-            self.min_version = 0  # a resumed learner may be at an older version than we last saw
+            self.withheld = set()
             self.ask_weights()
-            for frames in self.unacked.values():  # the learner restarted: resend what it never acked
-                send_frames(self.episodes, frames)
 
     # -- weights --------------------------------------------------------------------------------
     def ask_weights(self) -> None:
@@ -177,25 +116,16 @@ class Actor:
         after it restarted: a resumed learner's versions may repeat numbers of a lost timeline). It
         sends anything newer, one version at a time, so this is also the acknowledgement that lets
         the next one go."""
-        self._asked_weights = time.monotonic()
         have = self.engine.version if self._weights_session == self.session else -1
-        send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1),
-                                                              applied_at=self._applied_at if have >= 0 else None)))
+        self.net.subscribe(have, self._applied_at)
 
     def apply_weights(self, timeout_ms: int = 0) -> bool:
         """Apply the newest weights that have arrived (waiting up to ``timeout_ms`` for some)."""
-        if self.weights is None or not self.weights.poll(timeout_ms):
-            return False
-        newest: list = [None]
-
-        def keep(frames) -> None:  # only the newest version is applied
-            newest[0] = frames
-
-        drain(self.weights, keep, limit=64, on_error=lambda e: self._report_bad("weights", e))
-        if newest[0] is None:
+        newest = self.net.newest_weights(timeout_ms)  # only the newest version is applied
+        if newest is None:
             return False
         try:
-            msg = decode(newest[0], kinds=("weights",))
+            msg = decode(newest, kinds=("weights",))
             version, tensors = self.weights_in.tensors(msg)
             if version == self.engine.version and self._weights_session == self.session:
                 return False  # (any other version is applied, older ones too: a resumed learner's)
@@ -221,7 +151,7 @@ class Actor:
         self.hello()
         next_hello = time.time() + 1.0
         while not self.stopping:
-            self.handle_control(timeout_ms=0 if self.credits else 100)
+            self.net.poll(timeout_ms=0 if self.credits else 100)
             # no welcome yet (learner not up, or our hello lost), or the heartbeat met a new learner
             # whose welcome went astray (sent before this socket had reconnected): say hello again
             if self.session is None or self.heartbeat.session not in (None, self.session):
@@ -233,8 +163,8 @@ class Actor:
             self.apply_weights(0)
             if self.credits <= 0:
                 continue
-            if self.engine.version < self.min_version or self._weights_session != self.session:
-                if time.monotonic() - self._asked_weights > _WEIGHTS_ASK_S:
+            if self.engine.version < self.net.min_version or self._weights_session != self.session:
+                if time.monotonic() - self.net.asked_weights_at > _WEIGHTS_ASK_S:
                     self.ask_weights()
                 self.apply_weights(100)
                 continue
@@ -309,18 +239,11 @@ class Actor:
             return
         self._gen_s += time.time() - t0
         self.batches += 1
-        self.credits -= k
+        self.net.use_credits(k)
         for ep in episodes:
-            frames = encode_episode(ep)
-            self.unacked[ep.id] = frames
-            send_frames(self.episodes, frames)
+            self.net.send_episode(ep)
 
     def close(self) -> None:
         self.heartbeat.stop()  # its last status says stopping
-        if self._auth_monitor is not None:
-            self.control.disable_monitor()
-            self._auth_monitor.close(0)
-        for s in (self.control, self.episodes, self.weights):
-            if s is not None:
-                s.close()
+        self.net.close()
         self.weights_in.close()
