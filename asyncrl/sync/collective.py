@@ -135,9 +135,7 @@ class CollectivePublisher(Publisher):
     def _forget(self, epoch: int) -> None:
         for key in (f"epoch/{epoch}", f"bell/{epoch}"):
             self.store.delete_key(key)
-        for key in [k for k in list(self.server.table.data) if k.startswith((f"pg{epoch}/", f"ready/{epoch}/"))]:
-            self.store.delete_key(key)
-        self.server.table.cancelled.discard(f"pg{epoch}/")
+        self.server.table.drop(f"pg{epoch}/", f"ready/{epoch}/")
 
     def _form(self, members: list[str]) -> None:
         layout, _ = plan_layout(self._last[1])

@@ -102,6 +102,13 @@ class _Table:
             self.total -= len(old) + len(key)
             return True
 
+    def drop(self, *prefixes: str) -> None:
+        """Delete every key under ``prefixes`` (and forget their cancellation): a finished group."""
+        with self.cv:
+            for key in [k for k in self.data if k.startswith(prefixes)]:
+                self.total -= len(self.data.pop(key)) + len(key)
+            self.cancelled.difference_update(prefixes)
+
     def check(self, keys: list[str]) -> bool:
         with self.cv:
             return all(k in self.data for k in keys)
