@@ -93,3 +93,25 @@ def test_a_run_with_collective_sync_trains_on_new_weights(tmp_path, tiny_overrid
     # credits after step 1 require version >= 1: the actor generated with weights from the broadcast
     assert max(e["policy_version"] for e in episodes) >= 1, [e["policy_version"] for e in episodes]
     assert "weight sync" not in res.stderr  # no broadcast failed
+
+
+def test_a_registration_read_between_its_two_requests_is_not_lost():
+    """An actor registers with two requests (add "reg", then set "reg/<n>"). A learner poll that
+    falls between them must read the token later, not drop the registration: a dropped one left a
+    live actor outside every later group (seen once in CI)."""
+    from asyncrl.sync.store import StoreClient
+
+    pub = CollectivePublisher(SimpleNamespace(backend="gloo", timeout_s=10.0, group_host="127.0.0.1", group_port=0))
+    client = StoreClient("127.0.0.1", int(pub.address.rsplit(":", 1)[1]), pub.server.secret, timeout_s=10.0)
+    try:
+        n = int(client.add("reg", 1))
+        pub.poll()  # counted, token not there yet
+        assert pub._pending == []
+        client.set(f"reg/{n}", "actor-a")
+        m = int(client.add("reg", 1))
+        client.set(f"reg/{m}", "actor-b")
+        pub.poll()
+        assert pub._pending == ["actor-a", "actor-b"]
+        assert not client.check([f"reg/{n}"]) and not client.check([f"reg/{m}"])  # read once, then deleted
+    finally:
+        pub.close()

@@ -92,6 +92,7 @@ class CollectivePublisher(Publisher):
         self.address = self.server.address
         self.epoch, self.members, self.pg, self.bell = 0, [], None, 0
         self._regs_seen = 0
+        self._unread: dict[int, float] = {}  # registration number -> when first counted, token not yet read
         self._pending: list[str] = []
         self.never_came: set[str] = set()  # members that missed a rendezvous: never waited for again
         self._last: tuple[int, dict] | None = None  # (version, state) last published
@@ -106,15 +107,23 @@ class CollectivePublisher(Publisher):
     def poll(self) -> None:
         """Form a new epoch if actors registered since the last one (then send them the current
         version). Called by the learner's loop and before every publish."""
-        regs = int(self.store.add("reg", 0))
-        if regs > self._regs_seen:
-            for n in range(self._regs_seen + 1, regs + 1):
-                token = self.server.table.values([f"reg/{n}"])[0]
-                self.store.delete_key(f"reg/{n}")  # (the store holds only what is still to be read)
-                if token and token.decode(errors="replace") not in self.never_came \
-                        and len(self._pending) < _MAX_PENDING:
-                    self._pending.append(token.decode(errors="replace"))
-            self._regs_seen = regs
+        regs, now = int(self.store.add("reg", 0)), time.monotonic()
+        for n in range(max(self._regs_seen, regs - _MAX_PENDING) + 1, regs + 1):
+            self._unread.setdefault(n, now)  # (bounded: a count pushed far ahead costs _MAX_PENDING reads)
+        self._regs_seen = max(self._regs_seen, regs)
+        for n, since in sorted(self._unread.items()):
+            # a registration is two requests (add "reg", then set "reg/<n>"): one whose token is not
+            # written yet is read again at the next poll, and given up only after timeout_s
+            token = self.server.table.values([f"reg/{n}"])[0]
+            if token is None and now - since < self.timeout_s:
+                continue
+            del self._unread[n]
+            self.store.delete_key(f"reg/{n}")  # (the store holds only what is still to be read)
+            if token and token.decode(errors="replace") not in self.never_came \
+                    and len(self._pending) < _MAX_PENDING:
+                self._pending.append(token.decode(errors="replace"))
+        while len(self._unread) > _MAX_PENDING:
+            self._unread.pop(min(self._unread))
         if not self._pending or self._last is None:
             return
         newcomers, self._pending = self._pending, []
