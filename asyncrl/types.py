@@ -10,15 +10,57 @@ the policy produced for it, possibly multi-turn, with per-token arrays aligned t
 
 An ``Episode`` is what an actor sends for one unit of work: the trajectories plus the algorithm's
 decision record (learnability decisions, confidence trees, ...) for the UI and the event log.
+
+These classes are the wire format: they are msgspec Structs whose field types are what a decoder
+checks (:mod:`asyncrl.wire.messages` sends a ``Task`` as it is and generates the columnar episode
+layout from ``Trajectory``'s fields: a field marked :class:`PerToken` travels as one array frame,
+every other field as one column). Adding a field to ``Trajectory`` is a change to this file only;
+a field with a default may be missing from an episode written before it existed and takes the
+default there.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, NewType, Union, get_args, get_origin, get_type_hints
 
+import msgspec
 import numpy as np
+
+# --- value types shared with the wire (a decoder checks them; constructors do not) -----------
+
+JSON_MAX_DEPTH = 12
+
+
+def _json_type(depth: int):
+    """JSON values nested at most ``depth`` levels, as a msgspec type. Each level is a NewType so
+    that building the type stays cheap; msgspec's decoder expands it (2**depth nodes, ~20 ms at
+    12, once per decoder), which is why the depth is kept small."""
+    t = Union[str, int, float, bool, None]
+    for level in range(1, depth + 1):
+        t = NewType(f"Json{level}", Union[str, int, float, bool, None, list[t], dict[str, t]])
+    return t
+
+
+Json = _json_type(JSON_MAX_DEPTH - 1)  # a JsonMap's values: the map itself is one level
+JsonMap = dict[str, Json]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Version = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no weights yet
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class PerToken:
+    """Marks a Trajectory field as a per-token array of ``dtype`` (aligned to ``token_ids``): it
+    travels as an array frame, not a column."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"PerToken({self.dtype!r})"
+
 
 def prompt_text(prompt: Any) -> str:
     """A prompt as text: chat messages' contents joined by newlines (a logged record's ``prompt``)."""
@@ -31,60 +73,50 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass
-class Task:
+# --- the data model ----------------------------------------------------------------------------
+
+class Task(msgspec.Struct, forbid_unknown_fields=True):
     """A prompt plus whatever the verifier needs to score a response to it."""
 
-    id: str
-    prompt: list[dict[str, str]]  # chat messages: [{"role": "user", "content": "..."}]
-    answer: Any = None  # ground truth or verifier spec, free-form but msgpack-serialisable
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "prompt": self.prompt, "answer": self.answer, "metadata": self.metadata}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Task":
-        return cls(id=str(d["id"]), prompt=list(d["prompt"]), answer=d.get("answer"),
-                   metadata=dict(d.get("metadata") or {}))
+    id: Id
+    prompt: list[JsonMap]  # chat messages: [{"role": "user", "content": "..."}]
+    answer: Json = None  # ground truth or verifier spec, free-form but msgpack-serialisable
+    metadata: JsonMap = {}
 
 
-@dataclass
-class Trajectory:
+class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
     """One sequence the policy produced. Arrays are 1-D, all of length ``len(token_ids)``."""
 
-    token_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # uint8 [T]
-    behavior_logprobs: np.ndarray  # float32 [T]
+    token_ids: Annotated[np.ndarray, PerToken("int32")]
+    loss_mask: Annotated[np.ndarray, PerToken("uint8")]
+    behavior_logprobs: Annotated[np.ndarray, PerToken("float32")]
     policy_version: int
     reward: float = 0.0
-    scores: dict[str, float] = field(default_factory=dict)
-    sample_type: str = "policy"
-    group_id: str = ""
-    task_id: str = ""
+    scores: dict[str, Union[float, bool, None]] = {}
+    sample_type: Name = "policy"
+    group_id: Name = ""
+    task_id: Name = ""
     is_replay: bool = False
-    recorded_logprobs: np.ndarray | None = None  # float32 [T]
-    exp_mask: np.ndarray | None = None  # uint8 [T]; replayed generated tokens (None: all 0)
-    advantage: float | None = None  # set by an algorithm that computes its own (e.g. RLCR)
+    recorded_logprobs: Union[Annotated[np.ndarray, PerToken("float32")], None] = None  # for replay
+    exp_mask: Union[Annotated[np.ndarray, PerToken("uint8")], None] = None  # replayed generated tokens (None: all 0)
+    advantage: Union[float, None] = None  # set by an algorithm that computes its own (e.g. RLCR)
     advantage_scale: float = 1.0  # multiplies the advantage (e.g. Absolute Zero's proposer weight)
     text: str = ""  # decoded generated text, for logs and the UI
-    metadata: dict[str, Any] = field(default_factory=dict)
-    id: str = field(default_factory=new_id)
+    metadata: JsonMap = {}
+    id: Id = msgspec.field(default_factory=new_id)
 
     def __post_init__(self) -> None:
-        self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int32)
-        self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
-        self.behavior_logprobs = np.ascontiguousarray(self.behavior_logprobs, dtype=np.float32)
         n = len(self.token_ids)
-        for name in ("loss_mask", "behavior_logprobs", "recorded_logprobs", "exp_mask"):
+        for name, dtype, optional in PER_TOKEN:
             arr = getattr(self, name)
-            if arr is not None and len(arr) != n:
+            if arr is None:
+                if not optional:
+                    raise ValueError(f"Trajectory.{name} is required")
+                continue
+            if len(arr) != n:
                 raise ValueError(f"Trajectory.{name} has length {len(arr)}, expected {n} "
                                  f"(the length of token_ids)")
-        if self.recorded_logprobs is not None:
-            self.recorded_logprobs = np.ascontiguousarray(self.recorded_logprobs, dtype=np.float32)
-        if self.exp_mask is not None:
-            self.exp_mask = np.ascontiguousarray(self.exp_mask, dtype=np.uint8)
+            setattr(self, name, np.ascontiguousarray(arr, dtype=dtype))
 
     @property
     def num_generated(self) -> int:
@@ -99,17 +131,44 @@ class Trajectory:
         return self.loss_mask if self.is_replay else None
 
 
-@dataclass
-class Episode:
+def _per_token(hint) -> tuple[str, bool] | None:
+    """``(dtype, optional)`` of a field marked PerToken, else None."""
+    optional = get_origin(hint) is Union and type(None) in get_args(hint)
+    for t in ([a for a in get_args(hint) if a is not type(None)] if optional else [hint]):
+        marks = [m for m in getattr(t, "__metadata__", ()) if isinstance(m, PerToken)]
+        if marks:
+            return marks[0].dtype, optional
+    return None
+
+
+_HINTS = get_type_hints(Trajectory, include_extras=True)
+PER_TOKEN: tuple[tuple[str, str, bool], ...] = tuple(
+    (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name]))
+"""``(field, dtype, optional)`` of Trajectory's per-token arrays, in field order."""
+
+
+def trajectory_columns() -> list[tuple[str, Any, Any]]:
+    """Trajectory's other fields as ``(name, type, default)``, in field order (``default`` is
+    ``msgspec.NODEFAULT`` for a required field; a default factory is returned as the factory)."""
+    out = []
+    per_token = {name for name, _, _ in PER_TOKEN}
+    for f in msgspec.structs.fields(Trajectory):
+        if f.name not in per_token:
+            default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory
+            out.append((f.name, _HINTS[f.name], default))
+    return out
+
+
+class Episode(msgspec.Struct, forbid_unknown_fields=True):
     """One unit of actor work: trajectories for one or more tasks, plus the decision record."""
 
     trajectories: list[Trajectory]
-    actor_id: str = ""
-    task: Task | None = None
-    decision: dict[str, Any] = field(default_factory=dict)  # algorithm's record for the UI/events
-    metrics: dict[str, float] = field(default_factory=dict)  # algorithm metrics (e.g. unified_filter/*)
+    actor_id: Name = ""
+    task: Union[Task, None] = None
+    decision: JsonMap = {}  # algorithm's record for the UI/events
+    metrics: JsonMap = {}  # algorithm metrics (e.g. unified_filter/*)
     created_at: float = 0.0
-    id: str = field(default_factory=new_id)
+    id: Id = msgspec.field(default_factory=new_id)
 
     @property
     def policy_version(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -53,7 +54,7 @@ def _group(task_id, successes, n=4, entropies=None):
 def _update(m, groups):
     saved = m.update_skip_uid_set_and_filter_trajectories(groups)
     for t in saved:
-        m.tasks[t.task_id] = Task(t.task_id, [{"role": "user", "content": t.task_id}], 0).to_dict()
+        m.tasks[t.task_id] = msgspec.to_builtins(Task(t.task_id, [{"role": "user", "content": t.task_id}], 0))
     m.save_trajectories_to_memory(saved)
     return saved
 
@@ -227,7 +228,7 @@ def test_exp_mask_on_a_multi_turn_replay():
     expected = list(range(9, 20)) + list(range(25, 28))
     assert np.flatnonzero(traj.loss_mask).tolist() == expected and len(traj.token_ids) == 28
     rec = align_recorded_logprobs(compact_logprobs(traj.behavior_logprobs, traj.loss_mask), traj.loss_mask)
-    stored = Trajectory(**{**traj.__dict__, "recorded_logprobs": rec})
+    stored = msgspec.structs.replace(traj, recorded_logprobs=rec)
     replay = make_replay_trajectory(stored, group_id="g")
     assert replay.is_replay and np.flatnonzero(replay.exp_mask).tolist() == expected
     fresh = Trajectory(token_ids=traj.token_ids, loss_mask=traj.loss_mask,
@@ -315,11 +316,11 @@ def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
     m = ExperienceManager(cfg.replay, n=4, total_steps=10, seed=0)
     tasks = [Task("arith:1+2", [{"role": "user", "content": "1+2="}], 3),
              Task("arith:3+4", [{"role": "user", "content": "3+4="}], 7)]
-    m.tasks["arith:1+2"] = tasks[0].to_dict()
+    m.tasks["arith:1+2"] = msgspec.to_builtins(tasks[0])
     m.save_trajectories_to_memory([_traj("arith:1+2", 1.0, 0.3, "old1"), _traj("arith:1+2", 1.0, 0.2, "old2")])
     m.update_difficulty2task_dict("arith:1+2", 2)
     assign = m.assign(4, version=10)
-    assert assign == [{"task": tasks[0].to_dict(), "n": 2, "k": 2}]
+    assert assign == [{"task": msgspec.to_builtins(tasks[0]), "n": 2, "k": 2}]
     ctx = RolloutContext(HFEngine(model, tok), tok, make_env(cfg.env), cfg, "a", seed=1)
     eps = GRPOWorkflow(cfg).rollout(tasks, ctx, counts=[2, 4])
     assert [len(e.trajectories) for e in eps] == [2, 4]
@@ -403,8 +404,8 @@ def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])
     task = Task("p", [{"role": "user", "content": "1+1="}], 2)
     credit = decode(encode_msg("credit", n=2, min_version=0, withhold={"reset": True, "add": ["x", "z"]},
-                               replay=[{"task": task.to_dict(), "n": 3, "k": 1},
-                                       {"task": task.to_dict(), "n": 9, "k": 1}])).body
+                               replay=[{"task": msgspec.to_builtins(task), "n": 3, "k": 1},
+                                       {"task": msgspec.to_builtins(task), "n": 9, "k": 1}])).body
     a._on_replay_work(credit)
     assert list(a.assigned) == [(task, 3, 1)]
     assert "replay task 1: n=9, expected at most sampling.n (4)" in capsys.readouterr().out

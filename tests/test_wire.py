@@ -17,7 +17,7 @@ from asyncrl.wire.codec import (SCHEMA_VERSION, SchemaVersionError, WireError, d
                                 decode_episode, decode_weights, encode, encode_episode,
                                 encode_msg, encode_weights)
 from asyncrl.wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, ReplayTask, Status, Stop,
-                                   Subscribe, TaskBody, Weights, Welcome, Withhold)
+                                   Subscribe, Weights, Welcome, Withhold)
 from asyncrl.wire.sockets import (WireSecurityError, apply_curve_client, apply_curve_server, bind,
                                   check_bind_host, drain, is_loopback, make_curve_keys, recv_frames,
                                   recv_message, recv_routed, send_frames, send_routed, start_curve_auth)
@@ -141,7 +141,7 @@ def test_generic_arrays_and_control_messages():
 @pytest.mark.parametrize("body", [
     Hello(actor_id="a", capacity=3, version=2, pid=7),
     Welcome(session="s", addresses={"episodes": "tcp://127.0.0.1:1"}, lease_s=20.0),
-    Credit(n=2, min_version=1, replay=[ReplayTask(task=TaskBody(id="t", prompt=[{"role": "user", "content": "1+1"}],
+    Credit(n=2, min_version=1, replay=[ReplayTask(task=Task(id="t", prompt=[{"role": "user", "content": "1+1"}],
                                                                 answer={"gold": [2]}), n=3, k=1)],
            withhold=Withhold(reset=True, add=["t1"], remove=["t0"])),
     Ack(ids=["e1"], rejected=[Rejected(id="e2", reason="token_range: token id 99")]),

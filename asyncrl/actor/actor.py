@@ -185,8 +185,7 @@ class Actor:
                 self._report_bad("credit", ValueError(f"replay task {i}: n={item.n}, expected at most "
                                                       f"sampling.n ({self.cfg.sampling.n})"))
                 continue
-            t = item.task
-            self.assigned.append((Task(id=t.id, prompt=t.prompt, answer=t.answer, metadata=t.metadata), item.n, item.k))
+            self.assigned.append((item.task, item.n, item.k))
         w = body.withhold
         if w is not None:
             if w.reset:

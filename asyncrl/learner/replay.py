@@ -35,6 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import numpy as np
 
 from ..types import Episode, Task, Trajectory, new_id
@@ -106,7 +107,7 @@ class ExperienceManager:
         self.difficulty2task_dict: dict[int, list[str]] = {}
         self.task2trajectories: dict[str, list[Trajectory]] = {}
         self.skip_uid_set: set[str] = set()
-        self.tasks: dict[str, dict[str, Any]] = {}  # task id -> Task.to_dict() for pooled tasks
+        self.tasks: dict[str, dict[str, Any]] = {}  # task id -> a pooled Task as builtins (msgspec.to_builtins)
         self.active = False
         self.rng = random.Random(seed * 7_919 + 17)
         self._ratio_carry = 0.0
@@ -364,7 +365,7 @@ class ExperienceManager:
         to_save = self.update_skip_uid_set_and_filter_trajectories(groups)
         to_save = [t for t in to_save if t.task_id in task_of]
         for t in to_save:
-            self.tasks[t.task_id] = task_of[t.task_id].to_dict()
+            self.tasks[t.task_id] = msgspec.to_builtins(task_of[t.task_id])
         self.save_trajectories_to_memory(to_save)
         self._tidy()
         solve_rate = fresh_succ / fresh_total if fresh_total else 0.0
@@ -432,7 +433,7 @@ class ExperienceManager:
         (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))
         with open(directory / POOL_FILE, "wb") as f:
             for tid, trajs in self.task2trajectories.items():
-                task = Task.from_dict(self.tasks[tid]) if tid in self.tasks else None
+                task = msgspec.convert(self.tasks[tid], Task) if tid in self.tasks else None
                 write_frames(f, encode_episode(Episode(trajectories=list(trajs), task=task, id=tid)))
 
     def load(self, directory: Path) -> bool:
@@ -537,10 +538,10 @@ class ReplayHook:
     def credit_work(self, actor, n: int, version: int) -> dict[str, Any]:
         """Typed replay assignments and the changes of the skip set (withheld task ids) since the
         actor was last told."""
-        from ..wire.messages import ReplayTask, TaskBody, Withhold
+        from ..wire.messages import ReplayTask, Withhold
 
         delta, actor.withheld_sent = self.manager.withheld_update(actor.withheld_sent)
-        work: dict[str, Any] = {"replay": [ReplayTask(task=TaskBody(**t["task"]), n=t["n"], k=t["k"])
+        work: dict[str, Any] = {"replay": [ReplayTask(task=msgspec.convert(t["task"], Task), n=t["n"], k=t["k"])
                                            for t in self.manager.assign(n, version)]}
         if delta:
             work["withhold"] = Withhold(reset=delta.get("withhold_reset", False), add=delta.get("withhold_add", []),

@@ -34,7 +34,6 @@ frame names are the state-dict keys, in order; or no frames and ``path`` naming 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -47,9 +46,9 @@ from typing import Annotated, Any, Container, Iterable
 import msgspec
 import numpy as np
 
-from asyncrl.types import Episode, Task, Trajectory
-from asyncrl.wire.messages import (ARRAY_KINDS, JSON_MAX_DEPTH, KINDS, Body, Columns, EpisodeBody,
-                                   EpisodeInfo, TaskBody, Weights)
+from asyncrl.types import PER_TOKEN, Episode, Trajectory
+from asyncrl.wire.messages import (ARRAY_KINDS, COLUMN_DEFAULTS, JSON_MAX_DEPTH, KINDS, Body, Columns,
+                                   EpisodeBody, EpisodeHead, Weights)
 
 SCHEMA_VERSION = 2
 EPISODE_SCHEMAS = (1, 2)  # schemas whose episodes this process reads (the layout is unchanged)
@@ -330,38 +329,24 @@ def _to_torch(arr: np.ndarray, is_bf16: bool):
 # episodes
 
 _COLUMNS = Columns.__struct_fields__
-_TOKEN_ARRAYS = {"token_ids": "int32", "loss_mask": "uint8", "behavior_logprobs": "float32"}
-_OPTIONAL_ARRAYS = {"recorded_logprobs": ("float32", "has_recorded_logprobs"),
-                    "exp_mask": ("uint8", "has_exp_mask")}
+_SCALARS = [name for name in Trajectory.__struct_fields__ if name in _COLUMNS]  # Trajectory fields sent as columns
+_HEAD = EpisodeHead.__struct_fields__
 
 
 def encode_episode(ep: Episode) -> list:
     """Frames for an Episode: 3 to 5 array frames however many trajectories (see module doc)."""
     trajs = ep.trajectories
-    cols = Columns(
-        id=[t.id for t in trajs], policy_version=[int(t.policy_version) for t in trajs],
-        reward=[float(t.reward) for t in trajs], scores=[dict(t.scores) for t in trajs],
-        sample_type=[t.sample_type for t in trajs], group_id=[t.group_id for t in trajs],
-        task_id=[t.task_id for t in trajs], is_replay=[bool(t.is_replay) for t in trajs],
-        advantage=[None if t.advantage is None else float(t.advantage) for t in trajs],
-        advantage_scale=[float(t.advantage_scale) for t in trajs],
-        text=[t.text for t in trajs], metadata=[t.metadata for t in trajs],
-        length=[len(t.token_ids) for t in trajs],
-        has_recorded_logprobs=[t.recorded_logprobs is not None for t in trajs],
-        has_exp_mask=[t.exp_mask is not None for t in trajs])
-    arrays = {name: _concat([getattr(t, name) for t in trajs], dt)
-              for name, dt in _TOKEN_ARRAYS.items()}
-    for name, (dt, flag) in _OPTIONAL_ARRAYS.items():
-        if any(getattr(cols, flag)):
-            present = [getattr(t, name) for t in trajs]
-            arrays[name] = _concat([a for a in present if a is not None], dt)
-    task = ep.task
-    info = EpisodeInfo(id=ep.id, actor_id=ep.actor_id, decision=ep.decision, metrics=ep.metrics,
-                       created_at=float(ep.created_at),
-                       task=None if task is None else TaskBody(id=task.id, prompt=task.prompt,
-                                                               answer=task.answer,
-                                                               metadata=task.metadata))
-    return encode("episode", EpisodeBody(episode=info, n=len(trajs), trajectories=cols), arrays)
+    columns = {name: [getattr(t, name) for t in trajs] for name in _SCALARS}
+    columns["length"] = [len(t.token_ids) for t in trajs]
+    arrays = {}
+    for name, dtype, optional in PER_TOKEN:
+        present = [a for a in (getattr(t, name) for t in trajs) if a is not None]
+        if optional:
+            columns[f"has_{name}"] = [getattr(t, name) is not None for t in trajs]
+        if present or not optional:
+            arrays[name] = _concat(present, dtype)
+    head = EpisodeHead(**{name: getattr(ep, name) for name in _HEAD})
+    return encode("episode", EpisodeBody(episode=head, n=len(trajs), trajectories=Columns(**columns)), arrays)
 
 
 class _EpisodeIds(msgspec.Struct):
@@ -408,21 +393,21 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
         raise WireError(f"expected an 'episode' message, got '{msg.kind}'", reason="wrong_kind")
     body: EpisodeBody = msg.body
     n, cols = body.n, body.trajectories
-    if cols.advantage_scale is None:
-        cols.advantage_scale = [1.0] * n
+    for name, default in COLUMN_DEFAULTS.items():  # (written before the field existed)
+        if getattr(cols, name) is None:
+            setattr(cols, name, [default() for _ in range(n)] if callable(default) else [default] * n)
     for name in _COLUMNS:
         if len(getattr(cols, name)) != n:
             raise WireError(f"message 'episode' field 'trajectories.{name}' has "
                             f"{len(getattr(cols, name))} entries, expected {n} (one per trajectory)",
                             reason="field")
-    per_traj = {name: _split(msg, name, dt, cols.length, [True] * n, copy)
-                for name, dt in _TOKEN_ARRAYS.items()}
-    for name, (dt, flag) in _OPTIONAL_ARRAYS.items():
-        per_traj[name] = _split(msg, name, dt, cols.length, getattr(cols, flag), copy)
-    info = body.episode
-    return Episode(trajectories=_trajectories(cols, per_traj), actor_id=info.actor_id,
-                   task=_task(info.task), decision=info.decision, metrics=info.metrics,
-                   created_at=info.created_at, id=info.id)
+    columns = {name: getattr(cols, name) for name in _SCALARS}
+    for name, dtype, optional in PER_TOKEN:
+        present = getattr(cols, f"has_{name}") if optional else [True] * n
+        columns[name] = _split(msg, name, dtype, cols.length, present, copy)
+    trajectories = [Trajectory(*row) for row in zip(*(columns[name] for name in Trajectory.__struct_fields__))]
+    head = body.episode
+    return Episode(trajectories, **{name: getattr(head, name) for name in _HEAD})
 
 
 def _concat(arrs: list[np.ndarray], dtype: str) -> np.ndarray:
@@ -453,45 +438,6 @@ def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: lis
         return parts
     it = iter(parts)
     return [next(it) if p else None for p in present]
-
-
-_TRAJ_SCALARS = ("id", "policy_version", "reward", "scores", "sample_type", "group_id", "task_id",
-                 "is_replay", "advantage", "advantage_scale", "text", "metadata")
-_TRAJ_ARRAYS = ("token_ids", "loss_mask", "behavior_logprobs", "recorded_logprobs", "exp_mask")
-
-
-def _constructor_order() -> tuple[list[str], list[str]]:
-    """The Trajectory fields the wire carries, split into the longest prefix of the constructor's
-    positional order (passed positionally: a third cheaper than keywords, per trajectory) and the
-    rest (passed by keyword); fields the wire does not carry keep their defaults."""
-    carried = set(_TRAJ_SCALARS + _TRAJ_ARRAYS)
-    positional = []
-    for f in dataclasses.fields(Trajectory):
-        if not f.init or f.name not in carried:
-            break
-        positional.append(f.name)
-    return positional, [n for n in _TRAJ_SCALARS + _TRAJ_ARRAYS if n not in positional]
-
-
-_POSITIONAL, _KEYWORD = _constructor_order()
-
-
-def _trajectories(cols: Columns, arrays: dict[str, list]) -> list[Trajectory]:
-    """Trajectory objects from checked columns and per-trajectory array slices."""
-    def column(name: str) -> list:
-        return arrays[name] if name in arrays else getattr(cols, name)
-
-    rows = zip(*(column(k) for k in _POSITIONAL))
-    if not _KEYWORD:
-        return [Trajectory(*row) for row in rows]
-    extra = zip(*(column(k) for k in _KEYWORD))
-    return [Trajectory(*row, **dict(zip(_KEYWORD, kw))) for row, kw in zip(rows, extra)]
-
-
-def _task(body: TaskBody | None) -> Task | None:
-    if body is None:
-        return None
-    return Task(id=body.id, prompt=body.prompt, answer=body.answer, metadata=body.metadata)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,30 +31,12 @@ kind                  direction   meaning
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, NewType, Union
+from typing import Annotated, Any, ClassVar, get_type_hints
 
 import msgspec
 
-JSON_MAX_DEPTH = 12
-
-
-def _json_type(depth: int):
-    """JSON values nested at most ``depth`` levels, as a msgspec type. Each level is a NewType so
-    that building the type stays cheap; msgspec's decoder expands it (2**depth nodes, ~20 ms at
-    12, once per decoder), which is why the depth is kept small."""
-    t = Union[str, int, float, bool, None]
-    for level in range(1, depth + 1):
-        t = NewType(f"Json{level}", Union[str, int, float, bool, None, list[t], dict[str, t]])
-    return t
-
-
-Json = _json_type(JSON_MAX_DEPTH - 1)  # a JsonMap's values: the map itself is one level
-Id = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-Name = Annotated[str, msgspec.Meta(max_length=1024)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
-Version = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no weights yet
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
-JsonMap = dict[str, Json]
+from ..types import (JSON_MAX_DEPTH, PER_TOKEN, Count, Episode, Id, Json, JsonMap, Name, Seconds, Task,  # noqa: F401
+                     Version, new_id, trajectory_columns)
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -80,20 +62,11 @@ class Welcome(Body):
     lease_s: Seconds
 
 
-class TaskBody(Body):
-    """A :class:`asyncrl.types.Task` on the wire."""
-
-    id: Id
-    prompt: list[JsonMap]
-    answer: Json = None
-    metadata: JsonMap = {}
-
-
 class ReplayTask(Body):
     """An experience-replay assignment: generate ``n`` fresh rollouts of ``task``; the learner
     adds ``k`` stored trajectories to them (docs/replay.md)."""
 
-    task: TaskBody
+    task: Task
     n: Annotated[int, msgspec.Meta(ge=1)]
     k: Count
 
@@ -159,41 +132,43 @@ class Stop(Body):
 
 # --- episodes ---------------------------------------------------------------------------------
 
-class EpisodeInfo(Body):
-    """An Episode's own fields (its trajectories travel as :class:`Columns`)."""
+def _on_wire(name: str, typ: Any, default: Any) -> tuple:
+    """A field of a generated wire struct: required where the model field has no default or its
+    default is a fresh id (an identity must be sent); otherwise it may be missing (a message written
+    before the field existed) and takes the model's default."""
+    if default is msgspec.NODEFAULT or default is new_id:
+        return (name, typ)
+    if callable(default):
+        return (name, typ, msgspec.field(default_factory=default))
+    return (name, typ, default)
 
-    id: Id
-    actor_id: Name
-    task: TaskBody | None = None
-    decision: JsonMap = {}
-    metrics: JsonMap = {}
-    created_at: float = 0.0
 
+_EPISODE_HINTS = get_type_hints(Episode, include_extras=True)
+EpisodeHead = msgspec.defstruct(
+    "EpisodeHead", [_on_wire(f.name, _EPISODE_HINTS[f.name], f.default if f.default is not msgspec.NODEFAULT
+                             else f.default_factory)
+                    for f in msgspec.structs.fields(Episode) if f.name != "trajectories"],
+    bases=(Body,), module=__name__, kw_only=True)
+EpisodeHead.__doc__ = "An Episode's own fields (generated from :class:`asyncrl.types.Episode`; its trajectories travel as Columns)."
 
-class Columns(Body):
-    """One list per Trajectory field, ``n`` entries each (``length``: tokens per trajectory; the
-    per-token arrays are frames, see :mod:`asyncrl.wire.codec`)."""
-
-    id: list[Id]
-    policy_version: list[int]
-    reward: list[float]
-    scores: list[dict[str, float | bool | None]]
-    sample_type: list[Name]
-    group_id: list[Name]
-    task_id: list[Name]
-    is_replay: list[bool]
-    advantage: list[float | None]
-    text: list[str]
-    metadata: list[JsonMap]
-    length: list[Count]
-    has_recorded_logprobs: list[bool]
-    has_exp_mask: list[bool]
-    advantage_scale: list[float] | None = None  # None (episodes written before it existed): all 1.0
+COLUMN_DEFAULTS: dict[str, Any] = {name: default for name, _, default in trajectory_columns()
+                                   if default is not msgspec.NODEFAULT and default is not new_id}
+"""Columns that may be missing (episodes written before the field existed): name -> default or factory."""
+Columns = msgspec.defstruct(
+    "Columns",
+    [(name, list[typ]) if name not in COLUMN_DEFAULTS else (name, list[typ] | None, None)
+     for name, typ, _ in trajectory_columns()]
+    + [("length", list[Count])]
+    + [(f"has_{name}", list[bool]) for name, _, optional in PER_TOKEN if optional],
+    bases=(Body,), module=__name__, kw_only=True)
+Columns.__doc__ = ("One list per Trajectory field that is not per-token, ``n`` entries each (generated from "
+                   ":class:`asyncrl.types.Trajectory`), ``length`` (tokens per trajectory) and ``has_<field>`` "
+                   "for each optional per-token array (the arrays are frames, see :mod:`asyncrl.wire.codec`).")
 
 
 class EpisodeBody(Body):
     KIND = "episode"
-    episode: EpisodeInfo
+    episode: EpisodeHead
     n: Count
     trajectories: Columns
 
