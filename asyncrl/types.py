@@ -106,17 +106,28 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
     id: Id = msgspec.field(default_factory=new_id)
 
     def __post_init__(self) -> None:
-        n = len(self.token_ids)
-        for name, dtype, optional in PER_TOKEN:
+        n = -1
+        for name, dtype, optional in _ARRAYS:
             arr = getattr(self, name)
             if arr is None:
                 if not optional:
                     raise ValueError(f"Trajectory.{name} is required")
                 continue
-            if len(arr) != n:
+            if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr, dtype=dtype)
+                setattr(self, name, arr)
+            if n < 0:
+                n = len(arr)
+            elif len(arr) != n:
                 raise ValueError(f"Trajectory.{name} has length {len(arr)}, expected {n} "
                                  f"(the length of token_ids)")
-            setattr(self, name, np.ascontiguousarray(arr, dtype=dtype))
+
+    def summary(self) -> dict[str, Any]:
+        """What the run log keeps of a trajectory (``episode`` and ``sample`` events): the fields in
+        ``SUMMARY_FIELDS`` plus its token counts."""
+        out = {name: getattr(self, name) for name in SUMMARY_FIELDS}
+        out.update(num_tokens=int(len(self.token_ids)), num_generated=self.num_generated)
+        return out
 
     @property
     def num_generated(self) -> int:
@@ -129,6 +140,11 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
         if self.exp_mask is not None:
             return self.exp_mask
         return self.loss_mask if self.is_replay else None
+
+
+SUMMARY_FIELDS = ("id", "text", "reward", "scores", "sample_type", "group_id", "policy_version", "is_replay",
+                  "advantage")
+"""The Trajectory fields a logged trajectory keeps (:meth:`Trajectory.summary`)."""
 
 
 def _per_token(hint) -> tuple[str, bool] | None:
@@ -145,6 +161,7 @@ _HINTS = get_type_hints(Trajectory, include_extras=True)
 PER_TOKEN: tuple[tuple[str, str, bool], ...] = tuple(
     (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name]))
 """``(field, dtype, optional)`` of Trajectory's per-token arrays, in field order."""
+_ARRAYS = tuple((name, np.dtype(dtype), optional) for name, dtype, optional in PER_TOKEN)
 
 
 def trajectory_columns() -> list[tuple[str, Any, Any]]:

@@ -278,3 +278,40 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
                           "path 'pkg.module:function'")
     else:
         raise AssertionError("an unknown name was accepted")
+
+
+# ------------------------------------------------------------------- one data model, one module
+def field_name_lists(root: Path, names: set[str], home: str = "asyncrl.types", least: int = 3) -> list[str]:
+    """Places outside ``home`` that spell ``least`` or more of ``names`` in one literal (a tuple,
+    list, set or dict's keys): a hand-written copy of the data model's fields."""
+    bad = []
+    for module, path in module_files(root).items():
+        if module == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            elts = ([k for k in node.keys if k is not None] if isinstance(node, ast.Dict)
+                    else node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [])
+            hits = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
+            if len(hits) >= least:
+                bad.append(f"{module}:{node.lineno} spells Trajectory fields {hits}")
+    return bad
+
+
+def test_trajectory_field_names_are_written_in_one_module():
+    """Adding a field to Trajectory is a change to asyncrl/types.py: the wire's columns and frames,
+    the run log's summaries and the decoders are generated from its fields."""
+    from asyncrl.types import PER_TOKEN, Trajectory
+    from asyncrl.wire.messages import Columns
+
+    names = set(Trajectory.__struct_fields__)
+    assert not (bad := field_name_lists(ROOT, names)), "\n".join(bad)
+    per_token = {name for name, _, _ in PER_TOKEN}
+    assert names == (set(Columns.__struct_fields__) | per_token) - {"length"} - {f"has_{n}" for n in per_token}
+
+
+def test_the_field_check_finds_a_hand_written_copy(tmp_path):
+    _write(tmp_path, {"asyncrl/__init__.py": "", "asyncrl/types.py": "F = ('reward', 'text', 'id')\n",
+                      "asyncrl/wire/codec.py": "COLS = ['reward', 'text', 'id', 'other']\nx = {'reward': 1}\n",
+                      "app/__init__.py": ""})
+    assert field_name_lists(tmp_path, {"reward", "text", "id"}) == [
+        "asyncrl.wire.codec:1 spells Trajectory fields ['reward', 'text', 'id']"]

@@ -14,7 +14,7 @@ from asyncrl.sync import WeightsError, make_publisher, make_receiver
 from asyncrl.lifecycle import pid_alive
 from asyncrl.sync.ipc import PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.messages import ShmTensor, Weights
+from asyncrl.wire.messages import TensorSpec, Weights
 
 from .conftest import kill_tree, read_jsonl, run_cli, start_cli
 
@@ -80,7 +80,7 @@ def test_a_layout_outside_the_segment_is_refused(tmp_path):
     try:
         good = decode(pub.frames({"w": torch.zeros(16)}, 1))
         bad = Weights(version=1, segment=good.body.segment,
-                      layout=[ShmTensor(name="w", dtype="float32", shape=[1 << 20], offset=0, nbytes=4 << 20)])
+                      layout=[TensorSpec(name="w", dtype="float32", shape=[1 << 20], offset=0, nbytes=4 << 20)])
         with pytest.raises(WeightsError, match="do not fit"):
             rec.tensors(decode(encode("weights", bad)))
     finally:

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from ..types import prompt_text
+from ..types import SUMMARY_FIELDS, prompt_text
 
 
 def metrics_frame(records: list[dict]) -> pd.DataFrame:
@@ -54,8 +54,7 @@ def trajectories_frame(episodes: list[dict]) -> pd.DataFrame:
         for t in e.get("trajectories") or []:
             rows.append({"step": e.get("step"), "episode_id": e.get("episode_id"),
                          "episode_policy_version": e.get("policy_version"), **{k: v for k, v in t.items()}})
-    return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", "id", "sample_type", "reward",
-                                                          "policy_version", "is_replay"])
+    return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", *SUMMARY_FIELDS])
 
 
 

@@ -27,6 +27,10 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from ..wire.codec import WireError, decode, encode
+from ..wire.messages import GROUP_KINDS, Body
+from ..wire.tensors import check_layout, pack, plan_layout, unpack
+
 MODES = ("none", "ddp", "fsdp2")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -296,35 +300,6 @@ def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 # -- rank 0 -> the other ranks: what to do next -------------------------------------------------
 
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                                       torch.int64, torch.int32, torch.int8, torch.uint8,
-                                                       torch.bool)}
-
-
-def pack(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> tuple[bytes, bytes]:
-    """``(msgpack header, raw bytes)`` of a message: the header's fields plus, under ``"tensors"``,
-    each tensor's name, dtype and shape; their bytes concatenated in that order (no pickle)."""
-    specs, chunks = [], []
-    for name, t in (tensors or {}).items():
-        t = t.detach().to("cpu").contiguous()
-        specs.append([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
-        chunks.append(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
-    return msgpack.packb({**header, "tensors": specs}), b"".join(chunks)
-
-
-def unpack(head: bytes, data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The inverse of :func:`pack` (tensors on the CPU, each its own copy)."""
-    header = msgpack.unpackb(head)
-    tensors, offset = {}, 0
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    for name, dtype, shape in header.pop("tensors"):
-        dt = _DTYPES[dtype]
-        n = int(torch.tensor(shape, dtype=torch.long).prod().item()) * torch.empty(0, dtype=dt).element_size()
-        tensors[name] = raw[offset: offset + n].view(dt).reshape(shape)
-        offset += n
-    return header, tensors
-
-
 class Control:
     """Rank 0 tells the other ranks what to do next (:meth:`send`), they wait for it (:meth:`recv`).
 
@@ -335,24 +310,39 @@ class Control:
     def __init__(self, idle_timeout_s: float = 7 * 24 * 3600.0):
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
 
-    def send(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        head, data = pack(header, tensors)
-        sizes = torch.tensor([len(head), len(data)], dtype=torch.long)
+    def send(self, body: Body, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Announce ``body`` (a ``group.*`` message) and, for a step, its tensors: the body through the
+        wire codec, then the tensors packed into one byte bucket at ``body.layout``."""
+        bucket = torch.empty(0, dtype=torch.uint8)
+        if tensors:
+            tensors = {k: v.detach().cpu() for k, v in tensors.items()}
+            body.layout, size = plan_layout(tensors)
+            bucket = torch.empty(size, dtype=torch.uint8)
+            pack(bucket, body.layout, tensors)
+        head = encode(body.KIND, body)[0]
+        sizes = torch.tensor([len(head), bucket.numel()], dtype=torch.long)
         dist.broadcast(sizes, src=0, group=self.group)
-        for payload in (head, data):
-            if payload:
-                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(head), dtype=torch.uint8), src=0, group=self.group)
+        if bucket.numel():
+            dist.broadcast(bucket, src=0, group=self.group)
 
-    def recv(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def recv(self) -> tuple[Body, dict[str, torch.Tensor]]:
+        """The next announcement and its tensors (views of a fresh bucket). A message that is not a
+        ``group.*`` body, or whose layout does not fit its bucket, raises WireError."""
         sizes = torch.zeros(2, dtype=torch.long)
         dist.broadcast(sizes, src=0, group=self.group)
-        out = []
-        for n in sizes.tolist():
-            buf = torch.empty(int(n), dtype=torch.uint8)
-            if n:
-                dist.broadcast(buf, src=0, group=self.group)
-            out.append(buf.numpy().tobytes())
-        return unpack(*out)
+        head_n, bucket_n = (int(n) for n in sizes.tolist())
+        head = torch.empty(head_n, dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self.group)
+        bucket = torch.empty(bucket_n, dtype=torch.uint8)
+        if bucket_n:
+            dist.broadcast(bucket, src=0, group=self.group)
+        body = decode([head.numpy().tobytes()], kinds=GROUP_KINDS).body
+        layout = getattr(body, "layout", [])
+        problem = check_layout(layout, bucket_n)
+        if problem:
+            raise WireError(f"message {body.KIND!r}: {problem}", reason="arrays")
+        return body, unpack(bucket, layout)
 
 
 # -- checkpoints: one format whatever the number of processes -------------------------------------

@@ -5,17 +5,18 @@
 :class:`asyncrl.learner.learner.Learner` as in one process: it alone owns the sockets, the buffer
 and its write-ahead log, events, metrics, evaluation and checkpoints. The other ranks run
 :func:`follow`: they hold the model (a DDP replica or their FSDP2 shards) and its optimizer, and do
-what rank 0 announces on the control channel (:class:`asyncrl.learner.distributed.Control`, msgpack
-and raw tensor bytes):
+what rank 0 announces on the control channel (:class:`asyncrl.learner.distributed.Control`: the
+``group.*`` bodies of :mod:`asyncrl.wire.messages` through the wire codec, tensors in one byte
+bucket packed by :mod:`asyncrl.wire.tensors`):
 
-- ``start``: build the model and the trainer (the wrap is itself a collective);
-- ``load``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards);
-- ``step``: the collated batch; every rank trains on its rows of each mini-batch
+- ``GroupStart``: build the model and the trainer (the wrap is itself a collective);
+- ``GroupLoad``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards);
+- ``GroupStep``: the collated batch; every rank trains on its rows of each mini-batch
   (:class:`asyncrl.learner.trainer.PolicyTrainer`), gradients combined over the ranks;
-- ``state``: join the gathering of the full parameters (FSDP2: for publishing and evaluation);
-- ``checkpoint``: join the gathering of the full model and optimizer states, which rank 0 writes
-  in the one-process format (so either kind of run resumes the other's checkpoints);
-- ``stop``: exit 0.
+- ``GroupState``: join the gathering of the full parameters (FSDP2: for publishing and evaluation);
+- ``GroupCheckpoint``: join the gathering of the full model and optimizer states, which rank 0
+  writes in the one-process format (so either kind of run resumes the other's checkpoints);
+- ``GroupStop``: exit 0.
 
 :class:`Ranks` is rank 0's side of the same protocol; with one process it calls the trainer
 directly and announces nothing. A follower ignores SIGINT/SIGTERM (rank 0 decides when the group
@@ -31,6 +32,8 @@ import signal
 import torch
 
 from ..config import cpu_threads
+from ..wire.codec import WireError
+from ..wire.messages import Body, GroupCheckpoint, GroupLoad, GroupStart, GroupState, GroupStep, GroupStop
 from . import distributed as dist_learner
 from .batch import TrainBatch
 from .core_algos import LossConfig
@@ -46,15 +49,15 @@ def make_trainer(cfg, model, tokenizer, mode: str) -> PolicyTrainer:
                          use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode)
 
 
-def batch_message(batch: TrainBatch) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A batch as a control message's header fields and tensors."""
+def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
+    """A batch as a ``group.step`` body and its tensors."""
     tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in _LIST_FIELDS}
-    return {name: list(getattr(batch, name)) for name in _LIST_FIELDS}, tensors
+    return GroupStep(keep_rows=keep_rows, version=version, **{name: list(getattr(batch, name)) for name in _LIST_FIELDS}), tensors
 
 
-def batch_from(header: dict, tensors: dict[str, torch.Tensor], device: str) -> TrainBatch:
+def batch_from(body: GroupStep, tensors: dict[str, torch.Tensor], device: str) -> TrainBatch:
     return TrainBatch(**{k: v.to(device) for k, v in tensors.items()},
-                      **{name: list(header[name]) for name in _LIST_FIELDS})
+                      **{name: list(getattr(body, name)) for name in _LIST_FIELDS})
 
 
 class Ranks:
@@ -73,13 +76,13 @@ class Ranks:
     def world(self) -> int:
         return torch.distributed.get_world_size() if self.control is not None else 1
 
-    def _say(self, op: str, tensors: dict | None = None, **fields) -> None:
+    def _say(self, body: Body, tensors: dict | None = None) -> None:
         if self.control is not None:
-            self.control.send({"op": op, **fields}, tensors)
+            self.control.send(body, tensors)
 
     def start(self, cfg, model, tokenizer) -> PolicyTrainer:
         """Build the trainer on every rank (rank 0 passes its loaded model)."""
-        self._say("start")
+        self._say(GroupStart())
         if self.mode == "fsdp2":  # the shards replace the module's parameters: keep a full copy to publish
             import copy
             self.plain = copy.deepcopy(model)
@@ -90,22 +93,21 @@ class Ranks:
 
     def load(self, weights: dict, optim_state: dict) -> None:
         """A checkpoint's full model and optimizer state into every rank's model and optimizer."""
-        self._say("load")
+        self._say(GroupLoad())
         if self.mode == "fsdp2":  # first: loading into the shards turns the dict's tensors into DTensors
             self.plain.load_state_dict(weights, strict=False)
         dist_learner.load_states(self.trainer.model, self.trainer.optimizer, dict(weights), optim_state)
 
     def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> TrainStepResult:
         if self.control is not None:
-            fields, tensors = batch_message(batch)
-            self._say("step", tensors, keep_rows=keep_rows, version=version, **fields)
+            self._say(*step_message(batch, keep_rows, version))
         result = self.trainer.step(batch, keep_rows=keep_rows, version=version)
         if self.mode == "fsdp2":
             self._refresh_plain()
         return result
 
     def _refresh_plain(self) -> None:
-        self._say("state")
+        self._say(GroupState())
         full = dist_learner.full_state_dict(self.trainer.model)
         with torch.no_grad():
             for name, p in self.plain.named_parameters():
@@ -116,7 +118,7 @@ class Ranks:
         one process (the checkpoint takes them from the model and optimizer itself)."""
         if self.control is None:
             return None
-        self._say("checkpoint")
+        self._say(GroupCheckpoint())
         model_state = dist_learner.full_state_dict(self.trainer.model)
         return model_state, dist_learner.optimizer_state(self.trainer.model, self.trainer.optimizer)
 
@@ -125,7 +127,7 @@ class Ranks:
         if self.control is None:
             return
         try:
-            self._say("stop")
+            self._say(GroupStop())
         except Exception as e:  # a follower already gone: nothing to release
             print(f"[learner] could not tell the other learner ranks to stop: {e}", flush=True)
         else:
@@ -148,32 +150,34 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     steps = 0
     try:
         while True:
-            header, tensors = control.recv()
-            op = header["op"]
-            if op == "stop":
+            body, tensors = control.recv()
+            if isinstance(body, GroupStop):
                 print(f"[learner rank {rank}] stopping after {steps} step(s)", flush=True)
                 dist_learner.leave_group()
                 return 0
-            if op == "start":
+            if isinstance(body, GroupStart):
                 model, tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
                                                   warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
                 trainer = make_trainer(cfg, model, tokenizer, mode)
                 print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
             elif trainer is None:
-                raise RuntimeError(f"rank 0 sent {op!r} before 'start'")
-            elif op == "load":
+                raise RuntimeError(f"rank 0 sent {body.KIND!r} before 'group.start'")
+            elif isinstance(body, GroupLoad):
                 dist_learner.load_states(trainer.model, trainer.optimizer, {}, {})
-            elif op == "step":
-                batch = batch_from(header, tensors, cfg.train.device)
-                trainer.step(batch, keep_rows=bool(header["keep_rows"]), version=int(header["version"]))
+            elif isinstance(body, GroupStep):
+                batch = batch_from(body, tensors, cfg.train.device)
+                trainer.step(batch, keep_rows=body.keep_rows, version=body.version)
                 steps += 1
-            elif op == "state":
+            elif isinstance(body, GroupState):
                 dist_learner.full_state_dict(trainer.model)
-            elif op == "checkpoint":
+            elif isinstance(body, GroupCheckpoint):
                 dist_learner.full_state_dict(trainer.model)
                 dist_learner.optimizer_state(trainer.model, trainer.optimizer)
             else:
-                raise RuntimeError(f"rank 0 sent an unknown operation {op!r}")
+                raise RuntimeError(f"rank 0 sent an unknown operation {body.KIND!r}")
+    except WireError as e:  # (rank 0 runs the same code: a version mismatch between the ranks' installs)
+        print(f"[learner rank {rank}] cannot read rank 0's announcement after {steps} step(s): {e}", flush=True)
+        return 1
     except RuntimeError as e:  # gloo: the connection to rank 0 closed (it exited or was killed)
         print(f"[learner rank {rank}] rank 0 is gone or the group failed after {steps} step(s): "
               f"{str(e).splitlines()[0][:300]}", flush=True)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..runlog import EVENTS_SCHEMA
-from ..types import Episode
+from ..types import PER_TOKEN, Episode
 from .batch import collate, compute_logprobs
 from .batch_stats import batch_metrics
 
@@ -70,12 +70,7 @@ class Telemetry:
                            task_id=ep.task.id if ep.task else None,
                            prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
                            staleness=st, decision=ep.decision, metrics=ep.metrics,
-                           trajectories=[{"id": t.id, "text": t.text, "reward": t.reward, "scores": t.scores,
-                                          "sample_type": t.sample_type, "group_id": t.group_id,
-                                          "policy_version": t.policy_version, "is_replay": t.is_replay,
-                                          "num_tokens": int(len(t.token_ids)),
-                                          "num_generated": t.num_generated}
-                                         for t in ep.trajectories])
+                           trajectories=[t.summary() for t in ep.trajectories])
 
     def _log_sample(self, version: int, episodes: list[Episode]) -> None:
         """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
@@ -104,18 +99,15 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
         logp, _ = compute_logprobs(model, batch, temperature)
     model.train(was_training)
     current = [None] + [round(float(x), 4) for x in logp[0, : n - 1].cpu()]
-    exp = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n)
     start = max(0, n - max_tokens)
-    ids = [int(i) for i in traj.token_ids[start:]]
-    return {"trajectory_id": traj.id, "sample_type": traj.sample_type, "group_id": traj.group_id,
-            "policy_version": traj.policy_version, "reward": traj.reward, "advantage": traj.advantage,
-            "is_replay": traj.is_replay, "text": traj.text, "num_tokens": n, "offset": start,
-            "truncated": start > 0,
-            "tokens": tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False),
-            "token_ids": ids, "loss_mask": [int(x) for x in traj.loss_mask[start:]],
-            "exp_mask": [int(x) for x in np.asarray(exp)[start:]],
-            "behavior_logprobs": [round(float(x), 4) for x in traj.behavior_logprobs[start:]],
-            "current_logprobs": current[start:]}
+    arrays = {name: getattr(traj, name) for name, _, _ in PER_TOKEN}
+    arrays["exp_mask"] = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n, np.uint8)
+    per_token = {name: ([round(float(x), 4) for x in arr[start:]] if arr.dtype.kind == "f"
+                        else [int(x) for x in arr[start:]])
+                 for name, arr in arrays.items() if arr is not None}
+    return {"trajectory_id": traj.id, **traj.summary(), "offset": start, "truncated": start > 0,
+            "tokens": tokenizer.batch_decode([[i] for i in per_token["token_ids"]], skip_special_tokens=False),
+            **per_token, "current_logprobs": current[start:]}
 
 
 def _mean_episode_metrics(episodes: list[Episode]) -> dict:

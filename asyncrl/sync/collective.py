@@ -21,7 +21,7 @@ message; a plain ``TCPStore`` would listen on every interface and take anyone's 
 
 Each version is announced by a doorbell (``bell/<e>``, a count) and then sent as two broadcasts in
 the epoch's group: a header ``[version, nbytes]`` and one flat byte bucket holding every tensor at
-the offsets of :func:`asyncrl.sync.ipc.plan_layout` (the layout travels in the epoch
+the offsets of :func:`asyncrl.wire.tensors.plan_layout` (the layout travels in the epoch
 announcement). On the actor a background thread watches the store and enters a broadcast only
 when the bell rings (so it can always be stopped between versions), receiving into one of three
 buffers (receiving, ready, in use by the engine): generation never waits for a transfer. The
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from ..wire.codec import Message, encode
-from ..wire.messages import ShmTensor, Weights
+from ..wire.messages import TensorSpec, Weights
 from .base import Publisher, Receiver, WeightsError
-from .ipc import pack, plan_layout, unpack
+from ..wire.tensors import pack, plan_layout, unpack
 from .store import StoreClient, StoreServer
 
 _POLL_S = 0.05  # waiting for an epoch
@@ -209,8 +209,8 @@ class CollectiveReceiver(Receiver):
         self._curve = (getattr(wire_cfg, "curve_dir", None), actor_id)
         self._lock = threading.Condition()
         self._buffers: list[torch.Tensor | None] = [None, None, None]
-        self._ready: tuple[int, int, list[ShmTensor]] | None = None  # (version, buffer index, layout)
-        self._taken: tuple[int, int, list[ShmTensor]] | None = None  # the one the engine was given
+        self._ready: tuple[int, int, list[TensorSpec]] | None = None  # (version, buffer index, layout)
+        self._taken: tuple[int, int, list[TensorSpec]] | None = None  # the one the engine was given
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.epoch = 0
@@ -299,7 +299,7 @@ class CollectiveReceiver(Receiver):
         pg = _group(info["backend"], store, f"pg{epoch}", members.index(token) + 1, len(members) + 1,
                     self.timeout_s)
         self._member_of_current = True
-        layout = [msgspec.convert(t, ShmTensor) for t in info["layout"]]
+        layout = [msgspec.convert(t, TensorSpec) for t in info["layout"]]
         device = "cuda" if info["backend"] == "nccl" else "cpu"
         done = 0
         seen: list = [None, None]

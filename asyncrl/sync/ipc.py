@@ -23,7 +23,6 @@ not written yet (no GPU to test it on): GPU tensors are copied to the host segme
 from __future__ import annotations
 
 import atexit
-import math
 import mmap
 import os
 import re
@@ -36,16 +35,13 @@ import torch
 
 from ..lifecycle import pid_alive
 from ..wire.codec import Message, encode
-from ..wire.messages import ShmTensor, Weights
+from ..wire.messages import TensorSpec, Weights
+from ..wire.tensors import check_layout, pack, plan_layout, unpack
 from .base import Publisher, Receiver, WeightsError
 
 PREFIX = "asyncrl-w-"
 HEADER_BYTES = 64  # [begin version, end version] as int64, padded so tensors start 64-byte aligned
-ALIGN = 64
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+-\d+-[01]$")
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)}
-
 
 def default_dir() -> Path:
     """``/dev/shm`` (memory-backed) where it exists, else the temp directory."""
@@ -62,30 +58,6 @@ def sweep_stale(directory: Path) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
-
-
-def plan_layout(state: dict[str, torch.Tensor]) -> tuple[list[ShmTensor], int]:
-    """Each tensor's place in a segment's data area (64-byte aligned) and the area's size."""
-    layout, offset = [], 0
-    for name, t in state.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise WeightsError(f"ipc sync cannot carry {name} of dtype {dtype}; supported: {sorted(DTYPES)}")
-        nbytes = t.numel() * t.element_size()
-        layout.append(ShmTensor(name=name, dtype=dtype, shape=list(t.shape), offset=offset, nbytes=nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return layout, offset
-
-
-def pack(dst: torch.Tensor, layout: list[ShmTensor], state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state``'s tensors into the byte buffer ``dst`` at the places ``layout`` gives them."""
-    for t, tensor in zip(layout, state.values()):
-        dst[t.offset:t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
-
-
-def unpack(buf: torch.Tensor, layout: list[ShmTensor]) -> dict[str, torch.Tensor]:
-    """The tensors of ``layout`` as views of the byte buffer ``buf`` (no copy)."""
-    return {t.name: buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in layout}
 
 
 class _Segment:
@@ -207,11 +179,7 @@ class IpcReceiver(Receiver):
         self._open.clear()
 
 
-def _check_layout(layout: list[ShmTensor], data_bytes: int) -> None:
-    for t in layout:
-        if t.dtype not in DTYPES:
-            raise WeightsError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
-        itemsize = torch.empty((), dtype=DTYPES[t.dtype]).element_size()
-        if t.nbytes != math.prod(t.shape) * itemsize or t.offset % ALIGN or t.offset + t.nbytes > data_bytes:
-            raise WeightsError(f"tensor {t.name}: {t.nbytes} bytes at offset {t.offset} do not fit shape "
-                               f"{t.shape} of {t.dtype} in a segment of {data_bytes} bytes")
+def _check_layout(layout: list[TensorSpec], data_bytes: int) -> None:
+    problem = check_layout(layout, data_bytes)
+    if problem:
+        raise WeightsError(problem.replace("a buffer of", "a segment of"))

@@ -37,8 +37,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import sys
-import warnings
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Annotated, Any, Container, Iterable
@@ -47,20 +45,13 @@ import msgspec
 import numpy as np
 
 from asyncrl.types import PER_TOKEN, Episode, Trajectory
+from asyncrl.wire.tensors import DTYPES, as_numpy, to_torch
 from asyncrl.wire.messages import (ARRAY_KINDS, COLUMN_DEFAULTS, JSON_MAX_DEPTH, KINDS, Body, Columns,
                                    EpisodeBody, EpisodeHead, Weights)
 
 SCHEMA_VERSION = 2
 EPISODE_SCHEMAS = (1, 2)  # schemas whose episodes this process reads (the layout is unchanged)
 
-# wire name -> little-endian numpy dtype ("bfloat16" is carried as its uint16 bit pattern)
-DTYPES: dict[str, np.dtype] = {
-    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "float16": np.dtype("<f2"),
-    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "bool": np.dtype("?"),
-    "bfloat16": np.dtype("<u2"),
-}
-_NP_TO_WIRE = {np.dtype(v).newbyteorder("="): k for k, v in DTYPES.items() if k != "bfloat16"}
 _HEADER_KEYS = ["schema", "kind", "body", "arrays"]
 
 
@@ -97,7 +88,7 @@ class Message:
     def tensor(self, name: str):
         """``arrays[name]`` as a torch tensor sharing its memory (bfloat16 where it was sent so).
         Read-only arrays (frames given as ``bytes``) give tensors that must not be written."""
-        return _to_torch(self.arrays[name], name in self.bf16)
+        return to_torch(self.arrays[name], name in self.bf16)
 
 
 class _ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -140,7 +131,10 @@ def encode(kind: str, body: Body | dict[str, Any] | None = None,
     body = _as_body(kind, body)
     specs, bufs = [], []
     for name, value in (arrays or {}).items():
-        arr, wire_dtype = _as_wire_array(name, value)
+        try:
+            arr, wire_dtype = as_numpy(name, value)
+        except ValueError as e:
+            raise WireError(str(e)) from e
         specs.append(_ArraySpec(str(name), wire_dtype, list(arr.shape)))
         bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))
     header = {"schema": SCHEMA_VERSION, "kind": kind, "body": body, "arrays": specs}
@@ -300,31 +294,6 @@ def _array_from_buffer(name: str, buf: memoryview, dtype: np.dtype, shape: list[
     return arr if arr.flags.aligned else arr.copy()
 
 
-def _as_wire_array(name: str, value: Any) -> tuple[np.ndarray, str]:
-    """A C-contiguous little-endian numpy array (a view where possible) and its wire dtype."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        t = value.detach()
-        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(DTYPES["bfloat16"]), "bfloat16"
-        value = t.numpy()
-    arr = np.asarray(value)
-    wire = _NP_TO_WIRE.get(arr.dtype.newbyteorder("="))
-    if wire is None:
-        raise WireError(f"array '{name}' has dtype {arr.dtype}, expected one of {sorted(DTYPES)}")
-    return arr.astype(DTYPES[wire], order="C", copy=False), wire
-
-
-def _to_torch(arr: np.ndarray, is_bf16: bool):
-    import torch
-
-    with warnings.catch_warnings():  # read-only arrays (from bytes) are copied by callers first
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(arr.view(np.int16) if is_bf16 else arr)
-    return t.view(torch.bfloat16) if is_bf16 else t
-
-
 # ---------------------------------------------------------------------------------------------
 # episodes
 
@@ -463,5 +432,5 @@ def decode_weights(msg: Message, copy: bool = False) -> tuple[int, dict[str, Any
     for name, arr in msg.arrays.items():
         if copy or not arr.flags.writeable:
             arr = arr.copy()
-        out[name] = _to_torch(arr, name in msg.bf16)
+        out[name] = to_torch(arr, name in msg.bf16)
     return msg.body.version, out

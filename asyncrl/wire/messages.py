@@ -182,8 +182,9 @@ class Subscribe(Body):
     applied_at: float | None = None
 
 
-class ShmTensor(msgspec.Struct, forbid_unknown_fields=True):
-    """Where one tensor lies in an ``ipc`` weights segment: ``nbytes`` bytes from ``offset``."""
+class TensorSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """Where one tensor lies in a flat byte buffer (an ``ipc`` segment, a collective broadcast, a
+    learner-group step): ``nbytes`` bytes from ``offset`` (:mod:`asyncrl.wire.tensors`)."""
 
     name: Id
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
@@ -200,7 +201,7 @@ class Weights(Body):
     version: Count
     path: Name | None = None
     segment: Name | None = None
-    layout: list[ShmTensor] | None = None
+    layout: list[TensorSpec] | None = None
     group: Name | None = None  # nccl/gloo: the learner's weight-sync store, host:port
     group_key: Name | None = None  # nccl/gloo: the secret every request to that store must carry
 
@@ -210,6 +211,52 @@ class Event(Body):
     event: JsonMap
 
 
+# --- the learner group: rank 0 -> the other ranks (asyncrl.learner.group, over a gloo broadcast) ---
+
+class GroupStart(Body):
+    """Build the model and the trainer (the wrap is itself a collective)."""
+
+    KIND = "group.start"
+
+
+class GroupLoad(Body):
+    """Receive a checkpoint's model and optimizer state from rank 0 (each rank its shards)."""
+
+    KIND = "group.load"
+
+
+class GroupStep(Body):
+    """Train on this batch: its tensors lie in the message's byte bucket at ``layout``."""
+
+    KIND = "group.step"
+    keep_rows: bool
+    version: Count
+    sample_types: list[Name]
+    group_ids: list[Name]
+    layout: list[TensorSpec] = []
+
+
+class GroupState(Body):
+    """Join the gathering of the full parameters (FSDP2: for publishing and evaluation)."""
+
+    KIND = "group.state"
+
+
+class GroupCheckpoint(Body):
+    """Join the gathering of the full model and optimizer states."""
+
+    KIND = "group.checkpoint"
+
+
+class GroupStop(Body):
+    """Exit 0."""
+
+    KIND = "group.stop"
+
+
+GROUP_KINDS = ("group.start", "group.load", "group.step", "group.state", "group.checkpoint", "group.stop")
+
 KINDS: dict[str, type[Body]] = {cls.KIND: cls for cls in (
-    Hello, Welcome, Credit, Ack, Status, Alive, Stop, EpisodeBody, Subscribe, Weights, Event)}
+    Hello, Welcome, Credit, Ack, Status, Alive, Stop, EpisodeBody, Subscribe, Weights, Event,
+    GroupStart, GroupLoad, GroupStep, GroupState, GroupCheckpoint, GroupStop)}
 ARRAY_KINDS = frozenset({"episode", "weights"})  # the only kinds that may carry array frames
