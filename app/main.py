@@ -1,9 +1,10 @@
 """``asyncrl ui``: a Gradio app on a run directory (``--run runs/<name>``), a folder of runs to pick
 from and overlay (``--run runs/``), and/or a live learner's events socket (``--connect``). Views:
-Overview (with the metric explorer), Proposed tasks (Absolute Zero), Confidence trees (RLCR),
-Replay buffer, Samples, Config. They update live (``gr.Timer``) without a page reload.
+Overview (with the metric explorer), the tabs the algorithms add (``Workflow.views``: Proposed tasks
+for Absolute Zero, Confidence trees for RLCR), Replay buffer, Samples, Config. They update live
+(``gr.Timer``) without a page reload.
 
-``/?view=overview|tasks|trees|replay|samples|config`` opens the page on that view, ``&runs=a,b``
+``/?view=overview|tasks|trees|replay|samples|config`` (a tab's id) opens the page on that view, ``&runs=a,b``
 picks runs of a folder, ``&metrics=x,y`` the explorer's metrics (the initial data comes with the
 page load, so a headless browser's ``--dump-dom`` sees it).
 
@@ -11,6 +12,7 @@ Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:passw
 """
 
 
+import functools
 import os
 import signal
 import socket
@@ -22,7 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from asyncrl.wire.sockets import is_loopback  # noqa: E402
 
-VIEWS = ("overview", "tasks", "trees", "replay", "samples", "config")
+VIEWS = ("overview", "replay", "samples", "config")  # the generic tabs; the algorithms add theirs
 MAX_EVENTS_PER_KIND = 5000  # the UI keeps the latest events of each kind (metrics: all steps)
 
 
@@ -111,19 +113,13 @@ def build_app(source, live=None, title: str = "asyncrl"):
         store = main_store(sel)
         return runs_note(sel) + V.overview_html(store, live_status()), V.actors_html(store)
 
-    def azr_outputs(sel, status, final_only, search):
-        store = main_store(sel)
-        if not V.is_azr(store):
-            return (V.azr_absent_note(store), gr.update(visible=False), "", gr.update(value=None), [])
-        q = V.filter_questions(store.azr_questions(), status or "all", bool(final_only), search or "")
-        table, keys = V.questions_table(q)
-        return "", gr.update(visible=True), V.azr_groups_html(store), table, keys
+    algo_views = V.algorithm_views()
 
-    def rlcr_outputs(sel, limit, search):
+    def view_outputs(view, sel, *inputs):
         store = main_store(sel)
-        if not V.is_rlcr(store):
-            return V.rlcr_absent_note(store), gr.update(visible=False), None, ""
-        return "", gr.update(visible=True), V.calibration_figure(store), V.trees_html(store, int(limit or 10), search or "")
+        if not view.applies(store):
+            return [view.absent_note(store), gr.update(visible=False), *[gr.skip()] * len(view.outputs)]
+        return ["", gr.update(visible=True), *view.render(store, *inputs)]
 
     def sample_outputs(sel, choice):
         store = main_store(sel)
@@ -142,29 +138,30 @@ def build_app(source, live=None, title: str = "asyncrl"):
         stores = catalog.stores(sel)
         return "|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(catalog.names())
 
-    def heavy(key, sel, status, final_only, search, limit, tsearch, choice, picked, smoothing):
+    def heavy(key, sel, *args):
+        """Every view's content when the run changed; ``args``: each algorithm view's inputs, then the
+        sample choice, the explorer's metrics and smoothing."""
         new_key = revision_key(sel)
         if key == new_key:
-            return [gr.skip()] * 19
+            return [gr.skip()] * len(heavy_out)
         store = main_store(sel)
         names = catalog.names()
         runs = gr.update(choices=names, value=[n for n in (sel or []) if n in names])
-        return [V.overview_figure(store), *azr_outputs(sel, status, final_only, search),
-                *rlcr_outputs(sel, limit, tsearch), V.replay_html(store), V.replay_figure(store),
+        algo_out, at = [], 0
+        for view in algo_views:
+            algo_out += view_outputs(view, sel, *args[at:at + len(view.inputs)])
+            at += len(view.inputs)
+        choice, picked, smoothing = args[at:]
+        return [V.overview_figure(store), *algo_out, V.replay_html(store), V.replay_figure(store),
                 *sample_outputs(sel, choice), *explorer(sel, picked, smoothing), V.config_html(store), runs, new_key]
 
-    def on_load(request: gr.Request, status, final_only, search, limit, tsearch, choice, smoothing):
+    def on_load(request: gr.Request, *args):
         view = (request.query_params.get("view") if request is not None else None) or "overview"
-        selected = view if view in VIEWS else "overview"
+        selected = view if view in VIEWS or view in {v.id for v in algo_views} else "overview"
         sel = [n for n in _query_list(request, "runs") if n in catalog.names()]
         picked = _query_list(request, "metrics")
-        return [gr.Tabs(selected=selected), sel, *light(sel),
-                *heavy("", sel, status, final_only, search, limit, tsearch, choice, picked, smoothing)]
-
-    def on_select(keys, evt: gr.SelectData, sel=None):
-        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
-        key = tuple(keys[row]) if keys and row is not None and 0 <= row < len(keys) else None
-        return V.question_detail_html(main_store(sel), key)
+        *filters, smoothing = args
+        return [gr.Tabs(selected=selected), sel, *light(sel), *heavy("", sel, *filters, picked, smoothing)]
 
     with gr.Blocks(title=title) as demo:
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(title)}</h2>')
@@ -185,25 +182,13 @@ def build_app(source, live=None, title: str = "asyncrl"):
                                           elem_id="smoothing")
                 mx_plot = gr.LinePlot(x="step", y="value", color="series", tooltip="all",
                                       elem_id="metric-explorer", label="metrics")
-            with gr.Tab("Proposed tasks", id="tasks"):
-                az_note = gr.HTML()
-                with gr.Column(visible=False) as az_col:
-                    az_groups = gr.HTML(elem_id="azr-groups-view")
-                    with gr.Row():
-                        az_status = gr.Dropdown(V.STATUS_FILTERS, value="all", label="questions")
-                        az_final = gr.Checkbox(True, label="final attempt of each prompt only")
-                        az_search = gr.Textbox(label="search (question, proposal, seed prompt)")
-                    az_table = gr.Dataframe(interactive=False, wrap=True, elem_id="azr-questions",
-                                            label="Proposed questions (newest first); click one for its responses")
-                    az_detail = gr.HTML(V.question_detail_html(empty, None), elem_id="azr-detail")
-            with gr.Tab("Confidence trees", id="trees"):
-                rl_note = gr.HTML()
-                with gr.Column(visible=False) as rl_col:
-                    rl_plot = gr.Plot(show_label=False, format="png", elem_id="calibration-plot")
-                    with gr.Row():
-                        rl_limit = gr.Slider(1, 100, value=10, step=1, label="trees shown")
-                        rl_search = gr.Textbox(label="search prompts")
-                    rl_trees = gr.HTML(elem_id="rlcr-trees")
+            algo_boxes = []  # per algorithm view: its note and its column
+            for view in algo_views:
+                with gr.Tab(view.title, id=view.id):
+                    box_note = gr.HTML()
+                    with gr.Column(visible=False) as box:
+                        view.build(gr, empty)
+                    algo_boxes.append((box_note, box))
             with gr.Tab("Replay buffer", id="replay"):
                 rp_html = gr.HTML(elem_id="replay-view")
                 rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
@@ -212,11 +197,10 @@ def build_app(source, live=None, title: str = "asyncrl"):
                 sm_html = gr.HTML(elem_id="samples-view")
             with gr.Tab("Config", id="config"):
                 cfg_html = gr.HTML(elem_id="config-tab")
-        keys = gr.State([])
         rev = gr.State("")
-        filters = [az_status, az_final, az_search, rl_limit, rl_search, sm_choice]
-        heavy_out = [ov_plot, az_note, az_col, az_groups, az_table, keys, rl_note, rl_col, rl_plot, rl_trees,
-                     rp_html, rp_plot, sm_choice, sm_html, mx_pick, mx_plot, cfg_html, runs_dd, rev]
+        filters = [c for view in algo_views for c in view.inputs] + [sm_choice]
+        algo_out = [c for view, box in zip(algo_views, algo_boxes) for c in (*box, *view.outputs)]
+        heavy_out = [ov_plot, *algo_out, rp_html, rp_plot, sm_choice, sm_html, mx_pick, mx_plot, cfg_html, runs_dd, rev]
         # the first data comes with the page load (not over the queue), so --dump-dom sees it
         demo.load(on_load, inputs=[*filters, mx_smooth], outputs=[tabs, runs_dd, ov_html, ov_actors, *heavy_out],
                   queue=False, show_progress="hidden")
@@ -239,13 +223,11 @@ def build_app(source, live=None, title: str = "asyncrl"):
 
         mx_plot.select(zoom, None, [mx_plot])
         mx_plot.double_click(unzoom, None, [mx_plot])
-        for c in (az_status, az_final, az_search):
-            c.change(azr_outputs, inputs=[runs_dd, az_status, az_final, az_search],
-                     outputs=[az_note, az_col, az_groups, az_table, keys], show_progress="hidden")
-        az_table.select(on_select, inputs=[keys, runs_dd], outputs=[az_detail])
-        for c in (rl_limit, rl_search):
-            c.change(rlcr_outputs, inputs=[runs_dd, rl_limit, rl_search], outputs=[rl_note, rl_col, rl_plot, rl_trees],
-                     show_progress="hidden")
+        for view, box in zip(algo_views, algo_boxes):
+            for c in view.inputs:
+                c.change(functools.partial(view_outputs, view), inputs=[runs_dd, *view.inputs],
+                         outputs=[*box, *view.outputs], show_progress="hidden")
+            view.wire(gr, main_store, runs_dd)
         sm_choice.input(lambda sel, c: V.sample_html(main_store(sel), c), inputs=[runs_dd, sm_choice],
                         outputs=[sm_html])
     return demo
@@ -255,7 +237,7 @@ def serve(args) -> int:
     from asyncrl.analysis import RunStore, is_run_dir
 
     from .live import DirPoller, EventSubscriber, RunCatalog
-    from .views import CSS
+    from .views import CSS, algorithm_views
 
     auth = check_args(args)
     threads = []
@@ -287,7 +269,7 @@ def serve(args) -> int:
         tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
                if getattr(args, "tls_cert", None) else {})
         demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
-                    share=False, css=CSS, footer_links=[], app_kwargs={"middleware": [Middleware(LoginLimiter)]},
+                    share=False, css=CSS + "".join(v.css for v in algorithm_views()), footer_links=[], app_kwargs={"middleware": [Middleware(LoginLimiter)]},
                     **tls)
     except OSError as e:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None

@@ -87,12 +87,12 @@ def test_frames_of_real_runs(demo_runs):
     assert run.algorithm == "absolute_zero" and run.version == 3
     assert run.metrics["version"].tolist() == [1, 2, 3]
     assert len(run.episodes()) == len(ev["episode"]) == 12
-    q = run.azr_questions()
+    q = run.table("azr_questions")
     final = q[q["final"]]
     assert len(final) == 12 * 8  # every prompt's final group of 8 questions
     assert final.groupby("episode_id")["sampled"].sum().max() == 1
     assert {"ratio:safety", "ratio:completion", "passed:safety", "window:completion"} <= set(q.columns)
-    groups = run.azr_groups()
+    groups = run.table("azr_groups")
     assert (groups["attempts"] == groups["repropose_attempts"] + 1).all()
     assert (groups["kept"] == (groups["final_status"] == "mixed")).all()
     samples = ev["sample"]
@@ -106,7 +106,7 @@ def test_frames_of_real_runs(demo_runs):
     assert all(b < 0 for b, m in zip(s["behavior_logprobs"], s["loss_mask"]) if m)
 
     rlcr = load_run(rlcr_dir)
-    nodes = rlcr.rlcr_nodes()
+    nodes = rlcr.table("rlcr_nodes")
     assert rlcr.algorithm == "rlcr" and len(nodes) == 6 * 2 * 2
     assert set(nodes["correct"]) <= {0.0, 1.0} and nodes["brier_reward"].between(0, 1).all()
     for turn in ("answer_tokens", "confidence_tokens"):  # generated (trained) tokens of each turn

@@ -22,7 +22,12 @@ PACKAGES = ("asyncrl", "app")
 ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.envs",
               "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
 
-# (importer prefixes, imported prefixes, why): an edge from the first to the second is an error.
+# An algorithm's tab in the UI (app.kit.AlgorithmView): its package's top floor, loaded by path by the UI
+# alone; it may read the run analysis and the UI's toolkit, and nothing imports it.
+ALGO_UI = ("asyncrl.algos.*.ui",)
+
+# (importer prefixes, imported prefixes, why[, importers exempted]): an edge from the first to the
+# second is an error. A ``*`` in a prefix stands for one dotted name.
 FORBIDDEN = [
     (ACTOR_SIDE, ("asyncrl.learner",), "code that runs on an actor never imports the learner"),
     (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
@@ -32,7 +37,11 @@ FORBIDDEN = [
                                                "checkpoint selection are asyncrl.layout)"),
     (("asyncrl.engine",), ("asyncrl.models",), "engines run a loaded model; they do not build or load one"),
     (("asyncrl.models",), ("asyncrl.engine",), "building a model needs no engine (init_model measures it)"),
-    (("asyncrl.algos",), ("asyncrl.analysis",), "algorithms sit below the run analysis that reads their records"),
+    (("asyncrl.algos",), ("asyncrl.analysis", "app"), "algorithms sit below the run analysis and the UI that read "
+                                                      "their records (but for their UI tab)", ALGO_UI),
+    (("asyncrl.analysis", "asyncrl.learner", "app"), ("asyncrl.algos",), "the generic layers name no algorithm: an "
+     "algorithm registers its tables, views and trained-sample filter with its workflow"),
+    (("asyncrl", "app"), ALGO_UI, "an algorithm's UI tab is loaded by the UI by its import path (Workflow.views)"),
 ]
 
 # The ground floor: modules any layer may import, which import no other asyncrl module but each other.
@@ -171,7 +180,9 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 def _within(module: str, prefixes) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
+    parts = module.split(".")
+    return any(len(parts) >= len(p.split(".")) and all(q in ("*", m) for q, m in zip(p.split("."), parts))
+               for p in prefixes)
 
 
 def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
@@ -179,8 +190,9 @@ def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
     bad = []
     for importer in sorted(graph):
         for imported in sorted(graph[importer]):
-            for sources, targets, why in rules:
-                if _within(importer, sources) and _within(imported, targets):
+            for sources, targets, why, *exempt in rules:
+                if _within(importer, sources) and _within(imported, targets) \
+                        and not (exempt and _within(importer, exempt[0])):
                     bad.append(f"{importer} -> {imported}: {why}")
     return bad
 
@@ -315,3 +327,19 @@ def test_the_field_check_finds_a_hand_written_copy(tmp_path):
                       "app/__init__.py": ""})
     assert field_name_lists(tmp_path, {"reward", "text", "id"}) == [
         "asyncrl.wire.codec:1 spells Trajectory fields ['reward', 'text', 'id']"]
+
+
+def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
+    graph = {"asyncrl.algos.rlcr.ui": {"app.kit", "asyncrl.analysis"},  # its UI tab: allowed
+             "asyncrl.algos.rlcr.trees": {"app.kit"},  # the algorithm itself: not
+             "app.main": {"asyncrl.algos.rlcr.ui"},  # the app names the tab: not
+             "asyncrl.learner.learner": {"asyncrl.algos.absolute_zero.workflow"},  # the learner names one: not
+             "asyncrl.analysis.store": {"asyncrl.rollout.workflow"}}  # through the registry: allowed
+    assert forbidden_edges(graph) == [
+        "app.main -> asyncrl.algos.rlcr.ui: the generic layers name no algorithm: an algorithm registers its tables, "
+        "views and trained-sample filter with its workflow",
+        "app.main -> asyncrl.algos.rlcr.ui: an algorithm's UI tab is loaded by the UI by its import path (Workflow.views)",
+        "asyncrl.algos.rlcr.trees -> app.kit: algorithms sit below the run analysis and the UI that read their records "
+        "(but for their UI tab)",
+        "asyncrl.learner.learner -> asyncrl.algos.absolute_zero.workflow: the generic layers name no algorithm: an "
+        "algorithm registers its tables, views and trained-sample filter with its workflow"]

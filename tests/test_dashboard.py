@@ -138,13 +138,14 @@ def test_rlcr_summary_has_ece_and_brier_and_na_over_zero_parsed_confidences(caps
 
 def test_calibration_figure_says_how_many_confidences_it_rests_on():
     from app import views as V
+    from asyncrl.algos.rlcr.ui import calibration_figure
 
     bins = [{"lo": b / 10, "hi": (b + 1) / 10, "count": 32 if b == 0 else 0, "confidence": 0.0 if b == 0 else None,
              "accuracy": 0.0 if b == 0 else None} for b in range(10)]
     store = RunStore()
     store.add_events([_event("eval", v, float(v), version=v, accuracy=0.0, ece=0.0, brier=0.0, size=32,
                              confidence_parse_fail=1.0, reliability=bins) for v in (0, 2)])
-    fig = V.calibration_figure(store)
+    fig = calibration_figure(store)
     title = fig.axes[0].get_title()
     assert "ECE n/a" in title and "Brier n/a" in title and "0 of 32 confidences parsed" in title
     assert V.fmt(float("nan")) == NA and V.fmt(None) == "-"
@@ -312,8 +313,9 @@ def test_small_fixes_cards_counts_headers_and_replay_plots(tmp_path):
     html = V.overview_html(store)
     assert "12 <small>(latest 5 kept)</small>" in html  # a count, not the cap
     q = pd.DataFrame({"window:completion": ["<0.5 in [0.3, 0.7]"], "window:safety": [">0.5 in [0.3, 0.7]"]})
-    assert V.ratio_header(q, "completion") == "share completion<0.5 (pass [0.3, 0.7])"  # i.e. the wrong answers
-    assert V.ratio_header(q, "safety") == "share safety>0.5 (pass [0.3, 0.7])"
+    from asyncrl.algos.absolute_zero.ui import ratio_header
+    assert ratio_header(q, "completion") == "share completion<0.5 (pass [0.3, 0.7])"  # i.e. the wrong answers
+    assert ratio_header(q, "safety") == "share safety>0.5 (pass [0.3, 0.7])"
     fig = V.replay_figure(RunStore())
     w, h = fig.get_size_inches()
     assert w / h < 2.5  # three panels a row: readable at the page's width (was 5 in one strip, 8:1)

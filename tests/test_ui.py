@@ -54,7 +54,7 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
         dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups",
                        screenshot_name="ui-tasks.png")
-        groups = azr.azr_groups()
+        groups = azr.table("azr_groups")
         table = dom[dom.index('id="azr-groups"'):]
         table = table[: table.index("</table>")]
         assert table.count('class="arl-row"') == len(groups) == 12
@@ -73,7 +73,7 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
         dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d, what="confidence trees",
                        screenshot_name="ui-trees.png")
-        nodes = rlcr.rlcr_nodes()
+        nodes = rlcr.table("rlcr_nodes")
         assert dom.count('class="arl-tree rlcr-tree"') == nodes["episode_id"].nunique() == 6
         assert dom.count('class="rlcr-confidence"') == len(nodes) == 6 * 2 * 2
         text = visible_text(dom)
@@ -242,18 +242,19 @@ def test_event_subscriber_decodes_the_learner_event_stream():
 @pytest.mark.slow
 def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
     from app import views as V
+    from asyncrl.algos.absolute_zero import ui as A
 
     azr = load_run(demo_runs["absolute_zero"])
-    q = azr.azr_questions()
-    learnable = V.filter_questions(q, "learnable")
+    q = azr.table("azr_questions")
+    learnable = A.filter_questions(q, "learnable")
     assert len(learnable) and learnable["learnable"].all() and learnable["final"].all()
-    assert V.filter_questions(q, "invalid")["valid"].sum() == 0
-    assert len(V.filter_questions(q, "all", final_only=False)) == min(len(q), V.MAX_QUESTION_ROWS)
+    assert A.filter_questions(q, "invalid")["valid"].sum() == 0
+    assert len(A.filter_questions(q, "all", final_only=False)) == min(len(q), A.MAX_QUESTION_ROWS)
     with pytest.raises(ValueError, match="unknown status filter"):
-        V.filter_questions(q, "bogus")
-    table, keys = V.questions_table(V.filter_questions(q, "sampled"))
-    assert len(table) == len(keys) == azr.azr_groups()["kept"].sum()
-    detail = V.question_detail_html(azr, keys[0])
+        A.filter_questions(q, "bogus")
+    table, keys = A.questions_table(A.filter_questions(q, "sampled"))
+    assert len(table) == len(keys) == azr.table("azr_groups")["kept"].sum()
+    detail = A.question_detail_html(azr, keys[0])
     row = q[(q["episode_id"] == keys[0][0]) & (q["attempt"] == keys[0][1]) & (q["index"] == keys[0][2])].iloc[0]
     assert 'id="solver-responses"' in detail and detail.count("arl-row") >= len(row["responses"])
     assert "sampled for training" in detail
@@ -266,10 +267,13 @@ def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
     clicked = handlers["on_select"](keys, gr.SelectData(None, {"index": [0, 4], "value": ""}))
     assert clicked == detail
     assert "Click a question" in handlers["on_select"]([], gr.SelectData(None, {"index": [0, 0], "value": ""}))
-    assert "does not use RLCR" in V.rlcr_absent_note(azr)
+    # the algorithms' own tabs, found through their workflows; each says so on another algorithm's run
+    views = {v.id: v for v in V.algorithm_views()}
+    assert {"tasks", "trees"} <= set(views)
+    assert "does not use RLCR" in views["trees"].absent_note(azr)
     rlcr = load_run(demo_runs["rlcr"])
-    assert not V.is_azr(rlcr) and V.is_rlcr(rlcr)
-    assert "does not use Absolute Zero" in V.azr_absent_note(rlcr)
+    assert not views["tasks"].applies(rlcr) and views["trees"].applies(rlcr)
+    assert "does not use Absolute Zero" in views["tasks"].absent_note(rlcr)
     assert "no per-token samples" in V.sample_html(RunStore(), None)
     first = rlcr.records("sample")[0]
     html = V.sample_html(rlcr, 0)

@@ -11,8 +11,8 @@ One-shot::
     run = load_run("runs/absolute_zero")
     run.metrics                 # one row per optimizer step, indexed by step
     run.events["episode"]       # one DataFrame per event kind
-    run.azr_questions()         # Absolute Zero: one row per proposed question
-    run.rlcr_nodes()            # RLCR: one row per confidence (answer columns repeated)
+    run.table("azr_questions")         # Absolute Zero: one row per proposed question
+    run.table("rlcr_nodes")            # RLCR: one row per confidence (answer columns repeated)
 
 Following a live run: keep a :class:`RunReader` and call ``poll()``; it reads only what was
 appended since the last call and leaves an unfinished last line for the next one.

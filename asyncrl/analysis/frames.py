@@ -42,7 +42,7 @@ def episodes_frame(episodes: list[dict]) -> pd.DataFrame:
                      "staleness": e.get("staleness"), "num_trajectories": len(trajs),
                      "num_replay": sum(bool(t.get("is_replay")) for t in trajs),
                      "reward_mean": float(np.mean([t.get("reward") or 0.0 for t in learn])) if learn else np.nan,
-                     "algorithm": d.get("algorithm") or ("rlcr" if d.get("kind") == "rlcr_tree" else None),
+                     "algorithm": d.get("algorithm"),
                      **{f"m:{k}": v for k, v in (e.get("metrics") or {}).items()}})
     return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", "policy_version", "staleness"])
 

@@ -130,8 +130,6 @@ class RunStore:
             d = ep.get("decision") or {}
             if d.get("algorithm"):
                 return str(d["algorithm"])
-            if d.get("kind") == "rlcr_tree":
-                return "rlcr"
         return None
 
     @property
@@ -166,21 +164,17 @@ class RunStore:
     def trajectories(self) -> pd.DataFrame:
         return self.cached("trajectories", lambda: trajectories_frame(self.records("episode")))
 
-    # the algorithms' tables are theirs (imported when asked for: the store loads no algorithm)
-    def azr_groups(self) -> pd.DataFrame:
-        from ..algos.absolute_zero.analysis import azr_groups_frame
+    def table(self, name: str) -> pd.DataFrame:
+        """An algorithm's own table over the logged episodes (``Workflow.tables``: e.g. Absolute Zero's
+        ``azr_questions``, RLCR's ``rlcr_nodes``), computed once per revision of the run."""
+        from ..plugins import resolve_import
+        from ..rollout.workflow import all_workflows
 
-        return self.cached("azr_groups", lambda: azr_groups_frame(self.records("episode")))
-
-    def azr_questions(self) -> pd.DataFrame:
-        from ..algos.absolute_zero.analysis import azr_questions_frame
-
-        return self.cached("azr_questions", lambda: azr_questions_frame(self.records("episode")))
-
-    def rlcr_nodes(self) -> pd.DataFrame:
-        from ..algos.rlcr.analysis import rlcr_nodes_frame
-
-        return self.cached("rlcr_nodes", lambda: rlcr_nodes_frame(self.records("episode")))
+        paths = {table: path for wf in all_workflows().values() for table, path in wf.tables.items()}
+        if name not in paths:
+            raise KeyError(f"no algorithm declares a table {name!r}; tables: {', '.join(sorted(paths)) or 'none'}")
+        build = resolve_import(paths[name], "table")
+        return self.cached(f"table:{name}", lambda: build(self.records("episode")))
 
     def evals(self) -> pd.DataFrame:
         return self.cached("evals", lambda: evals_frame(self.records("eval")))

@@ -56,9 +56,11 @@ class Learner:
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
+        workflow = workflow_class(cfg.algorithm)
+        self.counts_for_reward = workflow.counts_for_reward  # which trained rows reward_mean averages
         model, self.tokenizer, self.model_dir = load_policy(
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
-            warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+            warmstart_formats=workflow.warmstart_formats)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
@@ -222,8 +224,7 @@ class Learner:
         train_s = time.time() - t0
         if self.version % self.cfg.sync.every == 0:
             self.publish()
-        rewards = [t.reward for ep in episodes for t in ep.trajectories
-                   if t.sample_type not in ("proposer", "confidence") and not t.is_replay]  # fresh answers only
+        rewards = [t.reward for ep in episodes for t in ep.trajectories if self.counts_for_reward(t)]
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
         self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0

@@ -13,7 +13,14 @@ What a workflow declares (class attributes, never probed):
 - ``warmstart_formats``: supervised formats it adds to the embedded model's warm start
   (``model.embedded.warmstart_formats`` names them; ``asyncrl.models.tiny``);
 - ``evaluate``: its own held-out evaluation, or None for the standard accuracy;
-- ``warnings``: lines every process prints at start (e.g. an unsafe sandbox setting).
+- ``warnings``: lines every process prints at start (e.g. an unsafe sandbox setting);
+- ``counts_for_reward``: which trained trajectories the learner's ``reward_mean`` averages (fresh
+  answers: not a proposer's or a confidence's row, not a replayed one);
+- ``reward_metrics``: its own reward metrics, drawn with ``reward_mean`` in the UI's reward panel;
+- ``tables``: its analysis tables over a run's logged episodes, ``name -> "pkg.module:function"``
+  (``RunStore.table(name)``; imported when asked for, so actors never load pandas);
+- ``views``: its tabs in ``asyncrl ui``, import paths of :class:`app.kit.AlgorithmView` subclasses
+  (loaded by the UI only).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 from ..config import ConfigError
 from ..registry import Registry
 from ..plugins import resolve_import
-from ..types import Episode, Task
+from ..types import Episode, Task, Trajectory
 
 if TYPE_CHECKING:
     from ..config import Config, SamplingConfig
@@ -51,6 +58,14 @@ class RolloutContext:
 class Workflow:
     supports_replay: ClassVar[bool] = False
     warmstart_formats: ClassVar[dict[str, WarmstartFormat]] = {}
+    reward_metrics: ClassVar[tuple[str, ...]] = ()
+    tables: ClassVar[dict[str, str]] = {}
+    views: ClassVar[tuple[str, ...]] = ()
+
+    @staticmethod
+    def counts_for_reward(traj: Trajectory) -> bool:
+        """Whether ``traj`` is a fresh answer that ``reward_mean`` averages."""
+        return not traj.is_replay
 
     def __init__(self, cfg: "Config"):
         self.cfg = cfg
@@ -94,6 +109,12 @@ def workflow_class(name: str) -> type[Workflow]:
 def get_workflow(name: str, cfg: "Config") -> Workflow:
     """A workflow instance for ``cfg`` (it validates its own ``algo.*`` section)."""
     return workflow_class(name)(cfg)
+
+
+def all_workflows() -> dict[str, type[Workflow]]:
+    """Every registered workflow by name, those of ``asyncrl.algos`` included."""
+    _import_algorithms()
+    return dict(WORKFLOWS)
 
 
 def _import_algorithms() -> None:

@@ -105,6 +105,13 @@ def format_score(conv: Conversation) -> float:
 @register_workflow("absolute_zero")
 class AbsoluteZeroWorkflow(Workflow):
     warmstart_formats = {WARMSTART_FORMAT: propose_warmstart_example}  # the embedded model's proposer
+    tables = {"azr_groups": "asyncrl.algos.absolute_zero.analysis:azr_groups_frame",
+              "azr_questions": "asyncrl.algos.absolute_zero.analysis:azr_questions_frame"}
+    views = ("asyncrl.algos.absolute_zero.ui:ProposedTasksView",)
+
+    @staticmethod
+    def counts_for_reward(traj) -> bool:
+        return traj.sample_type != "proposer" and not traj.is_replay  # the solver's answers
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -213,7 +213,7 @@ def tree_record(tree: ConfidenceTree, trajs: list[Trajectory]) -> dict:
                         "acc_reward": a.reward, "advantage": a.advantage, "mask_span": _mask_span(row),
                         "num_tokens": int(len(row.token_ids)), "confidences": confs})
     gold = tree.task.answer
-    return {"kind": "rlcr_tree", "gold": gold if isinstance(gold, (int, float, str)) else str(gold),
+    return {"kind": "rlcr_tree", "algorithm": "rlcr", "gold": gold if isinstance(gold, (int, float, str)) else str(gold),
             "prompt_tokens": len(tree.prompt_ids), "answers": answers}
 
 

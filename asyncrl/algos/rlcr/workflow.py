@@ -21,6 +21,13 @@ class RLCRWorkflow(Workflow):
     """One Episode per task carrying its confidence tree (``Episode.decision``)."""
 
     warmstart_formats = {"rlcr": rlcr_warmstart_example}  # tags: answer, then confidence
+    reward_metrics = ("rlcr/answer_reward_mean", "rlcr/confidence_reward_mean")
+    tables = {"rlcr_nodes": "asyncrl.algos.rlcr.analysis:rlcr_nodes_frame"}
+    views = ("asyncrl.algos.rlcr.ui:ConfidenceTreesView",)
+
+    @staticmethod
+    def counts_for_reward(traj) -> bool:
+        return traj.sample_type != "confidence" and not traj.is_replay  # the answers
 
     def __init__(self, cfg):
         super().__init__(cfg)
