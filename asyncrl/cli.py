@@ -127,22 +127,30 @@ def cmd_serve(args) -> int:
                              f"or start the learner first so that {addr_file} exists")
         control = json.loads(addr_file.read_text())["control"]
     try:
-        Actor(cfg, control, args.actor_id, args.index).run()
+        Actor(cfg, control, args.actor_id, args.index, weights_address=args.weights_address).run()
     except TooManyFailures as e:
         print(f"asyncrl serve ({args.actor_id}): stopping: {e}", file=sys.stderr, flush=True)
         return 3
     return 0
 
 
+def cmd_relay(args) -> int:
+    from .sync.relay import main as relay_main
+
+    cfg, _ = _load(args)
+    return relay_main(cfg, args.learner_weights, args.relay_id, args.port)
+
+
 def cmd_run(args) -> int:
-    from .launcher import launch
     from .rundir import prepare
+    from .schedulers import SchedulerError, launch
 
     if args.resume:  # the learner child gets the same overrides, so it resumes too
         args.override.append("checkpoint.resume=true")
     cfg, overrides = _load(args)
-    if args.actors is not None:
-        overrides.append(f"actor.num={args.actors}")
+    if args.actors is not None or args.scheduler is not None:
+        overrides += [f"actor.num={args.actors}"] if args.actors is not None else []
+        overrides += [f"launch.scheduler={args.scheduler}"] if args.scheduler is not None else []
         cfg = load_config(args.config, overrides)
     print(f"[asyncrl] {preflight(cfg).heldout}", flush=True)
     check_writable(cfg.run_dir)
@@ -153,7 +161,11 @@ def cmd_run(args) -> int:
         return _start_refused(args, e)
     if args.learner_procs < 1:
         raise SystemExit(f"asyncrl run: --learner-procs {args.learner_procs}; expected 1 or more processes")
-    return launch(cfg, args.config, overrides, ui=args.ui, learner_procs=args.learner_procs)
+    try:
+        return launch(cfg, args.config, overrides, ui=args.ui, learner_procs=args.learner_procs)
+    except SchedulerError as e:
+        print(f"asyncrl run: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def cmd_keys(args) -> int:
@@ -196,12 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="read the learner's addresses from RUN_DIR/addresses.json")
     p.add_argument("--actor-id", default="actor-0")
     p.add_argument("--index", type=int, default=0, help="actor index (seeds its task stream)")
+    p.add_argument("--weights-address", help="take weights from this node's relay (asyncrl relay, 127.0.0.1 only) "
+                   "instead of the learner; use with -o sync.type=ipc")
     p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("relay", help="one weights copy per node: relay the learner's weights to this node's actors")
+    _add_config_args(p)
+    p.add_argument("--learner-weights", required=True, help="the learner's weights address (addresses.json 'weights')")
+    p.add_argument("--relay-id", default="0", help="its name (and CURVE bundle name, off loopback)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 for this node's actors (0: any free)")
+    p.set_defaults(fn=cmd_relay)
     p = sub.add_parser("run", help="run the learner and actors together")
     _add_config_args(p)
     p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
     _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
+    p.add_argument("--scheduler", choices=["local", "ray", "slurm"],
+                   help="where the processes run (launch.scheduler): local child processes (default) or a Ray cluster")
     p.add_argument("--learner-procs", type=int, default=1, metavar="N",
                    help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
                         "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")

@@ -415,6 +415,44 @@ class LogConfig(_Base):
     project: str = Field("asyncrl", min_length=1, description="Project name for the wandb and trackio trackers.")
 
 
+class Resources(_Base):
+    """What one process asks a scheduler for."""
+
+    cpus: float = Field(1.0, ge=0, description="CPU cores.")
+    gpus: float = Field(0.0, ge=0, description="GPUs (fractions share one).")
+    resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Custom resources (Ray node resources, e.g. {learner: 1} to pin to nodes started with it)."))
+
+
+class RayLaunchConfig(_Base):
+    address: str | None = Field(None, description=(
+        "The cluster to join (host:port of its head, or 'auto'); None: RAY_ADDRESS, else a local cluster "
+        "that asyncrl starts (bound to 127.0.0.1, no dashboard, token authentication) and stops."))
+    connect_timeout_s: float = Field(10.0, gt=0, description="How long joining the cluster may take.")
+    start_timeout_s: float = Field(120.0, gt=0, description=(
+        "How long the learner's and actors' resources may take to be granted before the run fails."))
+    max_restarts: int = Field(3, ge=0, description="Restarts of each actor by Ray (a lost node, a crash).")
+    relay: bool = Field(True, description=(
+        "One weights copy per node: a relay per node takes each version once from the learner and serves "
+        "that node's actors through shared memory (sync.type zmq on the learner, ipc on the actors)."))
+    secure: Literal["auto", "always", "never"] = Field("auto", description=(
+        "CURVE keys for the learner's sockets: auto = when the cluster has nodes on other hosts than the "
+        "learner's; always (also on one host); never (one host only)."))
+    dashboard: bool = Field(False, description="Start Ray's dashboard with a local cluster (it has no login).")
+
+
+class LaunchConfig(_Base):
+    """Where the processes run (``asyncrl run``)."""
+
+    scheduler: Literal["local", "ray", "slurm"] = Field("local", description=(
+        "local: child processes of asyncrl run on this machine; ray: Ray actors on a cluster; slurm: not "
+        "built yet."))
+    learner: Resources = Field(default_factory=Resources, description="Each learner process's resources.")
+    actor: Resources = Field(default_factory=Resources, description="Each actor's resources.")
+    spread_actors: bool = Field(False, description="Spread actors over nodes (Ray SPREAD) instead of packing them.")
+    ray: RayLaunchConfig = Field(default_factory=RayLaunchConfig, description="Ray settings.")
+
+
 class Config(_Base):
     """Top-level configuration (``configs/*.yaml``)."""
 
@@ -437,6 +475,7 @@ class Config(_Base):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the learner.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Where processes run (asyncrl run).")
     algo: dict[str, Any] = Field(default_factory=dict, description=(
         "Algorithm-specific settings, validated by the chosen algorithm's own config class."))
 

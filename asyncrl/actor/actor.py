@@ -46,7 +46,8 @@ _WEIGHTS_ASK_S = 2.0  # while waiting for newer weights, ask the learner again t
 
 
 class Actor:
-    def __init__(self, cfg: Config, control_address: str, actor_id: str, index: int = 0):
+    def __init__(self, cfg: Config, control_address: str, actor_id: str, index: int = 0,
+                 weights_address: str | None = None):
         self.cfg = cfg
         self.actor_id = actor_id
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
@@ -62,7 +63,7 @@ class Actor:
         self.tasks = task_stream(cfg.tasks, self.seed)
         self.identity = f"{actor_id}:{os.getpid()}".encode()
         self.net = ActorNet(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
-                            on_welcome=self._on_welcome)
+                            on_welcome=self._on_welcome, weights_address=weights_address)
         self.heartbeat = Heartbeat(self, control_address)
         self._weights_session = None  # the learner session whose weights the engine holds
         self._applied_at: float | None = None  # when the engine last took new weights (unix time)

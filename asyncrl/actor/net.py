@@ -41,8 +41,9 @@ _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
 class ActorNet:
     def __init__(self, wire_cfg, control_address: str, actor_id: str, identity: bytes,
                  on_credit: Callable[[Credit], None] | None = None,
-                 on_welcome: Callable[[bool], None] | None = None):
+                 on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None):
         self.wire_cfg, self.actor_id, self.identity = wire_cfg, actor_id, identity
+        self.weights_address = weights_address  # a node's weight relay (asyncrl.sync.relay) instead of the learner
         self.on_credit, self.on_welcome = on_credit, on_welcome
         self.ctx = zmq.Context.instance()
         self.control = self._socket(zmq.DEALER, control_address)
@@ -60,14 +61,14 @@ class ActorNet:
         self.rejected = 0
         self.asked_weights_at = 0.0
 
-    def _socket(self, kind, address: str) -> zmq.Socket:
+    def _socket(self, kind, address: str, curve: bool = True) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 2000)
         if kind == zmq.DEALER:
             sock.setsockopt(zmq.IDENTITY, self.identity)
         if kind == zmq.PUSH:
             sock.setsockopt(zmq.SNDHWM, self.wire_cfg.hwm)
-        if self.wire_cfg.curve_dir:
+        if self.wire_cfg.curve_dir and curve:
             apply_curve_client(sock, self.wire_cfg.curve_dir, self.actor_id)
         connect(sock, address)
         return sock
@@ -131,7 +132,8 @@ class ActorNet:
         if self.episodes is None:  # both sockets or neither (a bad address fails this message only)
             episodes = self._socket(zmq.PUSH, body.addresses["episodes"])
             try:
-                self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
+                self.weights = (self._socket(zmq.DEALER, body.addresses["weights"]) if self.weights_address is None
+                                else self._socket(zmq.DEALER, self.weights_address, curve=False))  # (loopback)
             except Exception:
                 episodes.close(0)
                 raise

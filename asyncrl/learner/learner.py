@@ -247,6 +247,7 @@ class Learner:
         if applied:
             ms = [1000 * s for _, _, s in applied]
             out.update({"sync/applied_ms_mean": float(np.mean(ms)), "sync/applied_ms_max": float(np.max(ms))})
+        out["sync/bytes_sent"] = self.net.weights_bytes_sent  # (cumulative: weights messages to every subscriber)
         held = [s.have for s in self.net.subscribers.values()]
         if held:
             out["sync/actor_version_min"] = min(held)

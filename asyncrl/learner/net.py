@@ -139,6 +139,7 @@ class LearnerNet:
             self.poller.register(s, zmq.POLLIN)
         self._weights_frames: list | None = None
         self.weights_version = -1
+        self.weights_bytes_sent = 0  # every weights message sent to any subscriber, all frames
         self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
         self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
@@ -408,6 +409,7 @@ class LearnerNet:
             self.subscribers.pop(identity, None)
             return
         s.sent, s.sent_at = self.weights_version, time.monotonic()
+        self.weights_bytes_sent += sum(memoryview(f).nbytes for f in self._weights_frames)
 
     # -- events ---------------------------------------------------------------------------------
     def publish_event(self, record: dict) -> None:

@@ -1,0 +1,32 @@
+"""Schedulers: where ``asyncrl run`` starts its processes (``launch.scheduler``, ``--scheduler``).
+
+A scheduler starts the same commands everywhere (``asyncrl learn``, ``asyncrl serve``, ``asyncrl
+relay``) and stops them together; episodes, acknowledgements, credits and weights always go over
+asyncrl's own ZeroMQ protocol, never through the scheduler. Each is a function ``launch(cfg,
+config_path, overrides, ui=False, learner_procs=1) -> exit code``:
+
+- ``local``: child processes of ``asyncrl run`` on this machine (:mod:`asyncrl.launcher`);
+- ``ray``: Ray actors on a cluster, joined or started (:mod:`asyncrl.schedulers.ray`);
+- ``slurm``: not built yet (the next issue): choosing it fails at once, saying so.
+"""
+
+from __future__ import annotations
+
+from ..registry import Registry
+
+SCHEDULERS: Registry = Registry("launch.scheduler")
+SCHEDULERS.add("local", "asyncrl.launcher:launch")
+SCHEDULERS.add("ray", "asyncrl.schedulers.ray:launch")
+
+
+class SchedulerError(RuntimeError):
+    """A scheduler cannot start the run (missing package, unreachable cluster, resources nobody has);
+    the text says what is missing, in one line."""
+
+
+def launch(cfg, config_path, overrides, ui: bool = False, learner_procs: int = 1) -> int:
+    name = cfg.launch.scheduler
+    if name == "slurm":
+        raise SchedulerError("launch.scheduler=slurm is not built yet; use local or ray (or write an sbatch script "
+                             "that runs `asyncrl learn` and `asyncrl serve --connect ...`)")
+    return SCHEDULERS.resolve(name, "launch.scheduler")(cfg, config_path, overrides, ui=ui, learner_procs=learner_procs)

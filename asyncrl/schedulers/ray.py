@@ -1,0 +1,412 @@
+"""``asyncrl run --scheduler ray``: the learner group and the actors as Ray actors on a cluster.
+
+Ray is the control plane only: it places the processes (:class:`asyncrl.schedulers.procs.ProcSupervisor`,
+one per asyncrl command, each starting ``asyncrl learn`` / ``serve`` / ``relay`` on its node),
+restarts lost actors and tells this driver where everything is. Episodes, acknowledgements, credits
+and weights go over asyncrl's ZeroMQ protocol, as on one machine.
+
+- **Cluster.** ``launch.ray.address`` or ``RAY_ADDRESS`` is joined (a closed address fails within
+  ``launch.ray.connect_timeout_s``, in one line); without either, a local cluster is started and
+  stopped with the run: bound to 127.0.0.1, no dashboard (``launch.ray.dashboard``), Ray's token
+  authentication on (``RAY_AUTH_MODE=token`` with a fresh token unless one is set). A loopback
+  address pins this driver to 127.0.0.1 too (Ray would otherwise dial the machine's interface).
+- **Placement.** The learner's processes go to one node: the driver's, or with custom resources in
+  ``launch.learner.resources``, a STRICT_PACK placement group of one bundle per process; the run
+  directory lives there (no shared filesystem is assumed: configs and keys travel as text through
+  Ray, every process's log is collected under ``<run>/logs/``). Ranks meet on 127.0.0.1. Each actor
+  asks for ``launch.actor`` (CPUs, GPUs, custom resources), packed or spread
+  (``launch.spread_actors``). A request no node can ever meet fails at once, naming what is missing;
+  one that is not granted within ``launch.ray.start_timeout_s`` fails then.
+- **Addresses and keys.** Actors get the learner's addresses from rank 0's supervisor, not from a
+  file. When the cluster has nodes on other hosts (``launch.ray.secure``), the learner binds its
+  node's address with CURVE keys made on its node; each actor receives its own bundle (never the
+  server's secret). On one host everything stays on loopback.
+- **One copy of the weights per node** (``launch.ray.relay``): the driver starts a relay
+  (:mod:`asyncrl.sync.relay`) on each node that holds actors; the learner sends each version once
+  per node and the actors there read it from shared memory (``sync.type=ipc`` on the actors).
+- **Failures.** A lost actor (its node, or its process failing) is restarted by Ray up to
+  ``launch.ray.max_restarts`` times and re-joins through the session/ack protocol: nothing
+  acknowledged is lost, nothing trained twice. A lost learner ends the run with one line
+  (``--resume`` continues it). SIGINT/SIGTERM stops every process on every node (the learner
+  checkpoints first).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config, dump_config
+from ..launcher import STOP_GRACE_S, StopRequested, StopSignals
+from ..wire.sockets import is_loopback
+from . import SchedulerError
+from .procs import ProcSupervisor, relay_name
+
+_POLL_S = 0.5
+_CALL_TIMEOUT_S = 30.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise SchedulerError("launch.scheduler=ray needs Ray, which is not installed: pip install 'asyncrl[ray]' "
+                             "(or pip install ray)") from None
+    return ray
+
+
+def _say(text: str) -> None:
+    print(f"[asyncrl] {text}", flush=True)
+
+
+def _reachable(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise SchedulerError(f"Ray address {address!r} (launch.ray.address / RAY_ADDRESS): expected host:port of "
+                             f"the head node") from None
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port_n), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.3)
+    raise SchedulerError(f"cannot reach the Ray cluster at {address} (launch.ray.address / RAY_ADDRESS) within "
+                         f"{timeout_s:g} s ({last}): start it with `ray start --head` there, or leave both unset "
+                         f"to run on a local cluster")
+
+
+def connect(cfg: Config):
+    """Join the configured cluster or start a local one; returns (ray, started_here). Ray reads its
+    environment when it is imported, so everything is set before."""
+    if "ray" in sys.modules:
+        raise SchedulerError("Ray was imported before the scheduler set it up; start the run with `asyncrl run`")
+    rc = cfg.launch.ray
+    address = rc.address or os.environ.get("RAY_ADDRESS") or None
+    kwargs = {"logging_level": "WARNING", "log_to_driver": False}
+    if address and address != "auto":
+        _reachable(address, rc.connect_timeout_s)
+        if is_loopback(address.rpartition(":")[0]):
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # (Ray would dial the interface address)
+            kwargs["_node_ip_address"] = "127.0.0.1"
+        ray = _import_ray()
+        ray.init(address=address, **kwargs)
+        return ray, False
+    if address == "auto":
+        ray = _import_ray()
+        ray.init(address="auto", **kwargs)
+        return ray, False
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    ray = _import_ray()
+    need_cpu = cfg.launch.learner.cpus + cfg.actor.num * cfg.launch.actor.cpus
+    custom: dict[str, float] = {}
+    for res, n in [(cfg.launch.learner.resources, 1), (cfg.launch.actor.resources, cfg.actor.num)]:
+        for k, v in res.items():
+            custom[k] = custom.get(k, 0.0) + v * n
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=rc.dashboard, num_cpus=max(os.cpu_count() or 1,
+             int(need_cpu + 0.999)), resources=custom or None, **kwargs)
+    return ray, True
+
+
+def _demand(res) -> dict[str, float]:
+    out = {"CPU": res.cpus, "GPU": res.gpus, **res.resources}
+    return {k: v for k, v in out.items() if v}
+
+
+def check_feasible(ray, cfg: Config) -> None:
+    """Fail at once when no alive node could ever host a learner process or an actor."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for what, need in (("a learner process (launch.learner)", _demand(cfg.launch.learner)),
+                       ("an actor (launch.actor)", _demand(cfg.launch.actor))):
+        if any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
+            continue
+        offers = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
+            f"{k}={v:g}" for k, v in sorted(n["Resources"].items()) if not k.startswith(("node:", "memory", "object"))
+        ) for n in nodes)
+        missing = sorted(k for k, v in need.items() if not any(n["Resources"].get(k, 0) >= v for n in nodes))
+        raise SchedulerError(f"no node of the Ray cluster can host {what}: it needs {need}, and no node has "
+                             f"{', '.join(missing) or 'all of them at once'} (nodes: {offers})")
+
+
+class RayRun:
+    """One run on a cluster: the processes it placed and how to watch and stop them."""
+
+    def __init__(self, ray, cfg: Config, learner_procs: int):
+        self.ray, self.cfg, self.procs_n = ray, cfg, learner_procs
+        self.token = secrets.token_hex(4)
+        self.Proc = ray.remote(ProcSupervisor)
+        self.run_dir = str(Path(cfg.run_dir).resolve())
+        self.learner: list = []
+        self.actors: list = []
+        self.actor_nodes: list[str | None] = [None] * cfg.actor.num
+        self.relays: dict[str, object] = {}
+        self.actor_files: dict[str, dict[str, bytes]] = {}
+        self.run_overrides: dict = {}
+        self.spec_refs: list = []
+        self.said_restarting: set[int] = set()
+        self.printed = 0
+
+    # -- specs ------------------------------------------------------------------------------------
+    def _spec(self, name: str, args: list[str], overrides: dict, **extra) -> dict:
+        cfg = self.cfg.model_copy(deep=True)
+        for key, value in overrides.items():
+            obj = cfg
+            *path, last = key.split(".")
+            for part in path:
+                obj = getattr(obj, part)
+            setattr(obj, last, value)
+        return {"name": name, "args": args, "config": dump_config(cfg), "cwd": os.getcwd(), "run_dir": self.run_dir,
+                **extra}
+
+    # -- start ------------------------------------------------------------------------------------
+    def start_learner(self, resume_args: list[str]) -> dict:
+        ray, lc = self.ray, self.cfg.launch
+        from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                                    PlacementGroupSchedulingStrategy)
+
+        opts = {"num_cpus": lc.learner.cpus, "num_gpus": lc.learner.gpus, "resources": lc.learner.resources,
+                "max_restarts": 0}
+        if lc.learner.resources:
+            pg = ray.util.placement_group([_demand(lc.learner)] * self.procs_n, strategy="STRICT_PACK")
+            try:
+                ray.get(pg.ready(), timeout=lc.ray.start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise SchedulerError(f"the learner's resources {_demand(lc.learner)} x {self.procs_n} on one node were "
+                                     f"not granted within {lc.ray.start_timeout_s:g} s (launch.learner, "
+                                     f"launch.ray.start_timeout_s)") from None
+            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                          for i in range(self.procs_n)]
+        else:  # the driver's node: the run directory is where the run was started
+            here = ray.get_runtime_context().get_node_id()
+            strategies = [NodeAffinitySchedulingStrategy(here, soft=False)] * self.procs_n
+        self.learner = [self.Proc.options(scheduling_strategy=strategies[rank], **opts).remote(
+            {"name": f"learner-rank{rank}", "start": False}) for rank in range(self.procs_n)]
+        rank0 = self.learner[0]
+        node = self.learner_node = self._call(rank0.node.remote())
+        overrides = {"run_root": str(Path(self.run_dir).parent), "name": Path(self.run_dir).name}
+        self.run_overrides = dict(overrides)
+        secure = self._secure(node["ip"])
+        if secure:  # keys made on the learner's node; actors get their own bundle, never the server's secret
+            names = [str(i) for i in range(self.cfg.actor.num)]
+            self.actor_files = self._call(rank0.make_keys.remote(str(Path(self.run_dir) / "keys"), names))
+            overrides.update({"wire.host": node["ip"], "wire.curve_dir": str(Path(self.run_dir) / "keys")})
+        if lc.ray.relay:
+            overrides["sync.type"] = "zmq"  # (the relays take frames; the actors read shared memory)
+        env = {}
+        if self.procs_n > 1:
+            env = {"WORLD_SIZE": str(self.procs_n), "LOCAL_WORLD_SIZE": str(self.procs_n), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(self._call(rank0.free_port.remote())),
+                   "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
+        for rank, sup in enumerate(self.learner):
+            spec = self._spec(f"learner-rank{rank}", ["learn", *resume_args], overrides,
+                              sink=None if rank == 0 else rank0)
+            self._call(sup.set_spec.remote(spec))
+            self._call(sup.start.remote({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if env else {}))
+        _say(f"learner: {self.procs_n} process(es) on node {node['ip']} ({node['host']}, id {node['node_id'][:12]}); "
+             f"run directory {self.run_dir} there; " + ("CURVE keys on" if secure else "loopback only"))
+        return node
+
+    def _secure(self, learner_ip: str) -> bool:
+        mode = self.cfg.launch.ray.secure
+        if mode != "auto":
+            return mode == "always"
+        ips = {n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}
+        return any(ip != learner_ip and not (is_loopback(ip) and is_loopback(learner_ip)) for ip in ips)
+
+    def wait_addresses(self, stop: StopSignals) -> dict:
+        import json
+
+        path = str(Path(self.run_dir) / "addresses.json")
+        t0 = last = time.monotonic()
+        rank0 = self.learner[0]
+        while True:
+            stop.check()
+            self.print_learner_output()
+            data = self._call(rank0.read_file.remote(path))
+            if data:
+                try:
+                    return json.loads(data)
+                except ValueError:
+                    pass
+            code = self._call(rank0.poll.remote())
+            if code is not None:
+                raise SchedulerError(f"the learner exited with code {code} before binding its sockets; its output:\n"
+                                     f"{self._call(rank0.tail.remote())}")
+            if time.monotonic() - last > 60:
+                last = time.monotonic()
+                _say(f"the learner is still starting after {last - t0:.0f} s; waiting")
+            time.sleep(0.2)
+
+    def start_actors(self, addrs: dict) -> None:
+        lc = self.cfg.launch
+        self.addrs = addrs
+        for i in range(self.cfg.actor.num):
+            name = f"actor-{i}"
+            args = ["serve", "--connect", addrs["control"], "--actor-id", name, "--index", str(i)]
+            files = self.actor_files.get(name, {})
+            if files:
+                args += ["-o", f"wire.curve_dir={{files}}/{name}"]
+            overrides = dict(self.run_overrides)
+            if lc.ray.relay:
+                overrides["sync.type"] = "ipc"
+                args += ["--weights-address", "{relay}"]
+            spec = self._spec(name, args, overrides, files=files, restart_on_failure=True, sink=self.learner[0],
+                              relay=f"asyncrl-relay-{self.token}" if lc.ray.relay else None,
+                              relay_timeout_s=lc.ray.start_timeout_s)
+            ref = self.ray.put(spec)  # (held here for the run: a restart needs the constructor's argument)
+            self.spec_refs.append(ref)
+            self.actors.append(self.Proc.options(
+                num_cpus=lc.actor.cpus, num_gpus=lc.actor.gpus, resources=lc.actor.resources,
+                max_restarts=lc.ray.max_restarts, max_task_retries=0,
+                scheduling_strategy="SPREAD" if lc.spread_actors else "DEFAULT").remote(ref))
+
+    # -- watching ---------------------------------------------------------------------------------
+    def _call(self, ref, timeout: float = _CALL_TIMEOUT_S):
+        return self.ray.get(ref, timeout=timeout)
+
+    def print_learner_output(self) -> None:
+        try:
+            data = self._call(self.learner[0].read_log.remote(self.printed))
+        except Exception:  # noqa: BLE001 - the learner's node is gone: the supervise loop says so
+            return
+        if data:
+            self.printed += len(data)
+            sys.stdout.write(data.decode("utf-8", "replace"))
+            sys.stdout.flush()
+
+    def ensure_relays(self, node_id: str) -> None:
+        """A relay on ``node_id`` (where an actor landed), owned by this driver: it ends with the run."""
+        if not self.cfg.launch.ray.relay or node_id in self.relays:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        first = self.actor_files.get("actor-0", {})  # off one host: the relay connects with actor-0's key
+        args = ["relay", "--learner-weights", self.addrs["weights"], "--relay-id", "0" if first else node_id[:12]]
+        if first:
+            args += ["-o", "wire.curve_dir={files}/actor-0"]
+        spec = self._spec(f"relay-{node_id[:12]}", args, {**self.run_overrides, "sync.type": "zmq"}, files=first,
+                          sink=self.learner[0])
+        self.relays[node_id] = self.Proc.options(
+            name=relay_name(f"asyncrl-relay-{self.token}", node_id), num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(spec)
+        _say(f"weights relay on node {node_id[:12]}: the learner sends each version once for this node's actors")
+
+    def watch_actors(self) -> str | None:
+        """Where each actor is, restarts noticed, relays for new nodes; a line ending the run, or None."""
+        ray = self.ray
+        for i, sup in enumerate(self.actors):
+            try:
+                node = self._call(sup.node.remote(), timeout=5.0)
+                code = self._call(sup.poll.remote(), timeout=5.0)
+            except ray.exceptions.ActorDiedError as e:
+                return (f"actor-{i} is gone for good after {self.cfg.launch.ray.max_restarts} restart(s) "
+                        f"(launch.ray.max_restarts): {str(e).splitlines()[0][:300]}")
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                if i not in self.said_restarting:
+                    self.said_restarting.add(i)
+                    _say(f"actor-{i} is unavailable (its node lost?); Ray restarts it "
+                         f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})")
+                continue
+            self.said_restarting.discard(i)
+            if isinstance(code, str):
+                return f"actor-{i} could not start: {code}"
+            if node["node_id"] != self.actor_nodes[i]:
+                self.ensure_relays(node["node_id"])
+                again = self.actor_nodes[i] is not None
+                self.actor_nodes[i] = node["node_id"]
+                _say(f"actor-{i} {'restarted' if again else 'started'} on node {node['ip']} ({node['host']}, "
+                     f"id {node['node_id'][:12]})")
+        return None
+
+    def learner_code(self) -> int | None:
+        try:
+            code = self._call(self.learner[0].poll.remote(), timeout=10.0)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
+            raise SchedulerError(f"the learner's node {self.learner_node['ip']} (id "
+                                 f"{self.learner_node['node_id'][:12]}) was lost ({type(e).__name__}); the run ends. "
+                                 f"`asyncrl run --scheduler ray --resume` on the same cluster continues it from its "
+                                 f"last checkpoint") from None
+        for rank, sup in enumerate(self.learner[1:], start=1):
+            c = self._call(sup.poll.remote(), timeout=10.0)
+            if c not in (None, 0):
+                raise SchedulerError(f"learner rank {rank} exited with code {c}; see {self.run_dir}/logs/")
+        return code
+
+    # -- stopping ---------------------------------------------------------------------------------
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the learner first (it checkpoints and tells the actors to stop), then everything else;
+        never raises."""
+        ray = self.ray
+        for group in (self.learner, self.actors, list(self.relays.values())):
+            refs = []
+            for sup in group:
+                try:
+                    refs.append(sup.stop.remote(grace_s))
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5)
+            except Exception:  # noqa: BLE001
+                pass
+        self.print_learner_output()
+        for sup in [*self.learner, *self.actors, *self.relays.values()]:
+            try:
+                ray.kill(sup, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
+           learner_procs: int = 1) -> int:
+    if ui:
+        raise SchedulerError("--ui with --scheduler ray: start `asyncrl ui --run <run dir>` on the learner's node")
+    stop = StopSignals()
+    stop.install()
+    ray, started = connect(cfg)
+    run: RayRun | None = None
+    code = 1
+    try:
+        check_feasible(ray, cfg)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        _say(f"Ray cluster: {len(nodes)} node(s) ({'started here, 127.0.0.1' if started else 'joined'})")
+        run = RayRun(ray, cfg, learner_procs)
+        run.start_learner([])  # (a resume is in the config: checkpoint.resume)
+        addrs = run.wait_addresses(stop)
+        run.start_actors(addrs)
+        _say(f"learner at {addrs['control']}, {cfg.actor.num} actor(s) placed by Ray; logs in {run.run_dir}/logs")
+        while True:
+            stop.check()
+            run.print_learner_output()
+            learner = run.learner_code()
+            if learner is not None:
+                code = learner
+                break
+            ended = run.watch_actors()
+            if ended:
+                _say(ended)
+                code = 1
+                break
+            time.sleep(_POLL_S)
+    except StopRequested:
+        code = stop.exit_code
+        _say(f"stopping ({signal.Signals(stop.signum).name}); the learner checkpoints first")
+    except SchedulerError as e:
+        _say(str(e))
+        code = 1
+    finally:
+        if run is not None:
+            run.stop(grace_s=5.0 if stop.count >= 2 else STOP_GRACE_S)
+        ray.shutdown()
+    return code
