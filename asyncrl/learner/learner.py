@@ -232,6 +232,7 @@ class Learner:
                    "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
                    "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
+                   "episodes_acked": self.peers.ingested,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.telemetry.nonfinite_steps,

@@ -214,6 +214,8 @@ class ProcSupervisor:
                 self.proc.wait()
         if self.proc is not None:
             self._forward()
-        code = self.poll()
+        return self.poll()
+
+    def cleanup(self) -> None:
+        """Remove this supervisor's private directory (its config, keys and output)."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        return code

@@ -361,7 +361,12 @@ class RayRun:
             except Exception:  # noqa: BLE001
                 pass
         self.print_learner_output()
-        for sup in [*self.learner, *self.actors, *self.relays.values()]:
+        everyone = [*self.learner, *self.actors, *self.relays.values()]
+        try:
+            ray.wait([sup.cleanup.remote() for sup in everyone], num_returns=len(everyone), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        for sup in everyone:
             try:
                 ray.kill(sup, no_restart=True)
             except Exception:  # noqa: BLE001
