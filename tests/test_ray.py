@@ -249,14 +249,22 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
 
 
 @pytest.mark.slow
-def test_nothing_of_a_run_is_left_after_the_cluster_stops(ray_env, tmp_path):
-    """A run on a local cluster that asyncrl starts: Ctrl-C while it trains, and no process of it
-    (asyncrl, raylet, GCS, Ray workers) is left."""
-    driver = Driver(["-c", "configs/quickstart.yaml", "--scheduler", "ray", f"run_root={tmp_path}", "name=local",
-                     "train.total_steps=100000", "actor.num=2", "eval.size=20", "eval.every=100000"], ray_env)
+def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctrl_c(ray_env, tmp_path):
+    """A run on a local cluster that asyncrl starts, with a 2-process learner group and CURVE keys
+    handed out through Ray (``launch.ray.secure=always``): it trains; Ctrl-C leaves no process of it
+    (asyncrl, raylet, GCS, Ray workers)."""
+    run = tmp_path / "local"
+    driver = Driver(["-c", "configs/quickstart.yaml", "--scheduler", "ray", "--learner-procs", "2", f"run_root={tmp_path}",
+                     "name=local", "train.total_steps=100000", "actor.num=2", "eval.size=20", "eval.every=100000",
+                     "launch.ray.secure=always"], ray_env)
     try:
-        driver.wait_for(lambda: any("learner:" in x and "%" in x for x in driver.lines) or
-                        (tmp_path / "local" / "metrics.jsonl").exists(), "training steps")
+        driver.wait_for(lambda: len(_metrics(run)) >= 3, "three training steps")
+        assert "CURVE keys on" in driver.text and (run / "keys" / "server" / "server.key_secret").is_file()
+        assert "2 learner processes (ddp)" in driver.text
+        actors_keys = [p for p in _descendants(driver.proc.pid) if "asyncrl.cli serve" in _cmdline(p)]
+        assert actors_keys and all("wire.curve_dir=" in _cmdline(p) for p in actors_keys)  # each its own bundle
+        assert not any((Path(d) / "server.key_secret").exists()  # and never the learner's secret
+                       for p in actors_keys for d in re.findall(r"wire.curve_dir=(\S+)", _cmdline(p)))
         pids = _descendants(driver.proc.pid)
         assert any("raylet" in _cmdline(p) for p in pids) and any("asyncrl.cli" in _cmdline(p) for p in pids)
         driver.proc.send_signal(signal.SIGINT)

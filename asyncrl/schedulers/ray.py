@@ -304,19 +304,24 @@ class RayRun:
         _say(f"weights relay on node {node_id[:12]}: the learner sends each version once for this node's actors")
 
     def watch_actors(self) -> str | None:
-        """Where each actor is, restarts noticed, relays for new nodes; a line ending the run, or None."""
+        """Where each actor is, restarts noticed, relays for new nodes; a line ending the run, or None.
+        Every actor is asked at once (a slow one, still starting on a busy node, is asked again next time)."""
         ray = self.ray
-        for i, sup in enumerate(self.actors):
+        asked = [(sup.node.remote(), sup.poll.remote()) for sup in self.actors]
+        deadline = time.monotonic() + 5.0
+        for i, (node_ref, code_ref) in enumerate(asked):
             try:
-                node = self._call(sup.node.remote(), timeout=5.0)
-                code = self._call(sup.poll.remote(), timeout=5.0)
+                left = max(deadline - time.monotonic(), 0.01)
+                node, code = ray.get(node_ref, timeout=left), ray.get(code_ref, timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                continue
             except ray.exceptions.ActorDiedError as e:
                 return (f"actor-{i} is gone for good after {self.cfg.launch.ray.max_restarts} restart(s) "
                         f"(launch.ray.max_restarts): {str(e).splitlines()[0][:300]}")
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
                 if i not in self.said_restarting:
                     self.said_restarting.add(i)
-                    _say(f"actor-{i} is unavailable (its node lost?); Ray restarts it "
+                    _say(f"actor-{i} is unavailable (its node lost, or its process failed); Ray restarts it "
                          f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})")
                 continue
             self.said_restarting.discard(i)
