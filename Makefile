@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup vllm browser bwrap demo test bench clean
+.PHONY: setup vllm browser bwrap slurm demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,9 +48,17 @@ bwrap:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap)
 
+# A real SLURM (slurm-wlm + munge) for tests/test_slurm.py, which starts a one-node cluster of its own,
+# and iproute2 for the network-namespace tests. Installed once, as root or with sudo.
+slurm:
+	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || ( \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	    slurm-wlm munge iproute2)
+
 # Two workers, one test file each at a time (a file's fixtures are built once): most tests wait on
 # the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
-test: setup vllm browser bwrap
+test: setup vllm browser bwrap slurm
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: setup

@@ -118,6 +118,9 @@ def cmd_serve(args) -> int:
     from .envs.guard import TooManyFailures
 
     cfg, _ = _load(args)
+    from .schedulers.slurm import BUNDLE_ENV, materialize_bundle
+    if os.environ.get(BUNDLE_ENV):  # (started by the SLURM scheduler on another node: its own CURVE bundle)
+        cfg.wire.curve_dir = materialize_bundle(os.environ.pop(BUNDLE_ENV))
     preflight(cfg)
     control = args.connect
     if control is None:
@@ -153,6 +156,13 @@ def cmd_run(args) -> int:
         overrides += [f"launch.scheduler={args.scheduler}"] if args.scheduler is not None else []
         cfg = load_config(args.config, overrides)
     print(f"[asyncrl] {preflight(cfg).heldout}", flush=True)
+    if cfg.launch.scheduler == "slurm" and (args.dry_run or not os.environ.get("SLURM_JOB_ID")):
+        from .schedulers.slurm import submit  # (the run directory is claimed by the job, on its first node)
+        try:
+            return submit(cfg, dry_run=args.dry_run, overwrite=args.overwrite, learner_procs=args.learner_procs)
+        except SchedulerError as e:
+            print(f"asyncrl run: {e}", file=sys.stderr, flush=True)
+            return 2
     check_writable(cfg.run_dir)
     check_trackers(cfg.log.trackers)  # the learner's trackers: a missing library stops here, in one line
     try:  # before anything starts: the lock, fresh/resume/overwrite, damaged checkpoints, frozen keys
@@ -223,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
     p.add_argument("--scheduler", choices=["local", "ray", "slurm"],
-                   help="where the processes run (launch.scheduler): local child processes (default) or a Ray cluster")
+                   help="where the processes run (launch.scheduler): local child processes (default), a Ray cluster, "
+                        "or a SLURM job (submitted; inside an allocation, run there)")
+    p.add_argument("--dry-run", action="store_true", help="--scheduler slurm: write the sbatch script, do not submit")
     p.add_argument("--learner-procs", type=int, default=1, metavar="N",
                    help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
                         "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")

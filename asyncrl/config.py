@@ -441,16 +441,32 @@ class RayLaunchConfig(_Base):
     dashboard: bool = Field(False, description="Start Ray's dashboard with a local cluster (it has no login).")
 
 
+class SlurmLaunchConfig(_Base):
+    nodes: int = Field(1, ge=1, description=(
+        "Nodes of the job: the first runs the learner, the others the actors (round-robin); 1: all on one node."))
+    time: str = Field("01:00:00", description="The job's time limit (sbatch --time).")
+    partition: str | None = Field(None, description="sbatch --partition.")
+    account: str | None = Field(None, description="sbatch --account.")
+    cpus_per_node: int | None = Field(None, ge=1, description="sbatch --cpus-per-task (one task per node).")
+    gpus_per_node: int = Field(0, ge=0, description="sbatch --gpus-per-node.")
+    sbatch_args: list[str] = Field(default_factory=list, description="More #SBATCH lines, e.g. ['--qos=high'].")
+    bind: str = Field("auto", description=(
+        "The learner's address when actors are on other nodes: auto (the first node's name resolved), an "
+        "address, or iface:NAME (that interface's IPv4 address). On one node: loopback."))
+    python: str | None = Field(None, description="The Python on the nodes (default: this one, same path).")
+
+
 class LaunchConfig(_Base):
     """Where the processes run (``asyncrl run``)."""
 
     scheduler: Literal["local", "ray", "slurm"] = Field("local", description=(
-        "local: child processes of asyncrl run on this machine; ray: Ray actors on a cluster; slurm: not "
-        "built yet."))
+        "local: child processes of asyncrl run on this machine; ray: Ray actors on a cluster; slurm: a batch "
+        "job (submitted, or run inside the allocation it is started in)."))
     learner: Resources = Field(default_factory=Resources, description="Each learner process's resources.")
     actor: Resources = Field(default_factory=Resources, description="Each actor's resources.")
     spread_actors: bool = Field(False, description="Spread actors over nodes (Ray SPREAD) instead of packing them.")
     ray: RayLaunchConfig = Field(default_factory=RayLaunchConfig, description="Ray settings.")
+    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, description="SLURM settings.")
 
 
 class Config(_Base):

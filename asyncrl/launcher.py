@@ -101,7 +101,9 @@ def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | N
 
 
 def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
-           learner_procs: int = 1) -> int:
+           learner_procs: int = 1, place_actor=None) -> int:
+    """Learner and actors as child processes; ``place_actor(i, argv, env) -> (argv, env)`` may wrap
+    an actor's command (the SLURM scheduler runs it on another node with ``srun``)."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     addr_file = layout.addresses(run_dir)
@@ -117,7 +119,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         learner, *ranks = start_learner_group(_cli("learn", *base), learner_procs, env, run_dir)
         procs += [learner, *ranks]
         addrs = wait_for_addresses(addr_file, learner, stop=stop, report_s=WAIT_REPORT_S)
-        actors = [_start_actor(run_dir, base, addrs, i, env) for i in range(cfg.actor.num)]
+        actors = [_start_actor(run_dir, base, addrs, i, env, place_actor) for i in range(cfg.actor.num)]
         procs += actors
         ui_proc = _start_ui(cfg, run_dir, addrs, env) if ui else None
         procs += [ui_proc] if ui_proc is not None else []
@@ -166,10 +168,12 @@ def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) ->
     return procs
 
 
-def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict) -> subprocess.Popen:
+def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict, place=None) -> subprocess.Popen:
+    argv = _cli("serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}", "--index", str(i))
+    if place is not None:
+        argv, env = place(i, argv, env)
     with open(layout.actor_log(run_dir, i), "a") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(_cli("serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}",
-                                     "--index", str(i)), env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.Popen:

@@ -7,7 +7,8 @@ config_path, overrides, ui=False, learner_procs=1) -> exit code``:
 
 - ``local``: child processes of ``asyncrl run`` on this machine (:mod:`asyncrl.launcher`);
 - ``ray``: Ray actors on a cluster, joined or started (:mod:`asyncrl.schedulers.ray`);
-- ``slurm``: not built yet (the next issue): choosing it fails at once, saying so.
+- ``slurm``: a batch job; outside an allocation :func:`asyncrl.schedulers.slurm.submit` writes and
+  submits it instead (:mod:`asyncrl.schedulers.slurm`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..registry import Registry
 SCHEDULERS: Registry = Registry("launch.scheduler")
 SCHEDULERS.add("local", "asyncrl.launcher:launch")
 SCHEDULERS.add("ray", "asyncrl.schedulers.ray:launch")
+SCHEDULERS.add("slurm", "asyncrl.schedulers.slurm:launch")
 
 
 class SchedulerError(RuntimeError):
@@ -26,7 +28,4 @@ class SchedulerError(RuntimeError):
 
 def launch(cfg, config_path, overrides, ui: bool = False, learner_procs: int = 1) -> int:
     name = cfg.launch.scheduler
-    if name == "slurm":
-        raise SchedulerError("launch.scheduler=slurm is not built yet; use local or ray (or write an sbatch script "
-                             "that runs `asyncrl learn` and `asyncrl serve --connect ...`)")
     return SCHEDULERS.resolve(name, "launch.scheduler")(cfg, config_path, overrides, ui=ui, learner_procs=learner_procs)
