@@ -166,8 +166,11 @@ class Learner:
         if not self._stop:  # a stop request ends promptly: no final evaluation, just the checkpoint
             self.evaluate(force=True)
         self.checkpoint()
-        self.net.stop_actors()
-        time.sleep(0.2)  # let the stop messages leave before the sockets close
+        if not self._stop or self._stop_reason:  # the run is over: the actors stop too
+            self.net.stop_actors(self._stop_reason or "")
+            time.sleep(0.2)  # let the stop messages leave before the sockets close
+        # (a stop signal only stops this process: actors started on their own wait for a resumed
+        # learner; under asyncrl run or a scheduler they are stopped by it)
         stopped = self._stop_reason or (f"stopped by a stop signal at step {self.version}" if self._stop else None)
         summary = summary_table(self.rewards_per_step, self.evaluator.history,
                                 trained_steps=self.version - start_version, total_steps=cfg.train.total_steps,
