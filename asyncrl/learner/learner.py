@@ -236,6 +236,7 @@ class Learner:
                    "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "episodes_acked": self.peers.ingested,
+                   "ingest_s": self.peers.ingest_s + self.net.decode_s,
                    "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.telemetry.nonfinite_steps,

@@ -140,6 +140,7 @@ class LearnerNet:
         self._weights_frames: list | None = None
         self.weights_version = -1
         self.weights_bytes_sent = 0  # every weights message sent to any subscriber, all frames
+        self.decode_s = 0.0  # time spent receiving-side on episodes: key check, decode (the ingest's first part)
         self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
         self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
@@ -207,6 +208,13 @@ class LearnerNet:
                         f"dropped", reason="revoked_key")
 
     def _take_episode(self, frames, out: list[Arrival]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._take_episode_timed(frames, out)
+        finally:
+            self.decode_s += time.perf_counter() - t0
+
+    def _take_episode_timed(self, frames, out: list[Arrival]) -> None:
         self._check_key(frames, "episodes")
         try:
             msg = decode(frames, max_header_bytes=self.limits.header_bytes, kinds=("episode",))

@@ -152,6 +152,7 @@ class Peers:
         self.rejected_episodes = 0
         self.ingested = 0
         self.ingest_bytes = 0
+        self.ingest_s = 0.0  # validate, WAL (fsync), ack; with net.decode_s: the whole ingest
         self.stop_reason: str | None = None
         self._no_actor_since = time.monotonic()
         self._status_logged: dict[bytes, float] = {}
@@ -167,7 +168,9 @@ class Peers:
         arrivals, control = self.net.poll(timeout_ms)
         for identity, msg in control:  # first: a hello that came with episodes admits their actor
             self._control(identity, msg, version)
+        t0 = time.perf_counter()
         self._ingest(arrivals, version)
+        self.ingest_s += time.perf_counter() - t0
         for a in self.net.expire():
             self._status_logged.pop(a.identity, None)
             self.reports.report("actor_dropped", "lease", f"{a.actor_id} was silent for more than "

@@ -1,0 +1,220 @@
+"""One learner, hundreds of actors (issue 28): ``asyncrl learn`` on loopback against N simulated
+actors in this one process, each speaking the real protocol over its own sockets (a DEALER for
+control: hello, welcome, credits, acks; a heartbeat DEALER sending ``status`` every
+``--heartbeat`` seconds; a PUSH for episodes), generating an episode the moment it holds a credit
+(no model: the learner is the thing measured). Episodes are valid GRPO episodes of the embedded
+model's vocabulary (8 trajectories of 24 tokens, 8 generated), tagged with the version of the
+credit that asked for them.
+
+Printed per run (N = 1 and N = --actors): the learner's training steps/s, control messages/s
+(both ways), episodes/s, the learner's CPU share (of one core) and RSS at the start and end of the
+measured window, ack latency p50/p99 (push -> ack), and the share of the learner's wall time spent
+ingesting (decode, validate, WAL, ack: its ``ingest_s`` metric). The simulated actors do not
+subscribe to weights (at scale that is the per-node relay's job, bench/bench_ray.py).
+
+    .venv/bin/python bench/bench_actors.py [--actors 256] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.types import Episode, Trajectory  # noqa: E402
+from asyncrl.wire.codec import decode, encode, encode_episode  # noqa: E402
+from asyncrl.wire.messages import Hello, Status  # noqa: E402
+
+
+def _episode(actor: str, n: int, version: int, rng) -> list:
+    trajs = []
+    for k in range(8):
+        ids = rng.integers(4, 60, 24)
+        mask = np.r_[np.zeros(16), np.ones(8)]
+        trajs.append(Trajectory(ids, mask, np.where(mask > 0, -1.0, 0.0), version, reward=float(k % 2),
+                                group_id=f"{actor}-{n}", task_id=f"t{n}", text="12"))
+    return encode_episode(Episode(trajs, actor_id=actor, id=f"{actor}-{n}", created_at=time.time()))
+
+
+class SimActor:
+    def __init__(self, ctx, i: int, control: str, capacity: int):
+        self.id, self.capacity = f"sim-{i}", capacity
+        self.identity = f"{self.id}:{os.getpid()}".encode()
+        self.control = ctx.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.IDENTITY, self.identity)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.connect(control)
+        self.hb = ctx.socket(zmq.DEALER)
+        self.hb.setsockopt(zmq.IDENTITY, self.identity + b":hb")
+        self.hb.setsockopt(zmq.LINGER, 0)
+        self.hb.connect(control)
+        self.push = None
+        self.credits = self.version = self.sent = 0
+        self.pending: dict[str, float] = {}
+        self.control.send_multipart(encode("hello", Hello(actor_id=self.id, capacity=capacity, pid=os.getpid())))
+
+    def status(self) -> None:
+        self.hb.send_multipart(encode("status", Status(actor_id=self.id, identity=self.identity.decode(),
+                                                       capacity=self.capacity, version=self.version,
+                                                       unacked=len(self.pending), credits=self.credits)),
+                               zmq.NOBLOCK)
+
+
+def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
+    name = f"n{n_actors}"
+    run_dir = workdir / name
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    learner = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "learn", "-c", "configs/quickstart.yaml",
+                                f"run_root={workdir}", f"name={name}", "train.total_steps=1000000", "eval.every=0",
+                                "eval.size=8", "checkpoint.every=0", "log.progress=false", "buffer.max_staleness=4",
+                                f"wire.max_actors={max(n_actors * 2, 16)}", "wire.lease_s=30", "--overwrite"],
+                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    ctx = zmq.Context()
+    actors: list[SimActor] = []
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "addresses.json").exists():
+            if time.time() > deadline or learner.poll() is not None:
+                raise RuntimeError("the learner did not start")
+            time.sleep(0.2)
+        addrs = json.loads((run_dir / "addresses.json").read_text())
+        actors = [SimActor(ctx, i, addrs["control"], capacity=4) for i in range(n_actors)]
+        poller = zmq.Poller()
+        by_sock = {}
+        for a in actors:
+            poller.register(a.control, zmq.POLLIN)
+            poller.register(a.hb, zmq.POLLIN)
+            by_sock[a.control], by_sock[a.hb] = a, a
+        rng = np.random.default_rng(0)
+        msgs_in = msgs_out = episodes = 0
+        latencies: list[float] = []
+        next_hb = time.time()
+        t_start = time.time()
+        window = None  # (t, metrics line count, cpu ticks, rss) at the start of the measured window
+        warmup = 15.0
+        while time.time() - t_start < warmup + seconds:
+            now = time.time()
+            if now >= next_hb:
+                for a in actors:
+                    a.status()
+                msgs_out += len(actors)
+                next_hb = now + heartbeat
+            for sock, _ in poller.poll(20):
+                a = by_sock[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msgs_in += 1
+                    msg = decode(frames)
+                    if msg.kind == "welcome" and a.push is None:
+                        a.push = ctx.socket(zmq.PUSH)
+                        a.push.setsockopt(zmq.LINGER, 0)
+                        a.push.connect(msg.body.addresses["episodes"])
+                        a.credits = 0
+                    elif msg.kind == "credit":
+                        a.credits += msg.body.n
+                        a.version = max(a.version, msg.body.min_version)
+                    elif msg.kind == "ack":
+                        t = time.time()
+                        for eid in msg.body.ids:
+                            sent = a.pending.pop(eid, None)
+                            if sent is not None and window is not None:
+                                latencies.append(t - sent)
+            for a in actors:
+                while a.push is not None and a.credits > 0:
+                    a.sent += 1
+                    eid = f"{a.id}-{a.sent}"
+                    a.push.send_multipart(_episode(a.id, a.sent, a.version, rng), copy=False)
+                    a.pending[eid] = time.time()
+                    a.credits -= 1
+                    episodes += 1 if window is not None else 0
+                    msgs_out += 1
+            if window is None and time.time() - t_start >= warmup:
+                window = (time.time(), _steps(run_dir), _cpu(learner.pid), _rss(learner.pid), _ingest(run_dir))
+                msgs_in = msgs_out = 0
+        t1, steps1, cpu1, rss1, ingest1 = time.time(), _steps(run_dir), _cpu(learner.pid), _rss(learner.pid), _ingest(run_dir)
+        t0, steps0, cpu0, rss0, ingest0 = window
+        wall = t1 - t0
+        lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
+        return {"actors": n_actors, "steps_per_s": (steps1 - steps0) / wall, "control_msgs_per_s": (msgs_in + msgs_out) / wall,
+                "episodes_per_s": episodes / wall, "learner_cpu": (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK") / wall,
+                "rss_mb_start": rss0 / 1e6, "rss_mb_end": rss1 / 1e6, "ack_ms_p50": float(np.percentile(lat, 50)),
+                "ack_ms_p99": float(np.percentile(lat, 99)), "ingest_share": (ingest1 - ingest0) / wall}
+    finally:
+        for a in actors:
+            for s in (a.control, a.hb, a.push):
+                if s is not None:
+                    s.close(0)
+        ctx.term()
+        learner.terminate()
+        try:
+            learner.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            learner.kill()
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _steps(run_dir: Path) -> int:
+    m = _lines(run_dir)
+    return m[-1]["step"] if m else 0
+
+
+def _ingest(run_dir: Path) -> float:
+    m = _lines(run_dir)
+    return m[-1].get("ingest_s", 0.0) if m else 0.0
+
+
+def _cpu(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--actors", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between an actor's status messages")
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for n in (1, a.actors):
+            rows.append(run(n, a.seconds, a.heartbeat, Path(d)))
+            print(json.dumps(rows[-1]), flush=True)
+    one, many = rows
+    print(f"\n{'actors':>7} {'steps/s':>8} {'ctl msg/s':>10} {'episodes/s':>11} {'CPU':>5} {'RSS MB start->end':>18} "
+          f"{'ack p50/p99 ms':>15} {'ingest':>7}")
+    for r in rows:
+        print(f"{r['actors']:7d} {r['steps_per_s']:8.2f} {r['control_msgs_per_s']:10.0f} {r['episodes_per_s']:11.1f} "
+              f"{r['learner_cpu']:5.2f} {r['rss_mb_start']:8.0f} -> {r['rss_mb_end']:6.0f} "
+              f"{r['ack_ms_p50']:7.1f}/{r['ack_ms_p99']:<7.1f} {100 * r['ingest_share']:6.1f}%")
+    print(f"\nsteps/s with {a.actors} actors / with 1: {many['steps_per_s'] / one['steps_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
