@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.analysis.records import quiet_records
+
 from .conftest import ROOT, subprocess_env
 
 LEARNER_IP = "198.18.0.1"
@@ -84,15 +86,7 @@ def _cli(*args: str) -> list[str]:
 
 
 def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return quiet_records(path)
 
 
 def _until(cond, what: str, procs: dict[str, subprocess.Popen], logs: Path, timeout: float = DEADLINE_S) -> None:

@@ -10,7 +10,6 @@ seconds with one line."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import secrets
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from asyncrl.analysis.records import quiet_records
 
 from .conftest import ROOT, kill_tree, subprocess_env
 
@@ -109,31 +110,11 @@ class Driver:
 
 
 def _events(run: Path, kind: str) -> list[dict]:
-    path = run / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("kind") == kind:
-            out.append(rec)
-    return out
+    return [r for r in quiet_records(run / "events.jsonl") if r.get("kind") == kind]
 
 
 def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return quiet_records(run / "metrics.jsonl")
 
 
 @pytest.fixture
