@@ -156,7 +156,7 @@ def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) ->
     if n == 1:
         return [subprocess.Popen(command, env=env)]
     group = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(_free_port()), "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
+             "MASTER_PORT": str(free_port()), "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
     procs = []
     for rank in range(n):
         rank_env = {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -177,7 +177,7 @@ def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict,
 
 
 def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.Popen:
-    port = _free_port()
+    port = free_port()
     args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
     if cfg.wire.curve_dir:
         args += ["--curve-dir", cfg.wire.curve_dir]
@@ -220,7 +220,7 @@ def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_di
     return learner.returncode
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

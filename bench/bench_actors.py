@@ -32,6 +32,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.analysis.records import quiet_records  # noqa: E402
 from asyncrl.types import Episode, Trajectory  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_episode  # noqa: E402
 from asyncrl.wire.messages import Hello, Status  # noqa: E402
@@ -167,10 +168,7 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
 
 
 def _lines(run_dir: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
+    return quiet_records(run_dir / "metrics.jsonl")
 
 
 def _steps(run_dir: Path) -> int:

@@ -334,8 +334,8 @@ class ResumableRun:
         if procs == 1:
             self.learner = self._start(args, f"learner{self.lives}.log")
             return self.learner
-        from asyncrl.launcher import _free_port
-        group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        from asyncrl.launcher import free_port
+        group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for rank in range(procs):
             name = f"learner{self.lives}.log" if rank == 0 else f"learner{self.lives}-rank{rank}.log"
             with open(self.logs / name, "w") as fh:

@@ -225,8 +225,6 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
             last["episodes_acked"], trained, last["buffer_size"], last["dropped_stale"])
     finally:
         kill_tree(driver.proc)
-    # and once the cluster is down (the fixture), no Ray or asyncrl process of the test is left
-    # (checked by test_nothing_is_left_after_the_cluster)
 
 
 @pytest.mark.slow

@@ -138,6 +138,7 @@ class LearnerNet:
         for s in (self.episodes, self.control, self.weights):
             self.poller.register(s, zmq.POLLIN)
         self._weights_frames: list | None = None
+        self._weights_nbytes = 0
         self.weights_version = -1
         self.weights_bytes_sent = 0  # every weights message sent to any subscriber, all frames
         self.decode_s = 0.0  # time spent receiving-side on episodes: key check, decode (the ingest's first part)
@@ -210,20 +211,16 @@ class LearnerNet:
     def _take_episode(self, frames, out: list[Arrival]) -> None:
         t0 = time.perf_counter()
         try:
-            self._take_episode_timed(frames, out)
-        finally:
-            self.decode_s += time.perf_counter() - t0
-
-    def _take_episode_timed(self, frames, out: list[Arrival]) -> None:
-        self._check_key(frames, "episodes")
-        try:
+            self._check_key(frames, "episodes")
             msg = decode(frames, max_header_bytes=self.limits.header_bytes, kinds=("episode",))
             episode = decode_episode(msg)
         except WireError as e:  # its actor is told when the header still names it (never to resend it)
             ids = episode_identity(frames[0]) if frames[0].buffer.nbytes <= self.limits.header_bytes else None
-            if ids is not None:
+            if ids is not None and e.reason != "revoked_key":
                 self.undecodable.append((*ids, e))
             raise
+        finally:
+            self.decode_s += time.perf_counter() - t0
         out.append(Arrival(episode, [f.buffer for f in frames], msg.arrays))
 
     def take_undecodable(self) -> list[tuple[str, str, WireError]]:
@@ -387,6 +384,7 @@ class LearnerNet:
         to every subscriber that holds all it was sent; the others get the newest version when they
         say they have the previous one."""
         self._weights_frames = frames
+        self._weights_nbytes = sum(memoryview(f).nbytes for f in frames)  # (counted once per version, sent many times)
         self.weights_version = version
         self._published_at[version] = time.time()
         for old in sorted(self._published_at)[:-64]:
@@ -417,7 +415,7 @@ class LearnerNet:
             self.subscribers.pop(identity, None)
             return
         s.sent, s.sent_at = self.weights_version, time.monotonic()
-        self.weights_bytes_sent += sum(memoryview(f).nbytes for f in self._weights_frames)
+        self.weights_bytes_sent += self._weights_nbytes
 
     # -- events ---------------------------------------------------------------------------------
     def publish_event(self, record: dict) -> None:

@@ -26,13 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..launcher import free_port
 from ..lifecycle import child_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def relay_name(prefix: str, node_id: str) -> str:
@@ -68,7 +63,7 @@ class ProcSupervisor:
                 "host": socket.gethostname(), "pid": os.getpid(), "child": self.proc.pid if self.proc else None}
 
     def free_port(self) -> int:
-        return _free_port()
+        return free_port()
 
     def set_spec(self, spec: dict) -> None:
         """(A supervisor made with ``start: False``) what to start, once the driver knows it."""

@@ -171,7 +171,7 @@ class RayRun:
                 **extra}
 
     # -- start ------------------------------------------------------------------------------------
-    def start_learner(self, resume_args: list[str]) -> dict:
+    def start_learner(self) -> dict:
         ray, lc = self.ray, self.cfg.launch
         from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                                     PlacementGroupSchedulingStrategy)
@@ -210,7 +210,7 @@ class RayRun:
                    "MASTER_PORT": str(self._call(rank0.free_port.remote())),
                    "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
         for rank, sup in enumerate(self.learner):
-            spec = self._spec(f"learner-rank{rank}", ["learn", *resume_args], overrides,
+            spec = self._spec(f"learner-rank{rank}", ["learn"], overrides,
                               sink=None if rank == 0 else rank0)
             self._call(sup.set_spec.remote(spec))
             self._call(sup.start.remote({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if env else {}))
@@ -392,7 +392,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         _say(f"Ray cluster: {len(nodes)} node(s) ({'started here, 127.0.0.1' if started else 'joined'})")
         run = RayRun(ray, cfg, learner_procs)
-        run.start_learner([])  # (a resume is in the config: checkpoint.resume)
+        run.start_learner()  # (a resume is in the config: checkpoint.resume)
         addrs = run.wait_addresses(stop)
         run.start_actors(addrs)
         _say(f"learner at {addrs['control']}, {cfg.actor.num} actor(s) placed by Ray; logs in {run.run_dir}/logs")
