@@ -4,12 +4,16 @@ and an ``asyncrl ui`` process."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import queue
 import re
 import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,54 +50,96 @@ def chromium() -> str:
     return path
 
 
-def _browser(args: list[str], profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-           f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--window-size=1400,1600", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    finally:
-        kill_tree(proc)  # chromium's renderer and GPU processes too
+class Browser:
+    """A headless Chromium driven over the DevTools protocol (a websocket on loopback): the page is
+    loaded once and its live DOM read as often as needed. (``--dump-dom`` with a virtual time budget
+    never returns on a page that keeps a server-sent event stream open, as Gradio's timers do.)"""
 
+    def __init__(self, profile: Path, timeout: float = 120):
+        profile.mkdir(parents=True, exist_ok=True)
+        (profile / "DevToolsActivePort").unlink(missing_ok=True)
+        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+               f"--user-data-dir={profile}", "--window-size=1400,1600", "--remote-debugging-address=127.0.0.1",
+               "--remote-debugging-port=0", "about:blank"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self._id = 0
+        try:
+            port_file = profile / "DevToolsActivePort"
+            deadline = time.time() + timeout
+            while not (port_file.exists() and len(port_file.read_text().splitlines()) >= 2):
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"chromium exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
+                if time.time() > deadline:
+                    raise AssertionError(f"chromium did not open its DevTools port in {timeout:.0f}s")
+                time.sleep(0.2)
+            port = int(port_file.read_text().splitlines()[0])
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=timeout) as r:
+                pages = [t for t in json.load(r) if t.get("type") == "page"]
+            from websockets.sync.client import connect
 
-def dump_dom(url: str, profile: Path, shot: Path | None = None) -> str:
-    """The rendered DOM of ``url``; with ``shot``, a screenshot of the same render is saved there
-    (one browser run for both: a second run of a live page may render something else)."""
-    res = _browser(["--dump-dom", *([f"--screenshot={shot}"] if shot else []), url], profile)
-    assert res.returncode == 0, f"chromium --dump-dom {url} failed: {res.stderr[-2000:]}"
-    return res.stdout
+            self._stack = contextlib.ExitStack()
+            self.ws = self._stack.enter_context(connect(pages[0]["webSocketDebuggerUrl"], max_size=None,
+                                                        open_timeout=timeout))
+        except BaseException:
+            kill_tree(self.proc)
+            raise
+
+    def call(self, method: str, timeout: float = 60, **params) -> dict:
+        self._id += 1
+        self.ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
+        deadline = time.time() + timeout
+        while True:
+            msg = json.loads(self.ws.recv(timeout=max(0.1, deadline - time.time())))
+            if msg.get("id") == self._id:
+                if "error" in msg:
+                    raise AssertionError(f"chromium {method}: {msg['error']}")
+                return msg["result"]
+
+    def goto(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def dom(self) -> str:
+        res = self.call("Runtime.evaluate", expression="document.documentElement.outerHTML", returnByValue=True)
+        return res["result"].get("value", "")
+
+    def screenshot(self, out: Path) -> None:
+        out.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        try:
+            self._stack.close()
+        finally:
+            kill_tree(self.proc)  # chromium's renderer and GPU processes too
 
 
 def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "",
              screenshot_name: str | None = None) -> str:
-    """Dump ``url`` until ``check(dom)`` is true (the page may still be loading data). With
-    ``screenshot_name``, the render that passed is also saved as that file in ``test-artifacts/``."""
+    """Open ``url`` in headless Chromium and read its DOM until ``check(dom)`` is true (the page may
+    still be loading data). With ``screenshot_name``, the page as it was when the check passed is
+    also saved as that file in ``test-artifacts/``."""
     deadline = time.time() + timeout
     dom = ""
-    shot = None
-    if screenshot_name:
-        ARTIFACTS.mkdir(exist_ok=True)
-        shot = profile.parent / f"{profile.name}-{screenshot_name}"
-    slow = 0
-    while time.time() < deadline:
-        if shot is not None:
-            shot.unlink(missing_ok=True)
-        try:
-            dom = dump_dom(url, profile, shot)
-        except subprocess.TimeoutExpired:  # a browser run stuck on a loaded machine: try again, twice
-            slow += 1
-            if slow == 3:
-                raise AssertionError(f"{url}: 3 chromium runs timed out (120 s each)") from None
-            deadline = max(deadline, time.time() + 30)
-            continue
-        if check(dom):
-            if shot is not None:
-                _keep_screenshot(shot, ARTIFACTS / screenshot_name, url)
-            return dom
-        time.sleep(1)
-    raise AssertionError(f"{url}: {what or 'expected content'} not in the page after {timeout:.0f}s "
-                         f"({slow} browser run(s) timed out); text was: {visible_text(dom)[:3000]}")
+    browser = Browser(profile)
+    try:
+        browser.goto(url)
+        while time.time() < deadline:
+            try:
+                dom = browser.dom()
+            except TimeoutError:  # a renderer busy on a loaded machine: ask again
+                continue
+            if check(dom):
+                if screenshot_name:
+                    ARTIFACTS.mkdir(exist_ok=True)
+                    shot = profile.parent / f"{profile.name}-{screenshot_name}"
+                    browser.screenshot(shot)
+                    _keep_screenshot(shot, ARTIFACTS / screenshot_name, url)
+                return dom
+            time.sleep(1)
+    finally:
+        browser.close()
+    raise AssertionError(f"{url}: {what or 'expected content'} not in the page after {timeout:.0f}s; "
+                         f"text was: {visible_text(dom)[:3000]}")
 
 
 def _keep_screenshot(shot: Path, out: Path, url: str) -> None:

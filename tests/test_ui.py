@@ -44,7 +44,9 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         azr_url, rlcr_url = (ui_url(reader) for _, reader in procs)
 
         # Overview: the learner's policy version and the actor list
-        dom = wait_dom(azr_url + "?view=overview", profile, lambda d: _version(d) > 0, what="a policy version",
+        dom = wait_dom(azr_url + "?view=overview", profile,
+                       lambda d: _version(d) > 0 and 'data-testid="matplotlib"' in d and "finished" in visible_text(d),
+                       what="a policy version, the curves and the run's state",
                        screenshot_name="ui-overview.png")
         assert _version(dom) == azr.version == 3
         text = visible_text(dom)
@@ -67,11 +69,13 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert "does not use Absolute Zero" not in text
 
         # an Absolute Zero run has no confidence trees, and says so
-        dom = wait_dom(azr_url + "?view=trees", profile, lambda d: "arl-note" in d, what="the RLCR note")
-        assert "does not use RLCR" in visible_text(dom)
+        dom = wait_dom(azr_url + "?view=trees", profile, lambda d: "does not use RLCR" in visible_text(d),
+                       what="the RLCR note")
+        assert 'class="arl-tree rlcr-tree"' not in dom
 
         # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
-        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d, what="confidence trees",
+        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d and 'id="calibration-plot"' in d,
+                       what="confidence trees and the reliability diagram",
                        screenshot_name="ui-trees.png")
         nodes = rlcr.table("rlcr_nodes")
         assert dom.count('class="arl-tree rlcr-tree"') == nodes["episode_id"].nunique() == 6
@@ -333,7 +337,8 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
         assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
 
         picked = url + "?runs=grpo40,absolute_zero&metrics=reward_mean,eval/accuracy"
-        dom = wait_dom(picked, profile, lambda d: _version(d) == 40, what="the first picked run's version",
+        dom = wait_dom(picked, profile, lambda d: _version(d) == 40 and "grpo40 · eval/accuracy" in d,
+                       what="the first picked run's version and the overlaid curves",
                        screenshot_name="ui-compare.png")
         assert 'id="metric-explorer"' in dom
         for series in ("grpo40 · reward_mean", "absolute_zero · reward_mean", "grpo40 · eval/accuracy"):
