@@ -1,12 +1,12 @@
 """``asyncrl ui``: a Gradio app on a run directory (``--run runs/<name>``), a folder of runs to pick
 from and overlay (``--run runs/``), and/or a live learner's events socket (``--connect``). Views:
-Overview (with the metric explorer), the tabs the algorithms add (``Workflow.views``: Proposed tasks
+Overview (cards, actors, the runs compared, and every metric its own interactive chart), the tabs the algorithms add (``Workflow.views``: Proposed tasks
 for Absolute Zero, Confidence trees for RLCR), Replay buffer, Samples, Config. They update live
 (``gr.Timer``) without a page reload.
 
 ``/?view=overview|tasks|trees|replay|samples|config`` (a tab's id) opens the page on that view, ``&runs=a,b``
-picks runs of a folder, ``&metrics=x,y`` the explorer's metrics (the initial data comes with the
-page load, so a headless browser's ``--dump-dom`` sees it).
+picks runs of a folder (none: its first runs by name), ``&metrics=x,y`` the metrics charted first (the initial
+data comes with the page load, not over the queue).
 
 Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:password``.
 """
@@ -25,6 +25,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from asyncrl.wire.sockets import is_loopback  # noqa: E402
 
 VIEWS = ("overview", "replay", "samples", "config")  # the generic tabs; the algorithms add theirs
+MAX_DEFAULT_RUNS = 8  # a folder of runs with none picked shows its first runs by name
 MAX_EVENTS_PER_KIND = 5000  # the UI keeps the latest events of each kind (metrics: all steps)
 
 
@@ -91,21 +92,29 @@ def build_app(source, live=None, title: str = "asyncrl"):
     catalog = source if isinstance(source, RunCatalog) else RunCatalog(source, name=title)
     empty = RunStore()
 
+    def chosen(sel):
+        """The picked runs; in a folder of runs with none picked, its first MAX_DEFAULT_RUNS by name."""
+        return catalog.stores(sel or catalog.names()[:MAX_DEFAULT_RUNS])
+
     def main_store(sel):
-        stores = catalog.stores(sel)
+        stores = chosen(sel)
         return next(iter(stores.values())) if stores else empty
 
     def live_status():
         return live.status() if live is not None else None
 
     def runs_note(sel):
-        if catalog.folder is None or catalog.stores(sel):
+        if catalog.folder is None:
             return ""
         names = catalog.names()
+        shown = list(chosen(sel))
         listed = ", ".join(f"<code>{V.esc(n)}</code>" for n in names)
+        how = ("picked above" if sel else f"none picked: the first {len(shown)} by name" if len(shown) < len(names)
+               else "none picked: all of them")
         return V.note(f"<span id=\"runs-list\">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>"
-                      f"{': ' + listed if names else ''}</span>. Pick one or more above (the first is shown in "
-                      f"every view; all are overlaid in the metric explorer)."
+                      f"{': ' + listed if names else ''}</span>. Shown ({how}): "
+                      f"{', '.join(f'<code>{V.esc(n)}</code>' for n in shown)}; the cards and the other tabs show "
+                      f"the first, every chart overlays all of them."
                       if names else f"No runs in <code>{V.esc(catalog.folder)}</code> yet (a run directory holds "
                       f"config.yaml, metrics.jsonl or events.jsonl); the list updates as runs appear.")
 
@@ -128,19 +137,13 @@ def build_app(source, live=None, title: str = "asyncrl"):
         value = choice if choice in valid else (choices[0][1] if choices else None)
         return gr.update(choices=choices, value=value), V.sample_html(store, value)
 
-    def explorer(sel, picked, smoothing):
-        stores = catalog.stores(sel)
-        choices = V.metric_choices(stores)
-        picked = [m for m in (picked or []) if m in choices] or V.default_curves(choices)
-        return gr.update(choices=choices, value=picked), V.explorer_frame(stores, picked, smoothing or 0.0)
-
     def revision_key(sel) -> str:
-        stores = catalog.stores(sel)
+        stores = chosen(sel)
         return "|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(catalog.names())
 
-    def heavy(key, sel, *args):
-        """Every view's content when the run changed; ``args``: each algorithm view's inputs, then the
-        sample choice, the explorer's metrics and smoothing."""
+    def heavy(key, sel, pins, *args):
+        """Every view's content when the run changed; ``pins``: the metrics charted first (``?metrics=``);
+        ``args``: each algorithm view's inputs, then the sample choice."""
         new_key = revision_key(sel)
         if key == new_key:
             return [gr.skip()] * len(heavy_out)
@@ -151,37 +154,32 @@ def build_app(source, live=None, title: str = "asyncrl"):
         for view in algo_views:
             algo_out += view_outputs(view, sel, *args[at:at + len(view.inputs)])
             at += len(view.inputs)
-        choice, picked, smoothing = args[at:]
-        return [V.overview_figure(store), *algo_out, V.replay_html(store), V.replay_figure(store),
-                *sample_outputs(sel, choice), *explorer(sel, picked, smoothing), V.config_html(store), runs, new_key]
+        (choice,) = args[at:]
+        stores = chosen(sel)
+        return [V.runs_html(stores) if catalog.folder is not None else "", V.charts_json(stores, pins or []),
+                *algo_out, V.replay_html(store), V.replay_figure(store), *sample_outputs(sel, choice),
+                V.config_html(store), runs, new_key]
 
     def on_load(request: gr.Request, *args):
         view = (request.query_params.get("view") if request is not None else None) or "overview"
         selected = view if view in VIEWS or view in {v.id for v in algo_views} else "overview"
         sel = [n for n in _query_list(request, "runs") if n in catalog.names()]
-        picked = _query_list(request, "metrics")
-        *filters, smoothing = args
-        return [gr.Tabs(selected=selected), sel, *light(sel), *heavy("", sel, *filters, picked, smoothing)]
+        pins = _query_list(request, "metrics")
+        return [gr.Tabs(selected=selected), sel, pins, *light(sel), *heavy("", sel, pins, *args)]
 
     with gr.Blocks(title=title) as demo:
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(title)}</h2>')
         runs_dd = gr.Dropdown(catalog.names(), value=[], multiselect=True, visible=catalog.folder is not None,
-                              label="runs (the first is shown in every view; all are overlaid in the metric explorer)",
+                              label="runs (none picked: the first 8 by name; the first is shown in the cards and the other tabs, "
+                                    "all are overlaid in every chart)",
                               elem_id="runs-picker")
         with gr.Tabs(selected="overview") as tabs:
             with gr.Tab("Overview", id="overview"):
                 ov_html = gr.HTML(elem_id="overview")
                 ov_actors = gr.HTML(elem_id="actors-view")
-                ov_plot = gr.Plot(show_label=False, format="png", elem_id="overview-plot")
-                gr.Markdown("**Metric explorer**: any logged metric, several runs overlaid; hover for values, "
-                            "drag across the plot to zoom in, double-click to zoom out.")
-                with gr.Row():
-                    mx_pick = gr.Dropdown([], value=[], multiselect=True, label="metrics", scale=4,
-                                          elem_id="metric-picker")
-                    mx_smooth = gr.Slider(0, 0.99, value=0.0, step=0.01, label="smoothing (EMA weight)", scale=1,
-                                          elem_id="smoothing")
-                mx_plot = gr.LinePlot(x="step", y="value", color="series", tooltip="all",
-                                      elem_id="metric-explorer", label="metrics")
+                ov_runs = gr.HTML(elem_id="runs-view")
+                charts = gr.HTML(value="{}", html_template='<div class="arl-charts" id="charts"></div>',
+                                 js_on_load=V.CHARTS_JS, elem_id="charts-view")
             algo_boxes = []  # per algorithm view: its note and its column
             for view in algo_views:
                 with gr.Tab(view.title, id=view.id):
@@ -198,31 +196,19 @@ def build_app(source, live=None, title: str = "asyncrl"):
             with gr.Tab("Config", id="config"):
                 cfg_html = gr.HTML(elem_id="config-tab")
         rev = gr.State("")
+        pins = gr.State([])
         filters = [c for view in algo_views for c in view.inputs] + [sm_choice]
         algo_out = [c for view, box in zip(algo_views, algo_boxes) for c in (*box, *view.outputs)]
-        heavy_out = [ov_plot, *algo_out, rp_html, rp_plot, sm_choice, sm_html, mx_pick, mx_plot, cfg_html, runs_dd, rev]
-        # the first data comes with the page load (not over the queue), so --dump-dom sees it
-        demo.load(on_load, inputs=[*filters, mx_smooth], outputs=[tabs, runs_dd, ov_html, ov_actors, *heavy_out],
+        heavy_out = [ov_runs, charts, *algo_out, rp_html, rp_plot, sm_choice, sm_html, cfg_html, runs_dd, rev]
+        # the first data comes with the page load (not over the queue)
+        demo.load(on_load, inputs=filters, outputs=[tabs, runs_dd, pins, ov_html, ov_actors, *heavy_out],
                   queue=False, show_progress="hidden")
         gr.Timer(2.0).tick(light, inputs=[runs_dd], outputs=[ov_html, ov_actors], show_progress="hidden")
-        gr.Timer(5.0).tick(heavy, inputs=[rev, runs_dd, *filters, mx_pick, mx_smooth], outputs=heavy_out,
+        gr.Timer(5.0).tick(heavy, inputs=[rev, runs_dd, pins, *filters], outputs=heavy_out,
                            show_progress="hidden")
         runs_dd.input(lambda sel, *a: [*light(sel), *heavy("", sel, *a)],
-                      inputs=[runs_dd, *filters, mx_pick, mx_smooth], outputs=[ov_html, ov_actors, *heavy_out],
+                      inputs=[runs_dd, pins, *filters], outputs=[ov_html, ov_actors, *heavy_out],
                       show_progress="hidden")
-        def redraw(sel, picked, smoothing):
-            return explorer(sel, picked, smoothing)[1]
-
-        def unzoom():
-            return gr.LinePlot(x_lim=None)
-
-        for c in (mx_pick, mx_smooth):
-            c.input(redraw, inputs=[runs_dd, mx_pick, mx_smooth], outputs=[mx_plot], show_progress="hidden")
-        def zoom(evt: gr.SelectData):
-            return gr.LinePlot(x_lim=list(evt.index))
-
-        mx_plot.select(zoom, None, [mx_plot])
-        mx_plot.double_click(unzoom, None, [mx_plot])
         for view, box in zip(algo_views, algo_boxes):
             for c in view.inputs:
                 c.change(functools.partial(view_outputs, view), inputs=[runs_dd, *view.inputs],
@@ -237,7 +223,7 @@ def serve(args) -> int:
     from asyncrl.analysis import RunStore, is_run_dir
 
     from .live import DirPoller, EventSubscriber, RunCatalog
-    from .views import CSS, algorithm_views
+    from .views import CHARTS_CSS, CSS, algorithm_views
 
     auth = check_args(args)
     threads = []
@@ -269,7 +255,8 @@ def serve(args) -> int:
         tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
                if getattr(args, "tls_cert", None) else {})
         demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
-                    share=False, css=CSS + "".join(v.css for v in algorithm_views()), footer_links=[], app_kwargs={"middleware": [Middleware(LoginLimiter)]},
+                    share=False, css=CSS + CHARTS_CSS + "".join(v.css for v in algorithm_views()), footer_links=[],
+                    app_kwargs={"middleware": [Middleware(LoginLimiter)]},
                     **tls)
     except OSError as e:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None

@@ -8,13 +8,16 @@ and reused. Every text that comes from a run is HTML-escaped.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
 
-from asyncrl.analysis import RunStore, curves_frame, eval_series, metric_columns, run_state, staleness_counts
+from asyncrl.analysis import RunStore, chart_data, run_state, runs_table, staleness_counts
+from asyncrl.analysis.charts import SUMMARY_METRICS
 from asyncrl.config import ConfigError
 from asyncrl.layout import config_snapshot
 from asyncrl.rollout.workflow import all_workflows, workflow_class
@@ -89,11 +92,8 @@ def actors_html(store: RunStore) -> str:
     return "<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
 
 
-HELDOUT_LABEL = "held-out accuracy"
-
-
 def reward_metrics(store: RunStore) -> tuple[str, ...]:
-    """The run's algorithm's own reward metrics (``Workflow.reward_metrics``), drawn with reward_mean."""
+    """The run's algorithm's own reward metrics (``Workflow.reward_metrics``), charted with reward_mean."""
     try:
         return workflow_class(store.algorithm).reward_metrics if store.algorithm else ()
     except ConfigError:  # an algorithm this install does not have
@@ -107,53 +107,52 @@ def algorithm_views() -> list[AlgorithmView]:
     return [resolve_import(path, "views")() for _, wf in sorted(all_workflows().items()) for path in wf.views]
 
 
-def overview_figure(store: RunStore) -> Figure:
-    """The fixed panels. The held-out accuracy is a connected series over the evaluations' own
-    versions (the one before training included), whatever the number of steps."""
-    m = store.metrics
-    fig, ax = figure(12, cols=4)
-    curves(ax[0], m, ["reward_mean", *reward_metrics(store)], "reward",
-            extra={HELDOUT_LABEL: eval_series(store, "accuracy")})
-    curves(ax[1], m, ["loss", "pg_loss"], "loss")
-    curves(ax[2], m, ["approx_kl", "kl"], "KL")
-    curves(ax[3], m, ["clipfrac", "dual_clip_frac"], "clip fraction")
-    curves(ax[4], m, ["ratio_mean", "ratio_min", "ratio_max", "is_weight_mean"], "importance ratio")
-    curves(ax[5], m, ["entropy"], "entropy (per token)")
-    curves(ax[6], m, ["response_length_mean", "response_length_max"], "response length (tokens)")
-    curves(ax[7], m, ["groups/identical_reward_share"], "groups with identical rewards (share)")
-    curves(ax[8], m, ["episodes_per_s", "samples_per_s"], "throughput (per s)")
-    curves(ax[9], m, ["tokens_per_s"], "tokens/s")
-    curves(ax[10], m, ["train_s", "wait_s"], "learner time per step (s)")
+def staleness_panel(ax, store: RunStore) -> None:
     counts = staleness_counts(store.episodes())
-    ax[11].set_title("staleness of trained episodes", fontsize=10)
+    ax.set_title("staleness of trained episodes", fontsize=10)
     if counts.empty:
-        empty_axes(ax[11], "no episodes yet")
+        empty_axes(ax, "no episodes yet")
     else:
-        ax[11].bar(counts.index.astype(str), counts.values, color="#8250df")
-        ax[11].set_xlabel("learner version - policy version", fontsize=8)
-        ax[11].tick_params(labelsize=8)
-    return fig
+        ax.bar(counts.index.astype(str), counts.values, color="#8250df")
+        ax.set_xlabel("learner version - policy version", fontsize=8)
+        ax.tick_params(labelsize=8)
 
 
-# ------------------------------------------------------------------------------------- metric explorer
-DEFAULT_CURVES = ["reward_mean", "eval/accuracy"]
+# ------------------------------------------------------------------------------------- charts
+CHARTS_JS = (Path(__file__).parent / "charts.js").read_text()
+CHARTS_CSS = """
+.arl-charts-bar{display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin:4px 0 8px;font-size:.9em}
+.arl-charts-bar select,.arl-charts-bar input[type=search]{border:1px solid #d0d7de;border-radius:6px;padding:2px 6px}
+.arl-legend-run{margin-right:10px;font-weight:600}
+.arl-charts-state{color:#57606a;font-size:.85em}
+details.arl-chart-group{margin:4px 0}details.arl-chart-group>summary{font-weight:600;cursor:pointer;padding:3px 0}
+.arl-chart-row{display:flex;flex-wrap:wrap;gap:8px}
+.arl-chart{position:relative;border:1px solid #d0d7de;border-radius:6px;padding:4px;background:#fff}
+.arl-chart-title{font-size:.85em;font-weight:600;font-family:monospace;margin:0 0 2px 4px}
+.arl-tip{position:absolute;left:56px;top:24px;background:rgba(255,255,255,.95);border:1px solid #d0d7de;
+  border-radius:4px;padding:3px 6px;font-size:.78em;pointer-events:none;z-index:5;max-width:300px}
+.arl-flat{font-size:.8em;color:#57606a;margin:4px 0 8px}
+"""
 
 
-def metric_choices(stores: dict[str, RunStore]) -> list[str]:
-    """Every numeric metric logged by any of ``stores`` (all columns of their metrics.jsonl)."""
-    names: set[str] = set()
-    for store in stores.values():
-        names.update(metric_columns(store.metrics))
-    return sorted(names)
+def charts_json(stores: dict[str, RunStore], pinned: list[str] | tuple[str, ...] = ()) -> str:
+    """The value of the charts view: :func:`asyncrl.analysis.chart_data` as JSON (drawn in the
+    browser by ``charts.js``)."""
+    group_of = {name: "reward" for store in stores.values() for name in reward_metrics(store)}
+    return json.dumps(chart_data(stores, pinned, group_of), separators=(",", ":"), allow_nan=False)
 
 
-def default_curves(choices: list[str]) -> list[str]:
-    return [c for c in DEFAULT_CURVES if c in choices] or choices[:1]
-
-
-def explorer_frame(stores: dict[str, RunStore], names: list[str], smoothing: float = 0.0) -> pd.DataFrame:
-    """The picked metrics of every selected run as one long frame for an overlaid line plot."""
-    return curves_frame(stores, list(names or []), float(smoothing or 0.0))
+def runs_html(stores: dict[str, RunStore]) -> str:
+    """The runs compared: each run's state and final figures, and the config keys that differ."""
+    if not stores:
+        return ""
+    df = runs_table(stores)
+    n = len(df.columns) - 6 - len(SUMMARY_METRICS)
+    what = (f"; the last {n} column(s): the config keys that differ" if n > 0 else
+            "; no config key differs" if len(stores) > 1 else "")
+    return (f'<b>Runs ({len(stores)}{what})</b>'
+            + html_table(df.map(lambda v: fmt(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v),
+                         "runs-table"))
 
 
 def config_html(store: RunStore) -> str:
@@ -221,7 +220,7 @@ def replay_html(store: RunStore) -> str:
 
 def replay_figure(store: RunStore) -> Figure:
     m = store.metrics
-    fig, ax = figure(5, cols=3, height=3.4)
+    fig, ax = figure(6, cols=3, height=3.4)
     curves(ax[0], m, ["buffer_size", "in_flight"], "buffer size / in flight (episodes)")
     eps = store.episodes()
     ax[1].set_title("trained episodes by policy version (last 20 steps)", fontsize=10)
@@ -244,6 +243,7 @@ def replay_figure(store: RunStore) -> Figure:
     else:
         empty_axes(ax[3], "no replay_state events")
     curves(ax[4], m, ["replay/replayed_share"], "replayed share of each batch")
+    staleness_panel(ax[5], store)
     return fig
 
 

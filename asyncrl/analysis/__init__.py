@@ -19,13 +19,14 @@ appended since the last call and leaves an unfinished last line for the next one
 
 The package's modules: :mod:`.records` (reading JSON-lines files that may still be written),
 :mod:`.store` (:class:`RunStore`, :class:`RunReader`, :func:`load_run`), :mod:`.frames` (records to
-DataFrames), :mod:`.curves` (metrics as curves, overlays), :mod:`.state` (run state, run folders).
+DataFrames), :mod:`.curves` (metrics as curves, overlays), :mod:`.charts` (every metric its own chart, grouped; runs compared), :mod:`.state` (run state, run folders).
 The algorithms' own tables live with them (``asyncrl.algos.absolute_zero.analysis``, ``asyncrl.algos.rlcr.analysis``); demo runs for the
 notebooks are :func:`asyncrl.demo.demo_run`.
 """
 
 from __future__ import annotations
 
+from .charts import chart_data, metric_group, run_axes, runs_table, tag
 from .curves import curves_frame, eval_series, metric_columns, smooth
 from .frames import (actors_frame, calibration_summary, evals_frame, events_frames, episodes_frame, metrics_frame,
                      reliability_frame, staleness_counts, trajectories_frame)
@@ -37,4 +38,4 @@ __all__ = ["TruncatedRecordWarning", "RunStore", "RunReader", "Run", "load_run",
            "load_metrics", "read_records", "metrics_frame", "events_frames", "episodes_frame",
            "trajectories_frame", "evals_frame", "reliability_frame", "actors_frame", "staleness_counts",
            "RunState", "run_state", "is_run_dir", "list_runs", "metric_columns", "smooth", "curves_frame",
-           "eval_series", "calibration_summary", "NA"]
+           "eval_series", "calibration_summary", "NA", "chart_data", "metric_group", "run_axes", "runs_table", "tag"]

@@ -16,7 +16,7 @@ What a workflow declares (class attributes, never probed):
 - ``warnings``: lines every process prints at start (e.g. an unsafe sandbox setting);
 - ``counts_for_reward``: which trained trajectories the learner's ``reward_mean`` averages (fresh
   answers: not a proposer's or a confidence's row, not a replayed one);
-- ``reward_metrics``: its own reward metrics, drawn with ``reward_mean`` in the UI's reward panel;
+- ``reward_metrics``: its own reward metrics, charted with ``reward_mean`` in the UI's reward section;
 - ``tables``: its analysis tables over a run's logged episodes, ``name -> "pkg.module:function"``
   (``RunStore.table(name)``; imported when asked for, so actors never load pandas);
 - ``views``: its tabs in ``asyncrl ui``, import paths of :class:`app.kit.AlgorithmView` subclasses

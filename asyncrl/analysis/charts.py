@@ -1,0 +1,193 @@
+"""Every metric its own chart: the metrics of one or more runs grouped by what they are about, each
+series with three x axes (step, wall time since the run started, samples trained on), ready for the
+UI's interactive small multiples (``app/charts.js``) and for the trackers' tag names.
+
+Pure functions of :class:`RunStore` objects; no UI code here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from .curves import eval_series, metric_columns
+
+if TYPE_CHECKING:
+    from .store import RunStore
+
+# Metrics without a ``prefix/`` of their own, by what they are about; anything else with a prefix is
+# grouped by it, anything left is "other".
+_GROUP_OF = {
+    "reward": ("reward_mean", "reward_std", "reward_min", "reward_max"),
+    "policy": ("loss", "pg_loss", "kl", "approx_kl", "entropy", "grad_norm", "lr", "clipfrac", "clipfrac_lower",
+               "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max", "is_weight_mean", "is_weight_max",
+               "is_weight_capped_frac", "is_weight_masked_frac", "nonfinite_steps", "skipped_nonfinite"),
+    "rollout": ("response_length_mean", "response_length_max", "response_length_min", "batch_tokens",
+                "batch_trajectories"),
+    "staleness": ("staleness_mean", "staleness_max", "dropped_stale"),
+    "learner": ("buffer_size", "in_flight", "episodes_acked", "bad_messages", "rejected_episodes"),
+    "throughput": ("episodes_per_s", "samples_per_s", "tokens_per_s", "train_s", "wait_s", "ingest_s"),
+}
+GROUP_OF = {name: group for group, names in _GROUP_OF.items() for name in names}
+# The order groups are shown in: what a reader of an RL run looks at first
+GROUP_ORDER = ("reward", "eval", "score", "policy", "rollout", "groups", "staleness", "sync", "replay", "learner",
+               "throughput", "env")
+NOT_CHARTED = {"eval/version", "eval/step"}  # the x axis itself
+MAX_POINTS = 2000  # a longer series is thinned evenly (its first and last points kept)
+COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#e16f24", "#1b7c83", "#bf3989", "#57606a",
+          "#6639ba")
+
+
+def metric_group(name: str) -> str:
+    """The section a metric belongs to: its own ``prefix/``, else what it is about (``policy`` for
+    ``loss``, ``throughput`` for ``tokens_per_s``...), else ``other``."""
+    if "/" in name:
+        return name.split("/", 1)[0]
+    return GROUP_OF.get(name, "other")
+
+
+def tag(name: str) -> str:
+    """The metric's name with its section as a prefix (``policy/loss``, ``eval/accuracy``): the tag
+    trackers file it under, so that no metric is a section of its own."""
+    return name if "/" in name else f"{metric_group(name)}/{name}"
+
+
+def _group_key(group: str) -> tuple:
+    return (GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER), group)
+
+
+def run_axes(store: "RunStore") -> pd.DataFrame:
+    """Per logged step: ``step``, ``time`` (seconds since the run's learner started; the first
+    ``learner_start`` event, else the first metric line) and ``samples`` (trajectories trained on
+    so far, from ``batch_trajectories``). Step 0 (time 0, 0 samples) is included."""
+    m = store.metrics
+    if m.empty or "step" not in m:
+        return pd.DataFrame({"step": [0.0], "time": [0.0], "samples": [0.0]})
+    step = pd.to_numeric(m["step"], errors="coerce").astype(float)
+    t = pd.to_numeric(m["t"], errors="coerce").astype(float) if "t" in m else pd.Series(np.nan, index=m.index)
+    starts = [r.get("t") for r in store.records("learner_start") if isinstance(r.get("t"), (int, float))]
+    t0 = float(starts[0]) if starts else (float(t.dropna().iloc[0]) - 1e-9 if t.notna().any() else np.nan)
+    samples = (pd.to_numeric(m["batch_trajectories"], errors="coerce").fillna(0).cumsum()
+               if "batch_trajectories" in m else pd.Series(np.nan, index=m.index))
+    out = pd.DataFrame({"step": step, "time": (t - t0).clip(lower=0), "samples": samples.astype(float)})
+    out = pd.concat([pd.DataFrame({"step": [0.0], "time": [0.0], "samples": [0.0]}), out], ignore_index=True)
+    return out.dropna(subset=["step"]).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+
+
+def _series(store: "RunStore", name: str) -> pd.DataFrame:
+    """``step``, ``value`` of one metric (``eval/*`` from the eval events, the one before training
+    included, so the held-out series is connected whatever the run's length)."""
+    m = store.metrics
+    s = eval_series(store, name[len("eval/"):]) if name.startswith("eval/") else None
+    if s is None or s.empty:
+        if name not in m:
+            return pd.DataFrame(columns=["step", "value"])
+        s = pd.DataFrame({"step": pd.to_numeric(m["step"], errors="coerce"),
+                          "value": pd.to_numeric(m[name], errors="coerce")})
+    return s.dropna().astype({"step": float, "value": float})
+
+
+def _thin(idx: np.ndarray) -> np.ndarray:
+    if len(idx) <= MAX_POINTS:
+        return idx
+    keep = np.unique(np.linspace(0, len(idx) - 1, MAX_POINTS).round().astype(int))
+    return idx[keep]
+
+
+def _num(v: float) -> float | None:
+    return None if not np.isfinite(v) else float(f"{v:.6g}")
+
+
+def _constant(values: list[np.ndarray]) -> float | None:
+    vals = np.concatenate(values) if values else np.array([])
+    return float(vals[0]) if len(vals) and np.all(vals == vals[0]) else None
+
+
+def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] = (),
+               group_of: dict[str, str] | None = None) -> dict:
+    """Every numeric metric of every run in ``runs`` as one chart each, grouped by
+    :func:`metric_group` or ``group_of`` (e.g. an algorithm's own reward metrics into ``reward``;
+    ``pinned`` metrics first, in a group of their own).
+
+    Returns ``{"runs": [{"name", "color"}], "groups": [{"name", "charts": [{"metric", "series":
+    [{"run", "step", "time", "samples", "y"}]}], "flat": [{"metric", "why"}]}]}``: a metric whose
+    value never changed in any run is not drawn but listed in ``flat`` with its value; a metric
+    with no value at all is left out."""
+    names: set[str] = set()
+    for store in runs.values():
+        names.update(metric_columns(store.metrics))
+        if not store.evals().empty:
+            names.update(f"eval/{c}" for c in ("accuracy", "reward_mean") if c in store.evals())
+    axes = {run: run_axes(store) for run, store in runs.items()}
+    run_list = [{"name": run, "color": COLORS[i % len(COLORS)]} for i, run in enumerate(runs)]
+    names -= NOT_CHARTED
+    pinned = [p for p in pinned if p in names]
+    by_group: dict[str, dict] = {}
+    for name in [*pinned, *sorted(n for n in names if n not in pinned)]:
+        group = "pinned" if name in pinned else (group_of or {}).get(name) or metric_group(name)
+        series, values = [], []
+        for i, (run, store) in enumerate(runs.items()):
+            s = _series(store, name)
+            if s.empty:
+                continue
+            ax = axes[run]
+            x = s["step"].to_numpy()
+            idx = _thin(np.arange(len(x)))
+            x, y = x[idx], s["value"].to_numpy()[idx]
+            values.append(y)
+            t = np.interp(x, ax["step"], ax["time"].fillna(0)) if ax["time"].notna().any() else np.full(len(x), np.nan)
+            n = np.interp(x, ax["step"], ax["samples"]) if ax["samples"].notna().all() else np.full(len(x), np.nan)
+            series.append({"run": i, "step": [_num(v) for v in x], "time": [_num(v) for v in t],
+                           "samples": [_num(v) for v in n], "y": [_num(v) for v in y]})
+        if not series:
+            continue
+        g = by_group.setdefault(group, {"name": group, "charts": [], "flat": []})
+        const = _constant(values) if name not in pinned else None
+        if const is not None and sum(len(v) for v in values) > 1:
+            steps = max(len(v) for v in values)
+            g["flat"].append({"metric": name, "why": f"{_num(const)} at every logged step ({steps} steps)"
+                              + (f", in all {len(series)} runs" if len(series) > 1 else "")})
+        else:
+            g["charts"].append({"metric": name, "series": series})
+    groups = sorted(by_group.values(), key=lambda g: (g["name"] != "pinned", _group_key(g["name"])))
+    return {"runs": run_list, "groups": groups}
+
+
+SUMMARY_METRICS = ("reward_mean", "eval/accuracy", "entropy", "staleness_mean", "samples_per_s", "tokens_per_s")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
+    """One row per run: its state, steps, wall time and samples, the last value of the
+    :data:`SUMMARY_METRICS` (the held-out accuracy: the last evaluation's), then the config keys
+    whose values differ between the runs (``name`` and ``run_root`` left out)."""
+    from .state import run_state
+
+    rows, configs = [], {}
+    for run, store in runs.items():
+        ax = run_axes(store)
+        row = {"run": run, "algorithm": store.algorithm or "?", "state": run_state(store).state,
+               "steps": len(store.metrics), "wall time (s)": _num(float(ax["time"].iloc[-1])) if len(ax) else None,
+               "samples": _num(float(ax["samples"].iloc[-1])) if len(ax) else None}
+        for name in SUMMARY_METRICS:
+            s = _series(store, name)
+            row[name] = _num(float(s["value"].iloc[-1])) if len(s) else None
+        rows.append(row)
+        configs[run] = {k: v for k, v in _flat(store.config).items() if k not in ("name", "run_root")}
+    df = pd.DataFrame(rows)
+    if len(runs) > 1:
+        keys = sorted(set().union(*(c.keys() for c in configs.values())))
+        differ = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+        for k in differ:  # "-": the key is not in that run's config
+            df[k] = pd.Series([configs[r].get(k, "-") for r in runs], dtype=object)
+    return df
