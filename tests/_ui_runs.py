@@ -99,9 +99,20 @@ class Browser:
     def goto(self, url: str) -> None:
         self.call("Page.navigate", url=url)
 
+    def js(self, expression: str):
+        """The value of a JavaScript expression in the page (JSON-able)."""
+        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in res:
+            raise AssertionError(f"{expression}: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
     def dom(self) -> str:
-        res = self.call("Runtime.evaluate", expression="document.documentElement.outerHTML", returnByValue=True)
-        return res["result"].get("value", "")
+        return self.js("document.documentElement ? document.documentElement.outerHTML : ''") or ""
+
+    def mouse(self, kind: str, x: float, y: float, clicks: int = 0) -> None:
+        """A real input event (``mouseMoved``, ``mousePressed``, ``mouseReleased``) at page coordinates."""
+        self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="none" if kind == "mouseMoved" else "left",
+                  clickCount=clicks)
 
     def screenshot(self, out: Path) -> None:
         out.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
@@ -118,34 +129,40 @@ def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "
     """Open ``url`` in headless Chromium and read its DOM until ``check(dom)`` is true (the page may
     still be loading data). With ``screenshot_name``, the page as it was when the check passed is
     also saved as that file in ``test-artifacts/``."""
-    deadline = time.time() + timeout
-    dom = ""
     browser = Browser(profile)
     try:
         browser.goto(url)
-        while time.time() < deadline:
-            try:
-                dom = browser.dom()
-            except TimeoutError:  # a renderer busy on a loaded machine: ask again
-                continue
-            if check(dom):
-                if screenshot_name:
-                    ARTIFACTS.mkdir(exist_ok=True)
-                    shot = profile.parent / f"{profile.name}-{screenshot_name}"
-                    browser.screenshot(shot)
-                    _keep_screenshot(shot, ARTIFACTS / screenshot_name, url)
-                return dom
-            time.sleep(1)
+        return wait_page(browser, check, timeout, f"{url}: {what}", screenshot_name)
     finally:
         browser.close()
-    raise AssertionError(f"{url}: {what or 'expected content'} not in the page after {timeout:.0f}s; "
+
+
+def wait_page(browser: Browser, check, timeout: float = 120, what: str = "",
+              screenshot_name: str | None = None) -> str:
+    """Read the open page's DOM until ``check(dom)`` is true; see :func:`wait_dom`."""
+    deadline = time.time() + timeout
+    dom = ""
+    while time.time() < deadline:
+        try:
+            dom = browser.dom()
+        except TimeoutError:  # a renderer busy on a loaded machine: ask again
+            continue
+        if check(dom):
+            if screenshot_name:
+                screenshot(browser, screenshot_name)
+            return dom
+        time.sleep(1)
+    raise AssertionError(f"{what or 'expected content'} not in the page after {timeout:.0f}s; "
                          f"text was: {visible_text(dom)[:3000]}")
 
 
-def _keep_screenshot(shot: Path, out: Path, url: str) -> None:
-    assert shot.exists() and shot.stat().st_size > 10_000, f"no screenshot of {url} (or a blank one) at {shot}"
+def screenshot(browser: Browser, name: str) -> None:
+    """The page as it is now, kept as ``test-artifacts/<name>``."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    out = ARTIFACTS / name
     out.unlink(missing_ok=True)
-    shutil.copyfile(shot, out)
+    browser.screenshot(out)
+    assert out.stat().st_size > 10_000, f"a blank screenshot {out}"
 
 
 def visible_text(dom: str) -> str:

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from asyncrl.analysis import (NA, RunReader, RunStore, calibration_summary, curves_frame, eval_series, list_runs,
-                              metric_columns, run_state, smooth)
+from asyncrl.analysis import (NA, RunReader, RunStore, calibration_summary, chart_data, curves_frame, eval_series,
+                              list_runs, metric_columns, metric_group, run_state, runs_table, smooth, tag)
 
 
 def _event(kind: str, step: int, t: float, **fields) -> dict:
@@ -60,20 +60,59 @@ def _dead_pid() -> int:
 
 # ------------------------------------------------------------------------------------- item 3
 def test_heldout_accuracy_is_one_connected_series_over_its_evaluations(tmp_path):
-    from app import views as V
-
     store = _load(_write_run(tmp_path / "r", steps=100, eval_every=25, stop={"interrupted": False}))
     assert eval_series(store)["step"].tolist() == [0, 25, 50, 75, 100]  # the evaluation before training too
-    fig = V.overview_figure(store)
-    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    held = lines[V.HELDOUT_LABEL]
-    assert list(held.get_xdata()) == [0, 25, 50, 75, 100]
-    assert not np.isnan(np.asarray(held.get_ydata(), dtype=float)).any()  # no gap breaks the line
-    assert held.get_marker() == "o"  # 5 points: drawn with markers whatever the run's length
-    assert lines["reward_mean"].get_marker() in (None, "None", "")  # 100 points: a plain line
-    # the explorer draws it the same way (eval/* from the eval events)
+    charts = {c["metric"]: c for g in chart_data({"r": store})["groups"] for c in g["charts"]}
+    held = charts["eval/accuracy"]["series"][0]
+    assert held["step"] == [0, 25, 50, 75, 100] and None not in held["y"]  # no gap breaks the line
+    assert len(charts["reward_mean"]["series"][0]["y"]) == 100
+    # the explorer's long frame for notebooks draws it the same way (eval/* from the eval events)
     frame = curves_frame({"r": store}, ["eval/accuracy"])
     assert frame["step"].tolist() == [0, 25, 50, 75, 100] and frame["value"].notna().all()
+
+
+def test_every_metric_is_its_own_chart_grouped_with_three_x_axes(tmp_path):
+    """Issue 29 item 1: one chart per metric, grouped by section; a metric that never changed is
+    listed with its value instead of drawn as a flat line; x = step, wall time, samples."""
+    run = _write_run(tmp_path / "a", steps=30, eval_every=10)
+    with open(run / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    with open(run / "metrics.jsonl", "w") as f:
+        for r in recs:
+            f.write(json.dumps({**r, "grad_norm": 18.0 - r["step"] / 2, "batch_trajectories": 8,
+                                "sync/bytes_sent": 1000 * r["step"]}) + "\n")
+    data = chart_data({"a": _load(run)}, pinned=["grad_norm", "nope"])
+    groups = [g["name"] for g in data["groups"]]
+    assert groups[:3] == ["pinned", "reward", "eval"] and "policy" in groups and "sync" in groups
+    assert groups.index("policy") < groups.index("sync") < groups.index("unified_filter")  # unknown sections last
+    by = {c["metric"]: (g["name"], c) for g in data["groups"] for c in g["charts"]}
+    assert by["grad_norm"][0] == "pinned" and by["loss"][0] == "policy" and by["entropy"][0] == "policy"
+    flat = {f["metric"]: f["why"] for g in data["groups"] for f in g["flat"]}
+    assert flat["dropped_stale"].startswith("0.0 at every logged step (30 steps)")
+    assert flat["unified_filter/learnable_ratio"].startswith("0.5 at every")
+    assert "eval/version" not in by and "eval/version" not in flat  # the x axis itself is not a chart
+    s = by["grad_norm"][1]["series"][0]
+    assert s["step"][:3] == [1, 2, 3] and s["y"][:2] == [17.5, 17.0]
+    assert s["time"][:3] == [1, 2, 3]  # seconds since learner_start at t=1000
+    assert s["samples"][:3] == [8, 16, 24]  # trajectories trained on so far
+    held = by["eval/accuracy"][1]["series"][0]
+    assert held["step"] == [0, 10, 20, 30] and held["samples"] == [0, 80, 160, 240] and held["time"][0] == 0
+    assert [metric_group(m) for m in ("loss", "tokens_per_s", "eval/accuracy", "mystery")] == \
+        ["policy", "throughput", "eval", "other"]
+    assert tag("loss") == "policy/loss" and tag("eval/accuracy") == "eval/accuracy"
+
+
+def test_the_runs_table_has_final_figures_and_the_config_keys_that_differ(tmp_path):
+    a = _write_run(tmp_path / "a", steps=30, eval_every=10, stop={"interrupted": False})
+    b = _write_run(tmp_path / "b", steps=20, eval_every=10)
+    (b / "config.yaml").write_text("name: b\nalgorithm: grpo\ntrain:\n  total_steps: 20\n  lr: 0.001\n")
+    df = runs_table({"a": _load(a), "b": _load(b)})
+    assert df["run"].tolist() == ["a", "b"] and df["steps"].tolist() == [30, 20]
+    assert df["state"].tolist()[0] == "finished"
+    assert df["eval/accuracy"].tolist() == [pytest.approx(0.2 + 30 / 60), pytest.approx(0.2 + 20 / 40)]
+    assert df["wall time (s)"].tolist() == [30, 20]
+    assert df["train.total_steps"].tolist() == [30, 20] and df["train.lr"].tolist() == ["-", 0.001]
+    assert "algorithm" in df and "name" not in df  # the same in both (and the name is the run's)
 
 
 # ------------------------------------------------------------------------------------- item 4
@@ -351,10 +390,9 @@ def test_init_model_prints_the_accuracy_of_the_format_it_was_warm_started_for(mo
     assert "as a grpo run measures it" not in res.stdout
 
 
-def test_explorer_handlers_pick_smooth_and_zoom(tmp_path):
-    """The app's own handlers: picking metrics, the smoothing control, drag-to-zoom and reset."""
-    import gradio as gr
-
+def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
+    """The app's own handlers: with no run picked, a folder of runs charts all of them (up to
+    MAX_DEFAULT_RUNS) and lists them; picking narrows it."""
     from app.live import RunCatalog
     from app.main import build_app
 
@@ -362,15 +400,19 @@ def test_explorer_handlers_pick_smooth_and_zoom(tmp_path):
     _write_run(tmp_path / "b", steps=20, eval_every=10)
     catalog = RunCatalog(folder=tmp_path)
     try:
-        handlers = {f.name: f.fn for f in build_app(catalog, title="t").fns.values()}
-        raw = handlers["redraw"](["a", "b"], ["entropy"], 0.0)
-        smoothed = handlers["redraw"](["a", "b"], ["entropy"], 0.9)
-        assert set(raw["series"]) == {"a · entropy", "b · entropy"} and len(raw) == 50
-        a_raw, a_smooth = (f[f["run"] == "a"]["value"].to_numpy() for f in (raw, smoothed))
-        assert a_raw[-1] == pytest.approx(1.0) and a_smooth[-1] > a_raw[-1] + 0.05  # lags a falling curve
-        zoomed = handlers["zoom"](gr.SelectData(None, {"index": [5, 12], "value": None}))
-        assert list(zoomed.x_lim) == [5, 12]
-        assert handlers["unzoom"]().x_lim is None
-        assert handlers["redraw"](["nope"], ["entropy"], 0.0).empty  # a run that is not in the folder
+        fn = next(f for f in build_app(catalog, title="t").fns.values() if f.name == "heavy")
+        rest = [None] * (len(fn.inputs) - 3)  # the algorithms' views' inputs and the sample choice
+
+        def heavy(sel, pins):
+            return fn.fn("", sel, pins, *rest)
+
+        out = heavy([], ["entropy"])
+        runs_view, charts = out[0], json.loads(out[1])
+        assert [r["name"] for r in charts["runs"]] == ["a", "b"] and 'id="runs-table"' in runs_view
+        assert charts["groups"][0]["name"] == "pinned" and charts["groups"][0]["charts"][0]["metric"] == "entropy"
+        assert len(charts["groups"][0]["charts"][0]["series"]) == 2  # both runs overlaid
+        one = json.loads(heavy(["b"], [])[1])
+        assert [r["name"] for r in one["runs"]] == ["b"]
+        assert json.loads(heavy(["nope"], [])[1])["runs"] == []  # a run that is not in the folder
     finally:
         catalog.stop()

@@ -19,8 +19,8 @@ import zmq
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
-from ._ui_runs import (LineReader, make_runs, start_logged, start_ui, stop, ui_url, visible_text,
-                       wait_dom)
+from ._ui_runs import (Browser, LineReader, make_runs, screenshot, start_logged, start_ui, stop, ui_url,
+                       visible_text, wait_dom, wait_page)
 from .conftest import ROOT, cli, read_jsonl
 
 
@@ -45,13 +45,13 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
 
         # Overview: the learner's policy version and the actor list
         dom = wait_dom(azr_url + "?view=overview", profile,
-                       lambda d: _version(d) > 0 and 'data-testid="matplotlib"' in d and "finished" in visible_text(d),
+                       lambda d: _version(d) > 0 and 'class="arl-chart-svg"' in d and "finished" in visible_text(d),
                        what="a policy version, the curves and the run's state",
                        screenshot_name="ui-overview.png")
         assert _version(dom) == azr.version == 3
         text = visible_text(dom)
         assert "actor-0" in text and "absolute_zero" in text and "finished" in text
-        assert 'data-testid="matplotlib"' in dom and "data:image/png" in dom  # the curves
+        assert dom.count('class="arl-chart"') >= 10  # every metric its own chart
 
         # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
         dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups",
@@ -95,6 +95,92 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         for proc, _ in procs:
             stop(proc)
     assert all(proc.returncode == 0 for proc, _ in procs)
+
+
+CHART_JS = """(() => {{
+  const c = document.querySelector('.arl-chart[data-metric="{metric}"]');
+  if (!c) return null;
+  c.scrollIntoView({{block: 'center'}});  // mouse events take viewport coordinates
+  const r = c.querySelector('svg').getBoundingClientRect();
+  return {{y: [...c.querySelectorAll('.arl-yaxis text')].map(t => t.textContent),
+          x: [...c.querySelectorAll('.arl-xaxis text')].map(t => t.textContent),
+          runs: [...c.querySelectorAll('polyline.arl-line')].map(p => p.dataset.run),
+          tip: c.querySelector('.arl-tip').style.display === 'none' ? null : c.querySelector('.arl-tip').textContent,
+          left: r.left, top: r.top, width: r.width, height: r.height}};
+}})()"""
+
+
+def _chart(browser: Browser, metric: str) -> dict:
+    c = browser.js(CHART_JS.format(metric=metric))
+    assert c is not None, f"no chart of {metric}"
+    return c
+
+
+@pytest.mark.slow
+def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom(demo_runs, tmp_path):
+    """Issue 29 items 1 and 2 in a real browser: every metric its own chart with its own y axis;
+    both runs of a folder overlaid by default; x switched to wall time; hovering shows both runs'
+    values; dragging zooms every chart, a double-click zooms out; smoothing shows the raw value too."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for alg in ("absolute_zero", "rlcr"):
+        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    proc, reader = start_ui("--run", str(folder))
+    browser = None
+    try:
+        url = ui_url(reader)
+        browser = Browser(tmp_path / "chromium")
+        browser.goto(url + "?view=overview")
+        wait_page(browser, lambda d: 'data-metric="entropy"' in d and 'data-metric="tokens_per_s"' in d,
+                  what="the entropy and tokens/s charts")
+        entropy, tps = _chart(browser, "entropy"), _chart(browser, "tokens_per_s")
+        assert sorted(entropy["runs"]) == sorted(tps["runs"]) == ["absolute_zero", "rlcr"]  # overlaid by default
+        ent_ticks, tps_ticks = ([float(v) for v in c["y"]] for c in (entropy, tps))
+        assert max(ent_ticks) < 20 < 100 < max(tps_ticks)  # each its own y axis, not one for all
+        assert entropy["x"][-1] == "step"
+
+        browser.js("(() => { const s = document.querySelector('select.arl-x'); s.value = 'time';"
+                   " s.dispatchEvent(new Event('change')); })()")
+        entropy = _chart(browser, "entropy")
+        assert entropy["x"][-1] == "wall time" and all(t.endswith(" s") for t in entropy["x"][:-1])
+        assert sorted(entropy["runs"]) == ["absolute_zero", "rlcr"]
+
+        cx, cy = entropy["left"] + entropy["width"] * 0.6, entropy["top"] + entropy["height"] * 0.4
+        browser.mouse("mouseMoved", cx, cy)
+        tip = _chart(browser, "entropy")["tip"]
+        assert tip and "absolute_zero:" in tip and "rlcr:" in tip and "at wall time" in tip, tip
+        screenshot(browser, "ui-charts.png")
+
+        x_before = _chart(browser, "tokens_per_s")["x"]
+        left, right = entropy["left"] + entropy["width"] * 0.35, entropy["left"] + entropy["width"] * 0.8
+        browser.mouse("mousePressed", left, cy, clicks=1)
+        browser.mouse("mouseMoved", right, cy)
+        browser.mouse("mouseReleased", right, cy, clicks=1)
+        state = browser.js("document.querySelector('.arl-charts-state').textContent")
+        assert state.startswith("zoomed to wall time"), state
+        assert _chart(browser, "tokens_per_s")["x"] != x_before  # every chart zoomed, not only this one
+        e = _chart(browser, "entropy")
+        browser.mouse("mousePressed", e["left"] + 100, e["top"] + 50, clicks=1)
+        browser.mouse("mouseReleased", e["left"] + 100, e["top"] + 50, clicks=1)
+        browser.mouse("mousePressed", e["left"] + 100, e["top"] + 50, clicks=2)
+        browser.mouse("mouseReleased", e["left"] + 100, e["top"] + 50, clicks=2)
+        assert _chart(browser, "tokens_per_s")["x"] == x_before
+
+        browser.js("(() => { const s = document.querySelector('input.arl-smooth'); s.value = '0.6';"
+                   " s.dispatchEvent(new Event('input')); })()")
+        e = _chart(browser, "entropy")
+        browser.mouse("mouseMoved", e["left"] + e["width"] * 0.6, e["top"] + e["height"] * 0.4)
+        assert "(raw " in _chart(browser, "entropy")["tip"]
+
+        browser.js("(() => { const s = document.querySelector('input.arl-filter'); s.value = 'tokens_per';"
+                   " s.dispatchEvent(new Event('input')); })()")
+        shown = browser.js("[...document.querySelectorAll('.arl-chart')].map(c => c.dataset.metric)")
+        assert shown == ["tokens_per_s"]
+    finally:
+        if browser is not None:
+            browser.close()
+        stop(proc)
+    assert proc.returncode == 0
 
 
 @pytest.mark.slow
@@ -337,12 +423,15 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
         assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
 
         picked = url + "?runs=grpo40,absolute_zero&metrics=reward_mean,eval/accuracy"
-        dom = wait_dom(picked, profile, lambda d: _version(d) == 40 and "grpo40 · eval/accuracy" in d,
-                       what="the first picked run's version and the overlaid curves",
+        dom = wait_dom(picked, profile, lambda d: _version(d) == 40 and 'data-metric="eval/accuracy"' in d,
+                       what="the first picked run's version and the pinned charts",
                        screenshot_name="ui-compare.png")
-        assert 'id="metric-explorer"' in dom
-        for series in ("grpo40 · reward_mean", "absolute_zero · reward_mean", "grpo40 · eval/accuracy"):
-            assert series in dom, series  # the overlaid curves' legend
+        for metric in ("reward_mean", "eval/accuracy"):  # pinned first, both runs overlaid
+            chart = dom[dom.index(f'data-metric="{metric}"'):]
+            chart = chart[:chart.index("</svg>")]
+            assert 'data-run="grpo40"' in chart and 'data-run="absolute_zero"' in chart, metric
+        assert dom[dom.index('data-group="'):].startswith('data-group="pinned"')  # the first section
+        assert 'id="runs-table"' in dom and "Shown (picked above)" in visible_text(dom)
         assert "finished" in visible_text(dom)
 
         dom = wait_dom(url + "?view=config&runs=rlcr", profile, lambda d: 'id="config-view"' in d, what="the config")
