@@ -120,3 +120,51 @@ def freeze_startup_heap(young_threshold: int = 10_000) -> None:
     atexit.register(gc.unfreeze)  # collected as usual at exit (no leak reports from extensions)
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(young_threshold, older, oldest)
+
+
+class _Tolerant:
+    """A text stream whose reader may go away (``asyncrl run ... | tee log`` and Ctrl-C: tee dies
+    first). The first write that finds the pipe closed points the file descriptor at /dev/null, so
+    that nothing later (this process, its C libraries, the children it starts) fails on it; the
+    process goes on. Any other error is raised as before."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_reader = False
+
+    def _gone(self) -> None:
+        self.closed_reader = True
+        try:
+            fd = self._stream.fileno()
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_output() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` survive a reader that went away (see :class:`_Tolerant`):
+    a closed terminal pipe never stops training."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Tolerant):
+            setattr(sys, name, _Tolerant(stream))

@@ -1,0 +1,99 @@
+"""Issue 29, the terminal side: a closed output pipe never stops training, Ctrl-C checkpoints and
+says how to resume (item 3)."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import time
+
+import pytest
+
+from asyncrl import layout
+
+from .conftest import ROOT, cli, kill_tree, read_jsonl, subprocess_env
+
+
+def _run_args(tmp_path, tiny_overrides, *extra: str) -> list[str]:
+    return cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
+               "name=tee", "train.total_steps=100000", "train.batch_tasks=2", "actor.tasks_per_batch=2",
+               "sampling.n=2", "eval.size=4", "eval.every=0", "checkpoint.every=0", "log.progress=true", *extra)
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:
+    """Read ``proc``'s output (a pipe) until ``pattern`` matches; returns what was read."""
+    out, deadline, fd = "", time.time() + timeout, proc.stdout.fileno()
+    while time.time() < deadline:
+        if re.search(pattern, out):
+            return out
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk.decode(errors="replace")
+    raise AssertionError(f"/{pattern}/ not in the output (exit code {proc.poll()}):\n{out[-3000:]}")
+
+
+def _steps(run_dir) -> int:
+    return len(read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def _wait_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (k := _steps(run_dir)) >= n:
+            return k
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) at {k} steps"
+        time.sleep(0.3)
+    raise AssertionError(f"fewer than {n} steps after {timeout:.0f}s")
+
+
+@pytest.mark.slow
+def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_says_how_to_resume(
+        tmp_path, tiny_overrides):
+    """``asyncrl run ... | tee log``, then Ctrl-C: tee goes first, so the learner's next progress
+    line meets a closed pipe. Training goes on; Ctrl-C (SIGINT to the whole process group, as a
+    terminal sends it) checkpoints at the step reached; a resumed run's Ctrl-C prints the checkpoint
+    and the command that resumes."""
+    run_dir = tmp_path / "tee"
+    proc = subprocess.Popen(_run_args(tmp_path, tiny_overrides), cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _read_until(proc, r"\[asyncrl\] learner at ")
+        _wait_steps(run_dir, 2, proc)
+        proc.stdout.close()  # the reader (tee) is gone: every later write to the pipe fails with EPIPE
+        closed_at = _steps(run_dir)
+        _wait_steps(run_dir, closed_at + 4, proc)  # progress lines (every 0.5 s) met the closed pipe meanwhile
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        kill_tree(proc)
+    stops = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "learner_stop"]
+    assert len(stops) == 1 and stops[0]["interrupted"], stops
+    reason = stops[0]["reason"]
+    assert reason.startswith("stopped by a stop signal at step") and "pipe" not in reason.lower(), reason
+    reached = stops[0]["step"]
+    assert reached >= closed_at + 4
+    ckpt = layout.latest_checkpoint(run_dir)
+    assert ckpt is not None and layout.checkpoint_step(ckpt) == reached  # nothing trained was lost
+
+    proc = subprocess.Popen(_run_args(tmp_path, tiny_overrides, "--resume"), cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = _read_until(proc, rf"\[learner\] resumed from step {reached}\b")
+        _wait_steps(run_dir, reached + 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out += _read_until(proc, r"Resume with:\n.*\n", timeout=180)
+        proc.wait(timeout=60)
+    finally:
+        kill_tree(proc)
+    ckpt = layout.latest_checkpoint(run_dir)
+    m = re.search(r"\[asyncrl\] stopped; checkpoint at step (\d+) in (\S+)\. Resume with:\n  asyncrl (.*) --resume\n",
+                  out)
+    assert m, out[-3000:]
+    assert int(m.group(1)) == layout.checkpoint_step(ckpt) > reached and m.group(2) == str(ckpt)
+    assert m.group(3).startswith("run -c ") and "name=tee" in m.group(3) and "--resume --resume" not in out
