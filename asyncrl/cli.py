@@ -12,7 +12,7 @@ from app.args import add_ui_arguments
 
 from .config import ConfigError, load_config
 from .wire.sockets import WireSecurityError
-from .lifecycle import freeze_startup_heap, tolerate_closed_output, watch_parent
+from .lifecycle import freeze_startup_heap, tolerate_closed_output, warn_once_per_message, watch_parent
 from .preflight import preflight
 from . import layout
 from .rundir import check_writable
@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     watch_parent()  # started by `asyncrl run`: die with it (asyncrl.lifecycle)
     tolerate_closed_output()  # `asyncrl run ... | tee log` and Ctrl-C: tee dies first; training goes on
+    if args.command in ("learn", "serve", "init-model"):  # the ones that load a model library
+        warn_once_per_message()
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:

@@ -168,3 +168,52 @@ def tolerate_closed_output() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Tolerant):
             setattr(sys, name, _Tolerant(stream))
+
+
+class _OncePerMessage:
+    """A ``logging.Filter`` that lets each distinct (logger, level, message) through once."""
+
+    def __init__(self):
+        self.seen: set[tuple] = set()
+
+    def filter(self, record) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def warn_once_per_message() -> None:
+    """No library warning floods a log: each distinct warning (category and text, wherever it is
+    raised from) is shown once per process, and so is each distinct WARNING-or-worse log record of
+    the libraries (transformers, torch, vLLM: records propagated to the root logger's handlers)."""
+    import logging
+    import warnings
+
+    seen: set[tuple] = set()
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    if getattr(warnings.showwarning, "__name__", "") != "showwarning_once":
+        showwarning.__name__ = "showwarning_once"
+        warnings.showwarning = showwarning
+    try:  # transformers logs through a handler of its own, made on first use: make it now
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.get_logger()
+    except ImportError:
+        pass
+    once = _OncePerMessage()
+    for name in ("", "transformers", "torch", "vllm", "accelerate"):
+        logger = logging.getLogger(name)
+        for h in logger.handlers:
+            if not any(isinstance(f, _OncePerMessage) for f in h.filters):
+                h.addFilter(once)
+        if not any(isinstance(f, _OncePerMessage) for f in logger.filters):
+            logger.addFilter(once)

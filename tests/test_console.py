@@ -97,3 +97,30 @@ def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_sa
     assert m, out[-3000:]
     assert int(m.group(1)) == layout.checkpoint_step(ckpt) > reached and m.group(2) == str(ckpt)
     assert m.group(3).startswith("run -c ") and "name=tee" in m.group(3) and "--resume --resume" not in out
+
+
+def test_a_library_warning_repeated_a_thousand_times_is_shown_once(tmp_path):
+    """Item 5: the hook asyncrl learn/serve/init-model install (asyncrl.lifecycle.warn_once_per_message),
+    in a real process: a warning raised from many places with the same text, and transformers'
+    own logger repeating a line, each appear once; distinct ones still all appear."""
+    code = """
+import logging, warnings
+from asyncrl.lifecycle import warn_once_per_message
+warn_once_per_message()
+from transformers.utils import logging as hf_logging
+log = hf_logging.get_logger("transformers.generation.utils")
+for i in range(1000):
+    exec("warnings.warn('past_key_values as a tuple is deprecated', FutureWarning)",
+         {"warnings": warnings})  # a module of its own each time: Python's per-location registry repeats it
+    log.warning("the same library log line")
+for i in range(3):
+    warnings.warn(f"distinct warning {i}", UserWarning)
+    log.warning(f"distinct log line {i}")
+"""
+    res = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    err = res.stderr
+    assert err.count("past_key_values as a tuple is deprecated") == 1, err[-2000:]
+    assert err.count("the same library log line") == 1, err[-2000:]
+    assert all(err.count(f"distinct warning {i}") == 1 and err.count(f"distinct log line {i}") == 1 for i in range(3))
