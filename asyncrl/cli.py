@@ -19,7 +19,12 @@ from .rundir import check_writable
 from .runlog import check_trackers
 
 
+CONFIG_KEYS_HELP = "every config key, its value and what it does: asyncrl config -c FILE [KEY=VALUE ...] [--diff]"
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    if p.epilog is None and p.prog.split()[-1] != "config":
+        p.epilog = CONFIG_KEYS_HELP
     p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml); defaults if omitted")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. -o train.lr=1e-5 (repeatable)")
@@ -178,6 +183,14 @@ def cmd_run(args) -> int:
         return 2
 
 
+def cmd_config(args) -> int:
+    from .config_show import show_config
+
+    cfg, _ = _load(args)
+    print(show_config(cfg, diff=args.diff))
+    return 0
+
+
 def cmd_keys(args) -> int:
     from .wire.sockets import make_curve_keys
 
@@ -240,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
                         "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")
     p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("config", help="print the resolved config (every key, with its description)",
+                       description="The config a run would use (the file, then the overrides, over the defaults), "
+                                   "as YAML with each key's description. --diff: only the keys that differ from "
+                                   "the defaults.")
+    _add_config_args(p)
+    p.add_argument("--diff", action="store_true", help="only the keys that differ from the defaults")
+    p.set_defaults(fn=cmd_config)
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
     p.add_argument("--out", required=True, help="directory for the key bundles (DIR/server, DIR/actor-<name>)")
     p.add_argument("--actors", type=int, default=1, help="make bundles actor-0 .. actor-(N-1) (default 1)")

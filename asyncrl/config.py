@@ -7,6 +7,8 @@ bad values fail at start-up with the field path and what is allowed (``ConfigErr
 
 from __future__ import annotations
 
+import difflib
+
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -557,8 +559,10 @@ def _format_validation_error(err: ValidationError, root: type[BaseModel] = None,
         path = ".".join([*([prefix] if prefix else []), *(str(p) for p in e["loc"])]) or "<root>"
         if e["type"] == "extra_forbidden":
             parent = _resolve_model(e["loc"][:-1], root or Config)
-            allowed = ", ".join(_known_fields(parent)) if parent else "see the config docs"
-            lines.append(f"unknown key '{path}'; allowed keys here: {allowed}")
+            allowed = ", ".join(_known_fields(parent)) if parent else "see `asyncrl config`"
+            near = difflib.get_close_matches(str(e["loc"][-1]), _known_fields(parent), n=1, cutoff=0.6) if parent else []
+            hint = f" (did you mean '{path.rsplit('.', 1)[0] + '.' if '.' in path else ''}{near[0]}'?)" if near else ""
+            lines.append(f"unknown key '{path}'{hint}; allowed keys here: {allowed}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             ctx = e.get("ctx") or {}

@@ -124,3 +124,47 @@ for i in range(3):
     assert err.count("past_key_values as a tuple is deprecated") == 1, err[-2000:]
     assert err.count("the same library log line") == 1, err[-2000:]
     assert all(err.count(f"distinct warning {i}") == 1 and err.count(f"distinct log line {i}") == 1 for i in range(3))
+
+
+def _cli_out(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
+
+
+def test_asyncrl_config_prints_every_key_with_its_description_and_the_diff(tmp_path):
+    """Item 8: ``asyncrl config`` is the resolved config as YAML that loads back to the same config,
+    every key with its description (the algorithm's own section too); ``--diff`` lists only what
+    differs from the defaults; ``run --help`` says where the keys are."""
+    import yaml
+
+    from asyncrl.algos.rlcr.config import RLCRConfig
+    from asyncrl.config import load_config, validate_section
+
+    rlcr = str(ROOT / "configs" / "rlcr.yaml")
+    res = _cli_out("config", "-c", rlcr, "train.lr=1e-4", "algo.lambda_conf=0.5")
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)
+    (tmp_path / "again.yaml").write_text(res.stdout)
+    want, again = load_config(rlcr, ["train.lr=1e-4", "algo.lambda_conf=0.5"]), load_config(tmp_path / "again.yaml")
+    assert again.model_dump(exclude={"algo"}) == want.model_dump(exclude={"algo"})
+    assert validate_section(RLCRConfig, again.algo, "algo") == validate_section(RLCRConfig, want.algo, "algo")
+    assert printed["train"]["lr"] == 1e-4 and printed["algo"]["lambda_conf"] == 0.5
+    assert set(printed["algo"]) == set(RLCRConfig.model_fields)  # every key of the algorithm's own section
+    lines = res.stdout.splitlines()
+    assert "  lr: 0.0001  # AdamW learning rate." in lines
+    no_desc = [ln for ln in lines if "  # " not in ln and not ln.strip().startswith("- ")]
+    assert not no_desc, no_desc[:5]  # every key says what it does
+
+    diff = _cli_out("config", "-c", rlcr, "train.lr=1e-4", "--diff").stdout.splitlines()
+    assert "train.lr: 0.0001  # default 2.0e-05. AdamW learning rate." in diff
+    assert all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff) and not any(ln.startswith("seed:") for ln in diff)
+    assert _cli_out("config", "--diff").stdout.strip() == "# every key has its default value"
+    assert "asyncrl config -c FILE" in _cli_out("run", "--help").stdout
+
+
+def test_a_mistyped_key_suggests_the_nearest_and_nothing_starts(tmp_path):
+    res = _cli_out("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), f"run_root={tmp_path}", "train.lrr=1e-5")
+    assert res.returncode == 2
+    assert "unknown key 'train.lrr' (did you mean 'train.lr'?)" in res.stderr, res.stderr
+    res = _cli_out("run", "-c", str(ROOT / "configs" / "rlcr.yaml"), f"run_root={tmp_path}", "algo.lamda_conf=1")
+    assert res.returncode == 2 and "(did you mean 'algo.lambda_conf'?)" in res.stderr, res.stderr
+    assert not any(tmp_path.iterdir())  # no run directory was made

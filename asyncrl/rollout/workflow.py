@@ -19,6 +19,7 @@ What a workflow declares (class attributes, never probed):
 - ``reward_metrics``: its own reward metrics, charted with ``reward_mean`` in the UI's reward section;
 - ``tables``: its analysis tables over a run's logged episodes, ``name -> "pkg.module:function"``
   (``RunStore.table(name)``; imported when asked for, so actors never load pandas);
+- ``algo_config``: the pydantic class that validates its ``algo:`` section (``asyncrl config`` shows it);
 - ``views``: its tabs in ``asyncrl ui``, import paths of :class:`app.kit.AlgorithmView` subclasses
   (loaded by the UI only).
 """
@@ -61,6 +62,7 @@ class Workflow:
     reward_metrics: ClassVar[tuple[str, ...]] = ()
     tables: ClassVar[dict[str, str]] = {}
     views: ClassVar[tuple[str, ...]] = ()
+    algo_config: ClassVar[type | None] = None  # the pydantic class of its ``algo:`` section, if it has one
 
     @staticmethod
     def counts_for_reward(traj: Trajectory) -> bool:

@@ -108,6 +108,7 @@ class AbsoluteZeroWorkflow(Workflow):
     tables = {"azr_groups": "asyncrl.algos.absolute_zero.analysis:azr_groups_frame",
               "azr_questions": "asyncrl.algos.absolute_zero.analysis:azr_questions_frame"}
     views = ("asyncrl.algos.absolute_zero.ui:ProposedTasksView",)
+    algo_config = AbsoluteZeroConfig
 
     @staticmethod
     def counts_for_reward(traj) -> bool:
@@ -115,7 +116,7 @@ class AbsoluteZeroWorkflow(Workflow):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.algo: AbsoluteZeroConfig = validate_section(AbsoluteZeroConfig, cfg.algo, "algo")
+        self.algo: AbsoluteZeroConfig = validate_section(self.algo_config, cfg.algo, "algo")
         self.warnings: list[str] = self.algo.start_warnings()  # the learner logs them as events
         for warning in self.warnings:
             print(f"[asyncrl] WARNING: {warning}", file=sys.stderr, flush=True)

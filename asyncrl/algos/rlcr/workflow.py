@@ -22,6 +22,7 @@ class RLCRWorkflow(Workflow):
 
     warmstart_formats = {"rlcr": rlcr_warmstart_example}  # tags: answer, then confidence
     reward_metrics = ("rlcr/answer_reward_mean", "rlcr/confidence_reward_mean")
+    algo_config = RLCRConfig
     tables = {"rlcr_nodes": "asyncrl.algos.rlcr.analysis:rlcr_nodes_frame"}
     views = ("asyncrl.algos.rlcr.ui:ConfidenceTreesView",)
 
@@ -31,7 +32,7 @@ class RLCRWorkflow(Workflow):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.algo: RLCRConfig = validate_section(RLCRConfig, cfg.algo, "algo")
+        self.algo: RLCRConfig = validate_section(self.algo_config, cfg.algo, "algo")
         if self.algo.verifier == "math":
             require_math_verify()  # fail at start-up, not on the first batch
 
