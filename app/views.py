@@ -101,10 +101,14 @@ def reward_metrics(store: RunStore) -> tuple[str, ...]:
 
 
 def algorithm_views() -> list[AlgorithmView]:
-    """One instance of every tab the registered algorithms add (``Workflow.views``), in name order."""
+    """The Completions tab every run has, then one instance of every tab the registered algorithms
+    add (``Workflow.views``), in name order."""
     from asyncrl.plugins import resolve_import
 
-    return [resolve_import(path, "views")() for _, wf in sorted(all_workflows().items()) for path in wf.views]
+    from .completions import CompletionsView
+
+    return [CompletionsView(), *(resolve_import(path, "views")() for _, wf in sorted(all_workflows().items())
+                                 for path in wf.views)]
 
 
 def staleness_panel(ax, store: RunStore) -> None:

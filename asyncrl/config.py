@@ -410,6 +410,9 @@ class LogConfig(_Base):
         "behaviour log-probs and the learner's current log-probs (for the UI's Samples view); 0: off."))
     sample_max_tokens: int = Field(512, ge=1, description=(
         "Most tokens in a `sample` event; a longer trajectory keeps its last tokens."))
+    eval_samples: int = Field(16, ge=0, description=(
+        "Held-out outputs each evaluation keeps in its `eval` event (prompt, completion, gold answer, "
+        "reward), for the UI's completions view; 0: none."))
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], description=(
         "Also send every step's metrics to these trackers, each with its own client library (pip "
         "install tensorboard / wandb / trackio): tensorboard writes <run>/tensorboard; wandb and "

@@ -35,6 +35,7 @@ class TrainBatch:
     recorded_logprobs: Tensor  # float [B, T-1], replay's recorded log-probs (0 when absent)
     recorded_mask: Tensor  # float [B, T-1], 1 where a recorded log-prob exists (NaN/absent: 0)
     rewards: Tensor  # float [B]
+    row_advantages: Tensor  # float [B], each trajectory's advantage (what ``advantages`` spreads on its tokens)
     policy_versions: Tensor  # long [B]
     sample_types: list[str]
     group_ids: list[str]
@@ -129,6 +130,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         recorded_logprobs=torch.stack(rows["rec"]),
         recorded_mask=torch.stack(rows["recm"]),
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
+        row_advantages=adv.clone(),
         policy_versions=torch.tensor([int(t.policy_version) for t in trajectories], dtype=torch.long),
         sample_types=[t.sample_type for t in trajectories],
         group_ids=[t.group_id for t in trajectories],

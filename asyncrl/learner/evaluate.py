@@ -15,6 +15,7 @@ from ..engine.hf import HFEngine
 from ..rollout.workflow import get_workflow
 from ..envs.base import make_env
 from ..envs.tasks import eval_tasks
+from ..types import prompt_text
 
 
 class EvaluationHung(RuntimeError):
@@ -105,6 +106,11 @@ class Evaluator:
         rewards = [t.reward for t in trajs] + [0.0] * len(failures)  # a failed reward counts as wrong
         out = {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                "reward_mean": sum(rewards) / len(rewards), "size": len(rewards), "failures": len(failures)}
+        tasks = {t.id: t for t in self.tasks}
+        out["samples"] = [{"task_id": t.group_id, "prompt": prompt_text(tasks[t.group_id].prompt),
+                           "answer": tasks[t.group_id].answer, "completion": t.text, "reward": t.reward,
+                           "correct": t.reward >= 1.0}
+                          for t in trajs[:self.cfg.log.eval_samples] if t.group_id in tasks]
         if failures:
             out["failure_examples"] = failures[:3]
         return out

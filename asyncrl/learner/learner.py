@@ -213,6 +213,8 @@ class Learner:
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
         batch = self.trainer.make_batch(episodes) if has_rows else None
+        rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
+        advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
                   if batch else None)
         stats = result.stats if result is not None else {}
@@ -242,7 +244,7 @@ class Learner:
                    "nonfinite_steps": self.telemetry.nonfinite_steps,
                    "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics()}
         metrics.update(self.evaluate())
-        return self.telemetry.step(self.version, episodes, staleness, tokens, metrics)
+        return self.telemetry.step(self.version, episodes, staleness, tokens, metrics, advantages)
 
     def _sync_metrics(self) -> dict:
         """Weight sync since the last step: publish -> applied per actor (its ``subscribe`` says when

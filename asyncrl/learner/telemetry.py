@@ -23,11 +23,15 @@ class Telemetry:
         self.nonfinite_steps = 0  # steps with a NaN/inf loss or gradient, not applied
         self._episode_counter = 0
         self._recent: deque = deque(maxlen=50)  # (time, episodes, trajectories, tokens) per step
+        self._advantages: dict[int, float] = {}
 
     def step(self, version: int, episodes: list[Episode], staleness: list[int], tokens: int,
-             metrics: dict) -> dict:
+             metrics: dict, advantages: dict[int, float] | None = None) -> dict:
         """Complete the step's ``metrics`` (rates, batch and episode figures), write them, send them
-        to live viewers and log the step's episode and sample events. Returns the metrics."""
+        to live viewers and log the step's episode and sample events. ``advantages``: ``id(trajectory)
+        -> the advantage it was trained with``, written in place of the trajectory's own field (which
+        only an algorithm that sets its own advantages fills). Returns the metrics."""
+        self._advantages = advantages or {}
         self._recent.append((time.time(), len(episodes), sum(len(ep.trajectories) for ep in episodes), tokens))
         metrics = {**metrics, **self._rates(), **batch_metrics(episodes), **_mean_episode_metrics(episodes)}
         self.log.metric(version, metrics)
@@ -70,7 +74,13 @@ class Telemetry:
                            task_id=ep.task.id if ep.task else None,
                            prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
                            staleness=st, decision=ep.decision, metrics=ep.metrics,
-                           trajectories=[t.summary() for t in ep.trajectories])
+                           trajectories=[self._summary(t) for t in ep.trajectories])
+
+    def _summary(self, traj) -> dict:
+        out = traj.summary()
+        if id(traj) in self._advantages:
+            out["advantage"] = round(self._advantages[id(traj)], 6)
+        return out
 
     def _log_sample(self, version: int, episodes: list[Episode]) -> None:
         """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
@@ -83,6 +93,7 @@ class Telemetry:
         ep, traj = rows[(version // every) % len(rows)]
         record = sample_record(self.model, self.tokenizer, traj, self.cfg.sampling.temperature,
                                self.cfg.log.sample_max_tokens)
+        record["advantage"] = self._summary(traj)["advantage"]
         self.log.event("sample", version, episode_id=ep.id, **record)
 
 
