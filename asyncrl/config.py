@@ -410,6 +410,8 @@ class LogConfig(_Base):
         "behaviour log-probs and the learner's current log-probs (for the UI's Samples view); 0: off."))
     sample_max_tokens: int = Field(512, ge=1, description=(
         "Most tokens in a `sample` event; a longer trajectory keeps its last tokens."))
+    tracker_table_rows: int = Field(64, ge=0, description=(
+        "Most completions per step in the trackers' completions table (log.trackers); 0: no table."))
     eval_samples: int = Field(16, ge=0, description=(
         "Held-out outputs each evaluation keeps in its `eval` event (prompt, completion, gold answer, "
         "reward), for the UI's completions view; 0: none."))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .config import ConfigError
 from .layout import EVENTS, METRICS
+from .metric_names import tag
 
 EVENTS_SCHEMA = 1
 
@@ -86,33 +87,80 @@ def _scalars(values: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars into ``<run>/tensorboard`` with PyTorch's TensorBoard writer (needs ``tensorboard``)."""
+    """``<run>/tensorboard`` with PyTorch's TensorBoard writer (needs ``tensorboard``): scalars,
+    the config as text, histograms, completions tables as markdown text. A resumed run appends to
+    the same directory (TensorBoard shows it as one run)."""
 
-    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict, resume: bool = False):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        if config:
+            import yaml
+
+            self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
             self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()
 
+    def histograms(self, step: int, values: dict[str, list[float]]) -> None:
+        import numpy as np
+
+        for k, v in values.items():
+            self.writer.add_histogram(k, np.asarray(v, dtype=np.float64), global_step=step)
+        self.writer.flush()
+
+    def table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
+        def cell(x):
+            return str(x).replace("|", "\\|").replace("\n", "<br>")
+
+        md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        md += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+        self.writer.add_text(name, "\n".join(md), global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
 
+TRACKER_IDS = "trackers.json"  # in the run directory: the tracker run ids a resume continues
+
+
+def _tracker_ids(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / TRACKER_IDS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_tracker_id(run_dir: Path, tracker: str, run_id: str) -> None:
+    ids = {**_tracker_ids(run_dir), tracker: run_id}
+    (Path(run_dir) / TRACKER_IDS).write_text(json.dumps(ids))
+
+
 class WandbSink:
     """A Weights & Biases run named after the asyncrl run (files under ``<run>/wandb``; offline with
-    ``WANDB_MODE=offline``)."""
+    ``WANDB_MODE=offline``). Its id is kept in ``<run>/trackers.json``: a resumed run continues it."""
 
-    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict, resume: bool = False):
         import wandb
 
-        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, reinit="create_new")
+        self.wandb = wandb
+        known = _tracker_ids(run_dir).get("wandb") if resume else None
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, reinit="create_new",
+                              **({"id": known, "resume": "allow"} if known else {}))
+        _save_tracker_id(run_dir, "wandb", self.run.id)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def histograms(self, step: int, values: dict[str, list[float]]) -> None:
+        self.run.log({k: self.wandb.Histogram(v) for k, v in values.items()}, step=step)
+
+    def table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -120,16 +168,24 @@ class WandbSink:
 
 class TrackioSink:
     """A Trackio run (stored where Trackio keeps its runs: ``TRACKIO_DIR``, by default under the
-    Hugging Face cache; ``trackio show`` opens its dashboard)."""
+    Hugging Face cache; ``trackio show`` opens its dashboard). A resumed run continues the run of
+    the same name."""
 
-    def __init__(self, run_dir: Path, name: str, project: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, project: str, config: dict, resume: bool = False):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=project, name=name, config=config, embed=False)
+        self.run = trackio.init(project=project, name=name, config=config, embed=False,
+                                resume="allow" if resume else "never")
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def histograms(self, step: int, values: dict[str, list[float]]) -> None:
+        self.run.log({k: self.trackio.Histogram(v) for k, v in values.items()}, step=step)
+
+    def table(self, step: int, name: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({name: self.trackio.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -138,10 +194,13 @@ class TrackioSink:
 _SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "trackio": TrackioSink}
 
 
-def open_trackers(names: list[str], run_dir: Path, name: str, project: str, config: dict) -> list:
-    """One sink per tracker in ``names`` (checked with :func:`check_trackers` first)."""
+def open_trackers(names: list[str], run_dir: Path, name: str, project: str, config: dict,
+                  resume: bool = False) -> list:
+    """One sink per tracker in ``names`` (checked with :func:`check_trackers` first); ``resume``:
+    continue the trackers' runs of this run (W&B by its saved id, Trackio by name)."""
     check_trackers(names)
-    return [_SINKS[n](Path(run_dir), name, project, config) for n in names]
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return [_SINKS[n](Path(run_dir), name, project, config, resume=resume) for n in names]
 
 
 class RunLog:
@@ -159,22 +218,44 @@ class RunLog:
         self.trackers = list(trackers or [])
 
     def metric(self, step: int, values: dict[str, Any]) -> None:
+        """A metrics line; the trackers get its numbers under section tags (``policy/loss``), the
+        ``eval/*`` ones excepted: they go with the ``eval`` event, the one before training too."""
         self.metrics.write({"step": step, "t": time.time(), **values})
-        if self.trackers:
-            scalars = _scalars(values)
-            for sink in list(self.trackers):
-                try:
-                    sink.log(step, scalars)
-                except Exception as e:  # noqa: BLE001 - a tracker's own failure must not end the run
-                    self.trackers.remove(sink)
-                    print(f"[learner] tracker {type(sink).__name__} failed ({e}); no more metrics go to it",
-                          file=sys.stderr, flush=True)
+        scalars = {tag(k): v for k, v in _scalars(values).items() if not k.startswith("eval/")}
+        self._to_trackers("log", step, scalars)
+
+    def extras(self, step: int, histograms: dict[str, list[float]] | None = None,
+               tables: dict[str, tuple[list[str], list[list]]] | None = None) -> None:
+        """What only the trackers get: histograms (name -> values) and tables (name -> (columns, rows))."""
+        if histograms:
+            self._to_trackers("histograms", step, {k: v for k, v in histograms.items() if len(v)})
+        for name, (columns, rows) in (tables or {}).items():
+            if rows:
+                self._to_trackers("table", step, name, columns, rows)
+
+    def _to_trackers(self, method: str, step: int, *args) -> None:
+        for sink in list(self.trackers):
+            try:
+                getattr(sink, method)(step, *args)
+            except Exception as e:  # noqa: BLE001 - a tracker's own failure must not end the run
+                self.trackers.remove(sink)
+                print(f"[learner] tracker {type(sink).__name__} failed ({e}); nothing more goes to it",
+                      file=sys.stderr, flush=True)
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         record = {"schema": EVENTS_SCHEMA, "kind": kind, "t": time.time(), "step": step, **fields}
         self.events.write(record)
         if self.on_event is not None:
             self.on_event(_clean(record))
+        if kind == "eval" and self.trackers:  # the held-out figures at the version evaluated (0 included)
+            version = fields.get("version", step)
+            self._to_trackers("log", version, {f"eval/{k}": v for k, v in _scalars(fields).items()
+                                               if k not in ("version", "step")})
+            samples = fields.get("samples") or []
+            if samples:
+                cols = ["prompt", "completion", "answer", "reward", "correct"]
+                self._to_trackers("table", version, "eval/samples", cols,
+                                  [[str(s.get(c)) if c in ("answer",) else s.get(c) for c in cols] for s in samples])
 
     def close(self) -> None:
         self.metrics.close()

@@ -326,12 +326,12 @@ def test_metrics_reach_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
 
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
-    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    assert "eval/accuracy" not in acc.Tags()["scalars"]  # NaN is not a value
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward/reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert "eval/accuracy" not in acc.Tags()["scalars"]  # NaN is not a value (and eval/* go with the eval event)
 
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1
-    assert [(s, h["reward_mean"]) for s, h in _wandb_history(logs[0])] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [(s, h["reward/reward_mean"]) for s, h in _wandb_history(logs[0])] == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
     import sqlite3
 
@@ -339,7 +339,7 @@ def test_metrics_reach_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
     assert dbs, f"no trackio database in {tmp_path / 'trackio'}"
     with sqlite3.connect(dbs[0]) as con:
         rows = con.execute("SELECT step, metrics FROM metrics ORDER BY step").fetchall()
-    assert [(s, json.loads(m)["reward_mean"]) for s, m in rows] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [(s, json.loads(m)["reward/reward_mean"]) for s, m in rows] == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
 # ------------------------------------------------------------------------------------- item 12

@@ -470,8 +470,8 @@ def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_ov
     acc = EventAccumulator(str(tmp_path / "done" / "tensorboard"))
     acc.Reload()
     logged = load_run(tmp_path / "done").metrics
-    assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
-    assert [round(e.value, 5) for e in acc.Scalars("entropy")] == [round(v, 5) for v in logged["entropy"]]
+    assert [e.step for e in acc.Scalars("reward/reward_mean")] == [1, 2, 3]
+    assert [round(e.value, 5) for e in acc.Scalars("policy/entropy")] == [round(v, 5) for v in logged["entropy"]]
     # item 9: every step has its entropy, response length, no-signal group share and the reward's named scores
     for col in ("entropy", "response_length_mean", "groups/identical_reward_share", "score/format"):
         assert logged[col].notna().all() and len(logged) == 3, col

@@ -26,7 +26,8 @@ notebooks are :func:`asyncrl.demo.demo_run`.
 
 from __future__ import annotations
 
-from .charts import chart_data, metric_group, run_axes, runs_table, tag
+from ..metric_names import metric_group, tag
+from .charts import chart_data, run_axes, runs_table
 from .curves import curves_frame, eval_series, metric_columns, smooth
 from .frames import (actors_frame, calibration_summary, evals_frame, events_frames, episodes_frame, metrics_frame,
                      reliability_frame, staleness_counts, trajectories_frame)

@@ -72,7 +72,8 @@ class Learner:
                                                                           "max_position_embeddings", None)))
         self.log = RunLog(self.run_dir, on_event=self.net.publish_event,
                           trackers=open_trackers(cfg.log.trackers, self.run_dir, cfg.name, cfg.log.project,
-                                                 cfg.model_dump(mode="json")))
+                                                 cfg.model_dump(mode="json"),
+                                                 resume=self.start.plan.mode == "resume"))
         self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
                            vocab_size=self.model.get_input_embeddings().num_embeddings)
         self.hooks: list[LearnerHook] = _make_hooks(cfg, self.log.event)

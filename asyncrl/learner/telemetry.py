@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..runlog import EVENTS_SCHEMA
-from ..types import PER_TOKEN, Episode
+from ..types import PER_TOKEN, Episode, prompt_text
 from .batch import collate, compute_logprobs
 from .batch_stats import batch_metrics
 
@@ -40,7 +40,27 @@ class Telemetry:
                             "metrics": metrics})
         self._log_episodes(version, episodes, staleness)
         self._log_sample(version, episodes)
+        if self.log.trackers:
+            self._tracker_extras(version, episodes, staleness)
         return metrics
+
+    def _tracker_extras(self, version: int, episodes: list[Episode], staleness: list[int]) -> None:
+        """For the trackers only: histograms of the step's advantages, rewards, lengths and
+        staleness, and its completions as a table (TRL's completions table)."""
+        trajs = [t for ep in episodes for t in ep.trajectories]
+        adv = [self._advantages[id(t)] for t in trajs if id(t) in self._advantages]
+        hist = {"train/advantages": adv, "train/rewards": [float(t.reward) for t in trajs],
+                "train/response_tokens": [float(t.num_generated) for t in trajs],
+                "staleness/episodes": [float(s) for s in staleness]}
+        rows = []
+        for ep in episodes:
+            prompt = prompt_text(ep.task.prompt) if ep.task else ""
+            for t in ep.trajectories:
+                if len(rows) < self.cfg.log.tracker_table_rows:
+                    rows.append([version, prompt, t.text, float(t.reward), self._advantages.get(id(t)),
+                                 int(t.num_generated), int(t.policy_version)])
+        self.log.extras(version, hist, {"completions": (["step", "prompt", "completion", "reward", "advantage",
+                                                         "tokens", "policy_version"], rows)})
 
     def nonfinite(self, version: int, stats: dict) -> None:
         """A step whose loss or gradient was NaN/inf was not applied (``PolicyTrainer.step``)."""
