@@ -49,9 +49,9 @@ def test_tensorboard_and_trackio_get_config_baseline_tags_tables_histograms_and_
     dbs = list((tmp_path / "trackio").glob("*.db"))
     assert len(dbs) == 1, dbs
     with sqlite3.connect(dbs[0]) as con:
-        runs = [r[0] for r in con.execute("SELECT DISTINCT run_name FROM metrics")]
+        runs = con.execute("SELECT DISTINCT run_id, run_name FROM metrics").fetchall()
         rows = con.execute("SELECT step, metrics FROM metrics ORDER BY step").fetchall()
-    assert runs == ["tr"]  # the resume continued the same run, not a second one of the same name
+    assert len(runs) == 1 and runs[0][1] == "tr", runs  # the resume continued the same run, not a second "tr"
     logged = [(s, json.loads(m)) for s, m in rows]
     assert sorted({s for s, m in logged if "reward/reward_mean" in m}) == [1, 2, 3, 4, 5]
     assert any(s == 0 and "eval/accuracy" in m for s, m in logged)
