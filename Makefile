@@ -7,14 +7,19 @@ TORCH ?= torch==2.13.0
 # Where pip finds torch (empty: the default index; the Dockerfile uses the CPU wheel index).
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip's own lines that say what it is doing (the rest of its output is noise)
+PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true
 
-.PHONY: setup vllm browser bwrap slurm demo test bench clean
+.PHONY: setup vllm browser bwrap slurm demo test bench clean notebook
 
 $(STAMP): pyproject.toml
+	@echo "[setup] $(VENV): Python packages (the first time: a few minutes, torch and ray are the big ones)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,ray]"
+	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)" 2>&1 | { $(PIP_PROGRESS); }
+	$(BIN)/pip install -e ".[dev,ray]" 2>&1 | { $(PIP_PROGRESS); }
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +39,13 @@ vllm: $(VLLM_STAMP)
 
 demo: setup
 	$(BIN)/asyncrl run --config configs/quickstart.yaml --overwrite
+
+# One notebook executed on a run, written as HTML under runs/notebooks/:
+#   make notebook NB=run_overview RUN=runs/quickstart   (RUN empty: the notebook's demo run)
+NB ?= run_overview
+RUN ?=
+notebook: setup
+	ASYNCRL_RUN=$(RUN) $(BIN)/jupyter nbconvert --to html --execute notebooks/$(NB).ipynb --output-dir runs/notebooks
 
 # Headless Chromium for the UI test (tests/test_ui.py); installed once, as root or with sudo.
 browser:

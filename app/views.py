@@ -85,10 +85,6 @@ def actors_html(store: RunStore) -> str:
     df = store.actors()
     if df.empty:
         return note("No actor has reported its status yet.")
-    state = run_state(store).state
-    if state not in ("running", "waiting"):
-        df["status"] = f"run {state}"
-        df["lag"] = None
     return "<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
 
 

@@ -13,7 +13,27 @@ from pathlib import Path
 
 from .analysis.records import quiet_records
 
-__all__ = ["demo_run", "TINY_MODEL_OVERRIDES"]
+__all__ = ["demo_run", "notebook_run", "TINY_MODEL_OVERRIDES", "RUN_ENV"]
+
+PROJECT = Path(__file__).resolve().parents[1]
+RUN_ENV = "ASYNCRL_RUN"  # the run a notebook reads when its RUN_DIR cell is left at None
+
+
+def notebook_run(algorithm: str, run_dir: str | Path | None = None) -> Path:
+    """The run directory a notebook reads: ``run_dir`` (its ``RUN_DIR`` cell, or papermill's
+    ``-p RUN_DIR``), else the ``ASYNCRL_RUN`` environment variable, else the default demo run of
+    ``algorithm`` under ``runs/`` (made once, then reused). A relative path is taken from the
+    project root (not from ``notebooks/``, where Jupyter runs)."""
+    chosen = run_dir or os.environ.get(RUN_ENV) or None
+    if chosen is None:
+        return demo_run(algorithm, run_root=PROJECT / "runs")
+    path = Path(chosen).expanduser()
+    path = path if path.is_absolute() else PROJECT / path
+    if not path.is_dir():
+        where = "RUN_DIR" if run_dir else RUN_ENV
+        raise FileNotFoundError(f"{where}={chosen!r}: no run directory at {path} (a relative path is taken from "
+                                f"the project root {PROJECT})")
+    return path
 
 # ------------------------------------------------------------------------------------- demo runs
 TINY_MODEL_OVERRIDES = ["model.embedded.hidden_size=32", "model.embedded.num_layers=1",

@@ -3,6 +3,10 @@ their figures."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -61,9 +65,51 @@ DEMOS = {"run_overview": "grpo", "calibration": "rlcr", "self_play_curriculum": 
 
 
 def test_notebooks_make_their_demo_with_the_default_settings():
+    import inspect
+
+    from asyncrl.demo import notebook_run
+
     for name, algorithm in DEMOS.items():
-        source = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells[2].source
-        assert f"demo_run('{algorithm}', run_root=PROJECT / \"runs\")" in source, name  # no quick, no step cut
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        assert f"notebook_run('{algorithm}', RUN_DIR)" in nb.cells[2].source, name
+        assert nb.cells[1].metadata.get("tags") == ["parameters"], name  # papermill -p RUN_DIR ...
+    assert 'return demo_run(algorithm, run_root=PROJECT / "runs")' in inspect.getsource(notebook_run)  # no quick, no cut
+
+
+def test_the_run_a_notebook_reads_comes_from_its_cell_the_environment_or_the_project_root(tmp_path, monkeypatch):
+    from asyncrl.demo import PROJECT, RUN_ENV, notebook_run
+
+    run = tmp_path / "r"
+    run.mkdir()
+    relative = os.path.relpath(run, PROJECT)
+    assert notebook_run("grpo", relative) == PROJECT / relative  # from the project root, not notebooks/
+    monkeypatch.setenv(RUN_ENV, str(run))
+    assert notebook_run("grpo", None) == run
+    assert notebook_run("grpo", relative) == PROJECT / relative  # the cell wins over the environment
+    monkeypatch.setenv(RUN_ENV, "runs/no-such-run")
+    with pytest.raises(FileNotFoundError, match=r"ASYNCRL_RUN='runs/no-such-run': no run directory at .*project root"):
+        notebook_run("grpo", None)
+
+
+@pytest.mark.slow
+def test_jupyter_nbconvert_executes_a_notebook_on_the_run_named_in_the_environment(demo_runs, tmp_path):
+    """Item 9: ``ASYNCRL_RUN=<relative path> jupyter nbconvert --execute`` (what ``make notebook``
+    runs), from another directory: the notebook reads that run, the page shows its figures."""
+    import subprocess
+
+    from .conftest import subprocess_env
+
+    run = demo_runs["absolute_zero"]
+    env = {**subprocess_env(), "ASYNCRL_RUN": os.path.relpath(run, ROOT)}
+    jupyter = Path(sys.executable).parent / "jupyter"
+    res = subprocess.run([str(jupyter), "nbconvert", "--to", "html", "--execute", str(NOTEBOOKS / "run_overview.ipynb"),
+                          "--output-dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    page = (tmp_path / "run_overview.html").read_text()
+    assert f"{run}: algorithm absolute_zero, 3 steps logged" in page
+    assert page.count("data:image/png;base64") >= 3
+    assert "run finished" in page and "silent" not in page  # the actors table speaks the UI's words
 
 
 @pytest.mark.slow
