@@ -160,7 +160,7 @@ def cmd_run(args) -> int:
         overrides += [f"actor.num={args.actors}"] if args.actors is not None else []
         overrides += [f"launch.scheduler={args.scheduler}"] if args.scheduler is not None else []
         cfg = load_config(args.config, overrides)
-    print(f"[asyncrl] {preflight(cfg).heldout}", flush=True)
+    heldout = preflight(cfg).heldout  # (checks the tasks; printed once nothing refuses the run)
     if cfg.launch.scheduler == "slurm" and (args.dry_run or not os.environ.get("SLURM_JOB_ID")):
         from .schedulers.slurm import submit  # (the run directory is claimed by the job, on its first node)
         try:
@@ -176,6 +176,7 @@ def cmd_run(args) -> int:
         return _start_refused(args, e)
     if args.learner_procs < 1:
         raise SystemExit(f"asyncrl run: --learner-procs {args.learner_procs}; expected 1 or more processes")
+    print(f"[asyncrl] {heldout}", flush=True)
     try:
         return launch(cfg, args.config, overrides, ui=args.ui, learner_procs=args.learner_procs)
     except SchedulerError as e:

@@ -168,3 +168,27 @@ def test_a_mistyped_key_suggests_the_nearest_and_nothing_starts(tmp_path):
     res = _cli_out("run", "-c", str(ROOT / "configs" / "rlcr.yaml"), f"run_root={tmp_path}", "algo.lamda_conf=1")
     assert res.returncode == 2 and "(did you mean 'algo.lambda_conf'?)" in res.stderr, res.stderr
     assert not any(tmp_path.iterdir())  # no run directory was made
+
+
+def test_empty_prompts_in_a_task_file_are_reported_with_file_and_line(tmp_path, capsys):
+    from asyncrl.config import load_config
+    from asyncrl.envs.tasks import load_task_file
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "  ", "answer": 3}\n'
+                    '{"prompt": [{"role": "user", "content": ""}], "answer": 4}\n')
+    cfg = load_config(None, ["tasks.type=file", f"tasks.path={path}"])
+    assert len(load_task_file(str(path), cfg.tasks)) == 3  # kept (a template-only prompt may be meant)
+    err = capsys.readouterr().err
+    assert f"2 empty prompt(s) in {path}" in err and f"{path}:2, {path}:3" in err
+
+
+def test_a_refused_run_prints_the_refusal_and_nothing_before_it(tmp_path):
+    """Item 10: no "held-out: ..." line before a refusal (a reused run name)."""
+    run = tmp_path / "taken"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "t": 1.0}\n')
+    (run / "config.yaml").write_text("name: taken\n")
+    res = _cli_out("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), f"run_root={tmp_path}", "name=taken")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "held-out" not in res.stdout and "--resume" in res.stderr + res.stdout, res.stdout + res.stderr

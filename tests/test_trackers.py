@@ -58,3 +58,10 @@ def test_tensorboard_and_trackio_get_config_baseline_tags_tables_histograms_and_
     completions = [m["completions"] for s, m in logged if "completions" in m]
     assert len(completions) == 5 and all(c.get("_type") == "trackio.table" for c in completions), completions[:1]
     assert any("train/advantages" in m for s, m in logged)
+
+    # item 10: the resumed segment's summary starts at the run's start (version 0), not the resume point
+    events = [json.loads(line) for line in (tmp_path / "tr" / "events.jsonl").read_text().splitlines()]
+    first_eval = next(e for e in events if e["kind"] == "eval" and e["version"] == 0)
+    stops = [e for e in events if e["kind"] == "learner_stop"]
+    assert len(stops) == 2 and stops[1]["summary"]["eval_accuracy_start"] == first_eval["accuracy"]
+    assert stops[1]["summary"]["steps"] == 5

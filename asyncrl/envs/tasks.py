@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -111,10 +112,16 @@ def load_task_file(path: str, cfg) -> list[Task]:
     if not p.is_file():
         raise ConfigError(f"tasks file {p} does not exist" if not p.exists() else f"tasks file {p} is not a file")
     reader = _jsonl_records if p.suffix not in (".json", ".parquet") else _whole_file_records
-    tasks = [_task_from_record(rec, where, cfg, str(p), i)
-             for i, (where, rec) in enumerate(reader(p, cfg.max_record_bytes))]
+    wheres, tasks = [], []
+    for i, (where, rec) in enumerate(reader(p, cfg.max_record_bytes)):
+        wheres.append(where)
+        tasks.append(_task_from_record(rec, where, cfg, str(p), i))
     if not tasks:
         raise ConfigError(f"tasks file {p} holds no tasks")
+    empty = [where for where, t in zip(wheres, tasks) if not "".join(m["content"] for m in t.prompt).strip()]
+    if empty:
+        print(f"[asyncrl] warning: {len(empty)} empty prompt(s) in {p} (the model sees only the chat template): "
+              f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}", file=sys.stderr, flush=True)
     return tasks
 
 

@@ -23,11 +23,11 @@ from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
-from ..runlog import RunLog, check_trackers, open_trackers
+from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..wire.sockets import check_bind_host
 from .buffer import EpisodeQueue
-from ..layout import ADDRESSES, buffer_dir, checkpoint_step, list_checkpoints
+from ..layout import ADDRESSES, EVENTS, buffer_dir, checkpoint_step, list_checkpoints
 from .checkpoint import save_checkpoint
 from .evaluate import EvaluationHung, Evaluator
 from .net import LearnerNet, Limits
@@ -88,6 +88,10 @@ class Learner:
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
                                                            self.peers.validator)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
+        if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
+            self.evaluator.history = [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
+                                      for e in read_jsonl(self.run_dir / EVENTS)
+                                      if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.buffer.open_wal(self.version)
         (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))

@@ -234,6 +234,10 @@ def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: 
             acc = expected_accuracy(model, tokenizer, evalset)
             history.append([step, acc])
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}")
+    if acc >= cfg.target_accuracy:  # reached the target early: the bar ends as done, not stopped part-way
+        bar.set_description(f"warm-start: target {cfg.target_accuracy:g} reached at step {step}")
+        bar.total = bar.n
+        bar.refresh()
     bar.close()
     return {"steps": step, "expected_accuracy": acc, "history": history}
 
