@@ -78,7 +78,7 @@ def build_app(source, live=None, title: str = "asyncrl"):
     runs) or one :class:`asyncrl.analysis.RunStore`.
 
     Query parameters: ``view`` (the tab), ``runs`` (comma-separated run names to pick, folder of
-    runs only), ``metrics`` (comma-separated metrics for the explorer).
+    runs only; none: the first runs by name), ``metrics`` (comma-separated metrics charted first).
 
     One long function on purpose: the layout and the event wiring of a Gradio Blocks app refer to
     each other's components, and read best side by side; the content comes from ``app.views``."""

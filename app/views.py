@@ -1,4 +1,4 @@
-"""What the generic views of ``asyncrl ui`` show (overview, metric explorer, replay buffer, samples,
+"""What the generic views of ``asyncrl ui`` show (overview, charts, runs table, replay buffer, samples,
 config), as HTML strings, matplotlib figures and DataFrames; the algorithms' own tabs are theirs
 (:func:`algorithm_views`, :class:`app.kit.AlgorithmView`).
 
