@@ -124,6 +124,23 @@ class Browser:
             kill_tree(self.proc)  # chromium's renderer and GPU processes too
 
 
+@contextlib.contextmanager
+def ui_in_browser(run: Path, profile: Path, query: str = ""):
+    """``asyncrl ui --run RUN`` and a headless Chromium on ``<its url>QUERY``; yields the browser.
+    Both are stopped afterwards, and the UI must have exited cleanly (code 0)."""
+    proc, reader = start_ui("--run", str(run))
+    browser = None
+    try:
+        browser = Browser(profile)
+        browser.goto(ui_url(reader) + query)
+        yield browser
+    finally:
+        if browser is not None:
+            browser.close()
+        code = stop(proc)
+    assert code == 0, f"asyncrl ui exited with code {code}"
+
+
 def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "",
              screenshot_name: str | None = None) -> str:
     """Open ``url`` in headless Chromium and read its DOM until ``check(dom)`` is true (the page may

@@ -12,7 +12,7 @@ import pytest
 from app.kit import fmt
 from asyncrl.analysis import load_run
 
-from ._ui_runs import Browser, screenshot, start_ui, stop, ui_url, visible_text, wait_page
+from ._ui_runs import screenshot, ui_in_browser, visible_text, wait_page
 from .conftest import ROOT, run_cli
 
 
@@ -56,12 +56,7 @@ def test_logged_trajectories_carry_the_advantage_they_were_trained_with(grpo_run
 def test_the_completions_tab_shows_a_steps_groups_and_held_out_outputs_and_searches(grpo_run, tmp_path):
     run = load_run(grpo_run)
     last = [e for e in run.records("episode") if e["step"] == 4]
-    proc, reader = start_ui("--run", str(grpo_run))
-    browser = None
-    try:
-        url = ui_url(reader)
-        browser = Browser(tmp_path / "chromium")
-        browser.goto(url + "?view=completions")
+    with ui_in_browser(grpo_run, tmp_path / "chromium", "?view=completions") as browser:
         dom = wait_page(browser, lambda d: 'id="completions-table"' in d and 'id="heldout-table"' in d,
                         what="the completions and held-out tables")
         table = dom[dom.index('id="completions-table"'):]
@@ -86,8 +81,3 @@ def test_the_completions_tab_shows_a_steps_groups_and_held_out_outputs_and_searc
         want = sum(len(e["trajectories"]) for e in run.records("episode")
                    if prompt in str(e["prompt"]))
         assert table.count('class="arl-row"') == want >= 4
-    finally:
-        if browser is not None:
-            browser.close()
-        stop(proc)
-    assert proc.returncode == 0

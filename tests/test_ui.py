@@ -19,8 +19,8 @@ import zmq
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
-from ._ui_runs import (Browser, LineReader, make_runs, screenshot, start_logged, start_ui, stop, ui_url,
-                       visible_text, wait_dom, wait_page)
+from ._ui_runs import (Browser, LineReader, make_runs, screenshot, start_logged, start_ui, stop, ui_in_browser,
+                       ui_url, visible_text, wait_dom, wait_page)
 from .conftest import ROOT, cli, read_jsonl
 
 
@@ -125,12 +125,7 @@ def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom
     folder.mkdir()
     for alg in ("absolute_zero", "rlcr"):
         (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
-    proc, reader = start_ui("--run", str(folder))
-    browser = None
-    try:
-        url = ui_url(reader)
-        browser = Browser(tmp_path / "chromium")
-        browser.goto(url + "?view=overview")
+    with ui_in_browser(folder, tmp_path / "chromium", "?view=overview") as browser:
         wait_page(browser, lambda d: 'data-metric="entropy"' in d and 'data-metric="tokens_per_s"' in d,
                   what="the entropy and tokens/s charts")
         entropy, tps = _chart(browser, "entropy"), _chart(browser, "tokens_per_s")
@@ -176,11 +171,6 @@ def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom
                    " s.dispatchEvent(new Event('input')); })()")
         shown = browser.js("[...document.querySelectorAll('.arl-chart')].map(c => c.dataset.metric)")
         assert shown == ["tokens_per_s"]
-    finally:
-        if browser is not None:
-            browser.close()
-        stop(proc)
-    assert proc.returncode == 0
 
 
 @pytest.mark.slow
