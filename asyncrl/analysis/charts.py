@@ -45,17 +45,20 @@ def run_axes(store: "RunStore") -> pd.DataFrame:
     return out.dropna(subset=["step"]).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
 
 
-def _series(store: "RunStore", name: str) -> pd.DataFrame:
-    """``step``, ``value`` of one metric (``eval/*`` from the eval events, the one before training
-    included, so the held-out series is connected whatever the run's length)."""
+def _series(store: "RunStore", name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` of one metric, finite values only (``eval/*`` from the eval events, the
+    one before training included, so the held-out series is connected whatever the run's length)."""
     m = store.metrics
-    s = eval_series(store, name[len("eval/"):]) if name.startswith("eval/") else None
-    if s is None or s.empty:
-        if name not in m:
-            return pd.DataFrame(columns=["step", "value"])
-        s = pd.DataFrame({"step": pd.to_numeric(m["step"], errors="coerce"),
-                          "value": pd.to_numeric(m[name], errors="coerce")})
-    return s.dropna().astype({"step": float, "value": float})
+    if name.startswith("eval/"):
+        s = eval_series(store, name[len("eval/"):])
+        if not s.empty:
+            return s["step"].to_numpy(float), s["value"].to_numpy(float)
+    if name not in m or "step" not in m:
+        return np.array([]), np.array([])
+    x = pd.to_numeric(m["step"], errors="coerce").to_numpy(float)
+    y = pd.to_numeric(m[name], errors="coerce").to_numpy(float)
+    keep = np.isfinite(x) & np.isfinite(y)
+    return x[keep], y[keep]
 
 
 def _thin(idx: np.ndarray) -> np.ndarray:
@@ -67,6 +70,12 @@ def _thin(idx: np.ndarray) -> np.ndarray:
 
 def _num(v: float) -> float | None:
     return None if not np.isfinite(v) else float(f"{v:.6g}")
+
+
+def _nums(a: np.ndarray) -> list[float | None]:
+    """Six significant digits (the JSON stays small), None for NaN/inf."""
+    out = np.asarray(a, dtype=float)
+    return [float(f"{v:.6g}") if np.isfinite(v) else None for v in out.tolist()]
 
 
 def _constant(values: list[np.ndarray]) -> float | None:
@@ -89,37 +98,40 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
         names.update(metric_columns(store.metrics))
         if not store.evals().empty:
             names.update(f"eval/{c}" for c in ("accuracy", "reward_mean") if c in store.evals())
-    axes = {run: run_axes(store) for run, store in runs.items()}
+    axes = {}
+    for run, store in runs.items():  # x -> wall time and samples, by interpolation over the logged steps
+        ax = run_axes(store)
+        axes[run] = (ax["step"].to_numpy(float), ax["time"].to_numpy(float) if ax["time"].notna().any() else None,
+                     ax["samples"].to_numpy(float) if ax["samples"].notna().all() else None)
     run_list = [{"name": run, "color": COLORS[i % len(COLORS)]} for i, run in enumerate(runs)]
     names -= NOT_CHARTED
     pinned = [p for p in pinned if p in names]
     by_group: dict[str, dict] = {}
     for name in [*pinned, *sorted(n for n in names if n not in pinned)]:
         group = "pinned" if name in pinned else (group_of or {}).get(name) or metric_group(name)
-        series, values = [], []
+        found = []
         for i, (run, store) in enumerate(runs.items()):
-            s = _series(store, name)
-            if s.empty:
-                continue
-            ax = axes[run]
-            x = s["step"].to_numpy()
-            idx = _thin(np.arange(len(x)))
-            x, y = x[idx], s["value"].to_numpy()[idx]
-            values.append(y)
-            t = np.interp(x, ax["step"], ax["time"].fillna(0)) if ax["time"].notna().any() else np.full(len(x), np.nan)
-            n = np.interp(x, ax["step"], ax["samples"]) if ax["samples"].notna().all() else np.full(len(x), np.nan)
-            series.append({"run": i, "step": [_num(v) for v in x], "time": [_num(v) for v in t],
-                           "samples": [_num(v) for v in n], "y": [_num(v) for v in y]})
-        if not series:
+            x, y = _series(store, name)
+            if len(x):
+                idx = _thin(np.arange(len(x)))
+                found.append((i, run, x[idx], y[idx]))
+        if not found:
             continue
         g = by_group.setdefault(group, {"name": group, "charts": [], "flat": []})
+        values = [y for *_, y in found]
         const = _constant(values) if name not in pinned else None
         if const is not None and sum(len(v) for v in values) > 1:
             steps = max(len(v) for v in values)
             g["flat"].append({"metric": name, "why": f"{_num(const)} at every logged step ({steps} steps)"
-                              + (f", in all {len(series)} runs" if len(series) > 1 else "")})
-        else:
-            g["charts"].append({"metric": name, "series": series})
+                              + (f", in all {len(found)} runs" if len(found) > 1 else "")})
+            continue
+        series = []
+        for i, run, x, y in found:
+            steps, time_, samples = axes[run]
+            t = np.interp(x, steps, np.nan_to_num(time_)) if time_ is not None else np.full(len(x), np.nan)
+            n = np.interp(x, steps, samples) if samples is not None else np.full(len(x), np.nan)
+            series.append({"run": i, "step": _nums(x), "time": _nums(t), "samples": _nums(n), "y": _nums(y)})
+        g["charts"].append({"metric": name, "series": series})
     groups = sorted(by_group.values(), key=lambda g: (g["name"] != "pinned", _group_key(g["name"])))
     return {"runs": run_list, "groups": groups}
 
@@ -150,8 +162,8 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
                "steps": len(store.metrics), "wall time (s)": _num(float(ax["time"].iloc[-1])) if len(ax) else None,
                "samples": _num(float(ax["samples"].iloc[-1])) if len(ax) else None}
         for name in SUMMARY_METRICS:
-            s = _series(store, name)
-            row[name] = _num(float(s["value"].iloc[-1])) if len(s) else None
+            _, y = _series(store, name)
+            row[name] = _num(float(y[-1])) if len(y) else None
         rows.append(row)
         configs[run] = {k: v for k, v in _flat(store.config).items() if k not in ("name", "run_root")}
     df = pd.DataFrame(rows)
