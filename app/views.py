@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from asyncrl.analysis import RunStore, chart_data, run_state, runs_table, staleness_counts
+from asyncrl.analysis import RunStore, actor_statuses, chart_data, run_state, runs_table, staleness_counts
 from asyncrl.analysis.charts import SUMMARY_METRICS
 from asyncrl.config import ConfigError
 from asyncrl.layout import config_snapshot
@@ -82,7 +82,7 @@ ACTOR_COLUMNS = {"actor_id": "actor", "status": "status", "weights_version": "we
 def actors_html(store: RunStore) -> str:
     """The actors' latest status. Once the run is over (finished, interrupted, crashed) the lag
     behind the learner means nothing any more: it is left blank and the status says why."""
-    df = store.actors()
+    df = actor_statuses(store)
     if df.empty:
         return note("No actor has reported its status yet.")
     return "<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")

@@ -28,7 +28,7 @@ def notebook_run(algorithm: str, run_dir: str | Path | None = None) -> Path:
     if chosen is None:
         return demo_run(algorithm, run_root=PROJECT / "runs")
     path = Path(chosen).expanduser()
-    path = path if path.is_absolute() else PROJECT / path
+    path = (path if path.is_absolute() else PROJECT / path).resolve()
     if not path.is_dir():
         where = "RUN_DIR" if run_dir else RUN_ENV
         raise FileNotFoundError(f"{where}={chosen!r}: no run directory at {path} (a relative path is taken from "

@@ -142,21 +142,22 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
             print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting up to {STOP_GRACE_S:g} s "
                   f"for the learner to checkpoint (stop again to kill now)", flush=True)
         stop_all(procs, stop)
-        if stop.count and not training_over:
+        if stop.count and not training_over and not os.environ.get("SLURM_JOB_ID"):  # (SLURM: resubmit)
             _how_to_resume(run_dir)
     return code
 
 
 def _how_to_resume(run_dir: Path) -> None:
-    """After a stop signal: the checkpoint the run would resume from, and the command that does."""
+    """After a stop signal: the checkpoint the run would resume from, and the command that does (on
+    stderr: stdout's last line stays the JSON summary)."""
     ckpt = layout.latest_checkpoint(run_dir)
     if ckpt is None:
-        print(f"[asyncrl] no checkpoint in {run_dir}: a resume would start from step 0", flush=True)
+        print(f"[asyncrl] no checkpoint in {run_dir}: a resume would start from step 0", file=sys.stderr, flush=True)
         return
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     argv = [a for a in argv if not a.startswith("checkpoint.resume=")]
     print(f"[asyncrl] stopped; checkpoint at step {layout.checkpoint_step(ckpt)} in {ckpt}. Resume with:\n"
-          f"  asyncrl {' '.join(shlex.quote(a) for a in argv)} --resume", flush=True)
+          f"  asyncrl {' '.join(shlex.quote(a) for a in argv)} --resume", file=sys.stderr, flush=True)
 
 
 def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:

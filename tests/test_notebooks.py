@@ -82,10 +82,11 @@ def test_the_run_a_notebook_reads_comes_from_its_cell_the_environment_or_the_pro
     run = tmp_path / "r"
     run.mkdir()
     relative = os.path.relpath(run, PROJECT)
-    assert notebook_run("grpo", relative) == PROJECT / relative  # from the project root, not notebooks/
+    assert notebook_run("grpo", relative) == run.resolve()  # from the project root, not notebooks/
     monkeypatch.setenv(RUN_ENV, str(run))
-    assert notebook_run("grpo", None) == run
-    assert notebook_run("grpo", relative) == PROJECT / relative  # the cell wins over the environment
+    assert notebook_run("grpo", None) == run.resolve()
+    monkeypatch.setenv(RUN_ENV, "runs/no-such-run")
+    assert notebook_run("grpo", relative) == run.resolve()  # the cell wins over the environment
     monkeypatch.setenv(RUN_ENV, "runs/no-such-run")
     with pytest.raises(FileNotFoundError, match=r"ASYNCRL_RUN='runs/no-such-run': no run directory at .*project root"):
         notebook_run("grpo", None)
@@ -107,7 +108,7 @@ def test_jupyter_nbconvert_executes_a_notebook_on_the_run_named_in_the_environme
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     page = (tmp_path / "run_overview.html").read_text()
-    assert f"{run}: algorithm absolute_zero, 3 steps logged" in page
+    assert f"{run.resolve()}: algorithm absolute_zero, 3 steps logged" in page, page[-3000:]
     assert page.count("data:image/png;base64") >= 3
     assert "run finished" in page and "silent" not in page  # the actors table speaks the UI's words
 

@@ -74,7 +74,8 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert 'class="arl-tree rlcr-tree"' not in dom
 
         # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
-        dom = wait_dom(rlcr_url + "?view=trees", profile, lambda d: "rlcr-tree" in d and 'id="calibration-plot"' in d,
+        dom = wait_dom(rlcr_url + "?view=trees", profile,
+                       lambda d: "rlcr-tree" in d and "data:image/png" in d[d.find('id="calibration-plot"'):],
                        what="confidence trees and the reliability diagram",
                        screenshot_name="ui-trees.png")
         nodes = rlcr.table("rlcr_nodes")

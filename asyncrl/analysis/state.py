@@ -91,3 +91,14 @@ def list_runs(root: str | Path) -> list[Path]:
         raise FileNotFoundError(f"{root} is not a directory")
     return sorted((p for p in root.iterdir() if is_run_dir(p)), key=lambda p: p.name)
 
+
+def actor_statuses(store: "RunStore", now: float | None = None):
+    """The actors' latest status as the UI shows it. Once the run is over (finished, interrupted,
+    crashed) an actor's silence and its lag behind the learner mean nothing any more: the status
+    says the run's state ("run finished") and the lag is blank."""
+    df = store.actors(now)
+    state = run_state(store).state
+    if not df.empty and state not in ("running", "waiting"):
+        df["status"] = f"run {state}"
+        df["lag"] = None
+    return df

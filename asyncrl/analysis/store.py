@@ -180,17 +180,9 @@ class RunStore:
         return self.cached("evals", lambda: evals_frame(self.records("eval")))
 
     def actors(self, now: float | None = None) -> pd.DataFrame:
-        """The actors' latest status. Once the run is over (finished, interrupted, crashed) an actor's
-        silence and its lag behind the learner mean nothing any more: the status says the run's state
-        (the UI's words) and the lag is blank."""
-        from .state import run_state
-
-        df = actors_frame(self.records("actor_status"), self.version, now)
-        state = run_state(self).state
-        if not df.empty and state not in ("running", "waiting"):
-            df["status"] = f"run {state}"
-            df["lag"] = None
-        return df
+        """The actors' latest status as they reported it (``analysis.actor_statuses``: as the UI
+        shows it, in the run's words once the run is over)."""
+        return actors_frame(self.records("actor_status"), self.version, now)
 
 
 class RunReader:

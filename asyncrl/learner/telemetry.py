@@ -60,7 +60,7 @@ class Telemetry:
                     rows.append([version, prompt, t.text, float(t.reward), self._advantages.get(id(t)),
                                  int(t.num_generated), int(t.policy_version)])
         self.log.extras(version, hist, {"completions": (["step", "prompt", "completion", "reward", "advantage",
-                                                         "tokens", "policy_version"], rows)})
+                                                         "tokens", "policy version"], rows)})
 
     def nonfinite(self, version: int, stats: dict) -> None:
         """A step whose loss or gradient was NaN/inf was not applied (``PolicyTrainer.step``)."""
