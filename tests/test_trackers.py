@@ -1,6 +1,6 @@
 """Issue 29 item 4: what a real run exports to TensorBoard and Trackio, read back with their own
 readers: the config, the held-out evaluation before training, every metric under a section tag,
-completions tables and histograms; a resumed run continues the same Trackio run."""
+completions tables and histograms; a resumed run continues the same Trackio run and W&B run id."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from .conftest import ROOT, run_cli, subprocess_env
 
 
 def _run(tmp_path, tiny_overrides, steps: int, *extra: str):
-    env = {**subprocess_env(), "TRACKIO_DIR": str(tmp_path / "trackio")}
+    env = {**subprocess_env(), "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
     res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
                   "name=tr", f"train.total_steps={steps}", "train.batch_tasks=2", "actor.tasks_per_batch=2",
                   "sampling.n=4", "eval.size=4", "eval.every=2", "log.progress=false", "checkpoint.every=0",
-                  "log.trackers=[tensorboard,trackio]", "log.project=asyncrl-test", *extra, timeout=600, env=env)
+                  "log.trackers=[tensorboard,trackio,wandb]", "log.project=asyncrl-test", *extra, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -58,6 +59,11 @@ def test_tensorboard_and_trackio_get_config_baseline_tags_tables_histograms_and_
     completions = [m["completions"] for s, m in logged if "completions" in m]
     assert len(completions) == 5 and all(c.get("_type") == "trackio.table" for c in completions), completions[:1]
     assert any("train/advantages" in m for s, m in logged)
+
+    # W&B (offline): the resumed segment logged to the run id the first one made (kept in trackers.json)
+    run_id = json.loads((tmp_path / "tr" / "trackers.json").read_text())["wandb"]
+    offline = sorted((tmp_path / "tr" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [p.name for p in offline] == [f"run-{run_id}.wandb"] * 2, offline
 
     # item 10: the resumed segment's summary starts at the run's start (version 0), not the resume point
     events = [json.loads(line) for line in (tmp_path / "tr" / "events.jsonl").read_text().splitlines()]
