@@ -633,6 +633,16 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError(f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")) from None
 
 
+def flat_keys(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config mapping as ``{"train.lr": value, ...}`` (an empty section is a key of its own)."""
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: data}
+
+
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 

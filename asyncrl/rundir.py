@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from filelock import FileLock, Timeout
 
-from .config import Config, ConfigError, dump_config
+from .config import Config, ConfigError, dump_config, flat_keys
 from .layout import (EVENTS, LOCK_FILE, METRICS, METRICS_DISCARDED, PID_FILE, RUN_FILES, buffer_dir, checkpoint_step, config_snapshot,
                      list_checkpoints, select_checkpoint, wal_segments)
 
@@ -256,22 +256,13 @@ def write_snapshot(cfg: Config, plan: StartPlan) -> Path:
     return path
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: data}
-
-
 def config_changes(previous: Path, cfg: Config) -> list[tuple[str, Any, Any]]:
     """Keys whose values differ between the snapshot ``previous`` and ``cfg``, as (key, old, new)."""
     try:
-        old = _flatten(yaml.safe_load(previous.read_text()) or {})
+        old = flat_keys(yaml.safe_load(previous.read_text()) or {})
     except (OSError, yaml.YAMLError) as e:
         raise RunDirError(f"cannot compare the config with {previous}: {e}") from None
-    new = _flatten(cfg.model_dump(mode="json"))
+    new = flat_keys(cfg.model_dump(mode="json"))
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys
             if old.get(k) != new.get(k) and not any(k == i or k.startswith(i + ".") for i in IGNORED_ON_RESUME)]

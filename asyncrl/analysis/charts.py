@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from ..config import flat_keys
 from ..metric_names import GROUP_ORDER, metric_group
 from .curves import eval_series, metric_columns
 
@@ -74,8 +75,7 @@ def _num(v: float) -> float | None:
 
 def _nums(a: np.ndarray) -> list[float | None]:
     """Six significant digits (the JSON stays small), None for NaN/inf."""
-    out = np.asarray(a, dtype=float)
-    return [float(f"{v:.6g}") if np.isfinite(v) else None for v in out.tolist()]
+    return [_num(v) for v in np.asarray(a, dtype=float).tolist()]
 
 
 def _constant(values: list[np.ndarray]) -> float | None:
@@ -139,16 +139,6 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
 SUMMARY_METRICS = ("reward_mean", "eval/accuracy", "entropy", "staleness_mean", "samples_per_s", "tokens_per_s")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
     """One row per run: its state, steps, wall time and samples, the last value of the
     :data:`SUMMARY_METRICS` (the held-out accuracy: the last evaluation's), then the config keys
@@ -165,7 +155,7 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
             _, y = _series(store, name)
             row[name] = _num(float(y[-1])) if len(y) else None
         rows.append(row)
-        configs[run] = {k: v for k, v in _flat(store.config).items() if k not in ("name", "run_root")}
+        configs[run] = {k: v for k, v in flat_keys(store.config or {}).items() if k not in ("name", "run_root")}
     df = pd.DataFrame(rows)
     if len(runs) > 1:
         keys = sorted(set().union(*(c.keys() for c in configs.values())))

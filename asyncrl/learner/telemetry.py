@@ -52,13 +52,9 @@ class Telemetry:
         hist = {"train/advantages": adv, "train/rewards": [float(t.reward) for t in trajs],
                 "train/response_tokens": [float(t.num_generated) for t in trajs],
                 "staleness/episodes": [float(s) for s in staleness]}
-        rows = []
-        for ep in episodes:
-            prompt = prompt_text(ep.task.prompt) if ep.task else ""
-            for t in ep.trajectories:
-                if len(rows) < self.cfg.log.tracker_table_rows:
-                    rows.append([version, prompt, t.text, float(t.reward), self._advantages.get(id(t)),
-                                 int(t.num_generated), int(t.policy_version)])
+        rows = [[version, prompt_text(ep.task.prompt) if ep.task else "", t.text, float(t.reward),
+                 self._advantages.get(id(t)), int(t.num_generated), int(t.policy_version)]
+                for ep in episodes for t in ep.trajectories][:self.cfg.log.tracker_table_rows]
         self.log.extras(version, hist, {"completions": (["step", "prompt", "completion", "reward", "advantage",
                                                          "tokens", "policy version"], rows)})
 
@@ -97,10 +93,12 @@ class Telemetry:
                            trajectories=[self._summary(t) for t in ep.trajectories])
 
     def _summary(self, traj) -> dict:
-        out = traj.summary()
-        if id(traj) in self._advantages:
-            out["advantage"] = round(self._advantages[id(traj)], 6)
-        return out
+        return {**traj.summary(), "advantage": self._advantage(traj)}
+
+    def _advantage(self, traj) -> float | None:
+        """The advantage ``traj`` was trained with this step, else its own field."""
+        a = self._advantages.get(id(traj))
+        return traj.advantage if a is None else round(a, 6)
 
     def _log_sample(self, version: int, episodes: list[Episode]) -> None:
         """Every ``log.sample_every`` steps: one trained trajectory token by token (``sample`` event)."""
@@ -113,7 +111,7 @@ class Telemetry:
         ep, traj = rows[(version // every) % len(rows)]
         record = sample_record(self.model, self.tokenizer, traj, self.cfg.sampling.temperature,
                                self.cfg.log.sample_max_tokens)
-        record["advantage"] = self._summary(traj)["advantage"]
+        record["advantage"] = self._advantage(traj)
         self.log.event("sample", version, episode_id=ep.id, **record)
 
 
