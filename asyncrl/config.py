@@ -94,7 +94,13 @@ class EnvConfig(_Base):
     type: str = Field("single_turn", description=(
         "Environment: 'single_turn' (one reply scored by the reward function), 'calculator' (multi-turn: "
         "the model may call a calculator with 'calc:EXPR' before answering; kwargs tool_prefix, "
-        "max_calls) or an import path 'pkg.module:Class' implementing asyncrl.envs.Environment."))
+        "max_calls), 'agent' (any agent code calling the actor's OpenAI-compatible endpoint: env.agent; "
+        "kwargs model, request_timeout_s, tool_parser), 'verifiers' (a verifiers environment: kwargs id "
+        "or taskset) or an import path 'pkg.module:Class' implementing asyncrl.envs.Environment."))
+    agent: str | None = Field(None, description=(
+        "env.type=agent: the agent function 'pkg.module:fn' (plain or async), called per rollout with the "
+        "keyword arguments it names among task, client (an openai client on the rollout's endpoint), "
+        "base_url, api_key, model; it returns the reward (a float or a dict of scores with 'reward')."))
     reward: str = Field("arithmetic", description=(
         "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), or an "
         "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
@@ -106,6 +112,15 @@ class EnvConfig(_Base):
     max_failure_rate: float = Field(0.5, ge=0, le=1, description=(
         "An actor stops when more than this share of its last 200 environment/reward calls failed "
         "(raised, timed out, returned a non-number or a non-finite reward); checked after 20 calls."))
+
+    @model_validator(mode="after")
+    def _agent_only_with_agent(self):
+        if self.agent and self.type != "agent":
+            raise ValueError(f"env.agent is set ({self.agent!r}) but env.type is {self.type!r}; env.agent is the agent "
+                             f"function of env.type=agent")
+        if self.type == "agent" and not self.agent:
+            raise ValueError("env.type=agent needs env.agent: the agent function 'pkg.module:fn'")
+        return self
 
 
 class SamplingConfig(_Base):

@@ -87,7 +87,9 @@ class SingleTurnEnv:
 
 # built-in environments: a class, or an import path loaded on first use
 ENVS: Registry["type | str"] = Registry("environment", {"single_turn": SingleTurnEnv,
-                                                        "calculator": "asyncrl.envs.calculator:CalculatorEnv"})
+                                                        "calculator": "asyncrl.envs.calculator:CalculatorEnv",
+                                                        "agent": "asyncrl.rollout.agent:AgentEnv",
+                                                        "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv"})
 
 
 def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
@@ -97,7 +99,8 @@ def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
     spec = env_cfg.type
     cls = ENVS.resolve(spec, "env.type", what="Class")
     try:
-        env = cls(reward=env_cfg.reward, max_turns=env_cfg.max_turns, **env_cfg.kwargs)
+        extra = {"agent": env_cfg.agent} if env_cfg.agent else {}
+        env = cls(reward=env_cfg.reward, max_turns=env_cfg.max_turns, **extra, **env_cfg.kwargs)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's class rejected its arguments

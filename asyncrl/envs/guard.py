@@ -45,6 +45,11 @@ def request_stop() -> None:
     _STOP.set()
 
 
+def stopping() -> bool:
+    """Whether :func:`request_stop` was called."""
+    return _STOP.is_set()
+
+
 class _Worker:
     """A daemon thread that runs guarded calls one after another for one calling thread. Starting a
     thread per call cost the quick-start actor a third of its wall time (192 calls per step); a
@@ -205,6 +210,19 @@ class GuardedEnv:
             raise EnvFailure(msg) from e
         self._recent.append(False)
         return value
+
+    def check_rate(self) -> None:
+        """TooManyFailures when too many recent calls failed (for environments that run their own
+        calls: ``env.type=agent``)."""
+        self._check_rate()
+
+    def record(self, failure: str | None) -> None:
+        """Count one call of an environment that runs its own calls: ``failure`` None if it went well."""
+        self.calls += 1
+        if failure is None:
+            self._recent.append(False)
+        else:
+            self._record(failure)
 
     def _record(self, msg: str) -> None:
         self.failures += 1

@@ -35,17 +35,31 @@ class Conversation:
     texts: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     failure: str | None = None  # the environment failed on it (asyncrl.envs.guard): not trained on
+    scores: dict[str, float] | None = None  # set by an environment that scores while it drives (env.type=agent)
+    extra_rows: list = field(default_factory=list)  # more trajectories of this rollout (an agent's unmerged calls)
 
     def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None) -> Trajectory:
-        return Trajectory(
-            token_ids=np.asarray(self.token_ids, dtype=np.int32),
-            loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
-            behavior_logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            policy_version=version, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
-            sample_type=self.sample_type, group_id=self.group_id, task_id=self.task.id,
-            text=self.texts[-1] if len(self.texts) == 1 else "\n".join(self.texts),
-            metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, **(metadata or {})},
-        )
+        return _trajectory(self, (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons,
+                                  self.turns), version, scores, metadata)
+
+    def trajectories(self, version: int, scores: dict[str, float]) -> list[Trajectory]:
+        """The conversation's trajectory, then those of ``extra_rows`` (same scores and group)."""
+        return [self.to_trajectory(version, scores)] + [_trajectory(self, row, version, scores, None)
+                                                         for row in self.extra_rows]
+
+
+def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, float],
+                metadata: dict[str, Any] | None) -> Trajectory:
+    ids, mask, logprobs, texts, reasons, turns = row
+    return Trajectory(
+        token_ids=np.asarray(ids, dtype=np.int32),
+        loss_mask=np.asarray(mask, dtype=np.uint8),
+        behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
+        policy_version=version, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
+        sample_type=conv.sample_type, group_id=conv.group_id, task_id=conv.task.id,
+        text=texts[-1] if len(texts) == 1 else "\n".join(texts),
+        metadata={"turns": turns, "finish_reasons": reasons, **(metadata or {})},
+    )
 
 
 def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, group_ids: list[str],
@@ -68,7 +82,10 @@ def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, 
 def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversation], sampling,
                       max_turns: int, seed: int | None = None) -> list[Conversation]:
     """Advance every conversation until the environment says done or ``max_turns`` is reached.
-    Each turn is one batched engine call over the conversations still active."""
+    Each turn is one batched engine call over the conversations still active. An environment that
+    drives its own generation (``env.type=agent``: ``drive``) runs them its way instead."""
+    if getattr(env, "drives_generation", False):
+        return env.drive(engine, tokenizer, convs, sampling, seed, guard=env)
     eos = tokenizer.eos_token_id
     for turn in range(max_turns):
         active = [c for c in convs if not c.done]
@@ -111,7 +128,7 @@ def scored_trajectories(convs: list, env, version: int) -> tuple[list, list[str]
     for c in convs:
         if c.failure is None:
             try:
-                trajs.append(c.to_trajectory(version, env.evaluate(c.task, c.history)))
+                trajs += c.trajectories(version, c.scores if c.scores is not None else env.evaluate(c.task, c.history))
                 continue
             except EnvFailure as e:
                 c.failure = str(e)

@@ -1,0 +1,572 @@
+"""An OpenAI-compatible endpoint over the actor's own engine, with exact token bookkeeping.
+
+Agent code (``env.type=agent``, :mod:`asyncrl.rollout.agent`) talks to the policy the way it talks to
+any model server: ``POST {base_url}/chat/completions`` (or ``/completions``) with the ``openai``
+client. Every rollout gets its own base URL, ``http://127.0.0.1:PORT/s/<secret>/v1``; the server
+binds loopback only and the unguessable path is the session's credential.
+
+What it records, per rollout (a :class:`Session`), is what the learner trains on:
+
+- the prompt token ids of every call and the completion token ids the engine sampled, with their
+  behaviour log-probs. Completions are never re-tokenised;
+- a call whose messages extend an earlier call's messages plus the assistant message that call
+  returned (the usual multi-turn loop) continues that call's *token ids*: the new prompt is the old
+  ids, the completion's ids, an EOS if the completion did not end on one, and the template's tokens
+  for the new messages. So the model is conditioned on what it actually sampled, and the calls merge
+  into one trajectory (environment tokens ``loss_mask = 0``, generated tokens ``1``). A call that
+  extends nothing starts a new trajectory (a :class:`Segment`).
+
+Requests are answered in batches: the rollout's thread (the one that owns the engine) waits until
+every running agent is blocked on a call (or a short linger passed) and generates them together.
+
+Sampling: ``max_tokens``/``max_completion_tokens`` (capped at ``sampling.max_new_tokens``), ``stop``
+(added to ``sampling.stop``) and ``n`` are honoured; the run's ``sampling.temperature`` and ``top_p``
+are always used, because the learner's importance ratios assume them (a request's ``temperature``,
+``top_p``, ``seed`` are ignored). ``tools`` are rendered by the chat template (when it takes them)
+and tool calls are parsed from the completion by ``tool_parser`` (``hermes``: Qwen/Hermes
+``<tool_call>{json}</tool_call>``; ``none``; or ``pkg.module:fn(text) -> (content, [calls])``).
+
+Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "code"}}``), never a crash: malformed
+JSON, a missing field, an unknown model name, an unknown or finished session, a call past the
+session's call budget, a completion that did not come within ``request_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from ..config import ConfigError, SamplingConfig
+from ..models.prompts import delta_tokens, prompt_format, render_tokens
+from ..plugins import resolve_import
+
+MAX_BODY_BYTES = 8 << 20
+MAX_N = 16
+LINGER_S = 0.02  # a batch goes once no new call arrived for this long (or every agent is waiting)
+ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
+
+
+class EndpointError(Exception):
+    """An OpenAI-style error answer: HTTP ``status``, ``code`` and a one-line message."""
+
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.kind = status, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "code": self.code, "param": None}}
+
+
+# ---- tool calls -------------------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Qwen/Hermes tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Returns
+    the content before the first call (None when empty) and the calls that parse; a block that is
+    not such JSON is left in the content (the model's output, not an error)."""
+    calls, first = [], None
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            args = obj.get("arguments", {})
+            calls.append({"name": obj["name"], "arguments": args if isinstance(args, dict) else {"value": args}})
+            first = m.start() if first is None else first
+    if not calls:
+        return text, []
+    content = text[:first].strip()
+    return content or None, calls
+
+
+def tool_parser(spec: str) -> ToolParser | None:
+    """The tool-call parser named by ``spec`` (``hermes``, ``none`` or ``pkg.module:fn``)."""
+    if spec == "none":
+        return None
+    if spec == "hermes":
+        return parse_hermes
+    if ":" in spec:
+        fn = resolve_import(spec, "env.kwargs.tool_parser")
+        if not callable(fn):
+            raise ConfigError(f"env.kwargs.tool_parser {spec!r} is not a function")
+        return fn
+    raise ConfigError(f"env.kwargs.tool_parser: {spec!r} is not 'hermes', 'none' or an import path 'pkg.module:fn'")
+
+
+# ---- messages ---------------------------------------------------------------------------------
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is understood
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise EndpointError(400, "invalid_content", f"{where}: only text content parts are supported, "
+                                                            f"got {str(p)[:80]}")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise EndpointError(400, "invalid_content", f"{where}: content must be a string, a list of text parts or "
+                                                f"null, got {type(content).__name__}")
+
+
+def _norm_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    out = []
+    for c in calls or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EndpointError(400, "invalid_tool_calls", f"{where}: each tool call needs function.name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError:
+                pass  # kept as the string it is
+        out.append({"name": fn["name"], "arguments": args})
+    return out
+
+
+def normalize_messages(raw: Any) -> list[dict[str, Any]]:
+    """Chat messages as ``{role, content[, tool_calls][, tool_call_id]}`` with string content (the
+    form templates render and prefixes are compared in); EndpointError on a malformed list."""
+    if not isinstance(raw, list) or not raw:
+        raise EndpointError(400, "invalid_messages", "'messages' must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise EndpointError(400, "invalid_messages", f"{where}: a message is an object with a string 'role'")
+        msg: dict[str, Any] = {"role": m["role"], "content": _content_text(m.get("content"), where)}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _norm_calls(m["tool_calls"], where)
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = str(m["tool_call_id"])
+        out.append(msg)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two normalised messages are the same turn (role, text and tool calls; ids are the client's)."""
+    return a["role"] == b["role"] and a["content"] == b["content"] and a.get("tool_calls") == b.get("tool_calls")
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates take them (tool-call arguments as objects, ids as given)."""
+    out = []
+    for m in messages:
+        t = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            t["tool_calls"] = [{"type": "function", "function": c} for c in m["tool_calls"]]
+        if "tool_call_id" in m:
+            t["tool_call_id"] = m["tool_call_id"]
+        out.append(t)
+    return out
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: list | None) -> list[int]:
+    """Prompt ids of a new conversation (the run's prompt format; ``tools`` to the chat template)."""
+    msgs = _template_messages(messages)
+    if tools and prompt_format(tokenizer) == "chat":
+        text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return render_tokens(tokenizer, msgs)
+
+
+# ---- sessions ---------------------------------------------------------------------------------
+
+@dataclass
+class Segment:
+    """One future trajectory: the token ids so far, which of them were generated, their log-probs."""
+
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    messages: list[dict] | None = None  # chat: the conversation these ids render (ends on the assistant)
+    text: str | None = None  # completions: the prompt text plus completions so far
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    calls: int = 0
+
+
+@dataclass
+class Call:
+    """One pending completion request (``n`` samples of one prompt)."""
+
+    session: "Session"
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    n: int
+    chat: bool
+    base: Segment | None  # the segment this call extends (None: a new one)
+    base_len: int
+    messages: list[dict] | None = None
+    prompt_text: str | None = None
+    tools: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    generations: list = field(default_factory=list)
+    error: EndpointError | None = None
+
+
+class Session:
+    """One rollout's calls and the segments they built."""
+
+    def __init__(self, endpoint: "Endpoint", budget: int | None):
+        self.endpoint = endpoint
+        self.token = secrets.token_urlsafe(24)
+        self.segments: list[Segment] = []
+        self.budget = budget  # most calls (None: no limit)
+        self.calls = 0
+        self.rejected: list[str] = []  # the errors answered, for the failure record
+        self.closed = False
+        self.lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.endpoint.port}/s/{self.token}/v1"
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        self.endpoint.drop(self)
+
+    def find_chat_base(self, messages: list[dict]) -> Segment | None:
+        """The longest segment whose conversation ``messages`` extends with at least one message."""
+        best = None
+        for seg in self.segments:
+            m = seg.messages
+            if m is not None and len(m) < len(messages) and all(_same(a, b) for a, b in zip(m, messages)):
+                if best is None or len(m) > len(best.messages):
+                    best = seg
+        return best
+
+    def find_text_base(self, prompt: str) -> Segment | None:
+        best = None
+        for seg in self.segments:
+            if seg.text is not None and prompt.startswith(seg.text) and (best is None or len(seg.text) > len(best.text)):
+                best = seg
+        return best
+
+
+class Endpoint:
+    """The HTTP server (one per process, started on first use) and its queue of calls."""
+
+    def __init__(self, tokenizer, model_name: str, sampling: SamplingConfig, eos_ids, parser: ToolParser | None,
+                 request_timeout_s: float | None):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.sampling = sampling
+        self.eos = int(min(eos_ids)) if eos_ids else None
+        self.eos_ids = set(int(e) for e in eos_ids or ())
+        self.parser = parser
+        self.request_timeout_s = request_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.pending: list[Call] = []
+        self.cond = threading.Condition()
+        self.last_arrival = 0.0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="asyncrl-endpoint", daemon=True)
+        self.thread.start()
+
+    def configure(self, sampling: SamplingConfig, eos_ids) -> None:
+        """The sampling settings and EOS of the engine the next batch of rollouts uses."""
+        self.sampling = sampling
+        self.eos = int(min(eos_ids)) if eos_ids else None
+        self.eos_ids = set(int(e) for e in eos_ids or ())
+
+    def open(self, budget: int | None) -> Session:
+        s = Session(self, budget)
+        with self.cond:
+            self.sessions[s.token] = s
+        return s
+
+    def drop(self, session: Session) -> None:
+        """Forget ``session``; its calls still waiting are answered with an error."""
+        with self.cond:
+            self.sessions.pop(session.token, None)
+            left = [c for c in self.pending if c.session is session]
+            self.pending = [c for c in self.pending if c.session is not session]
+        for c in left:
+            c.error = EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
+            c.done.set()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- the engine's side ----------------------------------------------------------------------
+    def wait_batch(self, running: int, timeout: float) -> list[Call]:
+        """Calls to generate now: once ``running`` calls wait (every agent is blocked), or when no new
+        call came for ``LINGER_S``; [] after ``timeout`` seconds without any."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                if self.pending and (len(self.pending) >= running or now - self.last_arrival >= LINGER_S):
+                    batch, self.pending = self.pending, []
+                    return batch
+                if now >= deadline:
+                    return []
+                wait = deadline - now
+                if self.pending:
+                    wait = min(wait, LINGER_S - (now - self.last_arrival) + 1e-3)
+                self.cond.wait(max(wait, 1e-3))
+
+    def serve(self, engine, calls: list[Call], seed: int | None) -> None:
+        """Generate ``calls`` with ``engine`` (grouped by max_tokens and stop strings) and record them."""
+        groups: dict[tuple, list[Call]] = {}
+        for c in calls:
+            groups.setdefault((c.max_tokens, tuple(c.stop)), []).append(c)
+        for k, ((max_tokens, stop), group) in enumerate(groups.items()):
+            sampling = SamplingConfig(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                      max_new_tokens=max_tokens, stop=list(stop))
+            prompts = [c.prompt_ids for c in group for _ in range(c.n)]
+            try:
+                gens = engine.generate(prompts, sampling, seed=None if seed is None else seed + k)
+            except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the engine takes: that call fails
+                for c in group:
+                    c.error = EndpointError(400, "generation_failed", f"the engine could not generate: "
+                                                                      f"{type(e).__name__}: {str(e)[:300]}", "server_error")
+                    c.done.set()
+                continue
+            i = 0
+            for c in group:
+                c.generations = gens[i:i + c.n]
+                i += c.n
+                self._record(c)
+                c.done.set()
+
+    def _record(self, c: Call) -> None:
+        """Extend the call's base segment (or start new ones) with each generation."""
+        s = c.session
+        with s.lock:
+            for j, g in enumerate(c.generations):
+                gen_ids, gen_lp = g.token_ids.tolist(), g.logprobs.tolist()
+                base = c.base
+                # extend in place only the first sample, and only if nothing extended the base meanwhile
+                if base is not None and j == 0 and len(base.ids) == c.base_len:
+                    seg = base
+                    extra = c.prompt_ids[len(seg.ids):]
+                    seg.ids += extra
+                    seg.mask += [0] * len(extra)
+                    seg.logprobs += [0.0] * len(extra)
+                else:
+                    n_prompt = len(c.prompt_ids)
+                    prefix_mask = base.mask[:c.base_len] if base is not None else []
+                    prefix_lp = base.logprobs[:c.base_len] if base is not None else []
+                    seg = Segment(ids=list(c.prompt_ids), mask=prefix_mask + [0] * (n_prompt - len(prefix_mask)),
+                                  logprobs=prefix_lp + [0.0] * (n_prompt - len(prefix_lp)),
+                                  texts=list(base.texts) if base is not None else [],
+                                  finish_reasons=list(base.finish_reasons) if base is not None else [],
+                                  calls=base.calls if base is not None else 0)
+                    s.segments.append(seg)
+                seg.ids += gen_ids
+                seg.mask += [1] * len(gen_ids)
+                seg.logprobs += gen_lp
+                seg.texts.append(g.text)
+                seg.finish_reasons.append(g.finish_reason)
+                seg.calls += 1
+                if c.chat:
+                    content, tool_calls = self.parse_tools(g.text, c.tools)
+                    reply = {"role": "assistant", "content": content or ""}
+                    if tool_calls:
+                        reply["tool_calls"] = tool_calls
+                    seg.messages = list(c.messages) + [reply]
+                else:
+                    seg.text = c.prompt_text + g.text
+
+    def parse_tools(self, text: str, tools: bool) -> tuple[str | None, list[dict]]:
+        if not tools or self.parser is None:
+            return text, []
+        try:
+            content, calls = self.parser(text)
+        except Exception:  # noqa: BLE001 - a user parser that fails on model output: no tool calls
+            return text, []
+        return content, list(calls or [])
+
+    # -- the HTTP side --------------------------------------------------------------------------
+    def session(self, token: str) -> Session:
+        with self.cond:
+            s = self.sessions.get(token)
+        if s is None or s.closed:
+            raise EndpointError(400, "episode_ended", "no such episode: it has ended, or the URL is wrong")
+        return s
+
+    def submit(self, s: Session, body: dict, chat: bool) -> Call:
+        model = body.get("model")
+        if model != self.model_name:
+            raise EndpointError(404, "model_not_found", f"the model {model!r} does not exist; this endpoint serves "
+                                                        f"{self.model_name!r}")
+        n = 1 if body.get("n") is None else body["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise EndpointError(400, "invalid_n", f"'n' must be an integer from 1 to {MAX_N}, got {n!r}")
+        cap = self.sampling.max_new_tokens
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or cap
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise EndpointError(400, "invalid_max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)) or len(stop) > 8:
+            raise EndpointError(400, "invalid_stop", "'stop' must be a string or a list of at most 8 strings")
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise EndpointError(400, "invalid_tools", "'tools' must be a list")
+        with s.lock:
+            if s.closed:
+                raise EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
+            if s.budget is not None and s.calls >= s.budget:
+                raise EndpointError(400, "call_budget_spent", f"this episode has made its {s.budget} calls "
+                                                              f"(env.max_turns); no more are answered")
+            call = self._chat_call(s, body, tools) if chat else self._text_call(s, body)
+            s.calls += 1
+        call.max_tokens, call.n = min(max_tokens, cap), n
+        call.stop = list(dict.fromkeys([*self.sampling.stop, *stop]))
+        with self.cond:
+            self.pending.append(call)
+            self.last_arrival = time.monotonic()
+            self.cond.notify_all()
+        return call
+
+    def _chat_call(self, s: Session, body: dict, tools) -> Call:
+        messages = normalize_messages(body.get("messages"))
+        base = s.find_chat_base(messages)
+        if base is None:
+            ids = render_prompt(self.tokenizer, messages, tools)
+        else:
+            ids = list(base.ids)
+            if self.eos is not None and (not ids or ids[-1] not in self.eos_ids):
+                ids.append(self.eos)  # close a turn that ended on a stop string or the length cap
+            ids += delta_tokens(self.tokenizer, _template_messages(base.messages),
+                                _template_messages(messages[len(base.messages):]))
+        return Call(s, ids, 0, [], 1, True, base, len(base.ids) if base else 0, messages=messages, tools=bool(tools))
+
+    def _text_call(self, s: Session, body: dict) -> Call:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise EndpointError(400, "invalid_prompt", f"prompt token ids must lie in [0, {vocab})")
+            return Call(s, list(prompt), 0, [], 1, False, None, 0, prompt_text=self.tokenizer.decode(prompt))
+        if not isinstance(prompt, str) or not prompt:
+            raise EndpointError(400, "invalid_prompt", "'prompt' must be a non-empty string (or a list of token ids)")
+        base = s.find_text_base(prompt)
+        if base is None:
+            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        else:
+            ids = list(base.ids) + list(self.tokenizer(prompt[len(base.text):], add_special_tokens=False)["input_ids"])
+        return Call(s, ids, 0, [], 1, False, base, len(base.ids) if base else 0, prompt_text=prompt)
+
+    def response(self, c: Call, chat: bool) -> dict:
+        gens = c.generations
+        usage = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": sum(len(g.token_ids) for g in gens)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        choices = []
+        for i, g in enumerate(gens):
+            choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason, "logprobs": None,
+                                      "token_ids": g.token_ids.tolist()}
+            if chat:
+                content, calls = self.parse_tools(g.text, c.tools)
+                msg: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                                          "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}}
+                                         for t in calls]
+                    choice["finish_reason"] = "tool_calls"
+                choice["message"] = msg
+            else:
+                choice["text"] = g.text
+            choices.append(choice)
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage, "prompt_token_ids": c.prompt_ids}
+
+
+def _handler_for(endpoint: Endpoint):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "asyncrl-endpoint"
+
+        def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
+            pass
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self) -> tuple[str, str]:
+            parts = self.path.split("?", 1)[0].strip("/").split("/")
+            if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
+                raise EndpointError(404, "not_found", f"unknown path {self.path[:80]!r}; use the base URL the "
+                                                      f"rollout was given (.../s/<session>/v1)")
+            return parts[1], "/".join(parts[3:])
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            try:
+                token, route = self._route()
+                endpoint.session(token)
+                if route != "models":
+                    raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
+                self._send(200, {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
+                                                             "owned_by": "asyncrl"}]})
+            except EndpointError as e:
+                self._send(e.status, e.body())
+
+        def do_POST(self) -> None:  # noqa: N802
+            session = None
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+                if size > MAX_BODY_BYTES:
+                    raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
+                raw = self.rfile.read(size) if size else b""
+                token, route = self._route()
+                if route not in ("chat/completions", "completions"):
+                    raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions and "
+                                                          f"/v1/completions")
+                session = endpoint.session(token)
+                try:
+                    body = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise EndpointError(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
+                if not isinstance(body, dict):
+                    raise EndpointError(400, "invalid_json", "the request body must be a JSON object")
+                if body.get("stream"):
+                    raise EndpointError(400, "stream_unsupported", "'stream': true is not supported; the rollout "
+                                                                   "needs the whole completion")
+                chat = route == "chat/completions"
+                call = endpoint.submit(session, body, chat)
+                if not call.done.wait(endpoint.request_timeout_s):
+                    raise EndpointError(408, "timeout", f"no completion within {endpoint.request_timeout_s:g} s "
+                                                        f"(env.kwargs.request_timeout_s)", "server_error")
+                if call.error is not None:
+                    raise call.error
+                self._send(200, endpoint.response(call, chat))
+            except EndpointError as e:
+                if session is not None:
+                    with session.lock:
+                        session.rejected.append(f"{e.code}: {e}")
+                self._send(e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - never a crash: an internal error is a 500 answer
+                self._send(500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
+                                              "server_error").body())
+
+    return Handler

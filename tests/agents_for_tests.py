@@ -1,0 +1,86 @@
+"""Agent functions for ``env.type=agent`` tests (tests/test_agent_env.py), named by import path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+
+
+def _log(record: dict) -> None:
+    """Append what the agent saw to $ASYNCRL_TEST_AGENT_LOG (the test compares it with the trained rows)."""
+    path = os.environ.get("ASYNCRL_TEST_AGENT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def two_calls(task, client, model):
+    """Two chat calls in one conversation: the answer, then a follow-up on it. Reward: the first answer is right."""
+    messages = [dict(m) for m in task.prompt]
+    first = client.chat.completions.create(model=model, messages=messages)
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "again"})
+    second = client.chat.completions.create(model=model, messages=messages)
+    _log({"task": task.id, "calls": [
+        {"prompt": first.model_extra["prompt_token_ids"], "completion": first.choices[0].model_extra["token_ids"],
+         "text": first.choices[0].message.content},
+        {"prompt": second.model_extra["prompt_token_ids"], "completion": second.choices[0].model_extra["token_ids"],
+         "text": second.choices[0].message.content}]})
+    return {"reward": float((first.choices[0].message.content or "").strip() == str(task.answer)), "calls": 2.0}
+
+
+async def two_calls_async(task, client, model):
+    """``two_calls`` with the async client; the second call starts a new conversation (no shared prefix)."""
+    a = await client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    b = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "1+1="}])
+    _log({"task": task.id, "separate": [a.model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"],
+                                        b.model_extra["prompt_token_ids"] + b.choices[0].model_extra["token_ids"]]})
+    return float((a.choices[0].message.content or "").strip() == str(task.answer))
+
+
+def text_completion(task, base_url, api_key, model):
+    """The plain completions route through httpx (no openai client)."""
+    r = httpx.post(f"{base_url}/completions", json={"model": model, "prompt": "12+34=", "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
+    r.raise_for_status()
+    return 1.0 if r.json()["choices"][0]["text"] else 0.0
+
+
+def raises(task, client, model):
+    client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    raise RuntimeError("the agent broke on purpose")
+
+
+def hangs(task, client, model):
+    client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    time.sleep(3600)
+
+
+async def hangs_async(task, client, model):
+    await asyncio.sleep(3600)
+
+
+def wrong_model(task, client, model):
+    client.chat.completions.create(model="gpt-4o", messages=[dict(m) for m in task.prompt])
+    return 1.0
+
+
+def never_calls(task, client, model):
+    return 1.0
+
+
+def returns_text(task, client, model):
+    client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    return "great"
+
+
+def sometimes_fails(task, client, model):
+    """Fails on tasks whose id hash is odd, answers otherwise: the run goes on with the rest."""
+    r = client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    if sum(map(ord, task.id)) % 4 == 0:
+        raise ValueError("this task's agent fails")
+    return float((r.choices[0].message.content or "").strip() == str(task.answer))

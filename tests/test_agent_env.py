@@ -1,0 +1,185 @@
+"""env.type=agent: agent code over the actor's OpenAI-compatible endpoint (asyncrl.rollout.endpoint),
+with the real HF engine, real loopback HTTP and the real ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from asyncrl.config import ConfigError, SamplingConfig, load_config
+from asyncrl.engine.hf import HFEngine
+from asyncrl.envs.base import make_env
+from asyncrl.models.prompts import render_tokens
+from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.rollout.endpoint import Endpoint, parse_hermes
+from asyncrl.rollout.workflow import RolloutContext, get_workflow
+from asyncrl.types import Task
+
+from .conftest import read_jsonl, run_cli, subprocess_env, wal_ids  # noqa: F401
+
+openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=True,
+                                         pad_token_id=0, bos_token_id=2, eos_token_id=3))
+    return HFEngine(model, tok)
+
+
+def _tasks(k: int) -> list[Task]:
+    return [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+1="}], answer=str(i + 1)) for i in range(k)]
+
+
+def _rollout(engine, tok, agent: str, *extra: str, tasks=None, n: int = 4):
+    cfg = load_config(None, ["env.type=agent", f"env.agent={agent}", "env.max_turns=4", f"sampling.n={n}",
+                             "sampling.temperature=3.0", "sampling.max_new_tokens=8", *extra])
+    env = make_env(cfg.env)
+    episodes = get_workflow("grpo", cfg).rollout(tasks or _tasks(3), RolloutContext(engine, tok, env, cfg, "a0", 1))
+    return episodes, env
+
+
+def test_two_chat_calls_train_one_row_of_the_sampled_ids(engine, tok, tmp_path, monkeypatch):
+    log = tmp_path / "agent.jsonl"
+    monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
+    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls", tasks=_tasks(4))
+    rows = [t for ep in episodes for t in ep.trajectories]
+    records = read_jsonl(log)
+    assert len(rows) == len(records) == 16 and all(not ep.decision for ep in episodes)
+    by_ids = {tuple(t.token_ids.tolist()): t for t in rows}
+    rebuilt = 0
+    for rec in records:
+        first, second = rec["calls"]
+        # the second call continues the first one's exact ids: prompt + sampled completion (+ EOS) + new turn
+        assert second["prompt"][:len(first["prompt"]) + len(first["completion"])] == first["prompt"] + first["completion"]
+        row = by_ids[tuple(second["prompt"] + second["completion"])]  # one row: the whole conversation
+        mask = row.loss_mask.tolist()
+        p1, c1, p2 = len(first["prompt"]), len(first["completion"]), len(second["prompt"])
+        assert mask == [0] * p1 + [1] * c1 + [0] * (p2 - p1 - c1) + [1] * len(second["completion"])
+        assert row.metadata["turns"] == 2 and row.scores["calls"] == 2.0
+        # what re-rendering the transcript would have trained on instead
+        text_ids = tok(first["text"], add_special_tokens=False)["input_ids"]
+        if text_ids != [t for t in first["completion"] if t != 3]:  # e.g. a special token sampled mid-reply
+            rebuilt += 1
+            transcript = [{"role": "user", "content": row.text and rec["task"] and f"{int(rec['task'][1:])}+1="},
+                          {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "again"}]
+            assert render_tokens(tok, transcript) != second["prompt"]
+    assert rebuilt >= 1, "no completion whose text re-encodes differently: the check above proved nothing"
+    # behaviour log-probs are the engine's, on generated tokens only
+    for t in rows:
+        lp = t.behavior_logprobs[t.loss_mask.astype(bool)]
+        assert (lp < 0).all() and (t.behavior_logprobs[~t.loss_mask.astype(bool)] == 0).all()
+
+
+def test_calls_that_share_no_prefix_are_separate_rows(engine, tok, tmp_path, monkeypatch):
+    log = tmp_path / "agent.jsonl"
+    monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
+    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls_async", n=2)
+    rows = {tuple(t.token_ids.tolist()): t for ep in episodes for t in ep.trajectories}
+    records = read_jsonl(log)
+    assert len(rows) == 2 * len(records) == 12
+    for rec in records:
+        for ids in rec["separate"]:
+            assert tuple(ids) in rows
+    assert {t.group_id for t in rows.values()} == {ep.id for ep in episodes}  # both rows in the task's group
+
+
+def test_text_completions_route(engine, tok):
+    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:text_completion", n=2)
+    rows = [t for ep in episodes for t in ep.trajectories]
+    assert len(rows) == 6
+    prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
+    for t in rows:
+        assert t.token_ids.tolist()[:len(prompt)] == prompt and t.loss_mask[len(prompt):].all()
+
+
+@pytest.mark.parametrize("agent, reason", [
+    ("raises", "raised RuntimeError: the agent broke on purpose"),
+    ("hangs", "no result after"),
+    ("hangs_async", "no result after"),
+    ("wrong_model", "model_not_found"),
+    ("never_calls", "made no call to the endpoint"),
+    ("returns_text", "returned 'great'"),
+])
+def test_a_failing_agent_is_a_recorded_failure(engine, tok, agent, reason):
+    episodes, env = _rollout(engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
+                             tasks=_tasks(2))
+    for ep in episodes:
+        assert ep.trajectories == [] and ep.metrics["env/failures"] == 2.0
+        assert all(reason in f for f in ep.decision["failures"]), ep.decision["failures"]
+    assert env.failures == 4
+    # the endpoint still serves the next rollouts
+    ok, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls", n=1, tasks=_tasks(1))
+    assert len(ok[0].trajectories) == 1
+
+
+def test_agent_config_errors_are_one_line():
+    with pytest.raises(ConfigError, match="needs env.agent"):
+        load_config(None, ["env.type=agent"])
+    with pytest.raises(ConfigError, match="env.agent is set"):
+        load_config(None, ["env.agent=tests.agents_for_tests:two_calls"])
+    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:nope"])
+    with pytest.raises(ConfigError, match="nope"):
+        make_env(cfg.env)
+
+
+def _serving(endpoint, engine, stop):
+    while not stop.is_set():
+        calls = endpoint.wait_batch(1, timeout=0.1)
+        if calls:
+            endpoint.serve(engine, calls, seed=0)
+
+
+def test_endpoint_answers_bad_requests_with_openai_errors(engine, tok):
+    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), engine.eos_ids, parse_hermes, request_timeout_s=30)
+    stop = threading.Event()
+    server = threading.Thread(target=_serving, args=(ep, engine, stop), daemon=True)
+    server.start()
+    try:
+        s = ep.open(budget=2)
+        url = f"{s.base_url}/chat/completions"
+        ok = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}
+
+        def post(body, **kw):
+            r = httpx.post(url, content=body if isinstance(body, bytes) else json.dumps(body), timeout=30, **kw)
+            return r.status_code, r.json()
+
+        cases = [(b"{not json", 400, "invalid_json"), ({"model": "gpt-4o", "messages": ok["messages"]}, 404, "model_not_found"),
+                 ({"model": "policy"}, 400, "invalid_messages"), ({**ok, "n": 0}, 400, "invalid_n"),
+                 ({**ok, "stream": True}, 400, "stream_unsupported"),
+                 ({"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_content")]
+        for body, status, code in cases:
+            got = post(body)
+            assert got[0] == status and got[1]["error"]["code"] == code, (body, got)
+        status, out = post({**ok, "n": 3, "max_tokens": 2})
+        assert status == 200 and len(out["choices"]) == 3 and all(len(c["token_ids"]) <= 2 for c in out["choices"])
+        assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+        assert httpx.get(f"{s.base_url}/models").json()["data"][0]["id"] == "policy"
+        assert post(ok)[0] == 200
+        assert post(ok)[1]["error"]["code"] == "call_budget_spent"  # budget 2: the third valid call
+        s.close()
+        assert post(ok)[1]["error"]["code"] == "episode_ended"  # a call after the episode ends
+        assert httpx.get(f"http://127.0.0.1:{ep.port}/v1/models").status_code == 404
+        assert ep.server.server_address[0] == "127.0.0.1"
+    finally:
+        stop.set()
+        server.join(5)
+        ep.close()
+
+
+def test_hermes_tool_calls_are_parsed():
+    content, calls = parse_hermes('let me add <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert content == "let me add" and calls == [{"name": "add", "arguments": {"a": 1}}]
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
