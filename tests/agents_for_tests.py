@@ -78,9 +78,8 @@ def returns_text(task, client, model):
     return "great"
 
 
-def sometimes_fails(task, client, model):
-    """Fails on tasks whose id hash is odd, answers otherwise: the run goes on with the rest."""
-    r = client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+def two_calls_or_fails(task, client, model):
+    """``two_calls``, but the agent fails on about a quarter of the tasks (the run goes on)."""
     if sum(map(ord, task.id)) % 4 == 0:
         raise ValueError("this task's agent fails")
-    return float((r.choices[0].message.content or "").strip() == str(task.answer))
+    return two_calls(task, client, model)

@@ -20,7 +20,7 @@ from asyncrl.rollout.endpoint import Endpoint, parse_hermes
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
 
-from .conftest import read_jsonl, run_cli, subprocess_env, wal_ids  # noqa: F401
+from .conftest import read_jsonl, run_cli, subprocess_env
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
@@ -183,3 +183,31 @@ def test_hermes_tool_calls_are_parsed():
     content, calls = parse_hermes('let me add <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert content == "let me add" and calls == [{"name": "add", "arguments": {"a": 1}}]
     assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+@pytest.mark.slow
+def test_agent_run_over_learner_and_actor(tmp_path, tiny_overrides):
+    """`asyncrl run` with an agent over learner and actor processes: the trained rows are the agent's
+    conversations; failing agents are recorded with their reason and the run finishes. (The trained
+    ids equal the endpoint's record: test_two_chat_calls_train_one_row_of_the_sampled_ids, same code.)"""
+    log = tmp_path / "agent.jsonl"
+    env = subprocess_env()
+    env["ASYNCRL_TEST_AGENT_LOG"] = str(log)
+    res = run_cli("run", *tiny_overrides, f"run_root={tmp_path}", "name=agent", "train.total_steps=3",
+                  "env.type=agent", "env.agent=tests.agents_for_tests:two_calls_or_fails", "env.max_turns=2",
+                  "sampling.n=4", "sampling.max_new_tokens=6", "actor.tasks_per_batch=4", "train.batch_tasks=4",
+                  "eval.size=8", "log.progress=false", "checkpoint.every=0", timeout=400, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run = tmp_path / "agent"
+    assert [m["version"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    recorded = {"\n".join(c["text"] or "" for c in rec["calls"]) for rec in read_jsonl(log)}
+    events = read_jsonl(run / "events.jsonl")
+    episodes = [e for e in events if e["kind"] == "episode"]
+    rows = [t for e in episodes for t in e["trajectories"]]
+    assert rows and all(t["text"] in recorded and t["scores"]["calls"] == 2.0 for t in rows)
+    failures = [f for e in episodes for f in (e.get("decision") or {}).get("failures", [])]
+    failed_tasks = {e["task_id"] for e in episodes if sum(map(ord, e["task_id"])) % 4 == 0}
+    assert failed_tasks and len(failures) == 4 * len(failed_tasks)
+    assert all("raised ValueError: this task's agent fails" in f for f in failures), failures[:3]
+    evals = [e for e in events if e["kind"] == "eval"]  # the held-out evaluation runs the agent on the learner
+    assert [e["step"] for e in evals] == [0, 3] and all(e["size"] == 8 for e in evals)
