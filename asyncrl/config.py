@@ -61,8 +61,10 @@ class ModelConfig(_Base):
 
 class TasksConfig(_Base):
     type: str = Field("arithmetic", description=(
-        "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), or an import path "
-        "'pkg.module:function' returning an iterable of Task or dicts."))
+        "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), 'reasoning_gym' "
+        "(procedural datasets; kwargs datasets, size, seed; the reward defaults to their own scorers), "
+        "'verifiers' (the dataset of env.type=verifiers), or an import path 'pkg.module:function' "
+        "returning an iterable of Task or dicts."))
     path: str | None = Field(None, description="Task file for type 'file' (.jsonl, .json or .parquet).")
     prompt_field: str = Field("prompt", description="Field holding the prompt (string or chat messages).")
     answer_field: str = Field("answer", description="Field holding the ground truth.")
@@ -525,6 +527,14 @@ class Config(_Base):
         if self.actor.heartbeat_s * 2 > self.wire.lease_s:
             raise ValueError(f"actor.heartbeat_s ({self.actor.heartbeat_s}) must be at most half of "
                              f"wire.lease_s ({self.wire.lease_s}), or healthy actors lose their credits")
+        if self.tasks.type == "reasoning_gym" and "reward" not in self.env.model_fields_set:
+            self.env.reward = "reasoning_gym"  # the datasets' own scorers
+        if self.env.type == "verifiers" and self.tasks.type == "arithmetic" and "type" not in self.tasks.model_fields_set:
+            self.tasks.type = "verifiers"  # the environment's own dataset
+            self.tasks.kwargs = {k: v for k, v in self.env.kwargs.items() if k in ("taskset", "config", "size")}
+        if self.env.type in ("agent", "verifiers") and self.algorithm != "grpo":
+            raise ValueError(f"env.type={self.env.type} runs with algorithm grpo (its rollouts are the agent's or the "
+                             f"environment's own), not {self.algorithm}")
         if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
         rp = self.replay

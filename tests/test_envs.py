@@ -97,3 +97,37 @@ def test_multi_turn_masks_cover_only_assistant_turns():
     assert c.logprobs[p1:p1 + 2] == pytest.approx([-0.1, -0.2])
     traj = c.to_trajectory(engine.version, env.evaluate(task, c.history))
     assert traj.reward == 1.0 and traj.scores["turns"] == 2.0 and traj.policy_version == 7
+
+
+# ---- reasoning-gym (tasks.type=reasoning_gym) ----
+
+def test_reasoning_gym_heldout_never_overlaps_training():
+    pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]') is not installed")
+    from asyncrl.config import load_config
+    from asyncrl.envs.base import make_env
+    from asyncrl.envs.tasks import split_tasks
+
+    # a small problem space (one-digit sums of two terms): a training draw of 3000 repeats held-out questions
+    cfg = load_config(None, ["tasks.type=reasoning_gym", "tasks.eval_size=40", "tasks.kwargs={datasets: "
+                             "{basic_arithmetic: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}, size: 3000}"])
+    train, heldout = split_tasks(cfg.tasks)
+    held = {t.prompt[0]["content"] for t in heldout}
+    assert len(heldout) == 40 and not held & {t.prompt[0]["content"] for t in train}
+    assert len(train) < 3000  # the repeats were removed, not kept
+    assert split_tasks(cfg.tasks)[1] == heldout  # deterministic
+    env = make_env(cfg.env)  # env.reward defaults to the datasets' own scorer
+    t = train[0]
+    assert env.evaluate(t, [*t.prompt, {"role": "assistant", "content": f"so <answer>{t.answer}</answer>"}])["reward"] == 1.0
+    assert env.evaluate(t, [*t.prompt, {"role": "assistant", "content": "<answer>no</answer>"}])["reward"] == 0.0
+
+
+def test_reasoning_gym_config_errors_are_one_line():
+    pytest.importorskip("reasoning_gym", reason="the envs extra is not installed")
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.envs.tasks import split_tasks
+
+    for kwargs, match in [("{datasets: no_such_dataset}", "has no dataset 'no_such_dataset'"),
+                          ("{datasets: {basic_arithmetic: {bogus: 1}}}", "refused its config"),
+                          ("{size: 10}", "needs tasks.kwargs.datasets"), ("{datasets: leg_counting, sizes: 3}", "unknown key")]:
+        with pytest.raises(ConfigError, match=match):
+            split_tasks(load_config(None, ["tasks.type=reasoning_gym", f"tasks.kwargs={kwargs}"]).tasks)

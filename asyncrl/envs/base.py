@@ -55,7 +55,8 @@ def exact_match_reward(task: Task, response: str) -> float:
     return float(any(normalize_answer(response) == normalize_answer(str(g)) for g in golds))
 
 
-REWARDS: Registry[RewardFn] = Registry("reward", {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward})
+REWARDS: Registry[RewardFn] = Registry("reward", {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward,
+                                                  "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_reward"})
 
 
 def get_reward_fn(spec: str) -> RewardFn:
@@ -89,7 +90,7 @@ class SingleTurnEnv:
 ENVS: Registry["type | str"] = Registry("environment", {"single_turn": SingleTurnEnv,
                                                         "calculator": "asyncrl.envs.calculator:CalculatorEnv",
                                                         "agent": "asyncrl.rollout.agent:AgentEnv",
-                                                        "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv"})
+                                                        "verifiers": "asyncrl.rollout.verifiers_env:VerifiersEnv"})
 
 
 def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":

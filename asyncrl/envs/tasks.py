@@ -130,6 +130,14 @@ def source_tasks(cfg) -> list[Task] | None:
     kind = cfg.type
     if kind == "arithmetic":
         return None
+    if kind == "reasoning_gym":
+        from .rgym import reasoning_gym_split
+
+        return reasoning_gym_split(cfg)[0]
+    if kind == "verifiers":
+        from ..rollout.verifiers_env import verifiers_tasks
+
+        return verifiers_tasks(cfg.kwargs)
     if kind == "file":
         if not cfg.path:
             raise ConfigError("tasks.type is 'file' but tasks.path is not set")
@@ -142,7 +150,7 @@ def source_tasks(cfg) -> list[Task] | None:
         if not tasks:
             raise ConfigError(f"tasks.type {kind}: the function returned no tasks")
         return tasks
-    raise ConfigError(f"tasks.type: unknown task source {kind!r}; expected 'arithmetic', 'file', or an import "
+    raise ConfigError(f"tasks.type: unknown task source {kind!r}; expected 'arithmetic', 'file', 'reasoning_gym', or an import "
                       f"path 'pkg.module:function'")
 
 
@@ -151,6 +159,10 @@ def source_tasks(cfg) -> list[Task] | None:
 def split_tasks(cfg) -> tuple[list[Task] | None, list[Task]]:
     """``(training tasks, held-out tasks)``; training is None for ``arithmetic`` (a generated
     stream that :func:`task_stream` filters). Deterministic for a config (``tasks.holdout_seed``)."""
+    if cfg.type == "reasoning_gym" and not cfg.eval_path:
+        from .rgym import reasoning_gym_split
+
+        return reasoning_gym_split(cfg)
     tasks = source_tasks(cfg)
     if cfg.eval_path:
         heldout = load_task_file(cfg.eval_path, cfg)[: cfg.eval_size]
@@ -176,6 +188,9 @@ def describe_heldout(cfg, heldout: list[Task], train: list[Task] | None) -> str:
         return "no held-out set (tasks.eval_size or tasks.holdout_fraction is 0): no evaluation"
     if cfg.eval_path:
         return f"held-out: {len(heldout)} tasks from {cfg.eval_path} (tasks.eval_path)"
+    if cfg.type == "reasoning_gym":
+        return (f"held-out: {len(heldout)} reasoning-gym tasks drawn with seed {cfg.holdout_seed + 1_000_003}; "
+                f"training tasks with the same question removed")
     if train is None:
         return (f"held-out: {len(heldout)} distinct arithmetic problems drawn with seed "
                 f"{cfg.holdout_seed + _EVAL_SEED_OFFSET}, removed from the training stream")

@@ -52,25 +52,31 @@ class AgentEnv:
                  request_timeout_s: float = 120.0, tool_parser: str = "hermes", **_: Any):
         if not agent:
             raise ConfigError("env.type=agent needs env.agent: the agent function 'pkg.module:fn'")
-        self.spec = agent
-        self.fn = resolve_import(agent, "env.agent")
-        if not callable(self.fn):
+        fn = resolve_import(agent, "env.agent")
+        if not callable(fn):
             raise ConfigError(f"env.agent {agent!r} is not a function")
+        self._set_agent(fn, agent)
+        self._setup(model, request_timeout_s, tool_parser, max_turns)
+
+    def _set_agent(self, fn, spec: str) -> None:
+        self.spec, self.fn = spec, fn
         params = inspect.signature(self.fn).parameters
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.args = AGENT_ARGS if var_kw else tuple(a for a in AGENT_ARGS if a in params)
         unknown = [n for n, p in params.items() if n not in AGENT_ARGS and p.default is inspect.Parameter.empty
                    and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
         if unknown:
-            raise ConfigError(f"env.agent {agent!r}: parameters {unknown} have no default; the agent is called with "
+            raise ConfigError(f"env.agent {spec!r}: parameters {unknown} have no default; the agent is called with "
                               f"keyword arguments among {', '.join(AGENT_ARGS)}")
         self.is_async = inspect.iscoroutinefunction(self.fn)
         if "client" in self.args:
             try:
                 import openai  # noqa: F401
             except ImportError:
-                raise ConfigError(f"env.agent {agent!r} takes a 'client', which needs the openai package: "
+                raise ConfigError(f"env.agent {spec!r} takes a 'client', which needs the openai package: "
                                   f"pip install 'asyncrl[envs]' (or take base_url instead)") from None
+
+    def _setup(self, model: str, request_timeout_s: float, tool_parser: str, max_turns: int) -> None:
         self.model = str(model)
         self.request_timeout_s = float(request_timeout_s)
         self.parser = make_tool_parser(str(tool_parser))

@@ -1,0 +1,118 @@
+"""Environments people already have: verifiers (v1) environments and reasoning-gym tasks, through the
+actor's OpenAI-compatible endpoint (asyncrl.rollout.verifiers_env) and asyncrl's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.engine.hf import HFEngine
+from asyncrl.envs.base import make_env
+from asyncrl.envs.tasks import split_tasks
+from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.rollout.workflow import RolloutContext, get_workflow
+
+from .conftest import read_jsonl, run_cli
+
+pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
+pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]') is not installed")
+
+SINGLE = "tests.vf_envs_for_tests:AddTaskset"
+MULTI = ["env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
+         "env.kwargs.tool_parser=tests.vf_envs_for_tests:add_call_parser", "env.max_turns=3"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    torch.manual_seed(0)
+    return HFEngine(LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3)), tok)
+
+
+def _rollouts(engine, tok, *overrides):
+    cfg = load_config(None, ["env.type=verifiers", "sampling.n=2", "sampling.max_new_tokens=6", *overrides])
+    train, heldout = split_tasks(cfg.tasks)
+    env = make_env(cfg.env)
+    return get_workflow("grpo", cfg).rollout(train[:3], RolloutContext(engine, tok, env, cfg, "a0", 1)), env, cfg
+
+
+def test_verifiers_dataset_and_rubric(engine, tok):
+    episodes, env, cfg = _rollouts(engine, tok, f"env.kwargs.taskset={SINGLE}")
+    assert cfg.tasks.type == "verifiers"
+    train, heldout = split_tasks(cfg.tasks)
+    assert len(train) + len(heldout) == 40 and not {t.id for t in train} & {t.id for t in heldout}
+    rows = [t for ep in episodes for t in ep.trajectories]
+    assert len(rows) == 6 and all(not ep.decision for ep in episodes)
+    for t in rows:  # the rubric's reward and metric, as named scores
+        assert set(t.scores) == {"reward", "vf/correct", "vf/reply_chars"}
+        assert t.scores["vf/reply_chars"] == len(t.text.strip()) and t.metadata["turns"] == 1
+    # the rubric scores a right answer 1, a wrong one 0 (the verifiers Task's own @vf.reward)
+    task = train[0]
+    vtask = env.vtask(task)
+    right = asyncio.run(env.score(vtask, [*task.prompt, {"role": "assistant", "content": vtask.data.answer}]))
+    wrong = asyncio.run(env.score(vtask, [*task.prompt, {"role": "assistant", "content": "x"}]))
+    assert right["reward"] == right["vf/correct"] == 1.0 and wrong["reward"] == 0.0
+
+
+def test_verifiers_multi_turn_tool_calls_are_one_trajectory(engine, tok):
+    episodes, env, _ = _rollouts(engine, tok, *MULTI)
+    rows = [t for ep in episodes for t in ep.trajectories]
+    assert len(rows) == 6 and all(not ep.decision for ep in episodes)
+    multi = [t for t in rows if t.metadata["turns"] > 1]
+    assert multi, [t.metadata for t in rows]
+    for t in multi:
+        mask = t.loss_mask.tolist()
+        spans = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        assert spans == t.metadata["turns"]  # one generated span per model call, tool turns between are masked
+        assert t.scores["vf/tool_calls"] >= t.metadata["turns"] - 1
+        text = tok.decode(t.token_ids.tolist())
+        # the tool results the model saw are in the row (a call after the last model call is not)
+        assert text.count("<|tool|>") == t.metadata["turns"] - 1
+
+
+def test_verifiers_config_errors_are_one_line():
+    with pytest.raises(ConfigError, match="needs env.kwargs.taskset"):
+        make_env(load_config(None, ["env.type=verifiers"]).env)
+    with pytest.raises(ConfigError, match="not a verifiers Taskset"):
+        make_env(load_config(None, ["env.type=verifiers", "env.kwargs.taskset=tests.vf_envs_for_tests:AddTask"]).env)
+    with pytest.raises(ConfigError, match="refused it"):
+        make_env(load_config(None, ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}",
+                                    "env.kwargs.config={num_taskz: 3}"]).env)
+    with pytest.raises(ConfigError, match="runs with algorithm grpo"):
+        load_config(None, ["env.type=verifiers", "algorithm=rlcr"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["verifiers_multi_turn", "reasoning_gym"])
+def test_runs_end_to_end(tmp_path, tiny_overrides, source):
+    """`asyncrl run` (learner and actor processes) on a verifiers multi-turn environment and on a
+    reasoning-gym dataset: steps train, the held-out tasks are never trained on."""
+    setup = {"verifiers_multi_turn": ["env.type=verifiers", *MULTI, "tasks.holdout_fraction=0.2"],
+             "reasoning_gym": ["tasks.type=reasoning_gym", "tasks.eval_size=16", "sampling.max_new_tokens=6",
+                               "tasks.kwargs={datasets: {basic_arithmetic: {min_terms: 2, max_terms: 2, "
+                               "min_digits: 1, max_digits: 1}}, size: 400}"]}[source]
+    res = run_cli("run", *tiny_overrides, f"run_root={tmp_path}", "name=r", "train.total_steps=2", "sampling.n=4",
+                  "actor.tasks_per_batch=4", "train.batch_tasks=4", "eval.size=8", "log.progress=false",
+                  "checkpoint.every=0", *setup, timeout=400)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run = tmp_path / "r"
+    assert [m["version"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    events = read_jsonl(run / "events.jsonl")
+    trained = {e["task_id"] for e in events if e["kind"] == "episode"}
+    evaluated = {s["task_id"] for e in events if e["kind"] == "eval" for s in e.get("samples", [])}
+    assert trained and evaluated and not trained & evaluated
+    prefix = {"verifiers_multi_turn": "vf:", "reasoning_gym": "rg:basic_arithmetic:train:"}[source]
+    assert all(t.startswith(prefix) for t in trained)
+    rows = [t for e in events if e["kind"] == "episode" for t in e["trajectories"]]
+    if source == "verifiers_multi_turn":
+        assert any(t["scores"]["vf/tool_calls"] >= 1 for t in rows)
