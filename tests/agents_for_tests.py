@@ -83,3 +83,15 @@ def two_calls_or_fails(task, client, model):
     if sum(map(ord, task.id)) % 4 == 0:
         raise ValueError("this task's agent fails")
     return two_calls(task, client, model)
+
+
+async def openenv_add(task, client, model):
+    """Plays the OpenEnv environment served at $ASYNCRL_TEST_OPENENV_URL (tests/openenv_for_tests.py):
+    reset (seeded by the task), ask the policy, step with its answer; the environment's reward."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    async with GenericEnvClient(base_url=os.environ["ASYNCRL_TEST_OPENENV_URL"]) as env:
+        obs = (await env.reset(seed=int(task.id.rsplit(":", 1)[-1]))).observation
+        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": obs["question"]}])
+        result = await env.step({"answer": reply.choices[0].message.content or ""})
+        return {"reward": float(result.reward or 0.0), "openenv/steps": 1.0}

@@ -116,3 +116,61 @@ def test_runs_end_to_end(tmp_path, tiny_overrides, source):
     rows = [t for e in events if e["kind"] == "episode" for t in e["trajectories"]]
     if source == "verifiers_multi_turn":
         assert any(t["scores"]["vf/tool_calls"] >= 1 for t in rows)
+
+
+@pytest.fixture()
+def openenv_server(monkeypatch):
+    """The OpenEnv test environment served by OpenEnv's own server in a real process (no Docker)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    pytest.importorskip("openenv.core", reason="the envs extra is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.openenv_for_tests", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the OpenEnv server did not start"
+            time.sleep(0.2)
+        monkeypatch.setenv("ASYNCRL_TEST_OPENENV_URL", f"http://127.0.0.1:{port}")
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_openenv_environment_through_the_agent_path(engine, tok, openenv_server):
+    import random
+
+    from asyncrl.types import Task
+
+    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:openenv_add", "sampling.n=3",
+                             "sampling.max_new_tokens=3", "sampling.temperature=2.0"])
+    tasks = [Task(id=f"oe:{i}", prompt=[{"role": "user", "content": "(the OpenEnv server asks)"}]) for i in range(4)]
+    episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(engine, tok, make_env(cfg.env), cfg, "a0", 1))
+    assert all(not ep.decision for ep in episodes) and sum(len(ep.trajectories) for ep in episodes) == 12
+    for i, ep in enumerate(episodes):
+        rng = random.Random(i)
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        for t in ep.trajectories:
+            # the row is the question the OpenEnv server asked, and its reward is the server's verdict
+            assert f"<|user|>{a}+{b}=<|end|>" in tok.decode(t.token_ids.tolist())
+            expected = 1.0 if t.text.strip() == str(a + b) else -len(t.text.strip()) / 100
+            assert t.reward == pytest.approx(expected) and t.scores["openenv/steps"] == 1.0
+        assert any(t.reward < 0 for t in ep.trajectories)  # the server's own reward came through
