@@ -114,7 +114,9 @@ class AgentEnv:
             if guard is not None:
                 guard.check_rate()
             session = endpoint.open(self.max_calls)
-            runs.append((conv, session, _RUNNER.start(self, conv.task, session), time.monotonic()))
+            fut = _RUNNER.start(self, conv.task, session)
+            fut.add_done_callback(lambda _: endpoint.wake())  # the loop below recounts the agents still running
+            runs.append((conv, session, fut, time.monotonic()))
         batch_seed = seed
         try:
             while True:
@@ -181,6 +183,7 @@ class _AgentRunner:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="asyncrl-agent")
+        self.clients: dict[tuple, Any] = {}
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
         with self.lock:
@@ -196,26 +199,27 @@ class _AgentRunner:
     async def _run(self, env: AgentEnv, task: Task, session: Session) -> Any:
         values: dict[str, Any] = {"task": task, "base_url": session.base_url, "api_key": session.token,
                                   "model": env.model}
-        client = None
         if "client" in env.args:
+            values["client"] = self.client(env.is_async, env.request_timeout_s).with_options(
+                base_url=session.base_url, api_key=session.token)
+        kwargs = {k: values[k] for k in env.args}
+        if env.is_async:
+            return await env.fn(**kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(self.pool, lambda: env.fn(**kwargs))
+        if inspect.isawaitable(result):
+            return await result
+        return result
+
+    def client(self, is_async: bool, timeout: float):
+        """A shared ``openai`` client (one connection pool per process); each rollout gets a copy
+        bound to its session (``with_options``: cheap, where a new client costs ~20 ms)."""
+        key = (is_async, timeout)
+        if key not in self.clients:
             import openai
 
-            cls = openai.AsyncOpenAI if env.is_async else openai.OpenAI
-            client = values["client"] = cls(base_url=session.base_url, api_key=session.token, max_retries=0,
-                                            timeout=env.request_timeout_s + 5)
-        kwargs = {k: values[k] for k in env.args}
-        try:
-            if env.is_async:
-                return await env.fn(**kwargs)
-            result = await asyncio.get_running_loop().run_in_executor(self.pool, lambda: env.fn(**kwargs))
-            if inspect.isawaitable(result):
-                return await result
-            return result
-        finally:
-            if client is not None:
-                closing = client.close()
-                if inspect.isawaitable(closing):
-                    await closing
+            cls = openai.AsyncOpenAI if is_async else openai.OpenAI
+            self.clients[key] = cls(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=timeout + 5)
+        return self.clients[key]
 
 
 _RUNNER = _AgentRunner()

@@ -175,8 +175,18 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list | None) -> list[int]:
-    """Prompt ids of a new conversation (the run's prompt format; ``tools`` to the chat template)."""
+def render_prompt(tokenizer, messages: list[dict], tools: list | None, cache: dict | None = None) -> list[int]:
+    """Prompt ids of a new conversation (the run's prompt format; ``tools`` to the chat template).
+    ``cache`` (bounded by the caller) keeps renders of repeated prompts: a group's ``n`` rollouts all
+    open with the task's prompt, and the chat template costs more than the rest of a call."""
+    if cache is not None:
+        key = json.dumps([messages, tools], sort_keys=True)
+        ids = cache.get(key)
+        if ids is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            ids = cache[key] = render_prompt(tokenizer, messages, tools)
+        return list(ids)
     msgs = _template_messages(messages)
     if tools and prompt_format(tokenizer) == "chat":
         text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -276,6 +286,8 @@ class Endpoint:
         self.pending: list[Call] = []
         self.cond = threading.Condition()
         self.last_arrival = 0.0
+        self._woken = False
+        self.render_cache: dict[str, list[int]] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
@@ -309,9 +321,15 @@ class Endpoint:
         self.server.server_close()
 
     # -- the engine's side ----------------------------------------------------------------------
+    def wake(self) -> None:
+        """Make a waiting :meth:`wait_batch` return (an agent finished: fewer calls to wait for)."""
+        with self.cond:
+            self._woken = True
+            self.cond.notify_all()
+
     def wait_batch(self, running: int, timeout: float) -> list[Call]:
         """Calls to generate now: once ``running`` calls wait (every agent is blocked), or when no new
-        call came for ``LINGER_S``; [] after ``timeout`` seconds without any."""
+        call came for ``LINGER_S``; [] after ``timeout`` seconds without any, or at a :meth:`wake`."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
@@ -319,6 +337,9 @@ class Endpoint:
                 if self.pending and (len(self.pending) >= running or now - self.last_arrival >= LINGER_S):
                     batch, self.pending = self.pending, []
                     return batch
+                if self._woken and not self.pending:
+                    self._woken = False
+                    return []
                 if now >= deadline:
                     return []
                 wait = deadline - now
@@ -445,7 +466,7 @@ class Endpoint:
         messages = normalize_messages(body.get("messages"))
         base = s.find_chat_base(messages)
         if base is None:
-            ids = render_prompt(self.tokenizer, messages, tools)
+            ids = render_prompt(self.tokenizer, messages, tools, self.render_cache)
         else:
             ids = list(base.ids)
             if self.eos is not None and (not ids or ids[-1] not in self.eos_ids):
@@ -501,6 +522,7 @@ def _handler_for(endpoint: Endpoint):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "asyncrl-endpoint"
+        disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
 
         def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
             pass
