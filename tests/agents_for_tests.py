@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
+import zlib
 
 import httpx
+
+
+_LOG_LOCK = threading.Lock()  # agents run on many threads at once: one whole line at a time
 
 
 def _log(record: dict) -> None:
     """Append what the agent saw to $ASYNCRL_TEST_AGENT_LOG (the test compares it with the trained rows)."""
     path = os.environ.get("ASYNCRL_TEST_AGENT_LOG")
     if path:
-        with open(path, "a") as f:
+        with _LOG_LOCK, open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 
@@ -91,7 +96,9 @@ async def openenv_add(task, client, model):
     from openenv.core.generic_client import GenericEnvClient
 
     async with GenericEnvClient(base_url=os.environ["ASYNCRL_TEST_OPENENV_URL"]) as env:
-        obs = (await env.reset(seed=int(task.id.rsplit(":", 1)[-1]))).observation
+        suffix = task.id.rsplit(":", 1)[-1]
+        seed = int(suffix) if suffix.isdigit() else zlib.crc32(task.id.encode())
+        obs = (await env.reset(seed=seed)).observation
         reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": obs["question"]}])
         result = await env.step({"answer": reply.choices[0].message.content or ""})
         return {"reward": float(result.reward or 0.0), "openenv/steps": 1.0}

@@ -286,8 +286,8 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
     try:
         REWARDS.resolve("nope", "env.reward", what="function")
     except ConfigError as e:
-        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, or an import "
-                          "path 'pkg.module:function'")
+        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, reasoning_gym, or "
+                          "an import path 'pkg.module:function'")
     else:
         raise AssertionError("an unknown name was accepted")
 

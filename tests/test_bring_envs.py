@@ -77,7 +77,7 @@ def test_verifiers_multi_turn_tool_calls_are_one_trajectory(engine, tok):
         assert t.scores["vf/tool_calls"] >= t.metadata["turns"] - 1
         text = tok.decode(t.token_ids.tolist())
         # the tool results the model saw are in the row (a call after the last model call is not)
-        assert text.count("<|tool|>") == t.metadata["turns"] - 1
+        assert text.count("<|user|>") == 1 + t.metadata["turns"] - 1  # the prompt, then tool turns
 
 
 def test_verifiers_config_errors_are_one_line():

@@ -17,9 +17,10 @@ ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS, *ROLE_TOKENS)  # ids 0..6, in this order
 CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # a tool result (role "tool") is shown as a user turn: the calculator warm start's form
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% set role = 'user' if message['role'] == 'tool' else message['role'] %}"
+    "{{ '<|' + role + '|>' + message['content'] + '<|end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
