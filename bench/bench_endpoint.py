@@ -2,7 +2,9 @@
 an agent making one chat call per rollout with the ``openai`` client) against the direct engine call
 (env.type=single_turn), on the quick-start task and model, same batches, same engine.
 
-    python bench/bench_endpoint.py [--rounds 5] [--batches 4] [--threads 2]
+    python bench/bench_endpoint.py [--rounds 5] [--batches 4] [--threads 2] [KEY=VALUE ...]
+
+KEY=VALUE overrides apply to both paths (e.g. ``sampling.max_new_tokens=64`` for longer completions).
 
 Rounds alternate the two paths (direct first, then endpoint) on the same warm engine; each prints
 its completions/s, and the summary gives the median of the per-round ratios (noisy machine: compare
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=4, help="actor batches per path per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("overrides", nargs="*", help="config overrides for both paths")
     args = ap.parse_args()
 
     import torch
@@ -49,9 +52,10 @@ def main() -> None:
     from asyncrl.rollout.workflow import RolloutContext, get_workflow
 
     torch.set_num_threads(args.threads)
-    direct_cfg = load_config(args.config, [])
-    agent_cfg = load_config(args.config, ["env.type=agent", "env.agent=bench.bench_endpoint:answer_agent"])
-    async_cfg = load_config(args.config, ["env.type=agent", "env.agent=bench.bench_endpoint:answer_agent_async"])
+    direct_cfg = load_config(args.config, args.overrides)
+    agent_cfg = load_config(args.config, [*args.overrides, "env.type=agent", "env.agent=bench.bench_endpoint:answer_agent"])
+    async_cfg = load_config(args.config, [*args.overrides, "env.type=agent",
+                                          "env.agent=bench.bench_endpoint:answer_agent_async"])
     model, tok, _ = load_policy(direct_cfg.model, seed=direct_cfg.seed, prompt_format=direct_cfg.tasks.prompt_format)
     engine = HFEngine(model, tok)
     paths = {name: (get_workflow("grpo", cfg), make_env(cfg.env), cfg) for name, cfg in

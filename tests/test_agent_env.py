@@ -211,3 +211,22 @@ def test_agent_run_over_learner_and_actor(tmp_path, tiny_overrides):
     assert all("raised ValueError: this task's agent fails" in f for f in failures), failures[:3]
     evals = [e for e in events if e["kind"] == "eval"]  # the held-out evaluation runs the agent on the learner
     assert [e["step"] for e in evals] == [0, 3] and all(e["size"] == 8 for e in evals)
+
+
+def test_calc_agent_example_parses_and_loads():
+    from examples.calc_agent import calculator, parse_calc
+
+    assert parse_calc("calc:12+34") == (None, [{"name": "calculator", "arguments": {"expression": "12+34"}}])
+    assert parse_calc("46") == ("46", [])
+    assert calculator("12+34") == "46" and calculator("__import__('os')") == "error"
+    cfg = load_config("examples/calc_agent.yaml", [])
+    env = make_env(cfg.env)
+    assert env.fn.__name__ == "solve" and env.parser is parse_calc and "calculator" in cfg.model.embedded.warmstart_formats
+
+
+def test_many_agents_connect_at_once(engine, tok):
+    """150 rollouts open their connections together (a held-out evaluation does): none is refused."""
+    episodes, env = _rollout(engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2",
+                             tasks=_tasks(50), n=3)
+    assert [f for ep in episodes for f in ep.decision.get("failures", [])] == []
+    assert sum(len(ep.trajectories) for ep in episodes) == 150 and env.failures == 0

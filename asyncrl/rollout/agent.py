@@ -182,7 +182,7 @@ class _AgentRunner:
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="asyncrl-agent")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="asyncrl-agent")
         self.clients: dict[tuple, Any] = {}
 
     def _ensure(self) -> asyncio.AbstractEventLoop:

@@ -288,8 +288,7 @@ class Endpoint:
         self.last_arrival = 0.0
         self._woken = False
         self.render_cache: dict[str, list[int]] = {}
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), _handler_for(self))
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name="asyncrl-endpoint", daemon=True)
         self.thread.start()
@@ -516,6 +515,14 @@ class Endpoint:
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage, "prompt_token_ids": c.prompt_ids}
+
+
+class _Server(ThreadingHTTPServer):
+    """Loopback only; a listen backlog for a whole batch of agents connecting at once (the default
+    of 5 refused connections when 200 held-out rollouts opened theirs together)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
 
 
 def _handler_for(endpoint: Endpoint):
