@@ -8,14 +8,10 @@ import threading
 
 import httpx
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import ConfigError, SamplingConfig, load_config
-from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
 from asyncrl.models.prompts import render_tokens
-from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rollout.endpoint import Endpoint, parse_hermes
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
@@ -26,17 +22,13 @@ openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+def tok(char_tok):
+    return char_tok
 
 
 @pytest.fixture(scope="module")
-def engine(tok):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=True,
-                                         pad_token_id=0, bos_token_id=2, eos_token_id=3))
-    return HFEngine(model, tok)
+def engine(random_engine):
+    return random_engine
 
 
 def _tasks(k: int) -> list[Task]:

@@ -6,14 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
 from asyncrl.envs.tasks import split_tasks
-from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 
 from .conftest import read_jsonl, run_cli
@@ -27,16 +23,13 @@ MULTI = ["env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+def tok(char_tok):
+    return char_tok
 
 
 @pytest.fixture(scope="module")
-def engine(tok):
-    torch.manual_seed(0)
-    return HFEngine(LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3)), tok)
+def engine(random_engine):
+    return random_engine
 
 
 def _rollouts(engine, tok, *overrides):
