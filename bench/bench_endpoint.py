@@ -6,6 +6,10 @@ an agent making one chat call per rollout with the ``openai`` client) against th
 
 KEY=VALUE overrides apply to both paths (e.g. ``sampling.max_new_tokens=64`` for longer completions).
 
+``--per-call`` prints where an endpoint call's time goes instead: the milliseconds per call of 64
+concurrent rollouts with each kind of client (a bare socket, httpx, the openai client on threads,
+the async openai client) against the same endpoint and engine, one new token per call.
+
 Rounds alternate the two paths (direct first, then endpoint) on the same warm engine; each prints
 its completions/s, and the summary gives the median of the per-round ratios (noisy machine: compare
 ratios from one run, not absolute figures)."""
@@ -39,8 +43,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=4, help="actor batches per path per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-call", action="store_true", help="per-call cost by client kind (see the doc)")
     ap.add_argument("overrides", nargs="*", help="config overrides for both paths")
     args = ap.parse_args()
+    if args.per_call:
+        return per_call(args)
 
     import torch
 
@@ -92,6 +99,98 @@ def main() -> None:
         print(f"endpoint ({label}) / direct completions/s: median {statistics.median(rs):.2f} (min {min(rs):.2f}, "
               f"max {max(rs):.2f}) over {args.rounds} rounds of {args.batches} batches x "
               f"{per * direct_cfg.sampling.n} completions")
+
+
+def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
+    import asyncio
+    import json
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+    import torch
+
+    from asyncrl.config import SamplingConfig, load_config
+    from asyncrl.engine.hf import HFEngine
+    from asyncrl.models.loading import load_policy
+    from asyncrl.models.prompts import render_tokens
+    from asyncrl.rollout.endpoint import Endpoint
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    model, tok, _ = load_policy(cfg.model, seed=cfg.seed, prompt_format=cfg.tasks.prompt_format)
+    engine = HFEngine(model, tok)
+    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=1), engine.eos_ids, None, 60)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            calls = ep.wait_batch(concurrency, 0.1)
+            if calls:
+                ep.serve(engine, calls, 0)
+
+    threading.Thread(target=serve, daemon=True).start()
+    body = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}]}
+    data = json.dumps(body).encode()
+    pool = ThreadPoolExecutor(concurrency)
+
+    def bare():
+        s = ep.open(None)
+        head = (f"POST /s/{s.token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", ep.port)) as c:
+            c.sendall(head + data)
+            while c.recv(65536):
+                pass
+        s.close()
+
+    sync_client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
+    http = httpx.Client()
+
+    def with_httpx():
+        s = ep.open(None)
+        http.post(f"{s.base_url}/chat/completions", content=data, headers={"Content-Type": "application/json"})
+        s.close()
+
+    def with_openai():
+        s = ep.open(None)
+        sync_client.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
+        s.close()
+
+    def threaded(fn):
+        list(pool.map(lambda _: fn(), range(concurrency)))  # warm
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            list(pool.map(lambda _: fn(), range(concurrency)))
+        return (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
+
+    async def async_openai():
+        client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
+
+        async def one():
+            s = ep.open(None)
+            await client.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
+            s.close()
+
+        await asyncio.gather(*[one() for _ in range(concurrency)])
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*[one() for _ in range(concurrency)])
+        return (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
+
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        engine.generate([render_tokens(tok, body["messages"])] * concurrency,
+                        SamplingConfig(max_new_tokens=1))
+    gen_ms = (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
+    print(f"ms per call, {concurrency} concurrent rollouts, one new token each (engine alone: {gen_ms:.2f} ms):")
+    for name, fn in (("bare socket, threads", lambda: threaded(bare)), ("httpx, threads", lambda: threaded(with_httpx)),
+                     ("openai client, threads", lambda: threaded(with_openai)),
+                     ("openai async client, one event loop", lambda: asyncio.run(async_openai()))):
+        print(f"  {name:<38} {fn():6.2f}", flush=True)
+    stop.set()
 
 
 if __name__ == "__main__":
