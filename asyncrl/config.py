@@ -97,14 +97,15 @@ class EnvConfig(_Base):
         "Environment: 'single_turn' (one reply scored by the reward function), 'calculator' (multi-turn: "
         "the model may call a calculator with 'calc:EXPR' before answering; kwargs tool_prefix, "
         "max_calls), 'agent' (any agent code calling the actor's OpenAI-compatible endpoint: env.agent; "
-        "kwargs model, request_timeout_s, tool_parser), 'verifiers' (a verifiers environment: kwargs id "
-        "or taskset) or an import path 'pkg.module:Class' implementing asyncrl.envs.Environment."))
+        "kwargs model, request_timeout_s, tool_parser), 'verifiers' (a verifiers v1 taskset: kwargs "
+        "taskset = import path or installed id, config, size) or an import path 'pkg.module:Class' implementing asyncrl.envs.Environment."))
     agent: str | None = Field(None, description=(
         "env.type=agent: the agent function 'pkg.module:fn' (plain or async), called per rollout with the "
         "keyword arguments it names among task, client (an openai client on the rollout's endpoint), "
         "base_url, api_key, model; it returns the reward (a float or a dict of scores with 'reward')."))
     reward: str = Field("arithmetic", description=(
-        "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), or an "
+        "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), "
+        "'reasoning_gym' (the task's reasoning-gym dataset scorer; the default with that source), or an "
         "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
     max_turns: int = Field(1, ge=1, description="Maximum assistant turns for multi-turn environments.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra environment arguments.")
