@@ -86,11 +86,12 @@ def test_verifiers_config_errors_are_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["verifiers_multi_turn", "reasoning_gym"])
+@pytest.mark.parametrize("source", ["verifiers_single_turn", "verifiers_multi_turn", "reasoning_gym"])
 def test_runs_end_to_end(tmp_path, tiny_overrides, source):
-    """`asyncrl run` (learner and actor processes) on a verifiers multi-turn environment and on a
-    reasoning-gym dataset: steps train, the held-out tasks are never trained on."""
-    setup = {"verifiers_multi_turn": ["env.type=verifiers", *MULTI, "tasks.holdout_fraction=0.2"],
+    """`asyncrl run` (learner and actor processes) on a verifiers single-turn and multi-turn
+    environment and on a reasoning-gym dataset: steps train, the held-out tasks are never trained on."""
+    setup = {"verifiers_single_turn": ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}", "tasks.holdout_fraction=0.2"],
+             "verifiers_multi_turn": ["env.type=verifiers", *MULTI, "tasks.holdout_fraction=0.2"],
              "reasoning_gym": ["tasks.type=reasoning_gym", "tasks.eval_size=16", "sampling.max_new_tokens=6",
                                "tasks.kwargs={datasets: {basic_arithmetic: {min_terms: 2, max_terms: 2, "
                                "min_digits: 1, max_digits: 1}}, size: 400}"]}[source]
@@ -104,9 +105,11 @@ def test_runs_end_to_end(tmp_path, tiny_overrides, source):
     trained = {e["task_id"] for e in events if e["kind"] == "episode"}
     evaluated = {s["task_id"] for e in events if e["kind"] == "eval" for s in e.get("samples", [])}
     assert trained and evaluated and not trained & evaluated
-    prefix = {"verifiers_multi_turn": "vf:", "reasoning_gym": "rg:basic_arithmetic:train:"}[source]
+    prefix = "rg:basic_arithmetic:train:" if source == "reasoning_gym" else "vf:"
     assert all(t.startswith(prefix) for t in trained)
     rows = [t for e in events if e["kind"] == "episode" for t in e["trajectories"]]
+    if source.startswith("verifiers"):  # the rubric's named scores came through the learner
+        assert rows and all("vf/correct" in t["scores"] for t in rows)
     if source == "verifiers_multi_turn":
         assert any(t["scores"]["vf/tool_calls"] >= 1 for t in rows)
 
