@@ -66,7 +66,7 @@ def tiny_overrides(model_cache) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def char_tok():
+def tok():
     """The embedded model's character tokenizer (no model built)."""
     from asyncrl.models.tokenizer import build_char_tokenizer
 
@@ -74,7 +74,7 @@ def char_tok():
 
 
 @pytest.fixture(scope="module")
-def random_engine(char_tok):
+def random_engine(tok):
     """An HFEngine over a small randomly initialised Llama on the character tokenizer (seed 0)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -82,10 +82,10 @@ def random_engine(char_tok):
     from asyncrl.engine.hf import HFEngine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(char_tok), hidden_size=32, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=256,
                                          tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3))
-    return HFEngine(model, char_tok)
+    return HFEngine(model, tok)
 
 
 def cli(*args: str) -> list[str]:

@@ -21,32 +21,25 @@ from .conftest import read_jsonl, run_cli, subprocess_env
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
 
-@pytest.fixture(scope="module")
-def tok(char_tok):
-    return char_tok
 
-
-@pytest.fixture(scope="module")
-def engine(random_engine):
-    return random_engine
 
 
 def _tasks(k: int) -> list[Task]:
     return [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+1="}], answer=str(i + 1)) for i in range(k)]
 
 
-def _rollout(engine, tok, agent: str, *extra: str, tasks=None, n: int = 4):
+def _rollout(random_engine, tok, agent: str, *extra: str, tasks=None, n: int = 4):
     cfg = load_config(None, ["env.type=agent", f"env.agent={agent}", "env.max_turns=4", f"sampling.n={n}",
                              "sampling.temperature=3.0", "sampling.max_new_tokens=8", *extra])
     env = make_env(cfg.env)
-    episodes = get_workflow("grpo", cfg).rollout(tasks or _tasks(3), RolloutContext(engine, tok, env, cfg, "a0", 1))
+    episodes = get_workflow("grpo", cfg).rollout(tasks or _tasks(3), RolloutContext(random_engine, tok, env, cfg, "a0", 1))
     return episodes, env
 
 
-def test_two_chat_calls_train_one_row_of_the_sampled_ids(engine, tok, tmp_path, monkeypatch):
+def test_two_chat_calls_train_one_row_of_the_sampled_ids(random_engine, tok, tmp_path, monkeypatch):
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls", tasks=_tasks(4))
+    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls", tasks=_tasks(4))
     rows = [t for ep in episodes for t in ep.trajectories]
     records = read_jsonl(log)
     assert len(rows) == len(records) == 16 and all(not ep.decision for ep in episodes)
@@ -75,10 +68,10 @@ def test_two_chat_calls_train_one_row_of_the_sampled_ids(engine, tok, tmp_path, 
         assert (lp < 0).all() and (t.behavior_logprobs[~t.loss_mask.astype(bool)] == 0).all()
 
 
-def test_calls_that_share_no_prefix_are_separate_rows(engine, tok, tmp_path, monkeypatch):
+def test_calls_that_share_no_prefix_are_separate_rows(random_engine, tok, tmp_path, monkeypatch):
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls_async", n=2)
+    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls_async", n=2)
     rows = {tuple(t.token_ids.tolist()): t for ep in episodes for t in ep.trajectories}
     records = read_jsonl(log)
     assert len(rows) == 2 * len(records) == 12
@@ -88,8 +81,8 @@ def test_calls_that_share_no_prefix_are_separate_rows(engine, tok, tmp_path, mon
     assert {t.group_id for t in rows.values()} == {ep.id for ep in episodes}  # both rows in the task's group
 
 
-def test_text_completions_route(engine, tok):
-    episodes, _ = _rollout(engine, tok, "tests.agents_for_tests:text_completion", n=2)
+def test_text_completions_route(random_engine, tok):
+    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:text_completion", n=2)
     rows = [t for ep in episodes for t in ep.trajectories]
     assert len(rows) == 6
     prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
@@ -105,15 +98,15 @@ def test_text_completions_route(engine, tok):
     ("never_calls", "made no call to the endpoint"),
     ("returns_text", "returned 'great'"),
 ])
-def test_a_failing_agent_is_a_recorded_failure(engine, tok, agent, reason):
-    episodes, env = _rollout(engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
+def test_a_failing_agent_is_a_recorded_failure(random_engine, tok, agent, reason):
+    episodes, env = _rollout(random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
                              tasks=_tasks(2))
     for ep in episodes:
         assert ep.trajectories == [] and ep.metrics["env/failures"] == 2.0
         assert all(reason in f for f in ep.decision["failures"]), ep.decision["failures"]
     assert env.failures == 4
     # the endpoint still serves the next rollouts
-    ok, _ = _rollout(engine, tok, "tests.agents_for_tests:two_calls", n=1, tasks=_tasks(1))
+    ok, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls", n=1, tasks=_tasks(1))
     assert len(ok[0].trajectories) == 1
 
 
@@ -134,10 +127,10 @@ def _serving(endpoint, engine, stop):
             endpoint.serve(engine, calls, seed=0)
 
 
-def test_endpoint_answers_bad_requests_with_openai_errors(engine, tok):
-    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), engine.eos_ids, parse_hermes, request_timeout_s=30)
+def test_endpoint_answers_bad_requests_with_openai_errors(random_engine, tok):
+    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30)
     stop = threading.Event()
-    server = threading.Thread(target=_serving, args=(ep, engine, stop), daemon=True)
+    server = threading.Thread(target=_serving, args=(ep, random_engine, stop), daemon=True)
     server.start()
     try:
         s = ep.open(budget=2)
@@ -216,9 +209,9 @@ def test_calc_agent_example_parses_and_loads():
     assert env.fn.__name__ == "solve" and env.parser is parse_calc and "calculator" in cfg.model.embedded.warmstart_formats
 
 
-def test_many_agents_connect_at_once(engine, tok):
+def test_many_agents_connect_at_once(random_engine, tok):
     """150 rollouts open their connections together (a held-out evaluation does): none is refused."""
-    episodes, env = _rollout(engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2",
+    episodes, env = _rollout(random_engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2",
                              tasks=_tasks(50), n=3)
     assert [f for ep in episodes for f in ep.decision.get("failures", [])] == []
     assert sum(len(ep.trajectories) for ep in episodes) == 150 and env.failures == 0

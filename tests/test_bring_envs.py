@@ -22,25 +22,18 @@ MULTI = ["env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
          "env.kwargs.tool_parser=tests.vf_envs_for_tests:add_call_parser", "env.max_turns=3"]
 
 
-@pytest.fixture(scope="module")
-def tok(char_tok):
-    return char_tok
 
 
-@pytest.fixture(scope="module")
-def engine(random_engine):
-    return random_engine
 
-
-def _rollouts(engine, tok, *overrides):
+def _rollouts(random_engine, tok, *overrides):
     cfg = load_config(None, ["env.type=verifiers", "sampling.n=2", "sampling.max_new_tokens=6", *overrides])
     train, heldout = split_tasks(cfg.tasks)
     env = make_env(cfg.env)
-    return get_workflow("grpo", cfg).rollout(train[:3], RolloutContext(engine, tok, env, cfg, "a0", 1)), env, cfg
+    return get_workflow("grpo", cfg).rollout(train[:3], RolloutContext(random_engine, tok, env, cfg, "a0", 1)), env, cfg
 
 
-def test_verifiers_dataset_and_rubric(engine, tok):
-    episodes, env, cfg = _rollouts(engine, tok, f"env.kwargs.taskset={SINGLE}")
+def test_verifiers_dataset_and_rubric(random_engine, tok):
+    episodes, env, cfg = _rollouts(random_engine, tok, f"env.kwargs.taskset={SINGLE}")
     assert cfg.tasks.type == "verifiers"
     train, heldout = split_tasks(cfg.tasks)
     assert len(train) + len(heldout) == 40 and not {t.id for t in train} & {t.id for t in heldout}
@@ -57,8 +50,8 @@ def test_verifiers_dataset_and_rubric(engine, tok):
     assert right["reward"] == right["vf/correct"] == 1.0 and wrong["reward"] == 0.0
 
 
-def test_verifiers_multi_turn_tool_calls_are_one_trajectory(engine, tok):
-    episodes, env, _ = _rollouts(engine, tok, *MULTI)
+def test_verifiers_multi_turn_tool_calls_are_one_trajectory(random_engine, tok):
+    episodes, env, _ = _rollouts(random_engine, tok, *MULTI)
     rows = [t for ep in episodes for t in ep.trajectories]
     assert len(rows) == 6 and all(not ep.decision for ep in episodes)
     multi = [t for t in rows if t.metadata["turns"] > 1]
@@ -151,7 +144,7 @@ def openenv_server(monkeypatch):
             proc.wait()
 
 
-def test_openenv_environment_through_the_agent_path(engine, tok, openenv_server):
+def test_openenv_environment_through_the_agent_path(random_engine, tok, openenv_server):
     import random
 
     from asyncrl.types import Task
@@ -159,7 +152,7 @@ def test_openenv_environment_through_the_agent_path(engine, tok, openenv_server)
     cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:openenv_add", "sampling.n=3",
                              "sampling.max_new_tokens=3", "sampling.temperature=2.0"])
     tasks = [Task(id=f"oe:{i}", prompt=[{"role": "user", "content": "(the OpenEnv server asks)"}]) for i in range(4)]
-    episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(engine, tok, make_env(cfg.env), cfg, "a0", 1))
+    episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(random_engine, tok, make_env(cfg.env), cfg, "a0", 1))
     assert all(not ep.decision for ep in episodes) and sum(len(ep.trajectories) for ep in episodes) == 12
     for i, ep in enumerate(episodes):
         rng = random.Random(i)

@@ -216,7 +216,10 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         # buffer, or was dropped as too stale
         relayed = sum(len(v) for v in relay_copies().values())  # (after the stop: the relays' logs are in)
         sent = _metrics(run)[-1]["sync/bytes_sent"] / size
-        assert sent - 4 <= relayed <= sent, (relayed, sent)  # what the learner sent went to the relays only
+        # what the learner sent went to the relays only. (Not a lower bound: what it sent the lost node's relay
+        # between the loss and noticing it is counted in `sent` and logged nowhere; on a loaded machine that
+        # was 5 versions, so `sent - 4 <= relayed` failed once in a full suite run.)
+        assert 0 < relayed <= sent, (relayed, sent)
         ids = [e["episode_id"] for e in _events(run, "episode")]
         assert len(ids) == len(set(ids)), "an episode was trained twice"
         last = _metrics(run)[-1]
