@@ -177,7 +177,7 @@ class GuardedEnv:
 
     def _guard(self, method: str, task: Task, fn: Callable[[], Any]) -> Any:
         what = f"{self.name} ({method}, task {task.id})"
-        self._check_rate()
+        self.check_rate()
         self.calls += 1
         counts = self.by_method.setdefault(method, [0, 0])
         counts[0] += 1
@@ -211,11 +211,6 @@ class GuardedEnv:
         self._recent.append(False)
         return value
 
-    def check_rate(self) -> None:
-        """TooManyFailures when too many recent calls failed (for environments that run their own
-        calls: ``env.type=agent``)."""
-        self._check_rate()
-
     def record(self, failure: str | None) -> None:
         """Count one call of an environment that runs its own calls: ``failure`` None if it went well."""
         self.calls += 1
@@ -229,7 +224,9 @@ class GuardedEnv:
         self.last_error = msg
         self._recent.append(True)
 
-    def _check_rate(self) -> None:
+    def check_rate(self) -> None:
+        """TooManyFailures when too many recent calls failed (also called by environments that run
+        their own calls: ``env.type=agent``)."""
         if self.max_failure_rate is None or len(self._recent) < MIN_CALLS_FOR_RATE:
             return
         rate = sum(self._recent) / len(self._recent)

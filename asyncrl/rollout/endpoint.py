@@ -277,9 +277,7 @@ class Endpoint:
                  request_timeout_s: float | None):
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.sampling = sampling
-        self.eos = int(min(eos_ids)) if eos_ids else None
-        self.eos_ids = set(int(e) for e in eos_ids or ())
+        self.configure(sampling, eos_ids)
         self.parser = parser
         self.request_timeout_s = request_timeout_s
         self.sessions: dict[str, Session] = {}

@@ -175,8 +175,9 @@ class VerifiersEnv(AgentEnv):
         from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 
         adapter = TypeAdapter(vf.Message)
+        n_prompt = len(_messages(vtask))  # messages past the prompt's that the model wrote were sampled
         nodes = [MessageNode(message=adapter.validate_python(_vf_message(m)), parent=i - 1 if i else None,
-                             sampled=m["role"] == "assistant" and i >= len(_messages(vtask)))
+                             sampled=m["role"] == "assistant" and i >= n_prompt)
                  for i, m in enumerate(messages)]
         trace = Trace(task=TraceTask(type=type(vtask).__name__, data=vtask.data, key=vtask.key),
                       agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
