@@ -167,6 +167,18 @@ class ActorConfig(_Base):
     exit_after_learner_gone_s: float | None = Field(None, gt=0, description=(
         "Exit (code 1) after this long without word from the learner. Null: wait for it forever (a "
         "restarted learner resumes and the actor resends what was not acknowledged)."))
+    weight_update: Literal["batch", "inflight"] = Field("batch", description=(
+        "When new weights reach the engine. batch: between generation batches (a batch runs to its longest "
+        "sequence with one version; reproducible from the seed). inflight: between two decode steps; the "
+        "engine generates continuously, the next batch's prompts filling rows as sequences finish, and "
+        "each token records its version (docs/inflight.md)."))
+    concurrent_batches: int = Field(2, ge=1, description=(
+        "weight_update=inflight: batches being generated at once (each on its own rollout thread)."))
+    kv_on_update: Literal["recompute", "keep"] = Field("recompute", description=(
+        "weight_update=inflight, engine.type=hf: the key/value cache of the tokens before an update. recompute: "
+        "rebuilt with the new weights (each token's log-prob is exactly its version's); keep: reused, as "
+        "PipelineRL does (docs/inflight.md measures the difference). vLLM always continues a request from "
+        "its prefix with a new cache."))
 
 
 class AdvantageConfig(_Base):
@@ -273,6 +285,11 @@ class BufferConfig(_Base):
     max_staleness: int = Field(1, ge=0, description=(
         "Largest allowed learner version minus behaviour version for trained data; 0 is synchronous."))
     capacity: int = Field(4096, ge=1, description="Most episodes held in the buffer.")
+    stale_tokens: Literal["keep", "truncate", "drop"] = Field("keep", description=(
+        "Rows whose generated tokens come from several versions (actor.weight_update=inflight), some older "
+        "than max_staleness allows: keep (train every token, each corrected with its own behaviour "
+        "log-prob), truncate (no loss on the too-old tokens), drop (drop the episode, as for a row made by "
+        "one too-old version). An episode whose newest token is too old is dropped under all three."))
 
 
 class ReplayConfig(_Base):

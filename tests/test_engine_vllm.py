@@ -6,6 +6,9 @@ CPU build needs at least 32). One engine is started per module (about 20-40 s on
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +122,45 @@ def test_vllm_weight_update_changes_outputs_and_sets_the_version(setup):
         engine.update_weights(dict(model.named_parameters()), version=0)
     restored = engine.generate([prompt], sampling, seed=5)[0]
     assert np.array_equal(restored.token_ids, before.token_ids)  # the prefix cache did not keep old weights
+
+
+def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(setup):
+    """Continuous mode: a weight update in the middle aborts the running requests, loads the
+    weights and adds them again from their prefix; they finish under the new weights, and each
+    token's behaviour log-prob is its own version's."""
+    engine, model, tok = setup
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS] * 3
+    sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=20)
+    other = _model(1)
+    engine.start_continuous()
+    out: dict = {}
+    caller = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(prompts, sampling)))
+    caller.start()
+    try:
+        deadline, steps = time.monotonic() + 120, 0
+        while (caller.is_alive() or engine.in_flight) and time.monotonic() < deadline:
+            if engine.step():
+                steps += 1
+            if steps == 4 and engine.version == 0:
+                assert engine.in_flight == len(prompts)
+                engine.update_weights(dict(other.named_parameters()), version=1)
+        caller.join(timeout=10)
+        gens = out["gens"]
+        assert engine.continued == len(prompts)  # every request was paused and continued
+        mixed = [g for g in gens if set(g.versions.tolist()) == {0, 1}]
+        assert mixed, [g.versions.tolist() for g in gens]
+        for prompt, g in zip(prompts, gens):
+            assert len(g.token_ids) <= 20 and g.finish_reason in ("stop", "length")
+            assert np.all(np.diff(g.versions) >= 0)
+            if g.finish_reason == "length":
+                assert len(g.token_ids) == 20  # the continued request had only what it had left
+            ref = np.where(g.versions == 0, _learner_logprobs(model, tok, prompt, g, 1.0),
+                           _learner_logprobs(other, tok, prompt, g, 1.0))
+            assert np.abs(g.logprobs - ref).max() < 1e-3
+    finally:
+        engine.stop_continuous("test over")
+        engine.scheduler = None
+        engine.update_weights(dict(model.named_parameters()), version=0)
 
 
 def test_vllm_refuses_settings_it_cannot_honour():

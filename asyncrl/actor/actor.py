@@ -2,8 +2,12 @@
 
 The actor connects to the learner's control address, is told the other addresses (``welcome``),
 and then loops: take work credits -> make sure its weights are at least the credit's version ->
-run the workflow on a batch of tasks -> push the episodes. New weights are applied only between
-generation batches, and every trajectory records the version that produced it.
+run the workflow on a batch of tasks -> push the episodes. With ``actor.weight_update: batch`` new
+weights are applied only between generation batches, and every trajectory records the version that
+produced it. With ``inflight`` (:meth:`Actor.run_inflight`) the engine generates continuously on this
+thread, one decode step at a time, for up to ``actor.concurrent_batches`` batches whose workflows run on
+rollout threads; new weights are applied between two decode steps, and every token records the
+version that produced it.
 
 Delivery: each episode is kept until the learner acknowledges that it is in its write-ahead log
 (or rejects it as invalid: then it is dropped, with the reason printed). When the learner comes back
@@ -25,6 +29,7 @@ import os
 import signal
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -70,7 +75,8 @@ class Actor:
         self._stop_asked = False
         self.batches = 0
         self.weight_updates = 0
-        self._gen_s = 0.0
+        self._gen_s = 0.0  # seconds generating (batch: in engine calls; inflight: in decode steps)
+        self.started = time.time()
         # experience replay: tasks the learner assigned (task, fresh rollouts, replayed k), generated
         # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
         self.assigned: deque[tuple[Task, int, int]] = deque()
@@ -146,6 +152,8 @@ class Actor:
     def run(self) -> None:
         """Generate until the learner says stop (or a signal, or ``actor.exit_after_learner_gone_s``:
         then SystemExit with the reason, exit code 1)."""
+        if self.cfg.actor.weight_update == "inflight":
+            return self.run_inflight()
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         self.heartbeat.start()
@@ -164,12 +172,64 @@ class Actor:
             self.apply_weights(0)
             if self.credits <= 0:
                 continue
-            if self.engine.version < self.net.min_version or self._weights_session != self.session:
-                if time.monotonic() - self.net.asked_weights_at > _WEIGHTS_ASK_S:
-                    self.ask_weights()
-                self.apply_weights(100)
+            if not self._weights_ok(100):
                 continue
             self.generate_batch()
+        self.close()
+        if self.heartbeat.gone_reason:
+            raise SystemExit(f"[{self.actor_id}] stopped: {self.heartbeat.gone_reason}")
+
+    def _weights_ok(self, wait_ms: int) -> bool:
+        """True when the engine holds this session's weights at the credits' ``min_version``; else
+        ask for them (every few seconds) and wait up to ``wait_ms`` for them to arrive."""
+        if self.engine.version >= self.net.min_version and self._weights_session == self.session:
+            return True
+        if time.monotonic() - self.net.asked_weights_at > _WEIGHTS_ASK_S:
+            self.ask_weights()
+        self.apply_weights(wait_ms)
+        return False
+
+    def run_inflight(self) -> None:
+        """``actor.weight_update: inflight``: this thread owns the engine and runs its decode steps;
+        up to ``actor.concurrent_batches`` batches run their workflows on rollout threads, whose
+        engine calls wait for the steps. Between two steps: messages, new weights, new batches,
+        finished episodes. A stop request lets the batches in flight finish (for at most 60 s)."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.engine.start_continuous(self.cfg.actor.kv_on_update)
+        self.heartbeat.start()
+        self.hello()
+        next_hello = time.time() + 1.0
+        running: list[tuple[Future, int]] = []
+        pool = ThreadPoolExecutor(self.cfg.actor.concurrent_batches, thread_name_prefix=f"{self.actor_id}-rollout")
+        stop_by = None
+        try:
+            while running or not self.stopping:
+                if self.stopping and stop_by is None:
+                    stop_by = time.monotonic() + 60.0
+                if stop_by is not None and time.monotonic() > stop_by:
+                    break
+                self.net.poll(timeout_ms=0 if running or self.credits else 100)
+                if self.session is None or self.heartbeat.session not in (None, self.session):
+                    if time.time() > next_hello:
+                        self.hello()
+                        next_hello = time.time() + 1.0
+                self.apply_weights(0)
+                if (not self.stopping and self.session is not None and self.credits > 0
+                        and len(running) < self.cfg.actor.concurrent_batches and self._weights_ok(0)):
+                    batch = self._take_batch()
+                    running.append((pool.submit(self._rollout_batch, *batch), len(batch[0])))
+                t0 = time.time()
+                if self.engine.step():
+                    self._gen_s += time.time() - t0
+                elif running:
+                    self.engine.scheduler.wait_for_work(0.005)
+                for item in [r for r in running if r[0].done()]:
+                    running.remove(item)
+                    self._send(item[0].result(), item[1])
+        finally:
+            self.engine.stop_continuous("the actor is stopping")
+            pool.shutdown(wait=True, cancel_futures=True)
         self.close()
         if self.heartbeat.gone_reason:
             raise SystemExit(f"[{self.actor_id}] stopped: {self.heartbeat.gone_reason}")
@@ -209,6 +269,21 @@ class Actor:
         request_env_stop()
 
     def generate_batch(self) -> None:
+        t0 = time.time()
+        batch = self._take_batch()
+        self._send(self._rollout_batch(*batch), len(batch[0]))
+        self._gen_s += time.time() - t0
+
+    def _send(self, episodes: list | None, num_tasks: int) -> None:
+        if episodes is None:  # the batch failed as a whole: its credits were not spent
+            self.net.use_credits(-num_tasks)
+            return
+        for ep in episodes:
+            self.net.send_episode(ep)
+
+    def _take_batch(self) -> tuple[list[Task], list[int], list, int]:
+        """The next batch's tasks (assigned replay tasks first), rollout counts, replay k's and seed;
+        its credits are used now."""
         k = min(self.credits, self.cfg.actor.tasks_per_batch)
         replay = self.workflow.supports_replay
         tasks, counts, ks = [], [], []
@@ -221,9 +296,15 @@ class Actor:
             tasks.append(self._fresh_task())
             counts.append(self.cfg.sampling.n)
             ks.append(None)
-        t0 = time.time()
-        ctx = RolloutContext(self.engine, self.tokenizer, self.env, self.cfg, self.actor_id,
-                             seed=self.seed + 100_003 * self.batches)
+        seed = self.seed + 100_003 * self.batches
+        self.batches += 1
+        self.net.use_credits(k)
+        return tasks, counts, ks, seed
+
+    def _rollout_batch(self, tasks: list[Task], counts: list[int], ks: list, seed: int) -> list | None:
+        """The workflow's episodes for one batch (None when the environment failed the whole batch:
+        its assigned replay tasks go back in the queue, and the caller gives its credits back)."""
+        ctx = RolloutContext(self.engine, self.tokenizer, self.env, self.cfg, self.actor_id, seed=seed)
         try:
             if any(kk is not None for kk in ks):
                 episodes = self.workflow.rollout(tasks, ctx, counts=counts)
@@ -236,12 +317,8 @@ class Actor:
             print(f"[{self.actor_id}] the environment failed a whole batch; generating it again: {e}", flush=True)
             for task, n, kk in reversed([x for x in zip(tasks, counts, ks) if x[2] is not None]):
                 self.assigned.appendleft((task, n, kk))
-            return
-        self._gen_s += time.time() - t0
-        self.batches += 1
-        self.net.use_credits(k)
-        for ep in episodes:
-            self.net.send_episode(ep)
+            return None
+        return episodes
 
     def close(self) -> None:
         self.heartbeat.stop()  # its last status says stopping

@@ -72,7 +72,8 @@ class Heartbeat(threading.Thread):
         status = Status(actor_id=a.actor_id, identity=a.identity.decode(), pid=os.getpid(),
                         capacity=a.cfg.actor.tasks_per_batch, version=max(a.engine.version, -1),
                         batches=a.batches, weight_updates=a.weight_updates, unacked=len(a.unacked),
-                        credits=max(a.credits, 0), generate_s=a._gen_s, stopping=a.stopping)
+                        credits=max(a.credits, 0), generate_s=a._gen_s, up_s=time.time() - a.started,
+                        stopping=a.stopping)
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)
         except zmq.Again:  # not connected (the learner is down): nothing to queue

@@ -89,7 +89,10 @@ def actors_frame(statuses: list[dict], learner_version: int, now: float | None =
                      "lag": learner_version - version if isinstance(version, int) else None,
                      "batches": s.get("batches"), "weight_updates": s.get("weight_updates"),
                      "credits": s.get("credits"), "unacked": s.get("unacked"), "capacity": s.get("capacity"),
-                     "generate_s": s.get("generate_s"), "last_status_s_ago": round(age, 1)})
+                     "generate_s": s.get("generate_s"),
+                     "idle_share": (round(1 - s["generate_s"] / s["up_s"], 3) if s.get("up_s") and s.get("generate_s")
+                                    is not None else None),
+                     "last_status_s_ago": round(age, 1)})
     return pd.DataFrame(rows, columns=None if rows else ["actor_id", "status", "weights_version", "lag"])
 
 

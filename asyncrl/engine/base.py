@@ -31,16 +31,27 @@ class Generation:
     logprobs: np.ndarray  # float32 [L]
     text: str  # decoded generated text without special tokens
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    versions: np.ndarray | None = None  # int32 [L]: the policy version that made each token (None: the engine's)
 
     def __post_init__(self) -> None:
         self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int32)
         self.logprobs = np.ascontiguousarray(self.logprobs, dtype=np.float32)
+        if self.versions is not None:
+            self.versions = np.ascontiguousarray(self.versions, dtype=np.int32)
+            if self.versions.shape != self.token_ids.shape:
+                raise ValueError(f"Generation: versions {self.versions.shape} must match token_ids "
+                                 f"{self.token_ids.shape}")
         if self.token_ids.shape != self.logprobs.shape or self.token_ids.ndim != 1:
             raise ValueError(f"Generation: token_ids {self.token_ids.shape} and logprobs "
                              f"{self.logprobs.shape} must be 1-D of the same length")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, "
                              f"got {self.finish_reason!r}")
+
+
+def token_versions(gen: Generation, version: int) -> list[int]:
+    """The per-token policy versions of ``gen`` (``version`` for each token where it has none)."""
+    return gen.versions.tolist() if gen.versions is not None else [int(version)] * len(gen.token_ids)
 
 
 @runtime_checkable

@@ -5,6 +5,15 @@ new token (only the last position's logits are computed), sampling from ``softma
 optional nucleus (top-p) filtering. The behaviour log-prob of each sampled token is read from the
 unfiltered ``log_softmax(logits / T)``. On a 1M-parameter model on 2 CPU cores this loop was faster
 than ``model.generate(..., output_logits=True)``, which adds per-step processor overhead.
+
+Continuous mode (``actor.weight_update: inflight``, :mod:`asyncrl.engine.continuous`): the owner
+thread calls :meth:`HFEngine.step`, one decode step over all sequences in flight; queued prompts are
+admitted, and finished rows dropped, by rebuilding the KV cache over the live rows' full sequences
+(one prefill). New weights are applied between two steps; what happens to the KV cache of the tokens
+before the update is ``kv_on_update``: ``recompute`` (default) rebuilds it with the new weights, so
+every token's behaviour log-prob is exactly its version's; ``keep`` goes on with the old keys and
+values (as PipelineRL does), so the first tokens after an update are computed over a cache made by
+the previous weights (docs/inflight.md measures the difference).
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ import torch
 
 from ..config import SamplingConfig
 from .base import Generation
+from .continuous import Row, Scheduler
+
+KV_ON_UPDATE = ("recompute", "keep")
 
 
 @dataclass
@@ -41,10 +53,11 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def sample_top_p(logp: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Sample one token per row from log-probs ``logp`` [B, V] after nucleus filtering -> long [B]."""
+def sample_top_p(logp: torch.Tensor, top_p: "float | torch.Tensor", gen: torch.Generator | None) -> torch.Tensor:
+    """Sample one token per row from log-probs ``logp`` [B, V] after nucleus filtering -> long [B].
+    ``top_p``: one value, or one per row ([B, 1])."""
     probs = logp.exp()
-    if top_p < 1.0:
+    if bool((top_p < 1.0).any()) if isinstance(top_p, torch.Tensor) else top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # keeps at least the top token
         sorted_p = sorted_p.masked_fill(drop, 0.0)
@@ -63,6 +76,13 @@ class HFEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids))
+        self.scheduler: Scheduler | None = None  # continuous mode (start_continuous)
+        self.kv_on_update = "recompute"
+        self._live: list[Row] = []
+        self._state = None  # (cache, mask, positions, last tokens) after the latest step
+        self._rebuild = False
+        self.steps = 0  # forward passes in continuous mode
+        self.rebuilds = 0  # of which KV-cache rebuilds (admissions, compactions, recomputes)
 
     # ----------------------------------------------------------------------------- generation
     @torch.inference_mode()
@@ -77,6 +97,8 @@ class HFEngine:
         """
         if not prompts:
             return []
+        if self.scheduler is not None and not self.scheduler.is_owner():
+            return self.scheduler.submit(prompts, sampling)
         ids, mask = left_pad(prompts, self.pad_id)
         gen = None
         if seed is not None:
@@ -135,6 +157,81 @@ class HFEngine:
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
         return Generation(ids, out.logprobs[i, :n].numpy(), text, out.reasons[i])
 
+    # ----------------------------------------------------------------------------- continuous mode
+    def start_continuous(self, kv_on_update: str = "recompute") -> None:
+        """Serve ``generate`` calls from other threads through :meth:`step` (called by this thread)."""
+        if kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {kv_on_update!r}")
+        self.scheduler, self.kv_on_update = Scheduler(), kv_on_update
+        self._live, self._state = [], None
+
+    def stop_continuous(self, reason: str) -> None:
+        """Fail every call still waiting (EngineStopped) and leave continuous mode."""
+        if self.scheduler is not None:
+            self.scheduler.stop(reason, self._live)
+        self._live, self._state = [], None
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences being generated now (continuous mode)."""
+        return sum(r.finished is None for r in self._live)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One decode step over every sequence in flight, after admitting queued prompts; False when
+        there was nothing to generate. Finished sequences go back to their callers."""
+        alive = [r for r in self._live if r.finished is None]
+        dead, pending = len(self._live) - len(alive), self.scheduler.num_pending()
+        if pending and (not alive or pending + dead >= max(1, len(self._live) // 2)):
+            self._live, self._rebuild = alive + self.scheduler.take(), True
+        elif not alive:
+            self._live, self._state = [], None
+            return False
+        elif dead >= max(4, len(self._live) // 2):  # compact: stop computing finished rows
+            self._live, self._rebuild = alive, True
+        rows = self._live
+        if self._rebuild or self._state is None:
+            ids, mask = left_pad([r.prompt + r.tokens for r in rows], self.pad_id)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1)
+            self._rebuild = False
+            self.rebuilds += 1
+        else:
+            cache, mask, positions, last = self._state
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=last[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.steps += 1
+        temps = torch.tensor([[r.sampling.temperature] for r in rows], device=self.device)
+        top_p = torch.tensor([[r.sampling.top_p] for r in rows], device=self.device)
+        logp = torch.log_softmax(out.logits[:, -1].float() / temps, dim=-1)
+        tok = sample_top_p(logp, top_p, None)
+        lps = logp.gather(1, tok[:, None])[:, 0].tolist()
+        version = self.version
+        for r, t, lp in zip(rows, tok.tolist(), lps):
+            if r.finished is not None:
+                continue
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            if t in self.eos_ids or (r.sampling.stop and self._row_stopped(r)):
+                r.finished = "stop"
+            elif len(r.tokens) >= r.sampling.max_new_tokens:
+                r.finished = "length"
+            if r.finished is not None:
+                text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+                self.scheduler.finish(r, Generation(r.tokens, r.logprobs, text, r.finished, r.versions))
+        self._state = (out.past_key_values, mask, positions[:, -1:], tok)
+        return True
+
+    def _row_stopped(self, r: Row) -> bool:
+        window = 2 * max(len(s) for s in r.sampling.stop) + 8
+        text = self.tokenizer.decode(r.tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in r.sampling.stop)
+
     # ----------------------------------------------------------------------------- weights
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Parameters by name (tied weights appear once), detached: ``{name: tensor}``."""
@@ -153,6 +250,8 @@ class HFEngine:
         for name, tensor in named_tensors.items():
             targets[name].data.copy_(torch.as_tensor(tensor).to(targets[name].device))
         self.version = int(version)
+        if self._live and self.kv_on_update == "recompute":
+            self._rebuild = True  # the next step recomputes the cache of the tokens so far
 
 
 def _check_weights(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],

@@ -19,6 +19,13 @@ model, and nothing is pickled across a process boundary. Weight updates take the
 ``model_runner.reload_weights`` where vLLM has it (its layer-wise reload, needed once a model has been
 post-processed, vLLM >= 0.30), else ``model.load_weights`` (vLLM 0.24). The prefix cache is reset
 after every update: cached KV blocks belong to the old weights. Supported: vLLM 0.24 to 0.32.
+
+Continuous mode (``actor.weight_update: inflight``, :mod:`asyncrl.engine.continuous`): the owner
+thread adds queued prompts to vLLM's own engine and calls its ``step()``; outputs come back as deltas,
+each token tagged with the version in use. A weight update in the middle is a partial rollout: every
+running request is aborted, the weights are loaded, and each request is added again with its prompt
+plus the tokens it has so far as the new prompt and the tokens it has left as ``max_tokens`` (its KV
+cache is computed afresh with the new weights). A stop string that straddles the update is not seen.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 from ..config import ConfigError, SamplingConfig
 from .base import Generation
+from .continuous import Row, Scheduler
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "length"}
 
@@ -63,6 +71,10 @@ class VLLMEngine:
 
         self.tokenizer = tokenizer
         self.version = 0
+        self.scheduler: Scheduler | None = None  # continuous mode (start_continuous)
+        self._live: dict[str, Row] = {}
+        self._next_id = 0
+        self.continued = 0  # requests continued from their prefix after an in-flight update
         self.eos_ids = sorted(_eos_ids(model_dir, tokenizer))
         self.expected = _expected_weights(model_dir)
         self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
@@ -78,6 +90,8 @@ class VLLMEngine:
         """One continuation per prompt (token-id lists); deterministic for a given ``seed``."""
         if not prompts:
             return []
+        if self.scheduler is not None and not self.scheduler.is_owner():
+            return self.scheduler.submit(prompts, sampling)
         from vllm import SamplingParams
 
         params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -99,6 +113,60 @@ class VLLMEngine:
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
         return Generation(ids, lps, text, _FINISH.get(out.finish_reason, "length"))
 
+    # ----------------------------------------------------------------------------- continuous mode
+    def start_continuous(self, kv_on_update: str = "recompute") -> None:
+        """Serve ``generate`` calls from other threads through :meth:`step` (called by this thread).
+        (``kv_on_update`` is the HF engine's choice; vLLM always continues with a fresh cache.)"""
+        self.scheduler, self._live = Scheduler(), {}
+
+    def stop_continuous(self, reason: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop(reason, list(self._live.values()))
+        if self._live:
+            self.llm.llm_engine.abort_request(list(self._live))
+        self._live = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def _add(self, row: Row) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = row.sampling
+        params = SamplingParams(n=1, temperature=sp.temperature, top_p=sp.top_p,
+                                max_tokens=sp.max_new_tokens - len(row.tokens), stop=list(sp.stop) or None,
+                                include_stop_str_in_output=True, stop_token_ids=self.eos_ids, logprobs=0,
+                                detokenize=bool(sp.stop), output_kind=RequestOutputKind.DELTA)
+        rid = f"r{self._next_id}"
+        self._next_id += 1
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": row.prompt + row.tokens}, params)
+        self._live[rid] = row
+
+    def step(self) -> bool:
+        """Admit queued prompts and run one vLLM engine step; False when nothing is in flight."""
+        for row in self.scheduler.take():
+            self._add(row)
+        if not self._live:
+            return False
+        version = self.version
+        for out in self.llm.llm_engine.step():
+            row = self._live.get(out.request_id)
+            if row is None:
+                continue
+            c = out.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            row.tokens += ids
+            row.logprobs += [float(pos[t].logprob) for t, pos in zip(ids, c.logprobs or [])]
+            row.versions += [version] * len(ids)
+            if out.finished:
+                del self._live[out.request_id]
+                text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+                self.scheduler.finish(row, Generation(row.tokens, row.logprobs, text,
+                                                      _FINISH.get(c.finish_reason, "length"), row.versions))
+        return True
+
     # ----------------------------------------------------------------------------- weights
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -110,6 +178,10 @@ class VLLMEngine:
         if bad:
             raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
                              f"{sorted(self.expected)[:3]}")
+        paused = list(self._live.values())
+        if paused:  # partial rollout: stop them now, continue them from their prefix with the new weights
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._live = {}
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         weights = iter(named_tensors.items())
         if hasattr(runner, "reload_weights"):
@@ -118,6 +190,9 @@ class VLLMEngine:
             runner.model.load_weights(weights)
         self.llm.reset_prefix_cache()
         self.version = int(version)
+        for row in paused:
+            self._add(row)
+        self.continued += len(paused)
 
 
 def _expected_weights(model_dir: str | Path) -> dict[str, tuple[int, ...]]:

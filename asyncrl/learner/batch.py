@@ -36,7 +36,8 @@ class TrainBatch:
     recorded_mask: Tensor  # float [B, T-1], 1 where a recorded log-prob exists (NaN/absent: 0)
     rewards: Tensor  # float [B]
     row_advantages: Tensor  # float [B], each trajectory's advantage (what ``advantages`` spreads on its tokens)
-    policy_versions: Tensor  # long [B]
+    policy_versions: Tensor  # long [B], each row's oldest generated token's version
+    token_versions: Tensor  # long [B, T-1], the policy version of each target token (its row's where none recorded)
     sample_types: list[str]
     group_ids: list[str]
 
@@ -48,6 +49,17 @@ class TrainBatch:
     def num_tokens(self) -> int:
         """Response (trained) tokens in the batch."""
         return int(self.response_mask.sum().item())
+
+    def truncate_stale(self, version: int, max_staleness: int) -> int:
+        """``buffer.stale_tokens: truncate``: no loss on generated tokens more than ``max_staleness``
+        versions older than ``version`` (response mask and advantages 0 there, in place; replayed
+        tokens are left alone). Returns how many tokens it masked."""
+        stale = ((version - self.token_versions) > max_staleness) & (self.response_mask > 0) & (self.exp_mask == 0)
+        n = int(stale.sum())
+        if n:
+            self.response_mask = self.response_mask.masked_fill(stale, 0.0)
+            self.advantages = self.advantages.masked_fill(stale, 0.0)
+        return n
 
     def _map(self, tensor_fn, list_fn) -> "TrainBatch":
         out = {}
@@ -105,7 +117,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     B = len(trajectories)
     input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
-    rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec", "recm")}
+    rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec", "recm", "ver")}
     for i, (t, n) in enumerate(zip(trajectories, lengths)):
         input_ids[i, :n] = torch.as_tensor(t.token_ids, dtype=torch.long)
         attention_mask[i, :n] = 1
@@ -113,6 +125,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         rows["resp"].append(_shifted(t.loss_mask, n, W, torch.float32))
         rows["behav"].append(_shifted(t.behavior_logprobs, n, W, torch.float32))
         rows["exp"].append(_shifted(exp, n, W, torch.float32))
+        rows["ver"].append(_shifted(t.versions_per_token(), n, W, torch.long))
         rec = _shifted(t.recorded_logprobs, n, W, torch.float32)
         rows["recm"].append(torch.isfinite(rec).float() if t.recorded_logprobs is not None
                             else torch.zeros(W))
@@ -132,6 +145,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
         row_advantages=adv.clone(),
         policy_versions=torch.tensor([int(t.policy_version) for t in trajectories], dtype=torch.long),
+        token_versions=torch.stack(rows["ver"]),
         sample_types=[t.sample_type for t in trajectories],
         group_ids=[t.group_id for t in trajectories],
     )

@@ -114,10 +114,15 @@ class EpisodeQueue:
             self._dirty = False
 
     # -- reading --------------------------------------------------------------------------------
-    def take(self, count: int, version: int, max_staleness: int) -> list[Episode] | None:
+    def take(self, count: int, version: int, max_staleness: int, by_newest: bool = False) -> list[Episode] | None:
         """``count`` episodes with ``version - policy_version <= max_staleness``, oldest first, or
-        None if fewer are available. Too-stale episodes are dropped (counted in ``dropped_stale``)."""
-        for eid in [k for k, (ep, _) in self.episodes.items() if version - ep.policy_version > max_staleness]:
+        None if fewer are available. Too-stale episodes are dropped (counted in ``dropped_stale``).
+        ``by_newest``: judge an episode by its newest token's version instead of its oldest
+        (``buffer.stale_tokens`` keep and truncate: rows made across in-flight updates)."""
+        def age(ep: Episode) -> int:
+            return version - (ep.newest_version if by_newest else ep.policy_version)
+
+        for eid in [k for k, (ep, _) in self.episodes.items() if age(ep) > max_staleness]:
             del self.episodes[eid]
             self.dropped_stale += 1
         if len(self.episodes) < count:

@@ -44,9 +44,11 @@ _LIST_FIELDS = ("sample_types", "group_ids")
 
 def make_trainer(cfg, model, tokenizer, mode: str) -> PolicyTrainer:
     """The learner's trainer for ``cfg`` (every rank builds the same one)."""
-    return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
-                         loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
-                         use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode)
+    trainer = PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
+                            loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
+                            use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode)
+    trainer.max_staleness = cfg.buffer.max_staleness
+    return trainer
 
 
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:

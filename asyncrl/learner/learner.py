@@ -157,7 +157,8 @@ class Learner:
         while self.version < cfg.train.total_steps and not self._stop:
             t0 = time.time()
             self.pump(timeout_ms=50)
-            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, cfg.buffer.max_staleness)
+            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, cfg.buffer.max_staleness,
+                                        by_newest=cfg.buffer.stale_tokens != "drop")
             if episodes is None:
                 t_wait += time.time() - t0
                 continue
@@ -218,6 +219,9 @@ class Learner:
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
         batch = self.trainer.make_batch(episodes) if has_rows else None
+        truncated = 0
+        if batch is not None and self.cfg.buffer.stale_tokens == "truncate":
+            truncated = batch.truncate_stale(self.version, self.cfg.buffer.max_staleness)
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
         advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
@@ -244,7 +248,8 @@ class Learner:
                    "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
                    "episodes_acked": self.peers.ingested,
                    "ingest_s": self.peers.ingest_s + self.net.decode_s,
-                   "dropped_stale": self.buffer.dropped_stale, "bad_messages": self.bad_messages,
+                   "dropped_stale": self.buffer.dropped_stale, "staleness/tokens_truncated": truncated,
+                   "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.telemetry.nonfinite_steps,
                    "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics()}

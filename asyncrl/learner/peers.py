@@ -98,6 +98,17 @@ class EpisodeValidator:
                                       f"from an older checkpoint)")
         if min(versions) < 0:
             return "version", f"policy_version {min(versions)}; expected >= 0"
+        for i, t in enumerate(trajs):
+            if t.token_versions is None:
+                continue
+            lo, hi = t.version_range()
+            if hi > version:
+                return "future_version", (f"trajectory {i}: token_versions reach {hi}, newer than the learner's "
+                                          f"{version}")
+            if lo != t.policy_version or int(t.token_versions.min()) < lo:
+                return "version", (f"trajectory {i}: policy_version {t.policy_version} but its tokens' versions "
+                                   f"span {int(t.token_versions.min())}..{hi}; expected policy_version to be "
+                                   f"the oldest generated token's version, and no token older")
         return None
 
 

@@ -58,6 +58,7 @@ class PolicyTrainer:
         self.correction = CorrectionConfig.from_config(train_cfg)
         self.use_recorded = use_recorded_logprobs
         self.temperature = temperature
+        self.max_staleness: int | None = None  # buffer.max_staleness, for staleness/token_frac_past_bound
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
         self.ref_model = None
@@ -113,7 +114,7 @@ class PolicyTrainer:
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         result.stats = {k: v / counts[k] for k, v in sums.items()}
         if version is not None:
-            result.stats.update(token_lag_stats(batch, version))
+            result.stats.update(token_lag_stats(batch, version, max_staleness=self.max_staleness))
         return result
 
     def _loss_inputs(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[PolicyLossInputs, dict[str, float]]:
@@ -200,13 +201,13 @@ class PolicyTrainer:
 
 
 def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int) -> dict[str, float]:
-    """Train/inference mismatch on the generated tokens of rows made with the learner's own current
-    weights (``policy_version == version``, not replayed): the engine's behaviour log-probs against
+    """Train/inference mismatch on the generated tokens made with the learner's own current weights
+    (the token's version ``== version``, not replayed): the engine's behaviour log-probs against
     the learner's, ``[B, T-1]`` each, before this step's update. ``mismatch/logprob_abs_diff_*`` is
     ``|logp_behaviour - logp_learner|``; ``mismatch/kl`` the k3 estimate of KL(behaviour || learner),
     ``mean(r - log r - 1)`` with ``r = exp(logp_learner - logp_behaviour)`` (as prime-rl reports it).
     Empty when no such token is in the batch."""
-    fresh = (mb.policy_versions.to(learner_logprobs.device) == version)[:, None] & (mb.exp_mask == 0)
+    fresh = (mb.token_versions.to(learner_logprobs.device) == version) & (mb.exp_mask == 0)
     m = (mb.response_mask > 0) & fresh
     if not bool(m.any()):
         return {}
@@ -216,20 +217,22 @@ def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int)
             "mismatch/kl": float((log_r.exp() - log_r - 1).mean()), "mismatch/tokens": float(m.sum())}
 
 
-def token_lag_stats(batch: TrainBatch, version: int, bins: int = 4) -> dict[str, float]:
-    """Per-token version lag of the batch's generated tokens (replayed ones excluded):
-    ``version - policy_version`` of each token's row, weighted by its generated tokens.
+def token_lag_stats(batch: TrainBatch, version: int, bins: int = 4, max_staleness: int | None = None) -> dict[str, float]:
+    """Per-token version lag of the batch's generated tokens (replayed ones excluded): ``version``
+    minus the version that generated each token (``TrainBatch.token_versions``).
     ``staleness/token_lag_mean``, ``_max``, and ``staleness/token_lag_frac_<k>`` the share of tokens
-    with lag k for k < ``bins``, plus ``_ge<bins>`` for the rest. Empty when no such token."""
-    m = batch.response_mask * (1 - batch.exp_mask)
-    per_row = m.sum(-1).double().cpu()
-    total = float(per_row.sum())
-    if total <= 0:
+    with lag k for k < ``bins``, plus ``_ge<bins>`` for the rest; with ``max_staleness``,
+    ``staleness/token_frac_past_bound`` the share of tokens older than it (rows that began before an
+    in-flight update). Empty when no such token."""
+    m = (batch.response_mask * (1 - batch.exp_mask)).cpu() > 0
+    if not bool(m.any()):
         return {}
-    lag = (version - batch.policy_versions.cpu()).double()
-    out = {"staleness/token_lag_mean": float((lag * per_row).sum() / total),
-           "staleness/token_lag_max": float(lag[per_row > 0].max())}
+    lag = (version - batch.token_versions.cpu())[m].double()
+    total = float(lag.numel())
+    out = {"staleness/token_lag_mean": float(lag.mean()), "staleness/token_lag_max": float(lag.max())}
     for k in range(bins):
-        out[f"staleness/token_lag_frac_{k}"] = float(per_row[lag == k].sum() / total)
-    out[f"staleness/token_lag_frac_ge{bins}"] = float(per_row[lag >= bins].sum() / total)
+        out[f"staleness/token_lag_frac_{k}"] = float((lag == k).sum()) / total
+    out[f"staleness/token_lag_frac_ge{bins}"] = float((lag >= bins).sum()) / total
+    if max_staleness is not None:
+        out["staleness/token_frac_past_bound"] = float((lag > max_staleness).sum()) / total
     return out

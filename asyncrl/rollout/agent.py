@@ -172,7 +172,8 @@ class AgentEnv:
         first, *rest = session.segments
         conv.token_ids, conv.loss_mask, conv.logprobs = first.ids, first.mask, first.logprobs
         conv.texts, conv.finish_reasons, conv.turns = first.texts, first.finish_reasons, first.calls
-        conv.extra_rows = [(s.ids, s.mask, s.logprobs, s.texts, s.finish_reasons, s.calls) for s in rest]
+        conv.versions = first.versions
+        conv.extra_rows = [(s.ids, s.mask, s.logprobs, s.texts, s.finish_reasons, s.calls, s.versions) for s in rest]
 
 
 class _AgentRunner:

@@ -4,6 +4,8 @@ Token ids are accumulated turn by turn rather than re-tokenising the transcript,
 trains on exactly the tokens the engine sampled. Generated tokens get ``loss_mask = 1`` and their
 behaviour log-probs; prompt tokens and environment turns get 0.
 Prompts are rendered by ``asyncrl.models.prompts`` (chat template or plain text).
+Each token also records the policy version that generated it (-1 for tokens it did not generate), so
+that a row made across an in-flight weight update carries per-token versions (``types.row_versions``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 from ..envs.base import Environment
 from ..envs.guard import EnvFailure
 from ..models.prompts import delta_tokens, render_tokens
-from ..types import Task, Trajectory
+from ..engine.base import token_versions
+from ..types import Task, Trajectory, row_versions
 
 
 @dataclass
@@ -37,10 +40,11 @@ class Conversation:
     failure: str | None = None  # the environment failed on it (asyncrl.envs.guard): not trained on
     scores: dict[str, float] | None = None  # set by an environment that scores while it drives (env.type=agent)
     extra_rows: list = field(default_factory=list)  # more trajectories of this rollout (an agent's unmerged calls)
+    versions: list[int] = field(default_factory=list)  # per token: the policy version that generated it, -1 if none
 
     def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None) -> Trajectory:
         return _trajectory(self, (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons,
-                                  self.turns), version, scores, metadata)
+                                  self.turns, self.versions), version, scores, metadata)
 
     def trajectories(self, version: int, scores: dict[str, float]) -> list[Trajectory]:
         """The conversation's trajectory, then those of ``extra_rows`` (same scores and group)."""
@@ -50,12 +54,15 @@ class Conversation:
 
 def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, float],
                 metadata: dict[str, Any] | None) -> Trajectory:
-    ids, mask, logprobs, texts, reasons, turns = row
+    ids, mask, logprobs, texts, reasons, turns, versions = row
+    if len(versions) != len(ids):  # no per-token versions recorded: all the rollout's version
+        versions = [-1] * len(ids)
+    policy_version, per_token = row_versions(versions, mask, version)
     return Trajectory(
         token_ids=np.asarray(ids, dtype=np.int32),
         loss_mask=np.asarray(mask, dtype=np.uint8),
         behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
-        policy_version=version, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
+        policy_version=policy_version, token_versions=per_token, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
         sample_type=conv.sample_type, group_id=conv.group_id, task_id=conv.task.id,
         text=texts[-1] if len(texts) == 1 else "\n".join(texts),
         metadata={"turns": turns, "finish_reasons": reasons, **(metadata or {})},
@@ -74,7 +81,7 @@ def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, 
         for _ in range(n):
             convs.append(Conversation(task=task, history=[dict(m) for m in history], token_ids=list(ids),
                                       loss_mask=[0] * len(ids), logprobs=[0.0] * len(ids),
-                                      group_id=gid, sample_type=sample_type, done=failure is not None,
+                                      versions=[-1] * len(ids), group_id=gid, sample_type=sample_type, done=failure is not None,
                                       failure=failure))
     return convs
 
@@ -97,6 +104,7 @@ def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversat
             conv.token_ids += gen.token_ids.tolist()
             conv.loss_mask += [1] * len(gen.token_ids)
             conv.logprobs += gen.logprobs.tolist()
+            conv.versions += token_versions(gen, engine.version)
             conv.texts.append(gen.text)
             conv.finish_reasons.append(gen.finish_reason)
             conv.history.append({"role": "assistant", "content": gen.text})
@@ -113,11 +121,13 @@ def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversat
                 conv.token_ids.append(eos)  # close a length-truncated turn before the next message
                 conv.loss_mask.append(0)
                 conv.logprobs.append(0.0)
+                conv.versions.append(-1)
             extra = delta_tokens(tokenizer, conv.history, result.messages)
             conv.history.extend(result.messages)
             conv.token_ids += extra
             conv.loss_mask += [0] * len(extra)
             conv.logprobs += [0.0] * len(extra)
+            conv.versions += [-1] * len(extra)
     return convs
 
 

@@ -44,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from ..config import ConfigError, SamplingConfig
+from ..engine.base import token_versions
 from ..models.prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
@@ -203,6 +204,7 @@ class Segment:
     ids: list[int]
     mask: list[int]
     logprobs: list[float]
+    versions: list[int] = field(default_factory=list)  # per token: the generating policy version, -1 if none
     messages: list[dict] | None = None  # chat: the conversation these ids render (ends on the assistant)
     text: str | None = None  # completions: the prompt text plus completions so far
     texts: list[str] = field(default_factory=list)
@@ -365,15 +367,15 @@ class Endpoint:
             for c in group:
                 c.generations = gens[i:i + c.n]
                 i += c.n
-                self._record(c)
+                self._record(c, engine.version)
                 c.done.set()
 
-    def _record(self, c: Call) -> None:
+    def _record(self, c: Call, version: int) -> None:
         """Extend the call's base segment (or start new ones) with each generation."""
         s = c.session
         with s.lock:
             for j, g in enumerate(c.generations):
-                gen_ids, gen_lp = g.token_ids.tolist(), g.logprobs.tolist()
+                gen_ids, gen_lp, gen_v = g.token_ids.tolist(), g.logprobs.tolist(), token_versions(g, version)
                 base = c.base
                 # extend in place only the first sample, and only if nothing extended the base meanwhile
                 if base is not None and j == 0 and len(base.ids) == c.base_len:
@@ -382,12 +384,15 @@ class Endpoint:
                     seg.ids += extra
                     seg.mask += [0] * len(extra)
                     seg.logprobs += [0.0] * len(extra)
+                    seg.versions += [-1] * len(extra)
                 else:
                     n_prompt = len(c.prompt_ids)
                     prefix_mask = base.mask[:c.base_len] if base is not None else []
                     prefix_lp = base.logprobs[:c.base_len] if base is not None else []
+                    prefix_v = base.versions[:c.base_len] if base is not None else []
                     seg = Segment(ids=list(c.prompt_ids), mask=prefix_mask + [0] * (n_prompt - len(prefix_mask)),
                                   logprobs=prefix_lp + [0.0] * (n_prompt - len(prefix_lp)),
+                                  versions=prefix_v + [-1] * (n_prompt - len(prefix_v)),
                                   texts=list(base.texts) if base is not None else [],
                                   finish_reasons=list(base.finish_reasons) if base is not None else [],
                                   calls=base.calls if base is not None else 0)
@@ -395,6 +400,7 @@ class Endpoint:
                 seg.ids += gen_ids
                 seg.mask += [1] * len(gen_ids)
                 seg.logprobs += gen_lp
+                seg.versions += gen_v
                 seg.texts.append(g.text)
                 seg.finish_reasons.append(g.finish_reason)
                 seg.calls += 1

@@ -372,7 +372,8 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
                             reason="field")
     columns = {name: getattr(cols, name) for name in _SCALARS}
     for name, dtype, optional in PER_TOKEN:
-        present = getattr(cols, f"has_{name}") if optional else [True] * n
+        present = ((getattr(cols, f"has_{name}") or [False] * n)  # missing: written before the field existed
+                   if optional else [True] * n)
         columns[name] = _split(msg, name, dtype, cols.length, present, copy)
     trajectories = [Trajectory(*row) for row in zip(*(columns[name] for name in Trajectory.__struct_fields__))]
     head = body.episode

@@ -115,7 +115,8 @@ class Status(Body):
     weight_updates: Count = 0
     unacked: Count = 0
     credits: Count = 0
-    generate_s: Seconds = 0.0
+    generate_s: Seconds = 0.0  # time spent generating (inflight: in decode steps)
+    up_s: Seconds = 0.0  # time since the actor started (1 - generate_s / up_s: its idle share)
     stopping: bool = False
 
 
@@ -159,7 +160,7 @@ Columns = msgspec.defstruct(
     [(name, list[typ]) if name not in COLUMN_DEFAULTS else (name, list[typ] | None, None)
      for name, typ, _ in trajectory_columns()]
     + [("length", list[Count])]
-    + [(f"has_{name}", list[bool]) for name, _, optional in PER_TOKEN if optional],
+    + [(f"has_{name}", list[bool] | None, None) for name, _, optional in PER_TOKEN if optional],
     bases=(Body,), module=__name__, kw_only=True)
 Columns.__doc__ = ("One list per Trajectory field that is not per-token, ``n`` entries each (generated from "
                    ":class:`asyncrl.types.Trajectory`), ``length`` (tokens per trajectory) and ``has_<field>`` "

@@ -11,7 +11,7 @@ from ...advantages import compute_grpo_advantages
 from ...engine.base import Generation
 from ...envs.verifiers import verify
 from ...models.prompts import delta_tokens, render_tokens
-from ...types import Task, Trajectory
+from ...types import Task, Trajectory, row_versions
 from .config import RLCRConfig
 from .parsing import Parsed, brier_reward, parse_answer, parse_confidence, span_mask
 
@@ -161,9 +161,11 @@ def _row(context: list[int], gen: Generation, mask: np.ndarray, version: int, **
     pad = len(context)
     full_mask = np.concatenate([np.zeros(pad, dtype=np.uint8), mask])
     logprobs = np.concatenate([np.zeros(pad, dtype=np.float32), gen.logprobs * mask])
+    versions = [-1] * pad + (gen.versions.tolist() if gen.versions is not None else [version] * len(mask))
+    policy_version, per_token = row_versions(versions, full_mask, version)
     return Trajectory(token_ids=np.asarray(context + gen.token_ids.tolist(), dtype=np.int32),
-                      loss_mask=full_mask, behavior_logprobs=logprobs, policy_version=version,
-                      text=gen.text, **kw)
+                      loss_mask=full_mask, behavior_logprobs=logprobs, policy_version=policy_version,
+                      token_versions=per_token, text=gen.text, **kw)
 
 
 def tree_trajectories(tree: ConfidenceTree, version: int, episode_id: str) -> list[Trajectory]:
