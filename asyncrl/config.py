@@ -46,8 +46,9 @@ class EmbeddedModelConfig(_Base):
     target_accuracy: float = Field(
         0.35, gt=0, le=1, description="Stop the warm start once held-out sampled accuracy reaches this.")
     warmstart_formats: list[str] = Field(["arithmetic"], min_length=1, description=(
-        "Warm-start data mixture: names registered with asyncrl.models.tiny.register_warmstart_format, "
-        "drawn uniformly per example."))
+        "Warm-start data mixture: built-in names (arithmetic, calculator), the algorithm's own, or an import "
+        "path pkg.module:fn returning (chat messages, completion text) for a random.Random; drawn uniformly "
+        "per example."))
     cache_dir: str = Field("~/.cache/asyncrl/models", description="Where built models are cached.")
 
 

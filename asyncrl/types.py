@@ -130,9 +130,11 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
 
     def summary(self) -> dict[str, Any]:
         """What the run log keeps of a trajectory (``episode`` and ``sample`` events): the fields in
-        ``SUMMARY_FIELDS`` plus its token counts."""
+        ``SUMMARY_FIELDS`` plus its token counts (and ``newest_version`` for a row of mixed versions)."""
         out = {name: getattr(self, name) for name in SUMMARY_FIELDS}
         out.update(num_tokens=int(len(self.token_ids)), num_generated=self.num_generated)
+        if self.token_versions is not None:  # made across an in-flight update: its newest token's version too
+            out["newest_version"] = self.version_range()[1]
         return out
 
     def version_range(self) -> tuple[int, int]:

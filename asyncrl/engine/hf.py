@@ -178,42 +178,35 @@ class HFEngine:
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """One decode step over every sequence in flight, after admitting queued prompts; False when
-        there was nothing to generate. Finished sequences go back to their callers."""
-        alive = [r for r in self._live if r.finished is None]
-        dead, pending = len(self._live) - len(alive), self.scheduler.num_pending()
-        if pending and (not alive or pending + dead >= max(1, len(self._live) // 2)):
-            self._live, self._rebuild = alive + self.scheduler.take(), True
-        elif not alive:
-            self._live, self._state = [], None
+        """One decode step over every sequence in flight, plus a prefill of the prompts queued since
+        the last step (their first token); False when there was nothing to generate. Finished rows
+        go back to their callers and leave the batch (their cache rows are dropped), so no step
+        computes a finished sequence."""
+        alive = [i for i, r in enumerate(self._live) if r.finished is None]
+        new = self.scheduler.take() if self.scheduler.num_pending() else []
+        if not alive and not new:
+            self._live, self._state, self._rebuild = [], None, False
             return False
-        elif dead >= max(4, len(self._live) // 2):  # compact: stop computing finished rows
-            self._live, self._rebuild = alive, True
-        rows = self._live
-        if self._rebuild or self._state is None:
-            ids, mask = left_pad([r.prompt + r.tokens for r in rows], self.pad_id)
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1)
-            self._rebuild = False
-            self.rebuilds += 1
-        else:
-            cache, mask, positions, last = self._state
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(input_ids=last[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        parts = []
+        if alive and self._rebuild:  # new weights, kv_on_update=recompute: the cache of every row afresh
+            parts.append(self._prefill([self._live[i] for i in alive] + new))
+            new = []
+        elif alive:
+            if len(alive) < len(self._live):
+                self._select(alive)
+            parts.append(self._decode())
+        if new:
+            parts.append(self._prefill(new))
+        self._rebuild = False
+        rows, logits, state = _merge(parts)
         self.steps += 1
         temps = torch.tensor([[r.sampling.temperature] for r in rows], device=self.device)
         top_p = torch.tensor([[r.sampling.top_p] for r in rows], device=self.device)
-        logp = torch.log_softmax(out.logits[:, -1].float() / temps, dim=-1)
+        logp = torch.log_softmax(logits.float() / temps, dim=-1)
         tok = sample_top_p(logp, top_p, None)
         lps = logp.gather(1, tok[:, None])[:, 0].tolist()
         version = self.version
         for r, t, lp in zip(rows, tok.tolist(), lps):
-            if r.finished is not None:
-                continue
             r.tokens.append(t)
             r.logprobs.append(lp)
             r.versions.append(version)
@@ -224,8 +217,37 @@ class HFEngine:
             if r.finished is not None:
                 text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
                 self.scheduler.finish(r, Generation(r.tokens, r.logprobs, text, r.finished, r.versions))
-        self._state = (out.past_key_values, mask, positions[:, -1:], tok)
+        self._live = rows
+        self._state = (*state, tok)
         return True
+
+    def _prefill(self, rows: list[Row]) -> tuple:
+        """Forward the rows' whole sequences (prompt + tokens so far), left-padded: ``(rows, logits
+        [B, V] of the next token, (cache, mask, last positions))``."""
+        ids, mask = left_pad([r.prompt + r.tokens for r in rows], self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        self.rebuilds += 1
+        return rows, out.logits[:, -1], (out.past_key_values, mask, positions[:, -1:])
+
+    def _decode(self) -> tuple:
+        """One token for every row in the batch (their last sampled tokens as input)."""
+        cache, mask, positions, last = self._state
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        positions = positions + 1
+        out = self.model(input_ids=last[:, None], attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return self._live, out.logits[:, -1], (out.past_key_values, mask, positions)
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the batch (its cache, mask, positions, last tokens)."""
+        cache, mask, positions, last = self._state
+        idx = torch.tensor(keep, device=self.device)
+        cache.batch_select_indices(idx)
+        self._live = [self._live[i] for i in keep]
+        self._state = (cache, mask[idx], positions[idx], last[idx])
 
     def _row_stopped(self, r: Row) -> bool:
         window = 2 * max(len(s) for s in r.sampling.stop) + 8
@@ -252,6 +274,32 @@ class HFEngine:
         self.version = int(version)
         if self._live and self.kv_on_update == "recompute":
             self._rebuild = True  # the next step recomputes the cache of the tokens so far
+
+
+def _merge(parts: list[tuple]) -> tuple:
+    """Batches ``(rows, logits, (cache, mask, positions))`` as one: caches and masks left-padded to
+    the same length and concatenated along the batch, then the columns that are padding in every
+    row cut off (so the cache is as long as its longest live row)."""
+    if len(parts) == 1:
+        rows, logits, (cache, mask, positions) = parts[0]
+    else:
+        width = max(p[2][1].shape[1] for p in parts)
+        rows = [r for p in parts for r in p[0]]
+        logits = torch.cat([p[1] for p in parts])
+        positions = torch.cat([p[2][2] for p in parts])
+        mask = torch.cat([torch.nn.functional.pad(p[2][1], (width - p[2][1].shape[1], 0)) for p in parts])
+        cache = parts[0][2][0]
+        for i, layer in enumerate(cache.layers):
+            for name in ("keys", "values"):
+                tensors = [getattr(p[2][0].layers[i], name) for p in parts]
+                setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+                                                for t in tensors]))
+    lead = int((mask.cumsum(-1) == 0).sum(-1).min())  # padding columns shared by every row
+    if lead:
+        mask = mask[:, lead:]
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+    return rows, logits, (cache, mask, positions)
 
 
 def _check_weights(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],

@@ -40,6 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..config import EmbeddedModelConfig, TasksConfig
 from ..envs.arithmetic import make_problem
 from ..layout import replace_dir
+from ..plugins import resolve_import
 from ..registry import Registry
 from ..types import Task
 from .tokenizer import build_char_tokenizer
@@ -108,6 +109,21 @@ def cache_key(cfg: EmbeddedModelConfig, seed: int) -> str:
     return f"tiny-llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{seed}-{digest}"
 
 
+def _formats(cfg: EmbeddedModelConfig, formats: dict[str, WarmstartFormat] | None) -> dict[str, WarmstartFormat]:
+    """The warm-start formats ``cfg`` names: built-in, the algorithm's (``formats``), or an import
+    path ``pkg.module:fn`` (your own); a ValueError naming the unknown ones."""
+    available = {**BUILTIN_FORMATS, **(formats or {})}
+    for name in cfg.warmstart_formats:
+        if name not in available and ":" in name:
+            available[name] = resolve_import(name, "model.embedded.warmstart_formats")
+    unknown = [f for f in cfg.warmstart_formats if f not in available]
+    if unknown:
+        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; available here: "
+                         f"{sorted(available)} (an algorithm's own formats come with algorithm: <it>; your own "
+                         f"as pkg.module:fn)")
+    return available
+
+
 def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True,
                          formats: dict[str, WarmstartFormat] | None = None) -> Path:
     """Build (or return from the cache) the embedded model; returns its directory.
@@ -116,11 +132,7 @@ def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool
     (config, seed, steps, measured accuracies). Deterministic for a given ``cfg`` and ``seed``.
     ``formats`` adds warm-start formats to the built-in ones (an algorithm's, by name).
     """
-    available = {**BUILTIN_FORMATS, **(formats or {})}
-    unknown = [f for f in cfg.warmstart_formats if f not in available]
-    if unknown:
-        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; available here: "
-                         f"{sorted(available)} (an algorithm's own formats come with algorithm: <it>)")
+    available = _formats(cfg, formats)
     root = Path(cfg.cache_dir).expanduser()
     final = root / cache_key(cfg, seed)
     if (final / META_FILE).exists():
@@ -217,7 +229,7 @@ def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: 
     """
     evalset = heldout_tasks()
     excluded = {_prompt_key(t.prompt) for t in evalset}
-    available = {**BUILTIN_FORMATS, **(formats or {})}
+    available = _formats(cfg, formats)
     examples = _example_stream(tokenizer, [available[f] for f in cfg.warmstart_formats], random.Random(seed),
                                excluded)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.01)

@@ -366,7 +366,7 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
         if getattr(cols, name) is None:
             setattr(cols, name, [default() for _ in range(n)] if callable(default) else [default] * n)
     for name in _COLUMNS:
-        if len(getattr(cols, name)) != n:
+        if getattr(cols, name) is not None and len(getattr(cols, name)) != n:  # (has_<array>: may be missing)
             raise WireError(f"message 'episode' field 'trajectories.{name}' has "
                             f"{len(getattr(cols, name))} entries, expected {n} (one per trajectory)",
                             reason="field")
