@@ -174,7 +174,8 @@ class ActorConfig(_Base):
         "engine generates continuously, the next batch's prompts filling rows as sequences finish, and "
         "each token records its version (docs/inflight.md)."))
     concurrent_batches: int = Field(2, ge=1, description=(
-        "weight_update=inflight: batches being generated at once (each on its own rollout thread)."))
+        "weight_update=inflight: batches being generated at once, each on its own rollout thread (grpo and rlcr: "
+        "each task of a batch on its own thread, its episode sent as soon as it is done)."))
     kv_on_update: Literal["recompute", "keep"] = Field("recompute", description=(
         "weight_update=inflight, engine.type=hf: the key/value cache of the tokens before an update. recompute: "
         "rebuilt with the new weights (each token's log-prob is exactly its version's); keep: reused, as "

@@ -192,7 +192,8 @@ class Actor:
     def run_inflight(self) -> None:
         """``actor.weight_update: inflight``: this thread owns the engine and runs its decode steps;
         up to ``actor.concurrent_batches`` batches run their workflows on rollout threads, whose
-        engine calls wait for the steps. Between two steps: messages, new weights, new batches,
+        engine calls wait for the steps (a ``per_task`` workflow's batch as one rollout per task, each
+        episode sent when its task is done). Between two steps: messages, new weights, new batches,
         finished episodes. A stop request lets the batches in flight finish (for at most 60 s)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
@@ -201,7 +202,10 @@ class Actor:
         self.hello()
         next_hello = time.time() + 1.0
         running: list[tuple[Future, int]] = []
-        pool = ThreadPoolExecutor(self.cfg.actor.concurrent_batches, thread_name_prefix=f"{self.actor_id}-rollout")
+        # a per-task workflow rolls out each task on its own (its episode leaves as soon as it is done)
+        size = 1 if self.workflow.per_task else self.cfg.actor.tasks_per_batch
+        slots = self.cfg.actor.concurrent_batches * (self.cfg.actor.tasks_per_batch // size)
+        pool = ThreadPoolExecutor(slots, thread_name_prefix=f"{self.actor_id}-rollout")
         stop_by = None
         try:
             while running or not self.stopping:
@@ -216,8 +220,8 @@ class Actor:
                         next_hello = time.time() + 1.0
                 self.apply_weights(0)
                 if (not self.stopping and self.session is not None and self.credits > 0
-                        and len(running) < self.cfg.actor.concurrent_batches and self._weights_ok(0)):
-                    batch = self._take_batch()
+                        and len(running) < slots and self._weights_ok(0)):
+                    batch = self._take_batch(size)
                     running.append((pool.submit(self._rollout_batch, *batch), len(batch[0])))
                 t0 = time.time()
                 if self.engine.step():
@@ -281,10 +285,10 @@ class Actor:
         for ep in episodes:
             self.net.send_episode(ep)
 
-    def _take_batch(self) -> tuple[list[Task], list[int], list, int]:
-        """The next batch's tasks (assigned replay tasks first), rollout counts, replay k's and seed;
-        its credits are used now."""
-        k = min(self.credits, self.cfg.actor.tasks_per_batch)
+    def _take_batch(self, size: int | None = None) -> tuple[list[Task], list[int], list, int]:
+        """The next batch's tasks (at most ``size``, default ``actor.tasks_per_batch``; assigned
+        replay tasks first), rollout counts, replay k's and seed; its credits are used now."""
+        k = min(self.credits, size or self.cfg.actor.tasks_per_batch)
         replay = self.workflow.supports_replay
         tasks, counts, ks = [], [], []
         while self.assigned and len(tasks) < k:

@@ -19,6 +19,7 @@ class GRPOWorkflow(Workflow):
     ``n - k`` fresh rollouts to a replay task whose ``k`` stored trajectories the learner adds."""
 
     supports_replay = True
+    per_task = True  # each task's group is its own episode
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -10,6 +10,9 @@ config and docs). ``algorithm: pkg.module:Class`` names a workflow outside the p
 What a workflow declares (class attributes, never probed):
 
 - ``supports_replay``: it honours per-task rollout counts (experience replay assigns ``n - k``);
+- ``per_task``: each task's episode depends on that task alone, so an actor with
+  ``actor.weight_update: inflight`` may roll out every task of a batch on its own and send its episode
+  as soon as its group is done (a batch then never waits for its slowest task);
 - ``warmstart_formats``: supervised formats it adds to the embedded model's warm start
   (``model.embedded.warmstart_formats`` names them; ``asyncrl.models.tiny``);
 - ``evaluate``: its own held-out evaluation, or None for the standard accuracy;
@@ -58,6 +61,7 @@ class RolloutContext:
 
 class Workflow:
     supports_replay: ClassVar[bool] = False
+    per_task: ClassVar[bool] = False
     warmstart_formats: ClassVar[dict[str, WarmstartFormat]] = {}
     reward_metrics: ClassVar[tuple[str, ...]] = ()
     tables: ClassVar[dict[str, str]] = {}

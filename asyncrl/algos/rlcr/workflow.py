@@ -20,6 +20,7 @@ from .warmstart import rlcr_warmstart_example
 class RLCRWorkflow(Workflow):
     """One Episode per task carrying its confidence tree (``Episode.decision``)."""
 
+    per_task = True  # each task's confidence tree is its own episode
     warmstart_formats = {"rlcr": rlcr_warmstart_example}  # tags: answer, then confidence
     reward_metrics = ("rlcr/answer_reward_mean", "rlcr/confidence_reward_mean")
     algo_config = RLCRConfig
