@@ -17,7 +17,8 @@ from asyncrl.engine.continuous import EngineStopped
 from asyncrl.engine.hf import HFEngine
 from asyncrl.learner.batch import collate
 from asyncrl.learner.buffer import EpisodeQueue
-from asyncrl.learner.core_algos import CorrectionConfig, behavior_weights
+from asyncrl.learner.core_algos import (CorrectionConfig, LossConfig, PolicyLossInputs, behavior_weights,
+                                        compute_policy_loss)
 from asyncrl.learner.peers import EpisodeValidator
 from asyncrl.learner.trainer import mismatch_stats, token_lag_stats
 from asyncrl.models.tokenizer import build_char_tokenizer
@@ -233,6 +234,12 @@ def test_mixed_rows_through_collate_the_corrections_and_the_truncate_rule():
     on = batch.response_mask[0] > 0
     expected = torch.clamp(torch.exp(0.05 * torch.arange(7.0)), max=1.2)
     torch.testing.assert_close(w[0][on], expected[on])
+    # the token-mean PPO loss with those weights: current = proximal, so r = 1 and L_t = -A_t w_t
+    loss, _ = compute_policy_loss(PolicyLossInputs(prox, prox, batch.advantages, batch.response_mask, w),
+                                  LossConfig(loss_agg_mode="token-mean"))
+    m = batch.response_mask
+    hand = float((-batch.advantages * w * m).sum() / m.sum())
+    assert float(loss) == pytest.approx(hand, rel=1e-6)
     # the learner's mismatch statistics count only tokens made by the learner's own version
     mm = mismatch_stats(batch.behavior_logprobs.clone(), batch, version=6)
     assert mm["mismatch/tokens"] == 1 + 3  # row 0's last token and row 1's three

@@ -205,6 +205,8 @@ class Actor:
         # a per-task workflow rolls out each task on its own (its episode leaves as soon as it is done)
         size = 1 if self.workflow.per_task else self.cfg.actor.tasks_per_batch
         slots = self.cfg.actor.concurrent_batches * (self.cfg.actor.tasks_per_batch // size)
+        if getattr(self.env, "drives_generation", False):  # an agent's endpoint serves one rollout thread
+            size, slots = self.cfg.actor.tasks_per_batch, 1
         pool = ThreadPoolExecutor(slots, thread_name_prefix=f"{self.actor_id}-rollout")
         stop_by = None
         try:
