@@ -247,7 +247,10 @@ for i in range(10_000):
 def test_a_write_that_fails_part_way_is_cut_back(tmp_path):
     """A real failed write (the file-size limit, as a full disk would): the WAL still ends on a
     whole record, holds exactly the episodes acknowledged, and takes appends after a restore."""
-    limit = 5000  # not a multiple of the record size: the write that fails has written part
+    one = Episode(id="e5", trajectories=[Trajectory(token_ids=np.arange(50), loss_mask=[1] * 50,
+                                                    behavior_logprobs=[0.0] * 50, policy_version=0)])
+    size = len(encode_record(encode_episode(one)))  # (what the script's episodes e0..e9 take each)
+    limit = 4 * size + size // 2  # mid-record: the write that fails has written part of its record
     res = subprocess.run([sys.executable, "-c", _FULL_DISK_WAL, str(tmp_path), str(limit)], cwd=ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

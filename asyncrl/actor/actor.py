@@ -201,7 +201,7 @@ class Actor:
         self.heartbeat.start()
         self.hello()
         next_hello = time.time() + 1.0
-        running: list[tuple[Future, int]] = []
+        running: list[tuple[Future, int, str | None]] = []  # (rollout, its tasks, the session it began in)
         # a per-task workflow rolls out each task on its own (its episode leaves as soon as it is done)
         size = 1 if self.workflow.per_task else self.cfg.actor.tasks_per_batch
         slots = self.cfg.actor.concurrent_batches * (self.cfg.actor.tasks_per_batch // size)
@@ -224,7 +224,7 @@ class Actor:
                 if (not self.stopping and self.session is not None and self.credits > 0
                         and len(running) < slots and self._weights_ok(0)):
                     batch = self._take_batch(size)
-                    running.append((pool.submit(self._rollout_batch, *batch), len(batch[0])))
+                    running.append((pool.submit(self._rollout_batch, *batch), len(batch[0]), self.session))
                 t0 = time.time()
                 if self.engine.step():
                     self._gen_s += time.time() - t0
@@ -232,7 +232,7 @@ class Actor:
                     self.engine.scheduler.wait_for_work(0.005)
                 for item in [r for r in running if r[0].done()]:
                     running.remove(item)
-                    self._send(item[0].result(), item[1])
+                    self._send(item[0].result(), item[1], item[2])
         finally:
             self.engine.stop_continuous("the actor is stopping")
             pool.shutdown(wait=True, cancel_futures=True)
@@ -275,14 +275,18 @@ class Actor:
         request_env_stop()
 
     def generate_batch(self) -> None:
+        batch, session = self._take_batch(), self.session
         t0 = time.time()
-        batch = self._take_batch()
-        self._send(self._rollout_batch(*batch), len(batch[0]))
+        episodes = self._rollout_batch(*batch)
         self._gen_s += time.time() - t0
+        self._send(episodes, len(batch[0]), session)
 
-    def _send(self, episodes: list | None, num_tasks: int) -> None:
-        if episodes is None:  # the batch failed as a whole: its credits were not spent
-            self.net.use_credits(-num_tasks)
+    def _send(self, episodes: list | None, num_tasks: int, session: str | None) -> None:
+        """Push a batch's episodes; a batch that failed as a whole did not spend its credits (given
+        back unless a welcome has restarted the count since)."""
+        if episodes is None:
+            if session == self.session:
+                self.net.use_credits(-num_tasks)
             return
         for ep in episodes:
             self.net.send_episode(ep)
