@@ -142,11 +142,12 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
             if engine.step():
                 steps += 1
             if steps == 4 and engine.version == 0:
-                assert engine.in_flight == len(prompts)
+                paused = engine.in_flight  # (a request may have ended at EOS already)
+                assert paused >= 1
                 engine.update_weights(dict(other.named_parameters()), version=1)
         caller.join(timeout=10)
         gens = out["gens"]
-        assert engine.continued == len(prompts)  # every request was paused and continued
+        assert engine.continued == paused  # every running request was paused and continued
         mixed = [g for g in gens if set(g.versions.tolist()) == {0, 1}]
         assert mixed, [g.versions.tolist() for g in gens]
         for prompt, g in zip(prompts, gens):
