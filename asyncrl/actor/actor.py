@@ -161,14 +161,9 @@ class Actor:
         next_hello = time.time() + 1.0
         while not self.stopping:
             self.net.poll(timeout_ms=0 if self.credits else 100)
-            # no welcome yet (learner not up, or our hello lost), or the heartbeat met a new learner
-            # whose welcome went astray (sent before this socket had reconnected): say hello again
-            if self.session is None or self.heartbeat.session not in (None, self.session):
-                if time.time() > next_hello:
-                    self.hello()
-                    next_hello = time.time() + 1.0
-                if self.session is None:
-                    continue
+            next_hello = self._hello_again(next_hello)
+            if self.session is None:
+                continue
             self.apply_weights(0)
             if self.credits <= 0:
                 continue
@@ -178,6 +173,15 @@ class Actor:
         self.close()
         if self.heartbeat.gone_reason:
             raise SystemExit(f"[{self.actor_id}] stopped: {self.heartbeat.gone_reason}")
+
+    def _hello_again(self, next_hello: float) -> float:
+        """Say hello again (at most once a second) while there is no welcome yet (learner not up, or
+        our hello lost) or the heartbeat met a new learner whose welcome went astray (sent before
+        this socket had reconnected); returns when the next one may go."""
+        if (self.session is None or self.heartbeat.session not in (None, self.session)) and time.time() > next_hello:
+            self.hello()
+            return time.time() + 1.0
+        return next_hello
 
     def _weights_ok(self, wait_ms: int) -> bool:
         """True when the engine holds this session's weights at the credits' ``min_version``; else
@@ -216,10 +220,7 @@ class Actor:
                 if stop_by is not None and time.monotonic() > stop_by:
                     break
                 self.net.poll(timeout_ms=0 if running or self.credits else 100)
-                if self.session is None or self.heartbeat.session not in (None, self.session):
-                    if time.time() > next_hello:
-                        self.hello()
-                        next_hello = time.time() + 1.0
+                next_hello = self._hello_again(next_hello)
                 self.apply_weights(0)
                 if (not self.stopping and self.session is not None and self.credits > 0
                         and len(running) < slots and self._weights_ok(0)):

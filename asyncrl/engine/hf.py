@@ -7,9 +7,9 @@ unfiltered ``log_softmax(logits / T)``. On a 1M-parameter model on 2 CPU cores t
 than ``model.generate(..., output_logits=True)``, which adds per-step processor overhead.
 
 Continuous mode (``actor.weight_update: inflight``, :mod:`asyncrl.engine.continuous`): the owner
-thread calls :meth:`HFEngine.step`, one decode step over all sequences in flight; queued prompts are
-admitted, and finished rows dropped, by rebuilding the KV cache over the live rows' full sequences
-(one prefill). New weights are applied between two steps; what happens to the KV cache of the tokens
+thread calls :meth:`HFEngine.step`, one decode step over all sequences in flight; finished rows leave
+the batch (their cache rows are dropped), queued prompts are prefilled on their own and merged into
+the running cache. New weights are applied between two steps; what happens to the KV cache of the tokens
 before the update is ``kv_on_update``: ``recompute`` (default) rebuilds it with the new weights, so
 every token's behaviour log-prob is exactly its version's; ``keep`` goes on with the old keys and
 values (as PipelineRL does), so the first tokens after an update are computed over a cache made by
@@ -82,7 +82,7 @@ class HFEngine:
         self._state = None  # (cache, mask, positions, last tokens) after the latest step
         self._rebuild = False
         self.steps = 0  # forward passes in continuous mode
-        self.rebuilds = 0  # of which KV-cache rebuilds (admissions, compactions, recomputes)
+        self.rebuilds = 0  # of which prefills (admitted prompts, caches recomputed after an update)
 
     # ----------------------------------------------------------------------------- generation
     @torch.inference_mode()
@@ -144,12 +144,17 @@ class HFEngine:
 
         Only a window of the latest tokens is decoded: earlier tokens were checked at earlier steps.
         """
-        window = 2 * max(len(s) for s in stop) + 8
         hits = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for i in (~skip).nonzero()[:, 0].tolist():
-            text = self.tokenizer.decode(tokens[i, -window:].tolist(), skip_special_tokens=True)
-            hits[i] = any(s in text for s in stop)
+            hits[i] = self._stopped(tokens[i].tolist(), stop)
         return hits
+
+    def _stopped(self, tokens: list[int], stop: list[str]) -> bool:
+        """Whether the latest tokens' text contains a stop string (only a window of them is decoded:
+        earlier tokens were checked at earlier steps)."""
+        window = 2 * max(len(s) for s in stop) + 8
+        text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in stop)
 
     def _to_generation(self, out: _Batch, i: int) -> Generation:
         n = out.lengths[i]
@@ -210,7 +215,7 @@ class HFEngine:
             r.tokens.append(t)
             r.logprobs.append(lp)
             r.versions.append(version)
-            if t in self.eos_ids or (r.sampling.stop and self._row_stopped(r)):
+            if t in self.eos_ids or (r.sampling.stop and self._stopped(r.tokens, r.sampling.stop)):
                 r.finished = "stop"
             elif len(r.tokens) >= r.sampling.max_new_tokens:
                 r.finished = "length"
@@ -248,11 +253,6 @@ class HFEngine:
         cache.batch_select_indices(idx)
         self._live = [self._live[i] for i in keep]
         self._state = (cache, mask[idx], positions[idx], last[idx])
-
-    def _row_stopped(self, r: Row) -> bool:
-        window = 2 * max(len(s) for s in r.sampling.stop) + 8
-        text = self.tokenizer.decode(r.tokens[-window:], skip_special_tokens=True)
-        return any(s in text for s in r.sampling.stop)
 
     # ----------------------------------------------------------------------------- weights
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:

@@ -92,12 +92,7 @@ class VLLMEngine:
             return []
         if self.scheduler is not None and not self.scheduler.is_owner():
             return self.scheduler.submit(prompts, sampling)
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
-                                include_stop_str_in_output=True, stop_token_ids=self.eos_ids, logprobs=0,
-                                detokenize=bool(sampling.stop))
+        params = self._params(sampling, sampling.max_new_tokens)
         if seed is not None:
             # vLLM samples with torch's default generators: seeding them makes the call reproducible.
             # (Per-request seeds would too, but together with log-probs they made vLLM 0.32 six times
@@ -105,6 +100,15 @@ class VLLMEngine:
             torch.manual_seed(int(seed))
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False)
         return [self._to_generation(o.outputs[0]) for o in outs]
+
+    def _params(self, sampling: SamplingConfig, max_tokens: int, **extra):
+        """vLLM's SamplingParams for ``sampling`` with ``max_tokens`` (EOS and stop strings kept in the
+        output, the sampled token's log-prob returned)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                              stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+                              stop_token_ids=self.eos_ids, logprobs=0, detokenize=bool(sampling.stop), **extra)
 
     def _to_generation(self, out) -> Generation:
         ids = np.asarray(out.token_ids, dtype=np.int32)
@@ -131,14 +135,10 @@ class VLLMEngine:
         return len(self._live)
 
     def _add(self, row: Row) -> None:
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sp = row.sampling
-        params = SamplingParams(n=1, temperature=sp.temperature, top_p=sp.top_p,
-                                max_tokens=sp.max_new_tokens - len(row.tokens), stop=list(sp.stop) or None,
-                                include_stop_str_in_output=True, stop_token_ids=self.eos_ids, logprobs=0,
-                                detokenize=bool(sp.stop), output_kind=RequestOutputKind.DELTA)
+        params = self._params(row.sampling, row.sampling.max_new_tokens - len(row.tokens),
+                              output_kind=RequestOutputKind.DELTA)
         rid = f"r{self._next_id}"
         self._next_id += 1
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": row.prompt + row.tokens}, params)
