@@ -208,6 +208,15 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .models.lora import export_run
+
+    ckpt, out = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
+    print(f"asyncrl export: {ckpt} -> {out} (a Hugging Face model directory"
+          f"{', adapters merged' if args.merge else ''}: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
 def cmd_ui(args) -> int:
     try:
         from app.main import main as ui_main
@@ -266,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actors", type=int, default=1, help="make bundles actor-0 .. actor-(N-1) (default 1)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="make bundles actor-NAME instead")
     p.set_defaults(fn=cmd_keys)
+    p = sub.add_parser("export", help="write a run's checkpoint as a plain Hugging Face model directory")
+    p.add_argument("run", help="the run directory (runs/<name>)")
+    p.add_argument("--merge", action="store_true", help="merge LoRA adapters (model.lora) into the base model")
+    p.add_argument("--out", help="output directory (default <run>/export/step_<N>)")
+    p.add_argument("--step", type=int, help="this checkpoint (default: the newest intact one)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     add_ui_arguments(p)
     p.set_defaults(fn=cmd_ui)

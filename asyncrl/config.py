@@ -52,12 +52,31 @@ class EmbeddedModelConfig(_Base):
     cache_dir: str = Field("~/.cache/asyncrl/models", description="Where built models are cached.")
 
 
+LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSettings(_Base):
+    """LoRA adapters on the policy (``asyncrl.models.lora``; docs/lora.md)."""
+
+    rank: int = Field(16, ge=1, description="Adapter rank r (A is r x in, B is out x r).")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description=(
+        "Dropout on the adapters' input while training (0: the learner's log-probs are deterministic, which "
+        "the importance ratios assume)."))
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_DEFAULT), min_length=1, description=(
+        "Names of the linear layers that get adapters (the last part of the module name, e.g. q_proj); "
+        "each must name at least one linear layer of the model. Default: attention and MLP projections."))
+
+
 class ModelConfig(_Base):
     path: str | None = Field(
         None, description="Local Hugging Face causal-LM directory. Null: the embedded tiny model.")
     embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig,
                                           description="Settings of the embedded tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    lora: LoraSettings | None = Field(None, description=(
+        "Train LoRA adapters instead of the full model (null: off; {} or any key under it: on). The base "
+        "weights are frozen, the optimizer holds the adapters only and weight sync sends only them."))
 
 
 class TasksConfig(_Base):

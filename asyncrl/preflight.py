@@ -13,6 +13,7 @@ one line instead of a traceback after minutes of model building and a half-writt
   context length minus ``sampling.max_new_tokens``); import-path sources (e.g. Absolute Zero's
   seed programs) may hold text the workflow turns into prompts of its own, so they are not measured;
 - experience replay's need for a workflow that takes per-task rollout counts;
+- ``model.lora.target_modules`` against the model's linear layers;
 - the advantage estimator and policy loss names (``asyncrl.advantages``, ``asyncrl.learner.core_algos``).
 
 Every problem is a :class:`ConfigError` whose message is one line naming the field, file or
@@ -49,8 +50,27 @@ def preflight(cfg: Config) -> Preflight:
     train, heldout = split_tasks(cfg.tasks)  # holdout_fraction <= 0.9 always leaves training tasks
     if cfg.model.path is not None or cfg.tasks.type == "file":  # the user's model, or the user's prompts
         _check_model_and_prompts(cfg, (train or []) + heldout if cfg.tasks.type == "file" else [])
+    if cfg.model.lora is not None:
+        _check_lora(cfg)
     return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train),
                      len(heldout))
+
+
+def _check_lora(cfg: Config) -> None:
+    """``model.lora.target_modules`` against the model's linear layers (a meta-device model: no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .adapters import targeted
+    from .models.tiny import embedded_llama_config
+    from .models.tokenizer import build_char_tokenizer
+
+    if cfg.model.path is None:
+        config = embedded_llama_config(cfg.model.embedded, len(build_char_tokenizer()))
+    else:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    with torch.device("meta"):
+        targeted(AutoModelForCausalLM.from_config(config), cfg.model.lora)
 
 
 def _check_registry_names(cfg: Config) -> None:

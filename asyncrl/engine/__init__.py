@@ -21,7 +21,7 @@ def _hf(cfg: Config, model_dir: Path, tokenizer, load_model) -> Engine:
 
     if load_model is None:
         raise ValueError("engine.type=hf runs a loaded model: give make_engine a load_model")
-    return HFEngine(load_model(), tokenizer, device=cfg.engine.device)
+    return HFEngine(load_model(), tokenizer, device=cfg.engine.device, lora=cfg.model.lora)
 
 
 def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:
@@ -30,7 +30,7 @@ def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:
     require_vllm()
     context = _context_length(model_dir)
     return VLLMEngine(model_dir, tokenizer, cfg.engine, max_model_len=cfg.engine.max_model_len or context,
-                      seed=cfg.seed, dtype=cfg.model.dtype)
+                      seed=cfg.seed, dtype=cfg.model.dtype, lora=cfg.model.lora)
 
 
 ENGINES: Registry[Callable[..., Engine]] = Registry("engine", {"hf": _hf, "vllm": _vllm})

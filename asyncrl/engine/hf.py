@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import SamplingConfig
+from ..adapters import MergedAdapters
+from ..config import LoraSettings, SamplingConfig
 from .base import Generation
 from .continuous import Row, Scheduler
 
@@ -68,9 +69,11 @@ def sample_top_p(logp: torch.Tensor, top_p: "float | torch.Tensor", gen: torch.G
 class HFEngine:
     """``Engine`` over a ``transformers`` causal LM. ``version`` is the policy version in use."""
 
-    def __init__(self, model, tokenizer, device: str = "cpu") -> None:
+    def __init__(self, model, tokenizer, device: str = "cpu", lora: LoraSettings | None = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        # model.lora: updates are adapters, merged into the targeted weights in place (asyncrl.adapters)
+        self.adapters = MergedAdapters(self.model, lora) if lora is not None else None
         self.tokenizer = tokenizer
         self.version = 0
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -264,13 +267,17 @@ class HFEngine:
         """Copy ``named_tensors`` into the model and set ``version``.
 
         Names must be exactly those of ``state_dict_for_sync`` (aliases of tied weights are also
-        accepted); any unknown or missing name or any shape mismatch raises ``ValueError`` before
+        accepted), or with ``lora`` every adapter tensor (``asyncrl.adapters``: merged into the base
+        weights); any unknown or missing name or any shape mismatch raises ``ValueError`` before
         a single weight is changed.
         """
-        targets = dict(self.model.state_dict(keep_vars=True))
-        _check_weights(named_tensors, targets, set(self.state_dict_for_sync()))
-        for name, tensor in named_tensors.items():
-            targets[name].data.copy_(torch.as_tensor(tensor).to(targets[name].device))
+        if self.adapters is not None:
+            self.adapters.apply(named_tensors)
+        else:
+            targets = dict(self.model.state_dict(keep_vars=True))
+            _check_weights(named_tensors, targets, set(self.state_dict_for_sync()))
+            for name, tensor in named_tensors.items():
+                targets[name].data.copy_(torch.as_tensor(tensor).to(targets[name].device))
         self.version = int(version)
         if self._live and self.kv_on_update == "recompute":
             self._rebuild = True  # the next step recomputes the cache of the tokens so far

@@ -26,17 +26,27 @@ each token tagged with the version in use. A weight update in the middle is a pa
 running request is aborted, the weights are loaded, and each request is added again with its prompt
 plus the tokens it has so far as the new prompt and the tokens it has left as ``max_tokens`` (its KV
 cache is computed afresh with the new weights). A stop string that straddles the update is not seen.
+
+LoRA (``model.lora``): vLLM is started with ``enable_lora`` and every update is a LoRA adapter. The
+adapter tensors are written as a peft adapter directory (a temporary directory, a few MB) and every
+request from then on carries a new ``LoRARequest`` for it; the previous adapter is removed from vLLM.
+Version 0 runs without an adapter (peft's ``B = 0``: the base model). docs/lora.md says why this
+rather than merging into the weights.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..config import ConfigError, SamplingConfig
+from ..adapters import check_adapter_tensors, expected_shapes, targeted, write_adapters
+from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
 from .continuous import Row, Scheduler
 
@@ -65,7 +75,7 @@ class VLLMEngine:
     """``Engine`` over ``vllm.LLM`` (in-process). ``version`` is the policy version in use."""
 
     def __init__(self, model_dir: str | Path, tokenizer, engine_cfg, max_model_len: int, seed: int = 0,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", lora: LoraSettings | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm reads its settings
         from vllm import LLM
 
@@ -76,14 +86,25 @@ class VLLMEngine:
         self._next_id = 0
         self.continued = 0  # requests continued from their prefix after an in-flight update
         self.eos_ids = sorted(_eos_ids(model_dir, tokenizer))
-        self.expected = _expected_weights(model_dir)
+        self.model_dir = str(model_dir)
+        self.lora = lora
+        meta = _meta_model(model_dir)
+        self.expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+        self._lora_request = None  # the adapter in use (model.lora); None: the base model (version 0)
+        self._lora_dir: Path | None = None
+        extra = {}
+        if lora is not None:
+            self.expected = expected_shapes(targeted(meta, lora), lora.rank)
+            self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
+            weakref.finalize(self, shutil.rmtree, str(self._lora_dir), True)  # also at exit
+            extra = {"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": 1}
         self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
                        max_model_len=engine_cfg.max_model_len or max_model_len,
                        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
                        tensor_parallel_size=engine_cfg.tensor_parallel_size,
                        enforce_eager=engine_cfg.enforce_eager, logprobs_mode="processed_logprobs",
                        **({"kv_cache_memory_bytes": engine_cfg.kv_cache_memory_bytes}
-                          if engine_cfg.kv_cache_memory_bytes else {}))
+                          if engine_cfg.kv_cache_memory_bytes else {}), **extra)
 
     # ----------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
@@ -98,7 +119,8 @@ class VLLMEngine:
             # (Per-request seeds would too, but together with log-probs they made vLLM 0.32 six times
             # slower on CPU: 2.5k against 15k tokens/s on a 1-layer model.)
             torch.manual_seed(int(seed))
-        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False,
+                                 lora_request=self._lora_request)
         return [self._to_generation(o.outputs[0]) for o in outs]
 
     def _params(self, sampling: SamplingConfig, max_tokens: int, **extra):
@@ -141,7 +163,8 @@ class VLLMEngine:
                               output_kind=RequestOutputKind.DELTA)
         rid = f"r{self._next_id}"
         self._next_id += 1
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": row.prompt + row.tokens}, params)
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": row.prompt + row.tokens}, params,
+                                        lora_request=self._lora_request)
         self._live[rid] = row
 
     def step(self) -> bool:
@@ -168,26 +191,45 @@ class VLLMEngine:
         return True
 
     # ----------------------------------------------------------------------------- weights
+    def _load_adapter(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """``named_tensors`` as vLLM's LoRA adapter from now on (the previous one removed)."""
+        from vllm.lora.request import LoRARequest
+
+        old = self._lora_request
+        path = self._lora_dir / f"v{version}"
+        write_adapters(path, named_tensors, self.lora, self.model_dir)
+        self._lora_request = LoRARequest(f"v{version}", (old.lora_int_id + 1) if old else 1, str(path))
+        self.llm.llm_engine.add_lora(self._lora_request)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load ``named_tensors`` (Hugging Face names, as the learner's ``named_parameters``) in
-        place and set ``version``. Unknown names or wrong shapes raise ValueError before anything
-        is loaded."""
+        place and set ``version`` (with ``lora``: every adapter tensor, loaded as a LoRA adapter).
+        Unknown names or wrong shapes raise ValueError before anything is loaded."""
         bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
                if n not in self.expected or tuple(t.shape) != self.expected[n]]
-        if bad:
+        if self.lora is not None:
+            check_adapter_tensors(named_tensors, self.expected)
+        elif bad:
             raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
                              f"{sorted(self.expected)[:3]}")
         paused = list(self._live.values())
         if paused:  # partial rollout: stop them now, continue them from their prefix with the new weights
             self.llm.llm_engine.abort_request(list(self._live))
             self._live = {}
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        weights = iter(named_tensors.items())
-        if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        if self.lora is not None:
+            self._load_adapter(named_tensors, int(version))
         else:
-            runner.model.load_weights(weights)
+            runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            weights = iter(named_tensors.items())
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            else:
+                runner.model.load_weights(weights)
         self.llm.reset_prefix_cache()
         self.version = int(version)
         for row in paused:
@@ -195,15 +237,14 @@ class VLLMEngine:
         self.continued += len(paused)
 
 
-def _expected_weights(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of the Hugging Face model in ``model_dir`` (built on the meta
-    device: no memory, no weights read)."""
+def _meta_model(model_dir: str | Path):
+    """The Hugging Face model in ``model_dir`` built on the meta device (no memory, no weights read):
+    its parameter names and shapes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _eos_ids(model_dir: str | Path, tokenizer) -> set[int]:

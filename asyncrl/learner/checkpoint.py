@@ -1,5 +1,6 @@
 """Learner checkpoints: ``<run>/checkpoints/step_<version>/`` with the model (safetensors via
-``save_pretrained``), optimizer state, learner state (version, seen episode ids), the unconsumed
+``save_pretrained``; with ``model.lora`` the adapters only, in peft's format, whose
+``adapter_config.json`` names the base model), optimizer state, learner state (version, seen episode ids), the unconsumed
 buffer and ``manifest.json``.
 
 Promises:
@@ -18,6 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
+from ..adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
+from ..models.lora import adapter_state, is_lora, read_adapters, settings_of
 from ..layout import (MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
                       fsync_path, list_checkpoints, replace_dir)
 
@@ -44,7 +47,12 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+        if is_lora(model):  # the adapters, and the base model's name (asyncrl export --merge merges them)
+            config = model.peft_config[ADAPTER]
+            write_adapters(tmp / "model", adapter_state(model_state), settings_of(config.to_dict()),
+                           config.base_model_name_or_path)
+        else:
+            model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         torch.save(optim_state, tmp / "optimizer.pt")  # local file, never sent over the wire
         buffer.save(tmp / "buffer.bin")
@@ -87,16 +95,24 @@ def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
     from .distributed import by_name
 
     weights = {}
-    for f in sorted((path / "model").glob("*.safetensors")):
-        weights.update(_load(f, load_file))
-    expected = set(model.state_dict())
+    lora = is_lora(model)
+    if lora != (path / "model" / ADAPTER_CONFIG).exists():
+        raise CheckpointError(f"checkpoint {path} holds {'full weights' if lora else 'LoRA adapters'}; this run "
+                              f"has model.lora {'on' if lora else 'off'}: resume with the model.lora it was "
+                              f"written with")
+    if lora:
+        weights = _load(path / "model", lambda d: read_adapters(d)[0])
+    else:
+        for f in sorted((path / "model").glob("*.safetensors")):
+            weights.update(_load(f, load_file))
+    expected = set(adapter_state(model.state_dict()) if lora else model.state_dict())
     missing = [m for m in expected - set(weights) if not m.endswith("lm_head.weight")]  # tied embeddings
     unexpected = sorted(set(weights) - expected)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
                               f"unexpected {unexpected[:5]}")
     optim = _load(path / "optimizer.pt", lambda f: torch.load(f, weights_only=True))
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's parameters, in order
     try:
         optim = by_name(optim, names)
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -141,6 +141,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     """A rank other than 0: do what rank 0 announces until it says stop (exit code 0) or is gone
     (exit code 1, one line)."""
     from ..models.loading import load_policy
+    from ..models.lora import with_adapters
     from ..rollout.workflow import workflow_class
 
     rank = torch.distributed.get_rank()
@@ -158,8 +159,9 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
                 dist_learner.leave_group()
                 return 0
             if isinstance(body, GroupStart):
-                model, tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
-                                                  warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+                model, tokenizer, path = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
+                                                     warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+                model = with_adapters(model, cfg.model, cfg.seed, base=path)
                 trainer = make_trainer(cfg, model, tokenizer, mode)
                 print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
             elif trainer is None:

@@ -21,6 +21,7 @@ import torch
 from ..config import Config, cpu_threads
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
+from ..models.lora import adapter_tensors, is_lora, with_adapters
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
 from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
@@ -61,6 +62,7 @@ class Learner:
         model, self.tokenizer, self.model_dir = load_policy(
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
             warmstart_formats=workflow.warmstart_formats)
+        model = with_adapters(model, cfg.model, cfg.seed, base=self.model_dir)  # model.lora: train adapters only
         self.trainer = self.ranks.start(cfg, model, self.tokenizer)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
@@ -274,9 +276,11 @@ class Learner:
         t0 = time.time()
         # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
         # (a transport that copies the tensors out before frames() returns needs none)
+        # (model.lora: the adapter tensors only, by the plain model's module names; asyncrl.models.lora)
         snapshot = self.weights_out.needs_snapshot
+        named = self.model.named_parameters()
         state = {k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
-                 for k, v in self.model.named_parameters()}
+                 for k, v in (adapter_tensors(named) if is_lora(self.model) else dict(named)).items()}
         self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)
         self.log.event("weights_published", self.version, version=self.version,
                        bytes=int(sum(v.numel() * v.element_size() for v in state.values())),

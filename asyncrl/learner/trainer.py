@@ -70,7 +70,9 @@ class PolicyTrainer:
         # one forward of each shared prompt (batch.compute_logprobs), in a learner group too: each
         # rank plans over its own rows
         self.shared_prefix = train_cfg.shared_prefix
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+        # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
                                            weight_decay=train_cfg.weight_decay)
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
@@ -184,7 +186,7 @@ class PolicyTrainer:
         stats["entropy"] = ent.item()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))

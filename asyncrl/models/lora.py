@@ -1,0 +1,140 @@
+"""LoRA adapters on the policy (``model.lora``, docs/lora.md).
+
+- The learner wraps its model with ``peft`` (:func:`with_adapters`): the base weights are frozen and
+  the optimizer holds the adapters only.
+- Weight sync sends the adapter tensors only (:func:`adapter_tensors`), named by the plain model's
+  module, e.g. ``model.layers.0.self_attn.q_proj.lora_A.weight`` ([r, in]) and ``...lora_B.weight``
+  ([out, r]). Every ``sync.type`` carries them unchanged: it ships whatever tensors it is given.
+- The Hugging Face engine applies them in place (:class:`MergedAdapters`): each targeted weight
+  becomes ``W0 + (alpha / r) * B @ A``, computed from a kept copy of the base weight ``W0`` (so
+  nothing drifts over many versions and generation costs what the base model costs).
+- Checkpoints hold the adapters in peft's format (``adapter_model.safetensors`` and
+  ``adapter_config.json``, whose ``base_model_name_or_path`` names the base model);
+  ``asyncrl export --merge RUN`` writes a plain Hugging Face model with them merged (:func:`export_merged`).
+
+Names and the in-place merge are :mod:`asyncrl.adapters` (the engines use them too).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_tensors, internal_name,
+                        is_adapter_name, targeted)
+from ..config import ConfigError, LoraSettings
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def peft_config(lora: LoraSettings, base: str | Path | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                      base_model_name_or_path=str(base) if base is not None else None)
+
+
+def require_peft() -> None:
+    try:
+        importlib.import_module("peft")
+    except ImportError as e:
+        raise ConfigError(f"model.lora needs peft ({e}): pip install 'asyncrl[lora]'") from None
+
+
+def with_adapters(model, model_cfg, seed: int, base: str | Path | None = None):
+    """``model`` wrapped with fresh LoRA adapters when ``model_cfg.lora`` is set (``B = 0``: the wrapped
+    model computes exactly the base model; ``A`` is drawn from ``seed``, so every rank of a learner
+    group draws the same), else ``model`` itself. Only the adapters require gradients."""
+    if model_cfg.lora is None:
+        return model
+    require_peft()
+    from peft import get_peft_model
+
+    targeted(model, model_cfg.lora)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        wrapped = get_peft_model(model, peft_config(model_cfg.lora, base), adapter_name=ADAPTER)
+    finally:
+        torch.random.set_rng_state(state)
+    for name, p in wrapped.named_parameters():
+        p.requires_grad_(is_adapter_name(name))
+    return wrapped
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter entries of an in-memory state dict (what a LoRA checkpoint holds), names unchanged."""
+    return {n: t for n, t in state.items() if is_adapter_name(n)}
+
+
+def read_adapters(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(in-memory name -> tensor, adapter_config)`` of a peft adapter directory."""
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    return {internal_name(k): v for k, v in load_file(str(directory / ADAPTER_FILE)).items()}, config
+
+
+def settings_of(adapter_config: dict) -> LoraSettings:
+    return LoraSettings(rank=adapter_config["r"], alpha=adapter_config["lora_alpha"],
+                        dropout=adapter_config.get("lora_dropout", 0.0),
+                        target_modules=sorted(adapter_config["target_modules"]))
+
+
+def export_merged(adapter_dir: Path, base_dir: Path, out: Path, dtype: str = "float32") -> Path:
+    """A plain Hugging Face model directory in ``out``: the base model in ``base_dir`` with the adapters
+    of ``adapter_dir`` merged (what peft's ``merge_and_unload`` computes), and the base's tokenizer."""
+    from .loading import load_model, load_tokenizer
+
+    tensors, config = read_adapters(adapter_dir)
+    lora = settings_of(config)
+    model = load_model(base_dir, dtype)
+    MergedAdapters(model, lora).apply(adapter_tensors(tensors))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(base_dir).save_pretrained(out)
+    return out
+
+
+def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None) -> tuple[Path, Path]:
+    """``asyncrl export``: the newest intact checkpoint of ``run_dir`` (or ``step_<step>``) as a plain
+    Hugging Face model directory, ``out`` (default ``<run>/export/step_<N>``). A LoRA checkpoint needs
+    ``merge``: its adapters are merged into the base model its ``adapter_config.json`` names (or,
+    when that directory is gone, the run's own ``model`` config resolves it again, rebuilding the
+    embedded model). Returns ``(checkpoint, out)``; a problem: ConfigError, one line."""
+    import shutil
+
+    from ..config import load_config
+    from ..layout import CONFIG, checkpoint_dir, select_checkpoint, verify_checkpoint
+    from .loading import resolve_model_path
+
+    run_dir = Path(run_dir)
+    if step is None:
+        ckpt, _ = select_checkpoint(run_dir)
+        if ckpt is None:
+            raise ConfigError(f"{run_dir}: no intact checkpoint to export (is it a run directory?)")
+    else:
+        ckpt = checkpoint_dir(run_dir, step)
+        problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
+        if problem:
+            raise ConfigError(f"{ckpt}: cannot export it: {problem}")
+    out = Path(out) if out is not None else run_dir / "export" / ckpt.name
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; give another --out or remove it")
+    model_dir = ckpt / "model"
+    if not (model_dir / ADAPTER_CONFIG).exists():  # full weights: already a Hugging Face model
+        shutil.copytree(model_dir, out, dirs_exist_ok=True)
+        return ckpt, out
+    if not merge:
+        raise ConfigError(f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model "
+                          f"with --merge")
+    base = json.loads((model_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        cfg = load_config(str(run_dir / CONFIG), [])
+        base = resolve_model_path(cfg.model, cfg.seed)
+    return ckpt, export_merged(model_dir, Path(base), out)
