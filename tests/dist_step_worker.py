@@ -55,7 +55,8 @@ def trajectories(vocab: int, shared_prompts: bool = False) -> list[Trajectory]:
 # steps, each mini-batch split over the ranks, proximal log-probs from a full-batch forward first)
 CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
          "two_minibatches": ["train.mini_batches=2"],
-         "shared_prefix": ["train.shared_prefix=true"]}  # with trajectories(shared_prompts=True)
+         "shared_prefix": ["train.shared_prefix=true"],  # with trajectories(shared_prompts=True)
+         "lora": ["model.lora.rank=4"]}  # adapters only (issue 32), B drawn non-zero so that A has gradients too
 
 
 def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -74,6 +75,15 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
     torch.manual_seed(0)
     model, tok, _ = load_policy(cfg.model, cfg.seed)
+    if cfg.model.lora is not None:
+        from asyncrl.models.lora import with_adapters
+
+        model = with_adapters(model, cfg.model, cfg.seed)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
     rows = trajectories(len(tok), shared_prompts=case == "shared_prefix")
     batch = trainer.make_batch([type("E", (), {"trajectories": rows})()])
@@ -97,7 +107,8 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
            "rows/valid": batch.attention_mask[:, 1:].cpu().to(torch.uint8)}
     for k, p in inner.named_parameters():  # under FSDP2 each full_tensor() is a collective
         out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-        out[f"grad/{k}"] = distributed.full_grad(p)
+        if p.requires_grad:  # (model.lora: the base weights are frozen)
+            out[f"grad/{k}"] = distributed.full_grad(p)
     out.update({f"state/{k}": v for k, v in distributed.full_state_dict(trainer.model).items()})
     # the optimizer state as a checkpoint saves it (by parameter name, gathered from the shards)
     for name, entry in distributed.optimizer_state(trainer.model, trainer.optimizer).get("state", {}).items():

@@ -2,7 +2,7 @@
 
 The tiny embedded model, a collated batch of 5 rows (shares of 3 and 2 rows with different token
 counts), every ``loss_agg_mode``, a two-mini-batch step and a batch whose rows share their group's
-prompt (the shared-prefix forward on each rank), KL and entropy terms on, gradient
+prompt (the shared-prefix forward on each rank), LoRA adapters (issue 32), KL and entropy terms on, gradient
 clipping off: the gradients averaged over ranks, the parameters after the AdamW step, the gathered
 full state dict and the per-row log-probs (``keep_rows``) all match a one-process step within 1e-5;
 the metrics combined over ranks match too.
@@ -86,6 +86,12 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
             if case == "shared_prefix":  # each prompt ran once on each rank's rows, as in one process
                 assert stats["shared_prefix_forwards"] > 0 and ref_stats["shared_prefix_forwards"] > 0, mode
         assert any(k.startswith("optim/") for k in ref), "the optimizer state was not compared"
+        if case == "lora":  # issue 32: gradients and optimizer state for the adapters only, A's and B's
+            trained = {k[len("grad/"):] for k in ref if k.startswith("grad/")}
+            optimized = {k[len("optim/"):].rsplit("/", 1)[0] for k in ref if k.startswith("optim/")}
+            assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained), sorted(trained)[:5]
+            assert optimized == trained, sorted(optimized ^ trained)[:5]
+            assert min(float(ref[f"grad/{k}"].abs().max()) for k in trained) > 0
 
 
 def _optim_dict(flat: dict) -> dict:
