@@ -164,16 +164,78 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
         engine.update_weights(dict(model.named_parameters()), version=0)
 
 
+def _lora_policy(lora_cfg, seed: int) -> tuple[dict, torch.nn.Module]:
+    """``(adapter tensors by wire name, the peft model merged)``: random A and B (B non-zero) on ``_model(0)``."""
+    from asyncrl.adapters import adapter_tensors
+    from asyncrl.models.lora import with_adapters
+
+    peft = with_adapters(_model(0), lora_cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    tensors = {k: v.detach().clone() for k, v in adapter_tensors(dict(peft.named_parameters())).items()}
+    return tensors, peft.merge_and_unload().eval()
+
+
+def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_factory):
+    """``model.lora``: every update is a LoRA adapter (vLLM ``enable_lora``); what it samples is the
+    learner's peft model merged, version after version (the previous adapter removed), in batch
+    calls and in continuous mode across an update. Rank 4 runs in vLLM's smallest rank slot above it."""
+    _, base, tok = setup
+    path = tmp_path_factory.mktemp("vllm-lora-model")
+    base.save_pretrained(path)
+    tok.save_pretrained(path)
+    cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", "engine.dtype=float32",
+                             "engine.kv_cache_memory_bytes=268435456", "model.lora.rank=4"])
+    engine = VLLMEngine(path, tok, cfg.engine, max_model_len=128, seed=0, lora=cfg.model.lora)
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=12)
+    policies = {v: _lora_policy(cfg.model, v) for v in (1, 2, 3)}
+    for version in (1, 2):
+        tensors, merged = policies[version]
+        engine.update_weights(tensors, version=version)
+        assert engine.version == version and set(engine.llm.llm_engine.list_loras()) == {version}
+        for prompt, g in zip(prompts, engine.generate(prompts, sampling, seed=version)):
+            diff = np.abs(g.logprobs - _learner_logprobs(merged, tok, prompt, g, 1.0)).max()
+            assert diff < 1e-4, f"version {version}: max |vLLM - learner's merged| = {diff:.2e}"
+            assert np.abs(g.logprobs - _learner_logprobs(base, tok, prompt, g, 1.0)).max() > 1e-3  # not the base
+    with pytest.raises(ValueError, match="LoRA adapters expected"):
+        engine.update_weights(dict(base.named_parameters()), version=3)
+    # continuous mode: requests running at an update go on under the new adapter from their prefix
+    engine.start_continuous()
+    out: dict = {}
+    caller = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(prompts * 2, sampling)))
+    caller.start()
+    try:
+        deadline, steps = time.monotonic() + 120, 0
+        while (caller.is_alive() or engine.in_flight) and time.monotonic() < deadline:
+            steps += bool(engine.step())
+            if steps == 3 and engine.version == 2:
+                engine.update_weights(policies[3][0], version=3)
+        caller.join(timeout=10)
+        gens = out["gens"]
+        assert any(set(g.versions.tolist()) == {2, 3} for g in gens), [g.versions.tolist() for g in gens]
+        for prompt, g in zip(prompts * 2, gens):
+            ref = np.where(g.versions == 2, _learner_logprobs(policies[2][1], tok, prompt, g, 1.0),
+                           _learner_logprobs(policies[3][1], tok, prompt, g, 1.0))
+            assert np.abs(g.logprobs - ref).max() < 1e-4
+    finally:
+        engine.stop_continuous("test over")
+
+
 def test_vllm_refuses_settings_it_cannot_honour():
     with pytest.raises(ConfigError, match="top_p"):
         check_engine_config(load_config(None, ["engine.type=vllm", "sampling.top_p=0.9"]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["zmq", "ipc"])
-def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync):
+@pytest.mark.parametrize("sync,lora", [("zmq", []), ("ipc", []), ("zmq", ["model.lora.rank=8"])])
+def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync, lora):
     """``asyncrl run`` with an HF learner and a vLLM actor on the CPU build: weights flow both ways
-    (as tensor frames, or through shared memory with ``sync.type=ipc``)."""
+    (as tensor frames, or through shared memory with ``sync.type=ipc``), or LoRA adapters that vLLM
+    serves as such (the mismatch below is then vLLM's LoRA against the learner's peft model)."""
     over = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=64", "model.embedded.num_heads=2",
             "model.embedded.num_layers=1", "model.embedded.intermediate_size=128", "model.embedded.warmup_steps=20",
             "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3", "engine.type=vllm",
@@ -181,7 +243,7 @@ def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync):
             f"run_root={tmp_path}", "name=vllm",
             "train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
             "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0", "log.episode_events=all",
-            f"sync.type={sync}", f"sync.dir={tmp_path / 'shm'}"]
+            f"sync.type={sync}", f"sync.dir={tmp_path / 'shm'}", *lora]
     res = run_cli("run", "-c", "configs/quickstart.yaml", *over, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "vllm" / "metrics.jsonl")

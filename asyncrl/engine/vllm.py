@@ -97,7 +97,7 @@ class VLLMEngine:
             self.expected = expected_shapes(targeted(meta, lora), lora.rank)
             self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
             weakref.finalize(self, shutil.rmtree, str(self._lora_dir), True)  # also at exit
-            extra = {"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": 1}
+            extra = {"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
         self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
                        max_model_len=engine_cfg.max_model_len or max_model_len,
                        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
@@ -235,6 +235,16 @@ class VLLMEngine:
         for row in paused:
             self._add(row)
         self.continued += len(paused)
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def _max_lora_rank(rank: int) -> int:
+    for r in _LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ConfigError(f"model.lora.rank={rank}: vLLM serves LoRA adapters up to rank {_LORA_RANKS[-1]}")
 
 
 def _meta_model(model_dir: str | Path):
