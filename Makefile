@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)" 2>&1 | { $(PIP_PROGRESS); }
-	$(BIN)/pip install -e ".[dev,ray,envs]" 2>&1 | { $(PIP_PROGRESS); }
+	$(BIN)/pip install -e ".[dev,ray,envs,lora]" 2>&1 | { $(PIP_PROGRESS); }
 	touch $(STAMP)
 
 setup: $(STAMP)

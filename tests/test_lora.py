@@ -257,3 +257,18 @@ def test_a_lora_run_over_collective_sync_resumes_and_exports(tmp_path, tiny_over
     assert res.returncode == 0, res.stdout + res.stderr
     model = AutoModelForCausalLM.from_pretrained(run / "export" / list_checkpoints(run)[-1].name)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
+    """``configs/quickstart.yaml`` (the default embedded model) with ``model.lora`` on, its 800 steps: the
+    batch reward of the last 10% of steps is above the first 10%'s. (README: the figures of such runs.)"""
+    res = run_cli("run", "-c", "configs/quickstart.yaml", f"model.embedded.cache_dir={model_cache}", "model.lora.rank=16",
+                  f"run_root={tmp_path}", "name=qs-lora", "eval.every=0", "checkpoint.every=0", "log.progress=false",
+                  timeout=1200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["steps_trained"] == 800
+    assert summary["reward_last_10pct"] > summary["reward_first_10pct"] + 0.03, summary
+    published = [e for e in read_jsonl(tmp_path / "qs-lora" / "events.jsonl") if e["kind"] == "weights_published"]
+    assert published[-1]["bytes"] == 4 * 16 * 4 * (4 * 2 * 128 + 2 * (128 + 512) + (512 + 128))  # adapters only
