@@ -88,6 +88,20 @@ def check_adapter_tensors(named: dict[str, torch.Tensor], expected: dict[str, tu
         raise ValueError(f"update_weights: adapter shapes differ from model.lora: {bad[:3]}")
 
 
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``base + scaling * b @ a`` in ``base``'s dtype, as peft merges: the product in float32, added to
+    the base weight (rounded once to its dtype). Written into ``out`` (a fresh tensor when None)."""
+    a = torch.as_tensor(a).to(base.device, torch.float32)
+    b = torch.as_tensor(b).to(base.device, torch.float32)
+    if out is None:
+        out = torch.empty_like(base)
+    if base.dtype == torch.float32:
+        return torch.addmm(base, b, a, alpha=scaling, out=out)
+    out.copy_(base)
+    return out.add_(b @ a, alpha=scaling)
+
+
 class MergedAdapters:
     """Adapters applied to a plain model in place: ``W = W0 + (alpha / r) * B @ A`` for every targeted
     linear layer, ``W0`` being a copy of its base weight taken here (on the model's device)."""
@@ -105,10 +119,8 @@ class MergedAdapters:
         weight changes when a name or shape is wrong."""
         check_adapter_tensors(named, self.expected)
         for n, m in self.modules.items():
-            w = m.weight
-            a = torch.as_tensor(named[f"{n}.lora_A.weight"]).to(w.device, torch.float32)
-            b = torch.as_tensor(named[f"{n}.lora_B.weight"]).to(w.device, torch.float32)
-            w.copy_((self.base[n].float() + self.scaling * (b @ a)).to(w.dtype))
+            merged_weight(self.base[n], named[f"{n}.lora_A.weight"], named[f"{n}.lora_B.weight"], self.scaling,
+                          out=m.weight.data)
 
 
 def adapter_tensors(named) -> dict[str, torch.Tensor]:

@@ -171,6 +171,10 @@ class EngineConfig(_Base):
         "vLLM: the KV cache's size in bytes, instead of what gpu_memory_utilization leaves for it. On the "
         "CPU build the share is taken from the process's whole memory, so a process that already holds "
         "much (a test run, a learner) may have none left: set this there."))
+    vllm_lora: Literal["merge", "adapter"] = Field("merge", description=(
+        "vLLM with model.lora: 'merge' merges each version's adapters into the weights on the actor and "
+        "loads the merged layers (vLLM generates as fast as without LoRA); 'adapter' serves them as a vLLM "
+        "LoRA adapter (enable_lora: faster updates, slower generation). docs/lora.md has the measurements."))
 
 
 class ActorConfig(_Base):

