@@ -272,3 +272,25 @@ def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
     assert summary["reward_last_10pct"] > summary["reward_first_10pct"] + 0.03, summary
     published = [e for e in read_jsonl(tmp_path / "qs-lora" / "events.jsonl") if e["kind"] == "weights_published"]
     assert published[-1]["bytes"] == 4 * 16 * 4 * (4 * 2 * 128 + 2 * (128 + 512) + (512 + 128))  # adapters only
+
+
+def test_a_bfloat16_merge_equals_pefts(trained):
+    """The engines' merge (``asyncrl.adapters.merged_weight``) of a bfloat16 base rounds as peft's
+    ``merge_and_unload`` does: the float32 product added to the base, rounded once."""
+    from asyncrl.adapters import MergedAdapters
+
+    cfg, model, tok, path, _, _, _ = trained
+    state = adapter_tensors({n: p.detach().clone() for n, p in model.named_parameters()})
+    peft_bf16 = copy.deepcopy(model)
+    for name, p in peft_bf16.named_parameters():
+        if not is_adapter_name(name):
+            p.data = p.data.to(torch.bfloat16)
+    merged = peft_bf16.merge_and_unload()
+    plain = load_model(path, "bfloat16")
+    MergedAdapters(plain, cfg.model.lora).apply(state)
+    ours = dict(plain.named_parameters())
+    for name, p in merged.named_parameters():
+        if p.dtype == torch.bfloat16 and name in ours:
+            assert torch.equal(p, ours[name]), (name, float((p.float() - ours[name].float()).abs().max()))
+    assert any(not torch.equal(ours[n].float(), load_model(path, "bfloat16").state_dict()[n].float())
+               for n in ours if "q_proj" in n)
