@@ -294,3 +294,23 @@ def test_a_bfloat16_merge_equals_pefts(trained):
             assert torch.equal(p, ours[name]), (name, float((p.float() - ours[name].float()).abs().max()))
     assert any(not torch.equal(ours[n].float(), load_model(path, "bfloat16").state_dict()[n].float())
                for n in ours if "q_proj" in n)
+
+
+def test_export_of_a_full_weight_run_is_its_model(trained, tmp_path):
+    """Without LoRA a checkpoint's model is already a Hugging Face directory: export copies it (and
+    refuses to write into a non-empty directory)."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, tok, path, _, _, _ = trained
+    model = load_model(path)
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(tmp_path, 2, model, tok, opt, _buffer(tmp_path), {}, keep=1)
+    ckpt, out = export_run(tmp_path, tmp_path / "out")
+    assert ckpt.name.endswith("2")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    with pytest.raises(ConfigError, match="not empty"):
+        export_run(tmp_path, tmp_path / "out")
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        export_run(tmp_path, step=7)
