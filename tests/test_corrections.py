@@ -196,3 +196,21 @@ def test_sum_norm_loss_does_not_depend_on_prompt_length():
     # the padded width (prompt + 4 - 1) would make it -1/5 and -1/15
     assert float(losses[None, 2]) == pytest.approx(-1 / 5) and float(losses[None, 12]) == pytest.approx(-1 / 15)
     assert LossConfig.from_config(cfg.train).agg_norm == 8.0
+
+
+@pytest.mark.parametrize("name", sorted(OFF_POLICY_CORRECTIONS))
+def test_a_masked_minus_infinity_leaves_the_row_finite(name):
+    """A padded (masked) position holding -inf (a log-prob of a token never scored) is ignored: row 1's
+    padded slot is -inf in the proximal and in the behaviour log-probs; the weights on the mask are those of
+    the clean rows (hand-computed above), never NaN (``-inf * 0`` would be)."""
+    old = LOG_RHO.clone()
+    old[1, 2] = -math.inf
+    behav = torch.zeros(2, 3, dtype=torch.float64)
+    behav[1, 2] = -math.inf
+    cfg = CorrectionConfig(name, 2.5, "truncate", 0.5)
+    got = behavior_weights(old, behav, MASK, cfg)
+    clean = behavior_weights(LOG_RHO.clone(), torch.zeros(2, 3, dtype=torch.float64), MASK, cfg)
+    assert not torch.isnan(got.weight[MASK > 0]).any()
+    assert _on(got.weight) == _on(clean.weight)
+    if name == "seq_tis":  # row 1: min(2 * 2, 2.5) on each token, as without the -inf
+        assert _on(got.weight)[3:] == pytest.approx([2.5, 2.5])

@@ -237,9 +237,12 @@ def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tens
     or mean (generated, not replayed). Weights come back in ``old_logprobs``' dtype, detached; off the
     mask they are whatever the formula gives (the loss masks them anyway)."""
     m = mask.to(torch.float64)
-    log_rho = (old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64)) * (m > 0)
-    out = OFF_POLICY_CORRECTIONS.get(cfg.name)(log_rho, m, cfg)
     on = m > 0
+    # off the mask log rho is 0 by `where`, not by a product: a masked position may hold -inf (-inf * 0 is NaN,
+    # which a sequence sum would spread over the whole row)
+    log_rho = torch.where(on, old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64),
+                          torch.zeros((), dtype=torch.float64))
+    out = OFF_POLICY_CORRECTIONS.get(cfg.name)(log_rho, m, cfg)
     return BehaviorWeight(out.weight.to(old_logprobs.dtype).contiguous(), out.capped.expand_as(on) & on,
                           out.masked.expand_as(on) & on)
 

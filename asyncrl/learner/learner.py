@@ -21,7 +21,7 @@ import torch
 from ..config import Config, cpu_threads
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
-from ..models.lora import adapter_tensors, is_lora, with_adapters
+from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
 from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
@@ -55,6 +55,8 @@ class Learner:
         torch.set_num_threads(cpu_threads(cfg, "learner"))
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
+        if cfg.model.lora is not None:
+            require_peft()  # likewise peft for model.lora (the actors do not need it)
         check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
         workflow = workflow_class(cfg.algorithm)
