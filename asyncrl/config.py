@@ -357,10 +357,10 @@ class ReplayConfig(_Base):
     withhold_solved: bool = Field(True, description=(
         "Withhold fully solved tasks (the skip set) from the actors' fresh task streams."))
     isolate_replay_groups: bool = Field(False, description=(
-        "The reference design's unique off-policy group ids: each replayed trajectory is alone in its group. "
-        "Its advantage then follows train.advantage.singleton: 'verl' (the reference design, built on verl: "
-        "mean 0, std 1, so A = its reward, about +1) or 'zero' (our default: no gradient). Off (ExGRPO): "
-        "replayed trajectories join their task's fresh group."))
+        "The reference design's unique off-policy group ids: each replayed trajectory is alone in its group, "
+        "and its advantage is its reward (train.advantage.singleton becomes 'verl', the reference design's "
+        "rule, built on verl: mean 0, std 1, so A = R, about +1; an explicit 'zero', which would train "
+        "nothing, is refused). Off (ExGRPO): replayed trajectories join their task's fresh group."))
     retrieval: Literal["top_k", "sample"] = Field("top_k", description=(
         "Which stored trajectories of a replay task are replayed: 'top_k' (ours: the k first by "
         "exp_select_mode's entropy order; a random sample for 'random') or 'sample' (the reference design: "
@@ -581,6 +581,15 @@ class Config(_Base):
         if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
         rp = self.replay
+        if rp.enabled and rp.isolate_replay_groups:  # each replayed trajectory is a group of one
+            adv = self.train.advantage
+            if "singleton" not in adv.model_fields_set:
+                adv.singleton = "verl"  # the reference design's rule for it: A = R (verl's mean 0, std 1)
+            elif adv.singleton == "zero":
+                raise ValueError("replay.isolate_replay_groups puts each replayed trajectory in a group of its own, "
+                                 "and train.advantage.singleton=zero gives such a group advantage 0: replay would "
+                                 "train nothing; use singleton=verl (A = R, the reference design) or "
+                                 "isolate_replay_groups=false")
         if rp.enabled and rp.offpolicy_trajectories_per_task >= self.sampling.n:
             raise ValueError(f"replay.offpolicy_trajectories_per_task ({rp.offpolicy_trajectories_per_task}) "
                              f"must be below sampling.n ({self.sampling.n}): a replay task keeps at least "

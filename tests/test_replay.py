@@ -297,15 +297,23 @@ def test_loss_by_hand_replayed_vs_fresh(tiny_policy, off_clip):
     assert off_tok != pytest.approx(-0.5 * 1.28)
 
 
-def test_isolated_replay_groups_have_zero_advantage():
-    for isolate, expected in ((False, [-0.5, 0.5]), (True, [0.0, 0.0])):
-        m = _mgr(f"replay.isolate_replay_groups={str(isolate).lower()}")
+def test_isolated_replay_groups_train_the_replayed_success_with_its_reward():
+    """A fresh failure (R = 0) and a replayed success (R = 1), Dr.GRPO advantages by hand: together in the
+    task's group, mean 0.5, so -0.5 and +0.5; isolated, each is a group of one, whose rule then follows the
+    reference design (``singleton`` becomes verl: A = R), so 0 and 1, not the 0 and 0 that trained nothing."""
+    for isolate, expected in ((False, [-0.5, 0.5]), (True, [0.0, 1.0])):
+        over = [f"replay.isolate_replay_groups={str(isolate).lower()}", "train.advantage.norm_by_std=false"]
+        m = _mgr(*over)
         m.save_trajectories_to_memory([_traj("t", 1.0, 0.1, "s")])
         fresh = _traj("t", 0.0, tid="f")
         ep = Episode(trajectories=[fresh], decision={"replay": {"k": 1}})
         assert m.attach([ep]) == 1
-        adv = trajectory_advantages(ep.trajectories, load_config(None, ["train.advantage.norm_by_std=false"]).train.advantage)
+        adv = trajectory_advantages(ep.trajectories, _cfg(*over).train.advantage)
         assert adv.tolist() == pytest.approx(expected)
+    assert _cfg("replay.isolate_replay_groups=true").train.advantage.singleton == "verl"
+    assert _cfg("replay.isolate_replay_groups=false").train.advantage.singleton == "zero"
+    with pytest.raises(ConfigError, match="replay would train nothing"):
+        _cfg("replay.isolate_replay_groups=true", "train.advantage.singleton=zero")
 
 
 # ---------------------------------------------------------------------------- n - k plus k, real model
