@@ -89,10 +89,10 @@ LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
     ("token-mean", 10 / 4),  # (1 + 2 + 3 + 4) / 4 tokens
     ("seq-mean-token-sum", 5.0),  # sums [6, 4] -> mean 5
     ("seq-mean-token-mean", 3.0),  # means [6/3, 4/1] = [2, 4] -> mean 3
-    ("seq-mean-token-sum-norm", 10 / 3),  # 10 / T with T = 3 columns
+    ("seq-mean-token-sum-norm", 10 / 3),  # 10 / norm, norm = 3
 ])
 def test_agg_modes_ragged_mask(mode, expected):
-    assert agg_loss(t(LOSS), t([[1, 1, 1], [1, 0, 0]]), mode).item() == approx(expected)
+    assert agg_loss(t(LOSS), t([[1, 1, 1], [1, 0, 0]]), mode, norm=3).item() == approx(expected)
 
 
 def test_agg_explicit_norm_and_empty_rows():
@@ -104,13 +104,18 @@ def test_agg_explicit_norm_and_empty_rows():
     assert agg_loss(t(LOSS), empty_row, "seq-mean-token-mean").item() == approx(2.0)
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(t(LOSS), mask, "bogus")
+    # the divisor is a constant, never the padded width (3 here): without one, an error, not 10 / 3
+    with pytest.raises(ValueError, match="needs a constant divisor"):
+        agg_loss(t(LOSS), mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="needs a constant divisor"):
+        LossConfig(loss_agg_mode="seq-mean-token-sum-norm")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                   "seq-mean-token-sum-norm"])
 def test_agg_all_zero_mask_is_zero_with_grad(mode):
     x = t(LOSS).requires_grad_()
-    loss = agg_loss(x, torch.zeros(2, 3, dtype=D), mode)
+    loss = agg_loss(x, torch.zeros(2, 3, dtype=D), mode, norm=3)
     assert loss.item() == 0.0
     loss.backward()
     assert torch.equal(x.grad, torch.zeros(2, 3, dtype=D))
@@ -192,8 +197,8 @@ def test_zero_staleness_decoupled_equals_plain_ppo(mode):
     w = behavior_importance_weight(old, old.clone(), cap=5.0)  # behaviour == proximal
     assert torch.equal(w, torch.ones_like(w))
     a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
-    plain, _ = policy_loss(a, old, adv, mask, loss_agg_mode=mode)
-    decoupled, _ = policy_loss(b, old, adv, mask, loss_agg_mode=mode, behavior_weight=w)
+    plain, _ = policy_loss(a, old, adv, mask, loss_agg_mode=mode, agg_norm=5.0)
+    decoupled, _ = policy_loss(b, old, adv, mask, loss_agg_mode=mode, agg_norm=5.0, behavior_weight=w)
     plain.backward()
     decoupled.backward()
     assert torch.equal(plain, decoupled)

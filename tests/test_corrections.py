@@ -173,7 +173,8 @@ def test_token_lag_distribution_is_weighted_by_generated_tokens():
 # ---------------------------------------------------------------------------- seq-mean-token-sum-norm
 def test_sum_norm_loss_does_not_depend_on_prompt_length():
     """The same two responses (4 and 2 generated tokens) after a 2-token and a 12-token prompt: with
-    the constant divisor from config the loss is the same; with the padded width it is not."""
+    the constant divisor from config the loss is the same (the padded width, prompt + 4 - 1, would
+    have made it -1/5 and -1/15); without one the mode is refused."""
     def rows(prompt: int) -> list[Trajectory]:
         out = []
         for n_gen, r in ((4, 1.0), (2, 0.0)):
@@ -185,16 +186,15 @@ def test_sum_norm_loss_does_not_depend_on_prompt_length():
     cfg = load_config(None, ["train.loss_agg_mode=seq-mean-token-sum-norm", "sampling.max_new_tokens=8"])
     assert cfg.train.loss_scale_norm == 8.0  # default: sampling.max_new_tokens x env.max_turns
     losses = {}
-    for norm in (cfg.train.loss_scale_norm, None):
-        lc = LossConfig(loss_agg_mode="seq-mean-token-sum-norm", agg_norm=norm)
-        for prompt in (2, 12):
-            b = collate(rows(prompt), torch.tensor([0.5, -0.5]), 0)
-            logp = torch.zeros_like(b.behavior_logprobs)
-            losses[norm, prompt], _ = compute_policy_loss(PolicyLossInputs(logp, logp, b.advantages, b.response_mask), lc)
+    lc = LossConfig(loss_agg_mode="seq-mean-token-sum-norm", agg_norm=cfg.train.loss_scale_norm)
+    for prompt in (2, 12):
+        b = collate(rows(prompt), torch.tensor([0.5, -0.5]), 0)
+        logp = torch.zeros_like(b.behavior_logprobs)
+        losses[prompt], _ = compute_policy_loss(PolicyLossInputs(logp, logp, b.advantages, b.response_mask), lc)
     # ratio 1: token loss -A; sum = 4 * -0.5 + 2 * 0.5 = -1; divided by 8
-    assert float(losses[8.0, 2]) == pytest.approx(-1 / 8) and float(losses[8.0, 12]) == pytest.approx(-1 / 8)
-    # the padded width (prompt + 4 - 1) would make it -1/5 and -1/15
-    assert float(losses[None, 2]) == pytest.approx(-1 / 5) and float(losses[None, 12]) == pytest.approx(-1 / 15)
+    assert float(losses[2]) == pytest.approx(-1 / 8) and float(losses[12]) == pytest.approx(-1 / 8)
+    with pytest.raises(ValueError, match="needs a constant divisor"):
+        LossConfig(loss_agg_mode="seq-mean-token-sum-norm", agg_norm=None)
     assert LossConfig.from_config(cfg.train).agg_norm == 8.0
 
 

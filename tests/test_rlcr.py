@@ -237,7 +237,7 @@ def test_rows_work_with_every_loss_agg_mode():
     for mode in LOSS_AGG_MODES:
         logp = (batch.behavior_logprobs + 0.01).clone().requires_grad_(True)
         loss, _ = compute_policy_loss(PolicyLossInputs(logp, batch.behavior_logprobs, batch.advantages,
-                                                       batch.response_mask), LossConfig(loss_agg_mode=mode))
+                                                       batch.response_mask), LossConfig(loss_agg_mode=mode, agg_norm=8.0))
         loss.backward()
         assert torch.isfinite(loss)
         assert torch.all(logp.grad[batch.response_mask == 0] == 0), mode  # only the target spans learn

@@ -50,15 +50,22 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1e-8)
 
 
+_NORM_REQUIRED = ("loss_agg_mode seq-mean-token-sum-norm needs a constant divisor (train.loss_scale_norm, "
+                  "LossConfig.agg_norm, agg_loss's norm; verl's loss_scale_factor): the batch's padded width "
+                  "would make the loss depend on padding")
+
+
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", norm: float | None = None) -> Tensor:
     """Aggregate a per-token loss ``[B, T]`` under ``mask[B, T]`` into a scalar.
 
     - ``token-mean``: ``sum(loss * mask) / sum(mask)``.
     - ``seq-mean-token-sum``: mean over sequences of per-sequence sums.
     - ``seq-mean-token-mean``: mean over sequences of per-sequence masked means.
-    - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum(loss * mask) / norm``, ``norm`` defaulting to
-      ``T = mask.shape[-1]``; pass a constant ``norm`` (e.g. the max generation length) to keep the
-      scale fixed across batches of different padded length.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO, as verl has it): ``sum(loss * mask) / norm`` with ``norm`` a
+      constant (``train.loss_scale_norm``, verl's ``loss_scale_factor``; e.g. the max generation
+      length), required: the batch's padded width would make the loss depend on padding. Dr.GRPO's
+      paper also divides by the number of sequences (its ``1/G``); verl does not, nor do we (with a
+      fixed number of sequences per step it is a constant factor of the learning rate).
 
     The two ``seq-mean`` modes leave out sequences whose mask is empty (current verl behaviour),
     so a fully masked row does not dilute the mean. An all-zero mask gives 0 connected to the graph.
@@ -67,7 +74,9 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", norm: flo
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
     if mode == "seq-mean-token-sum-norm":
-        return (loss_mat * mask).sum() / (float(mask.shape[-1]) if norm is None else float(norm))
+        if norm is None:
+            raise ValueError(_NORM_REQUIRED)
+        return (loss_mat * mask).sum() / float(norm)
     tokens = mask.sum(-1)
     seq_sums = (loss_mat * mask).sum(-1)
     present = (tokens > 0).to(loss_mat.dtype)
@@ -296,8 +305,7 @@ class LossConfig:
     LUFFY's code path of the same name shapes the bare probability ``exp(logp)`` instead (its
     off-policy data come from a teacher without log-probs); we have recorded ones.
     ``agg_norm``: the constant divisor of ``seq-mean-token-sum-norm`` (``train.loss_scale_norm``,
-    verl's ``loss_scale_factor``); None falls back to the batch's padded width ``T``, which varies
-    with prompt length (so configs always set it: see ``asyncrl.config.Config``).
+    verl's ``loss_scale_factor``), required in that mode (``asyncrl.config.Config`` always sets it).
     """
 
     clip_low: float = 0.2
@@ -313,6 +321,8 @@ class LossConfig:
             raise ValueError(f"unknown off_policy_reshape {self.off_policy_reshape!r}; valid: none, p_div_p_0.1")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.agg_norm is None:
+            raise ValueError(_NORM_REQUIRED)
 
     @classmethod
     def from_config(cls, train_cfg, replay_cfg=None) -> "LossConfig":
