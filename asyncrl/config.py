@@ -261,6 +261,12 @@ class TrainConfig(_Base):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (initial) model; 0: off.")
     kl_type: Literal["k1", "k3"] = Field("k3", description="KL estimator (k3: low-variance).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient; 0: off.")
+    side_terms_agg: Literal["token-mean", "loss_agg_mode"] = Field("token-mean", description=(
+        "How the KL and entropy terms are aggregated over tokens: 'token-mean' (default: kl_coef and "
+        "entropy_coef weigh every token alike whatever loss_agg_mode, so changing the policy loss's "
+        "aggregation leaves them as they were) or 'loss_agg_mode' (verl: the policy loss's own aggregation; "
+        "under the seq-mean modes a coefficient then weighs up to the tokens per sequence times more). "
+        "The kl and entropy metrics are token means either way."))
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
     threads: Threads = Field("auto", description=(

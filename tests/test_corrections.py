@@ -214,3 +214,36 @@ def test_a_masked_minus_infinity_leaves_the_row_finite(name):
     assert _on(got.weight) == _on(clean.weight)
     if name == "seq_tis":  # row 1: min(2 * 2, 2.5) on each token, as without the -inf
         assert _on(got.weight)[3:] == pytest.approx([2.5, 2.5])
+
+
+# ---------------------------------------------------------------------------- KL and entropy aggregation
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_the_entropy_term_follows_side_terms_agg(agg):
+    """Two rows of 4 and 1 generated tokens with equal rewards (advantages 0: the policy loss is 0), an
+    entropy bonus of 1: the step's loss is minus the entropy aggregated over the response tokens, as a token
+    mean by default, by ``loss_agg_mode`` with ``side_terms_agg=loss_agg_mode`` (verl), computed here by hand
+    from the per-token entropies. The ``entropy`` metric is the token mean either way."""
+    model = _tiny_model()
+    ids = [np.array([1, 2, 3, 4, 5, 6]), np.array([1, 2, 7])]
+    masks = [np.array([0, 0, 1, 1, 1, 1], dtype=np.uint8), np.array([0, 0, 1], dtype=np.uint8)]
+    rows = [Trajectory(token_ids=i, loss_mask=m, behavior_logprobs=np.zeros(len(i), np.float32), policy_version=0,
+                       reward=1.0, group_id="g") for i, m in zip(ids, masks)]
+    batch = collate(rows, torch.zeros(2), 0)
+    with torch.no_grad():
+        _, ent = compute_logprobs(model, batch, 1.0, with_entropy=True)
+    per_row = [ent[b][batch.response_mask[b] > 0].double() for b in range(2)]  # 4 and 1 values
+    token_mean = float(torch.cat(per_row).mean())
+    by_hand = {"token-mean": token_mean,
+               "seq-mean-token-mean": float((per_row[0].mean() + per_row[1].mean()) / 2),
+               "seq-mean-token-sum": float((per_row[0].sum() + per_row[1].sum()) / 2),
+               "seq-mean-token-sum-norm": float(torch.cat(per_row).sum() / 6.0)}  # norm: 6 new tokens x 1 turn
+    for side, expected in (("token-mean", token_mean), ("loss_agg_mode", by_hand[agg])):
+        cfg = load_config(None, [f"train.loss_agg_mode={agg}", f"train.side_terms_agg={side}", "train.entropy_coef=1",
+                                 "train.lr=1e-9", "sampling.max_new_tokens=6", "train.recompute_proximal=false"])
+        trainer = PolicyTrainer(_tiny_model(), _Tok(), cfg.train, 1.0,
+                                loss_cfg=LossConfig.from_config(cfg.train))
+        stats = trainer.step(trainer.make_batch([Episode(trajectories=rows)])).stats
+        assert stats["loss"] == pytest.approx(-expected, rel=2e-6), (agg, side)
+        assert stats["entropy"] == pytest.approx(token_mean, rel=2e-6)
+    if agg != "token-mean":  # the two settings really differ here (by 2e-4 relative for seq-mean-token-mean)
+        assert by_hand[agg] != pytest.approx(token_mean, rel=5e-5)

@@ -143,3 +143,10 @@ def test_one_question_per_group_is_refused():
     with pytest.raises(ConfigError, match=r"algo\.questions_per_prompt.*at least 2.*never mixed"):
         validate_section(AbsoluteZeroConfig, {"questions_per_prompt": 1}, "algo")
     assert validate_section(AbsoluteZeroConfig, {"questions_per_prompt": 2}, "algo").questions_per_prompt == 2
+    # where (docs/seed_fidelity.md): not at config load, which does not know the algorithm's settings, but at
+    # start-up, by preflight, before anything is built or written
+    from asyncrl.preflight import preflight
+
+    cfg = load_config(None, ["algorithm=absolute_zero", "algo.questions_per_prompt=1"])
+    with pytest.raises(ConfigError, match=r"algo\.questions_per_prompt.*at least 2"):
+        preflight(cfg)

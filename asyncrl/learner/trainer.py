@@ -23,7 +23,8 @@ from ..types import Episode
 from . import distributed as dist_learner
 from .batch import TrainBatch, collate, compute_logprobs
 from ..advantages import trajectory_advantages
-from .core_algos import POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossInputs, behavior_weights, kl_penalty
+from .core_algos import (POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossInputs, agg_loss, behavior_weights,
+                         kl_penalty, masked_mean)
 
 
 @dataclass
@@ -173,16 +174,20 @@ class PolicyTrainer:
         loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
         loss = loss * pg_scale
         stats.update(loss_stats)
+        # the KL and entropy terms: a token mean, or the policy loss's own aggregation (train.side_terms_agg)
+        side_mode = self.loss_cfg.loss_agg_mode if cfg.side_terms_agg == "loss_agg_mode" else "token-mean"
+        side_scale = pg_scale if side_mode != "token-mean" else tok_scale
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature, shared_prefix=self.shared_prefix)
             kl = kl_penalty(logp, ref_logp, cfg.kl_type)
-            kl_val = (kl * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
-            loss = loss + cfg.kl_coef * kl_val * tok_scale
+            kl_val = masked_mean(kl, mb.response_mask)
+            loss = loss + cfg.kl_coef * agg_loss(kl, mb.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
             stats["kl"] = kl_val.item()
-        ent = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+        ent = masked_mean(entropy, mb.response_mask)
         if want_entropy:
-            loss = loss - cfg.entropy_coef * ent * tok_scale
+            loss = loss - cfg.entropy_coef * agg_loss(entropy, mb.response_mask, side_mode,
+                                                      norm=self.loss_cfg.agg_norm) * side_scale
         stats["entropy"] = ent.item()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
