@@ -257,10 +257,17 @@ def test_evaluate_reports_calibration():
     assert report["accuracy"] == 0.25 and report["size"] == 4
     assert report["confidence_parse_fail"] == 0.25  # counted as confidence 0
     assert report["brier"] == pytest.approx((0.01 + 0.81 + 0.81 + 0.0) / 4)
-    # bins: 9 -> 3 answers at 0.9 with accuracy 1/3; 0 -> one at 0.0 with accuracy 0
+    # the reference's right-closed bins by default, named in the record: (0.8, 0.9] holds the 3 answers at
+    # 0.9 with accuracy 1/3; the first bin the one at 0.0 with accuracy 0
+    assert report["ece_bins"] == "right_closed"
     assert report["ece"] == pytest.approx(3 / 4 * (0.9 - 1 / 3))
     assert report["auroc"] == pytest.approx((1 + 0.5 * 2) / 3)  # the right one (0.9) vs 0.9, 0.9, 0.0
-    assert report["reliability"][9]["count"] == 3
+    assert report["reliability"][8]["count"] == 3 and report["reliability"][0]["count"] == 1
+    left = get_workflow("rlcr", _cfg(ece_bins="left_closed"))
+    engine = scripted_engine(tok, ["<think>a</think><answer>0</answer>"],
+                             ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"])
+    report = left.evaluate(engine, tok, SingleTurnEnv(), tasks, SamplingConfig(n=1, max_new_tokens=60), cfg)
+    assert report["ece_bins"] == "left_closed" and report["reliability"][9]["count"] == 3  # [0.9, 1.0)
 
 
 # ------------------------------------------------------------------------------------ config, verifiers

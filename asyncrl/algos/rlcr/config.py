@@ -30,10 +30,11 @@ class RLCRConfig(BaseModel):
     std: Literal["population", "unbiased"] = Field("population", description=(
         "Group std used with norm_by_std: 'population' (divide by G, the RLCR reference design's formula) "
         "or 'unbiased' (G - 1, verl's; about 1.15x larger at G = 4)."))
-    ece_bins: Literal["left_closed", "right_closed"] = Field("left_closed", description=(
-        "Held-out ECE and reliability bins: 'left_closed' [b/10, (b+1)/10) (ours; 1.0 in the last bin) or "
-        "'right_closed' (b/10, (b+1)/10] (Guo et al. 2017's ECE code; 0.0 in the first bin). Confidences "
-        "on the 0.1 grid sit on bin edges, so the choice moves ECE."))
+    ece_bins: Literal["left_closed", "right_closed"] = Field("right_closed", description=(
+        "Held-out ECE and reliability bins: 'right_closed' (b/10, (b+1)/10] (default: the reference ECE code's, "
+        "Guo et al. 2017; 0.0 in the first bin) or 'left_closed' [b/10, (b+1)/10) (1.0 in the last bin; the "
+        "default before 2026-11-26). Confidences on the 0.1 grid sit on bin edges, so the choice moves ECE; "
+        "every eval record names the one used (ece_bins)."))
     verifier: Literal["auto", "numeric", "math", "exact_match"] = Field("auto", description=(
         "Answer check: 'numeric' (exact number), 'math' (math-verify), 'exact_match' (normalised "
         "string), 'auto' (task.metadata['verifier'], else numeric for numeric golds, else exact_match)."))

@@ -54,7 +54,8 @@ class RLCRWorkflow(Workflow):
     def evaluate(self, engine, tokenizer, env, tasks: list[Task], sampling, cfg) -> dict:
         """One answer and one confidence per held-out task (the evaluator's sampling, greedy by
         default). An unparsable confidence counts as 0 and is reported as ``confidence_parse_fail``.
-        ECE bins follow ``algo.ece_bins`` (ours by default: [b/10, (b+1)/10))."""
+        ECE bins follow ``algo.ece_bins`` (by default the reference's (b/10, (b+1)/10]); the record
+        names the convention (``ece_bins``)."""
         trees = grow_trees(engine, tokenizer, env, tasks, self.algo, sampling, cfg.seed, g_a=1, g_c=1)
         conf, correct, answer_fail, conf_fail = [], [], 0, 0
         for tree in trees:
@@ -66,6 +67,7 @@ class RLCRWorkflow(Workflow):
             answer_fail += not a.parsed.ok
             conf_fail += not c.parsed.ok
         report = calibration_report(conf, correct, right_closed=self.algo.ece_bins == "right_closed")
-        report.update(reward_mean=report["accuracy"], answer_format_fail=answer_fail / max(len(trees), 1),
+        report.update(reward_mean=report["accuracy"], ece_bins=self.algo.ece_bins,
+                      answer_format_fail=answer_fail / max(len(trees), 1),
                       confidence_parse_fail=conf_fail / max(len(trees), 1))
         return report
