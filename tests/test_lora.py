@@ -314,3 +314,29 @@ def test_export_of_a_full_weight_run_is_its_model(trained, tmp_path):
         export_run(tmp_path, tmp_path / "out")
     with pytest.raises(ConfigError, match="no such checkpoint"):
         export_run(tmp_path, step=7)
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base_model(trained):
+    """``train.kl_coef > 0`` with LoRA: no copy of the model is made; the reference is the policy with its
+    adapters disabled. The step's ``kl`` equals k3(policy, base model) over the response tokens, computed
+    here from the base model loaded afresh."""
+    from asyncrl.learner.core_algos import kl_penalty, masked_mean
+
+    cfg, model, tok, path, _, _, _ = trained
+    policy = copy.deepcopy(model)
+    kl_cfg = load_config(None, [f"model.lora.rank={RANK}", "train.kl_coef=0.1", "train.lr=1e-9",
+                                "train.recompute_proximal=false"])
+    trainer = PolicyTrainer(policy, tok, kl_cfg.train, 1.0)
+    assert trainer.ref_model is None and trainer.ref_is_base
+    batch = trainer.make_batch([_Episode(trajectories(len(tok)))])
+    with torch.no_grad():
+        logp, _ = compute_logprobs(policy.eval(), batch, 1.0)
+        ref, _ = compute_logprobs(load_model(path), batch, 1.0)
+    expected = float(masked_mean(kl_penalty(logp, ref, kl_cfg.train.kl_type), batch.response_mask))
+    assert expected > 1e-4  # the trained adapters moved the policy away from the base
+    stats = trainer.step(batch).stats
+    assert stats["kl"] == pytest.approx(expected, rel=1e-4)
+    # and the adapters are on again after the step: the policy is not the base model
+    with torch.no_grad():
+        again, _ = compute_logprobs(policy.eval(), batch, 1.0)
+    assert float((again - ref).abs().max()) > 1e-3

@@ -63,7 +63,9 @@ class PolicyTrainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
         self.ref_model = None
-        if train_cfg.kl_coef > 0:  # a full copy on every rank, taken before any sharding
+        # model.lora: the reference is the base model, i.e. the policy with its adapters disabled (no copy)
+        self.ref_is_base = train_cfg.kl_coef > 0 and hasattr(model, "disable_adapter")
+        if train_cfg.kl_coef > 0 and not self.ref_is_base:  # a full copy on every rank, taken before any sharding
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -153,6 +155,15 @@ class PolicyTrainer:
                                   exp_mask=mb.exp_mask if has_exp else None)
         return inputs, stats
 
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        """The reference policy's log-probs for the KL term: the frozen copy, or (``model.lora``) the
+        policy itself with its adapters disabled, which is the base model."""
+        if self.ref_model is not None:
+            return compute_logprobs(self.ref_model, mb, self.temperature, shared_prefix=self.shared_prefix)[0]
+        with dist_learner.unwrap(self.model).disable_adapter():
+            return compute_logprobs(self.model, mb, self.temperature, shared_prefix=self.shared_prefix)[0]
+
     def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: TrainStepResult | None,
                         version: int | None) -> dict[str, float]:
         cfg = self.cfg
@@ -177,9 +188,8 @@ class PolicyTrainer:
         # the KL and entropy terms: a token mean, or the policy loss's own aggregation (train.side_terms_agg)
         side_mode = self.loss_cfg.loss_agg_mode if cfg.side_terms_agg == "loss_agg_mode" else "token-mean"
         side_scale = pg_scale if side_mode != "token-mean" else tok_scale
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logp, _ = compute_logprobs(self.ref_model, mb, self.temperature, shared_prefix=self.shared_prefix)
+        if self.ref_model is not None or self.ref_is_base:
+            ref_logp = self._ref_logprobs(mb)
             kl = kl_penalty(logp, ref_logp, cfg.kl_type)
             kl_val = masked_mean(kl, mb.response_mask)
             loss = loss + cfg.kl_coef * agg_loss(kl, mb.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
