@@ -43,22 +43,8 @@ from asyncrl.wire.codec import decode  # noqa: E402
 
 def shapes(name: str) -> tuple[dict[str, tuple[int, ...]], torch.dtype]:
     """Parameter name -> shape of a tensor set, and its dtype."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    if name == "embedded":
-        from asyncrl.config import load_config
-        from asyncrl.models.tiny import embedded_llama_config
-        from asyncrl.models.tokenizer import build_char_tokenizer
-
-        cfg = load_config(None).model.embedded
-        config, dtype = embedded_llama_config(cfg, len(build_char_tokenizer())), torch.float32
-    else:
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-        dtype = torch.bfloat16
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {k: tuple(v.shape) for k, v in model.named_parameters()}, dtype
+    model = _meta_model(name)
+    return {k: tuple(v.shape) for k, v in model.named_parameters()}, next(model.parameters()).dtype
 
 
 def _lora_settings(rank: int):

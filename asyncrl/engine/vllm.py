@@ -228,13 +228,14 @@ class VLLMEngine:
         """Load ``named_tensors`` (Hugging Face names, as the learner's ``named_parameters``) in
         place and set ``version`` (with ``lora``: every adapter tensor, merged or served as an adapter).
         Unknown names or wrong shapes raise ValueError before anything is loaded."""
-        bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
-               if n not in self.expected or tuple(t.shape) != self.expected[n]]
         if self.lora is not None:
             check_adapter_tensors(named_tensors, self.expected)
-        elif bad:
-            raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
-                             f"{sorted(self.expected)[:3]}")
+        else:
+            bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
+                   if n not in self.expected or tuple(t.shape) != self.expected[n]]
+            if bad:
+                raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
+                                 f"{sorted(self.expected)[:3]}")
         paused = list(self._live.values())
         if paused:  # partial rollout: stop them now, continue them from their prefix with the new weights
             self.llm.llm_engine.abort_request(list(self._live))

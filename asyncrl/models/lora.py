@@ -23,20 +23,20 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_tensors, internal_name,
-                        is_adapter_name, targeted)
+from ..adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
+                        internal_name, is_adapter_name, targeted)
 from ..config import ConfigError, LoraSettings
+
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
 
 def peft_config(lora: LoraSettings, base: str | Path | None = None):
+    """peft's ``LoraConfig`` for ``lora``: the fields of the ``adapter_config.json`` that checkpoints write."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-                      base_model_name_or_path=str(base) if base is not None else None)
+    return LoraConfig(**{k: v for k, v in adapter_config(lora, base).items() if k != "peft_type"})
 
 
 def require_peft() -> None:
