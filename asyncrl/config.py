@@ -49,6 +49,14 @@ class EmbeddedModelConfig(_Base):
         "Warm-start data mixture: built-in names (arithmetic, calculator), the algorithm's own, or an import "
         "path pkg.module:fn returning (chat messages, completion text) for a random.Random; drawn uniformly "
         "per example."))
+    heldout_size: int = Field(200, ge=1, description=(
+        "Two-digit addition problems kept out of the warm start (the first of the arithmetic held-out draw, "
+        "tasks.holdout_seed 0) and used for its target accuracy. Raise it with tasks.eval_size to evaluate "
+        "the quick-start task on more problems the model never saw."))
+    prompt_format: Literal["chat", "raw"] = Field("chat", description=(
+        "How the warm start renders prompts. chat: the character tokenizer's chat template; raw: plain "
+        "text, and the tokenizer is saved without a chat template, so the model is a base model "
+        "(tasks.prompt_format auto then renders raw prompts, as TRL's standard format does)."))
     cache_dir: str = Field("~/.cache/asyncrl/models", description="Where built models are cached.")
 
 

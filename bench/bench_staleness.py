@@ -105,6 +105,10 @@ def summarise(run_dir: Path) -> dict:
             "heldout": last.get("accuracy"), "heldout_step": last.get("step"),
             "heldout_start": evals[0].get("accuracy") if evals else None,
             "token_lag_mean": statistics.fmean(m.get("staleness/token_lag_mean", 0.0) for m in metrics),
+            "token_lag_max": max(m.get("staleness/token_lag_max", 0.0) for m in metrics),
+            "is_weight_max": max(m.get("is_weight_max", 0.0) for m in metrics),
+            "samples_per_step": samples / len(metrics),
+            "eval_by_step": {str(e["step"]): e["accuracy"] for e in evals},
             "masked_frac": statistics.fmean(m.get("is_weight_masked_frac", 0.0) for m in metrics),
             "capped_frac": statistics.fmean(m.get("is_weight_capped_frac", 0.0) for m in metrics),
             "wall_s": span, "curve": [(m["t"] - t0, m["reward_mean"]) for m in metrics],
@@ -124,12 +128,65 @@ def _mean_sd(xs: list) -> str:
     return f"{statistics.fmean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
 
 
+# two-sided 95% Student t quantiles by degrees of freedom (scipy is not a dependency)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 14: 2.145, 19: 2.093, 29: 2.045}
+
+
+def mean_ci(xs: list) -> tuple[float, float] | None:
+    """Mean and the half-width of its 95% t confidence interval (None: no values; half-width nan: one)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0], float("nan")
+    df = len(xs) - 1
+    t = T95.get(df) or T95[max(k for k in T95 if k <= df)]
+    return statistics.fmean(xs), t * statistics.stdev(xs) / len(xs) ** 0.5
+
+
+def _ci(xs: list, digits: int = 3) -> str:
+    m = mean_ci(xs)
+    return "-" if m is None else f"{m[0]:+.{digits}f} ± {m[1]:.{digits}f}".lstrip("+")
+
+
+def report_matched(results: dict[str, list[dict]]) -> None:
+    """Held-out accuracy at equal samples (the evaluation steps every run has), mean ± 95% CI over
+    seeds; then each setting minus the first (seed by seed: paired), mean ± 95% CI."""
+    common = None
+    for rs in results.values():
+        for r in rs:
+            steps = set(r.get("eval_by_step", {}))
+            common = steps if common is None else common & steps
+    steps = sorted(common or (), key=int)
+    if not steps:
+        return
+    per_step = [r.get("samples_per_step", 0) for rs in results.values() for r in rs]
+    k = statistics.fmean(per_step) if per_step else 0
+    print("\nHeld-out accuracy at equal samples (mean ± 95% CI over seeds):\n")
+    print("| setting | " + " | ".join(f"step {s} ({int(s) * k / 1000:.1f}k samples)" for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for setting, rs in results.items():
+        print(f"| {setting} | " + " | ".join(_ci([r["eval_by_step"].get(s) for r in rs]) for s in steps) + " |")
+    base_name, base = next(iter(results.items()))
+    print(f"\nDifference from `{base_name}`, seed by seed (mean ± 95% CI; an interval that holds 0 "
+          f"does not tell the two apart):\n")
+    print("| setting | " + " | ".join(f"step {s}" for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for setting, rs in list(results.items())[1:]:
+        cells = []
+        for s in steps:
+            pairs = [(r["eval_by_step"].get(s), b["eval_by_step"].get(s)) for r, b in zip(rs, base)]
+            cells.append(_ci([a - b for a, b in pairs if a is not None and b is not None]))
+        print(f"| {setting} | " + " | ".join(cells) + " |")
+
+
 def report(results: dict[str, list[dict]]) -> None:
     # equal wall time: every run's held-out accuracy at the time the shortest run finished
     spans = [r["wall_s"] for rs in results.values() for r in rs if r.get("wall_s")]
     t_eq = min(spans) if spans else 0.0
     cols = ["setting", "runs", "steps", "samples/s", "reward last min", "held-out acc (step)",
-            f"held-out at {t_eq:.0f} s", "token lag", "capped", "masked"]
+            f"held-out at {t_eq:.0f} s", "token lag mean", "token lag max", "largest rho", "capped", "masked"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for setting, rs in results.items():
         steps = [r.get("heldout_step") for r in rs]
@@ -137,8 +194,10 @@ def report(results: dict[str, list[dict]]) -> None:
               f"{_mean_sd([r.get('samples_per_s') for r in rs])} | {_mean_sd([r.get('reward_last_minute') for r in rs])} | "
               f"{_mean_sd([r.get('heldout') for r in rs])} ({'/'.join(str(s) for s in steps)}) | "
               f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} | "
-              f"{_mean_sd([r.get('token_lag_mean') for r in rs])} | {_mean_sd([r.get('capped_frac') for r in rs])} | "
+              f"{_mean_sd([r.get('token_lag_mean') for r in rs])} | {_mean_sd([r.get('token_lag_max') for r in rs])} | "
+              f"{_mean_sd([r.get('is_weight_max') for r in rs])} | {_mean_sd([r.get('capped_frac') for r in rs])} | "
               f"{_mean_sd([r.get('masked_frac') for r in rs])} |")
+    report_matched(results)
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
@@ -158,16 +217,20 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         if bins:
             ks = sorted(bins)
             line, = ax_r.plot([k * 10 + 5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
-            curves = [r.get("eval_curve", []) for r in rs]
-            n = min((len(c) for c in curves), default=0)
-            if n:
-                ax_e.plot([statistics.fmean(c[i][0] for c in curves) for i in range(n)],
-                          [statistics.fmean(c[i][1] for c in curves) for i in range(n)], marker=".",
-                          color=line.get_color(), label=setting)
+            common = set.intersection(*(set(r.get("eval_by_step", {})) for r in rs))
+            steps = sorted(common, key=int)
+            if steps:  # held-out accuracy at equal samples: mean over seeds, and its 95% interval
+                k = statistics.fmean(r.get("samples_per_step", 0) for r in rs) / 1000
+                cis = [mean_ci([r["eval_by_step"][s] for r in rs]) for s in steps]
+                xs = [int(s) * k for s in steps]
+                ax_e.plot(xs, [c[0] for c in cis], marker=".", color=line.get_color(), label=setting)
+                if len(rs) > 1:
+                    ax_e.fill_between(xs, [c[0] - c[1] for c in cis], [c[0] + c[1] for c in cis],
+                                      color=line.get_color(), alpha=0.12)
     ax_r.set_xlabel("seconds since the first step")
     ax_r.set_ylabel("batch reward (mean over seeds, 10 s bins)")
-    ax_e.set_xlabel("seconds since the first step")
-    ax_e.set_ylabel("held-out greedy accuracy (mean over seeds)")
+    ax_e.set_xlabel("thousands of fresh samples trained (equal samples)")
+    ax_e.set_ylabel("held-out greedy accuracy (mean, 95% CI over seeds)")
     ax_e.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -183,6 +246,7 @@ def main() -> None:
     budget.add_argument("--steps", type=int, default=None, help="optimizer steps per run (equal fresh samples)")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     ap.add_argument("--corrections", nargs="+", default=["off", "decoupled"], choices=sorted(CORRECTIONS))
+    ap.add_argument("--actors", type=int, default=1, help="actor processes (actor.num) in every run")
     ap.add_argument("--eval-every", type=int, default=50, help="eval.every (held-out accuracy in --minutes mode)")
     ap.add_argument("--run-root", default=str(ROOT / "runs" / "bench_staleness"))
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: <run-root>/staleness.png)")
@@ -204,10 +268,11 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for k in args.staleness:
         for corr in args.corrections:
-            setting = f"staleness {k}, {corr}"
+            setting = f"staleness {k}, {corr}" + (f", {args.actors} actors" if args.actors > 1 else "")
             for seed in range(args.seeds):
-                name = f"st{k}_{corr}_s{seed}"
+                name = f"st{k}_{corr}_a{args.actors}_s{seed}"
                 over = [f"seed={seed}", f"buffer.max_staleness={k}", f"eval.every={args.eval_every}",
+                        f"actor.num={args.actors}",
                         "checkpoint.every=0", *budget_over, *CORRECTIONS[corr], *args.set]
                 t0 = time.time()
                 summary = summarise(run_one(name, over, args))

@@ -35,6 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+# task/model pairs raced by ``--pairs``: (config, overrides for both systems, what it is)
+PAIRS: dict[str, tuple[str, list[str], str]] = {
+    "quickstart": ("configs/quickstart.yaml", [],
+                   "two-digit addition, embedded 1.05M Llama, chat prompts (9 tokens), 6 new tokens"),
+    "raw1m": ("configs/quickstart.yaml", ["model.embedded.prompt_format=raw"],
+              "two-digit addition, 1.05M Llama warm-started on raw prompts (6 tokens, no template), 6 new tokens"),
+    "raw4m": ("configs/quickstart.yaml", ["model.embedded.prompt_format=raw", "model.embedded.hidden_size=256",
+                                          "model.embedded.intermediate_size=1024", "model.embedded.num_heads=8"],
+              "two-digit addition, 4.2M Llama (width 256, 8 heads), raw prompts, 6 new tokens"),
+    "copy48": ("examples/longtail.yaml", ["tasks.kwargs.long_share=0.5", "sampling.max_new_tokens=48"],
+               "copy a string (half of them 24-40 characters), 1.05M Llama, chat prompts, up to 48 new tokens"),
+}
+
+
 def _cfg(args):
     from asyncrl.config import load_config
     return load_config(str(args.config), args.set)
@@ -112,24 +126,31 @@ def trl_worker(args) -> None:
         temperature=cfg.sampling.temperature, learning_rate=t.lr, lr_scheduler_type="constant",
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         epsilon=t.clip_low, epsilon_high=t.clip_high, beta=0.0, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, use_cpu=True, max_steps=10 ** 7, logging_steps=1, report_to="none", save_strategy="no",
+        num_iterations=1, use_cpu=True, max_steps=10 ** 7, logging_steps=args.trl_logging_steps, report_to="none", save_strategy="no",
         seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
     log: list[tuple[float, int, float]] = []
     minutes = args.minutes
 
     class Clock(TrainerCallback):
-        start = None
+        """Each optimizer step's end time (TRL calls on_step_end before on_log); a logged reward (the
+        mean of the last ``logging_steps`` steps) goes to the steps since the previous log."""
 
         def on_log(self, _args, state, control, logs=None, **_):
             if logs and "reward" in logs:
-                log.append((time.time(), t.batch_tasks * cfg.sampling.n, float(logs["reward"])))
-                self.start = self.start or log[0][0]
-                if time.time() - self.start >= minutes * 60:
-                    control.should_training_stop = True
+                i = len(log)
+                while i > 0 and log[i - 1][2] is None:
+                    i -= 1
+                log[i:] = [(tt, c, float(logs["reward"])) for tt, c, _ in log[i:]]
+
+        def on_step_end(self, _args, state, control, **_):
+            log.append((time.time(), t.batch_tasks * cfg.sampling.n, None))
+            if time.time() - log[0][0] >= minutes * 60:
+                control.should_training_stop = True
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=targs, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
+    log[:] = [row for row in log if row[2] is not None]  # steps after the last log carry no reward
     acc = heldout_accuracy(cfg, trainer.model, tokenizer)
     print("RESULT " + json.dumps(summary("TRL GRPOTrainer", log, acc)), flush=True)
 
@@ -177,7 +198,7 @@ def run_asyncrl(args) -> dict:
 
 def run_trl(args) -> dict:
     cmd = [sys.executable, __file__, "--trl-worker", "--minutes", str(args.minutes), "--config", str(args.config),
-           "--run-root", args.run_root, *(["--threads", str(args.threads)] if args.threads else []),
+           "--run-root", args.run_root, "--trl-logging-steps", str(args.trl_logging_steps), *(["--threads", str(args.threads)] if args.threads else []),
            *(["--set", *args.set] if args.set else [])]
     with open(Path(args.run_root) / "trl.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True,
@@ -221,21 +242,9 @@ def report(results: list[dict], png: Path) -> None:
     print(f"plot: {png}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=5.0, help="training wall time for each system")
-    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
-    ap.add_argument("--only", choices=["asyncrl", "trl"], help="run just one of the two")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for TRL (default: torch's choice)")
-    ap.add_argument("--run-root", default=str(ROOT / "runs" / "vs_trl"))
-    ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--set", nargs="*", default=[], help="key=value overrides of the config, for both")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--trl-prompts", type=int, default=200_000, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+def race(args) -> list[dict]:
+    """asyncrl then TRL (or ``--only`` one) on ``args.config`` / ``args.set``; table and PNG."""
     Path(args.run_root).mkdir(parents=True, exist_ok=True)
-    if args.trl_worker:
-        return trl_worker(args)
     results = []
     if args.only != "trl":
         results.append(run_asyncrl(args))
@@ -244,6 +253,53 @@ def main() -> None:
         results.append(run_trl(args))
         print(f"TRL: {results[-1]['steps']} steps, held-out {results[-1]['heldout_accuracy']:.3f}", flush=True)
     report(results, args.png or Path(args.run_root) / "vs_trl.png")
+    return results
+
+
+def race_pairs(args) -> None:
+    """Each of ``--pairs`` in turn (its own run root, table and PNG); then one table of all."""
+    root, user_set, rows = Path(args.run_root), list(args.set), []
+    for name in args.pairs:
+        config, overrides, what = PAIRS[name]
+        args.config, args.set = ROOT / config, [*overrides, *user_set]
+        args.run_root, args.png = str(root / name), None
+        print(f"== {name}: {what}", flush=True)
+        rows.append({"pair": name, "what": what, "results": race(args)})
+        (root / "pairs.json").write_text(json.dumps(rows))
+    print("| pair | asyncrl completions/s | TRL completions/s | ratio | asyncrl held-out | TRL held-out |\n"
+          "|---|---|---|---|---|---|")
+    for row in rows:
+        by = {r["name"]: r for r in row["results"]}
+        a, t = by.get("asyncrl"), by.get("TRL GRPOTrainer")
+        if a and t and a["completions_per_s"] and t["completions_per_s"]:
+            print(f"| {row['pair']} | {a['completions_per_s']:.0f} | {t['completions_per_s']:.0f} | "
+                  f"{a['completions_per_s'] / t['completions_per_s']:.2f}x | {a['heldout_accuracy']:.3f} | "
+                  f"{t['heldout_accuracy']:.3f} |")
+    print(f"results: {root / 'pairs.json'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=5.0, help="training wall time for each system")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
+    ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=None,
+                    help="race these task/model pairs one after the other (instead of --config)")
+    ap.add_argument("--only", choices=["asyncrl", "trl"], help="run just one of the two")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for TRL (default: torch's choice)")
+    ap.add_argument("--run-root", default=str(ROOT / "runs" / "vs_trl"))
+    ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="key=value overrides of the config, for both")
+    ap.add_argument("--trl-logging-steps", type=int, default=1,
+                    help="TRL's logging_steps (its per-log overhead is paid every k steps)")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trl-prompts", type=int, default=200_000, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    Path(args.run_root).mkdir(parents=True, exist_ok=True)
+    if args.trl_worker:
+        return trl_worker(args)
+    if args.pairs:
+        return race_pairs(args)
+    race(args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import string
 
 import pytest
@@ -12,7 +14,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from asyncrl.config import Config, EmbeddedModelConfig, ModelConfig
 from asyncrl.models import tiny
 from asyncrl.init_model import init_model
-from asyncrl.models.loading import load_policy
+from asyncrl.models.loading import load_policy, load_tokenizer
+from asyncrl.models.prompts import prompt_format, render_tokens, set_prompt_format
 from asyncrl.models.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 
@@ -110,6 +113,60 @@ def test_cache_key_covers_model_settings(tmp_path):
     assert tiny.cache_key(cfg, 1) != key
     assert tiny.cache_key(cfg.model_copy(update={"hidden_size": 64}), 0) != key
     assert tiny.cache_key(cfg.model_copy(update={"warmstart_formats": ["arithmetic", "echo_test"]}), 0) != key
+
+
+def test_cache_key_of_the_defaults_is_unchanged_by_the_newer_options(tmp_path):
+    """prompt_format and heldout_size enter the key only when set off their defaults, so models
+    cached before these options existed are still found."""
+    cfg = _tiny_cfg(tmp_path)
+    fields = cfg.model_dump(mode="json", exclude={"cache_dir", "prompt_format", "heldout_size"})
+    blob = json.dumps({"cfg": fields, "seed": 0, "build": tiny.BUILD_VERSION}, sort_keys=True)
+    assert tiny.cache_key(cfg, 0).endswith(hashlib.sha256(blob.encode()).hexdigest()[:16])
+    assert tiny.cache_key(cfg.model_copy(update={"prompt_format": "raw"}), 0) != tiny.cache_key(cfg, 0)
+    assert tiny.cache_key(cfg.model_copy(update={"heldout_size": 300}), 0) != tiny.cache_key(cfg, 0)
+
+
+def test_raw_prompt_build_is_a_base_model_warm_started_on_plain_text(tmp_path):
+    """prompt_format raw: the saved tokenizer has no chat template (auto then renders raw prompts)
+    and the warm start trained on exactly those raw prompt ids."""
+    seen = []
+
+    def fmt(rng):
+        seen.append(1)
+        return [{"role": "user", "content": "12+34="}], "46"
+
+    cfg = _tiny_cfg(tmp_path, warmstart_formats=["probe"], warmup_steps=2, prompt_format="raw")
+    stream = tiny._example_stream(_raw_tok(), [fmt], random.Random(0), set())
+    assert next(stream).prompt_ids == _raw_tok()("12+34=", add_special_tokens=False)["input_ids"]
+    path = tiny.build_embedded_model(cfg, progress=False, formats={"probe": fmt})
+    tokenizer = load_tokenizer(path)
+    assert not getattr(tokenizer, "chat_template", None) and prompt_format(tokenizer) == "raw"
+    assert tokenizer.decode(render_tokens(tokenizer, [{"role": "user", "content": "12+34="}])) == "12+34="
+    assert seen
+
+
+def _raw_tok():
+    tok = build_char_tokenizer()
+    tok.chat_template = None
+    set_prompt_format(tok, "raw")
+    return tok
+
+
+def test_heldout_size_keeps_that_many_problems_out_of_the_warm_start(tmp_path):
+    """The build's held-out problems are the first of the run's arithmetic held-out draw, so a run
+    with tasks.eval_size = heldout_size evaluates on problems the warm start never trained on."""
+    from asyncrl.config import TasksConfig
+    from asyncrl.envs.tasks import split_tasks
+
+    held = tiny.heldout_tasks(600)
+    _, run_heldout = split_tasks(TasksConfig(ops=["+"], eval_size=600))
+    assert [t.prompt for t in held] == [t.prompt for t in run_heldout]
+    excluded = {tiny._prompt_key(t.prompt) for t in held}
+    stream = tiny._example_stream(build_char_tokenizer(), [tiny.BUILTIN_FORMATS["arithmetic"]], random.Random(0),
+                                  excluded)
+    tok = build_char_tokenizer()
+    texts = {tok.decode(next(stream).prompt_ids) for _ in range(3000)}
+    assert not texts & {tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False) for t in held}
 
 
 def test_unknown_warmstart_format(tmp_path):

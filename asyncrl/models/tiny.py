@@ -43,6 +43,7 @@ from ..layout import replace_dir
 from ..plugins import resolve_import
 from ..registry import Registry
 from ..types import Task
+from .prompts import render_tokens, set_prompt_format
 from .tokenizer import build_char_tokenizer
 
 BUILD_VERSION = 2  # bump when the build procedure changes: it is part of the cache key
@@ -104,6 +105,9 @@ def count_parameters(cfg: EmbeddedModelConfig) -> int:
 def cache_key(cfg: EmbeddedModelConfig, seed: int) -> str:
     """Directory name for a build: readable shape + hash of all weight-determining settings."""
     fields = cfg.model_dump(mode="json", exclude={"cache_dir"})
+    for key, default in (("prompt_format", "chat"), ("heldout_size", EVAL_SIZE)):
+        if fields[key] == default:  # the defaults: keys (and cached builds) from before these options
+            del fields[key]
     blob = json.dumps({"cfg": fields, "seed": seed, "build": BUILD_VERSION}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return f"tiny-llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{seed}-{digest}"
@@ -182,6 +186,9 @@ def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
     start = time.perf_counter()
     with _deterministic(seed, threads=2):
         tokenizer = build_char_tokenizer()
+        if cfg.prompt_format == "raw":
+            tokenizer.chat_template = None
+        set_prompt_format(tokenizer, cfg.prompt_format)
         model = LlamaForCausalLM(embedded_llama_config(cfg, len(tokenizer))).float()
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -227,7 +234,7 @@ def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: 
     evaluated every ``EVAL_EVERY`` steps (every ``EVAL_EVERY_NEAR`` once past half the target).
     Returns ``{"steps", "expected_accuracy", "history": [[step, expected accuracy], ...]}``.
     """
-    evalset = heldout_tasks()
+    evalset = heldout_tasks(cfg.heldout_size)
     excluded = {_prompt_key(t.prompt) for t in evalset}
     available = _formats(cfg, formats)
     examples = _example_stream(tokenizer, [available[f] for f in cfg.warmstart_formats], random.Random(seed),
@@ -266,8 +273,7 @@ def _example_stream(tokenizer, formats: list[WarmstartFormat], rng: random.Rando
         messages, completion = rng.choice(formats)(rng)
         if _prompt_key(messages) in excluded:
             continue
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        yield _Example(tokenizer.encode(prompt, add_special_tokens=False),
+        yield _Example(render_tokens(tokenizer, messages),
                        tokenizer.encode(completion, add_special_tokens=False) + [eos])
 
 
@@ -309,8 +315,7 @@ def expected_accuracy(model, tokenizer, tasks: list[Task]) -> float:
     eos = tokenizer.eos_token_id
     examples = []
     for t in tasks:
-        prompt = tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False)
-        examples.append(_Example(tokenizer.encode(prompt, add_special_tokens=False),
+        examples.append(_Example(render_tokens(tokenizer, t.prompt),
                                  tokenizer.encode(str(t.answer), add_special_tokens=False) + [eos]))
     batch = collate_examples(examples, pad_id=0)
     was_training = model.training
