@@ -18,7 +18,22 @@ limit, killed if it does not stop; always killed in ``finally``). Per run it rea
 - steps, fresh samples (``batch_trajectories``) and samples per second.
 
 Settings are the product of ``--staleness`` (``buffer.max_staleness``; 0 is synchronous) and
-``--corrections`` (names below). Extra ``key=value`` overrides for every run go after ``--set``.
+``--corrections`` (names below), with ``--actors`` actor processes (more actors: real lag). Extra
+``key=value`` overrides for every run go after ``--set``.
+
+Printed: per setting the mean ± standard deviation over seeds (throughput, held-out, realised
+per-token lag mean and max, the largest behaviour weight rho, capped and masked shares); then the
+held-out accuracy at every evaluation step all runs share (equal samples), mean ± 95% t interval over
+seeds, and each setting minus the first setting seed by seed (paired), mean ± 95% interval. The PNG's
+right panel is held-out accuracy against samples trained, with the 95% band. The study in
+``docs/staleness.md``:
+
+    STUDY="model.embedded.target_accuracy=0.1 model.embedded.heldout_size=1000 tasks.eval_size=1000 eval.size=1000"
+    python bench/bench_staleness.py --seeds 5 --steps 800 --eval-every 100 --staleness 0 1 \
+        --corrections decoupled --run-root runs/st_a --set $STUDY
+    python bench/bench_staleness.py --seeds 5 --steps 800 --eval-every 100 --staleness 4 \
+        --corrections off decoupled --actors 4 --run-root runs/st_b --set $STUDY
+    python bench/bench_staleness.py --merge runs/st_a runs/st_b --png docs/staleness.png
 """
 
 from __future__ import annotations

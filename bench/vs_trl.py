@@ -2,6 +2,11 @@
 
     pip install -e '.[bench]'                     # TRL (and matplotlib) for this script
     .venv/bin/python bench/vs_trl.py --minutes 5  # both, one after the other; table + PNG
+    .venv/bin/python bench/vs_trl.py --minutes 3 --pairs quickstart raw1m raw4m copy48  # four task/model pairs
+
+``--pairs`` races each named task/model pair (``PAIRS`` below: the quick start; the same task on a
+model warm-started on raw, template-free prompts, at 1M and 4M parameters; copying strings of up to
+40 characters with up to 48 new tokens) and ends with one table of all.
 
 Both train the embedded quick-start model (``configs/quickstart.yaml``) on its task (two-digit
 addition, the same training stream without the held-out problems) with the same settings: prompts
@@ -11,6 +16,11 @@ no KL, group-normalised advantages, and token-mean loss aggregation (TRL's ``los
 the sum over every completion token of the batch divided by their number). asyncrl runs as
 ``asyncrl run`` (learner and actor processes, the config's staleness bound), TRL in one process;
 each in a fresh process, stopped after ``--minutes`` of training.
+
+Fairness: both get the same tokens per step; each runs at its best thread setting for the machine
+(asyncrl: one torch thread per process, ``auto``; TRL: torch's default, one thread per core, which
+was faster than one thread; ``--threads``); TRL logs every step unless ``--trl-logging-steps``.
+Both are timed from their first to their last optimizer step, after model loading and warm-up.
 
 Printed for both: completions trained per second (between the first and the last optimizer step),
 mean batch reward per minute of training, and held-out greedy accuracy of the final weights on the
