@@ -121,7 +121,7 @@ def summarise(run_dir: Path) -> dict:
             "heldout_start": evals[0].get("accuracy") if evals else None,
             "token_lag_mean": statistics.fmean(m.get("staleness/token_lag_mean", 0.0) for m in metrics),
             "token_lag_max": max(m.get("staleness/token_lag_max", 0.0) for m in metrics),
-            "is_weight_max": max(m.get("is_weight_max", 0.0) for m in metrics),
+            "is_weight_max": max((m["is_weight_max"] for m in metrics if "is_weight_max" in m), default=None),
             "samples_per_step": samples / len(metrics),
             "eval_by_step": {str(e["step"]): e["accuracy"] for e in evals},
             "masked_frac": statistics.fmean(m.get("is_weight_masked_frac", 0.0) for m in metrics),
