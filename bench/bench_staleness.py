@@ -165,15 +165,17 @@ def _ci(xs: list, digits: int = 3) -> str:
     return "-" if m is None else f"{m[0]:+.{digits}f} ± {m[1]:.{digits}f}".lstrip("+")
 
 
+def shared_steps(runs: list[dict]) -> list[str]:
+    """The evaluation steps every one of ``runs`` has, in order (the points at equal samples)."""
+    if not runs:
+        return []
+    return sorted(set.intersection(*(set(r.get("eval_by_step", {})) for r in runs)), key=int)
+
+
 def report_matched(results: dict[str, list[dict]]) -> None:
     """Held-out accuracy at equal samples (the evaluation steps every run has), mean ± 95% CI over
     seeds; then each setting minus the first (seed by seed: paired), mean ± 95% CI."""
-    common = None
-    for rs in results.values():
-        for r in rs:
-            steps = set(r.get("eval_by_step", {}))
-            common = steps if common is None else common & steps
-    steps = sorted(common or (), key=int)
+    steps = shared_steps([r for rs in results.values() for r in rs])
     if not steps:
         return
     per_step = [r.get("samples_per_step", 0) for rs in results.values() for r in rs]
@@ -232,8 +234,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         if bins:
             ks = sorted(bins)
             line, = ax_r.plot([k * 10 + 5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
-            common = set.intersection(*(set(r.get("eval_by_step", {})) for r in rs))
-            steps = sorted(common, key=int)
+            steps = shared_steps(rs)
             if steps:  # held-out accuracy at equal samples: mean over seeds, and its 95% interval
                 k = statistics.fmean(r.get("samples_per_step", 0) for r in rs) / 1000
                 cis = [mean_ci([r["eval_by_step"][s] for r in rs]) for s in steps]

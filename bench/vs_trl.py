@@ -136,21 +136,20 @@ def trl_worker(args) -> None:
         temperature=cfg.sampling.temperature, learning_rate=t.lr, lr_scheduler_type="constant",
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         epsilon=t.clip_low, epsilon_high=t.clip_high, beta=0.0, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, use_cpu=True, max_steps=10 ** 7, logging_steps=args.trl_logging_steps, report_to="none", save_strategy="no",
-        seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+        num_iterations=1, use_cpu=True, max_steps=10 ** 7, logging_steps=args.trl_logging_steps, report_to="none",
+        save_strategy="no", seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
     log: list[tuple[float, int, float]] = []
     minutes = args.minutes
 
     class Clock(TrainerCallback):
         """Each optimizer step's end time (TRL calls on_step_end before on_log); a logged reward (the
         mean of the last ``logging_steps`` steps) goes to the steps since the previous log."""
+        logged = 0  # steps in ``log`` that have their reward
 
         def on_log(self, _args, state, control, logs=None, **_):
             if logs and "reward" in logs:
-                i = len(log)
-                while i > 0 and log[i - 1][2] is None:
-                    i -= 1
-                log[i:] = [(tt, c, float(logs["reward"])) for tt, c, _ in log[i:]]
+                log[self.logged:] = [(tt, c, float(logs["reward"])) for tt, c, _ in log[self.logged:]]
+                self.logged = len(log)
 
         def on_step_end(self, _args, state, control, **_):
             log.append((time.time(), t.batch_tasks * cfg.sampling.n, None))
@@ -208,7 +207,8 @@ def run_asyncrl(args) -> dict:
 
 def run_trl(args) -> dict:
     cmd = [sys.executable, __file__, "--trl-worker", "--minutes", str(args.minutes), "--config", str(args.config),
-           "--run-root", args.run_root, "--trl-logging-steps", str(args.trl_logging_steps), *(["--threads", str(args.threads)] if args.threads else []),
+           "--run-root", args.run_root, "--trl-logging-steps", str(args.trl_logging_steps),
+           *(["--threads", str(args.threads)] if args.threads else []),
            *(["--set", *args.set] if args.set else [])]
     with open(Path(args.run_root) / "trl.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True,
