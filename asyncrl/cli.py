@@ -131,7 +131,7 @@ def cmd_serve(args) -> int:
     if control is None:
         addr_file = layout.addresses(Path(args.run_dir or cfg.run_dir))
         if not addr_file.exists():
-            raise SystemExit(f"asyncrl serve: give --connect tcp://HOST:PORT (the learner's control address) "
+            raise SystemExit(f"asyncrl serve: give --connect ADDRESS (the learner's control address) "
                              f"or start the learner first so that {addr_file} exists")
         control = json.loads(addr_file.read_text())["control"]
     try:
@@ -146,7 +146,7 @@ def cmd_relay(args) -> int:
     from .sync.relay import main as relay_main
 
     cfg, _ = _load(args)
-    return relay_main(cfg, args.learner_weights, args.relay_id, args.port)
+    return relay_main(cfg, args.learner_weights, args.relay_id, args.sock_dir)
 
 
 def cmd_run(args) -> int:
@@ -237,18 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_learn)
     p = sub.add_parser("serve", help="run a rollout actor")
     _add_config_args(p)
-    p.add_argument("--connect", help="the learner's control address (tcp://HOST:PORT)")
+    p.add_argument("--connect", help="the learner's control address (addresses.json 'control': ipc://PATH on "
+                   "its host, tcp://HOST:PORT with CURVE keys)")
     p.add_argument("--run-dir", help="read the learner's addresses from RUN_DIR/addresses.json")
     p.add_argument("--actor-id", default="actor-0")
     p.add_argument("--index", type=int, default=0, help="actor index (seeds its task stream)")
-    p.add_argument("--weights-address", help="take weights from this node's relay (asyncrl relay, 127.0.0.1 only) "
-                   "instead of the learner; use with -o sync.type=ipc")
+    p.add_argument("--weights-address", help="take weights from this node's relay (asyncrl relay: the ipc:// "
+                   "address it prints) instead of the learner; use with -o sync.type=ipc")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("relay", help="one weights copy per node: relay the learner's weights to this node's actors")
     _add_config_args(p)
     p.add_argument("--learner-weights", required=True, help="the learner's weights address (addresses.json 'weights')")
     p.add_argument("--relay-id", default="0", help="its name (and CURVE bundle name, off loopback)")
-    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 for this node's actors (0: any free)")
+    p.add_argument("--sock-dir", help="private directory (made mode 0700) of the ipc socket this node's actors "
+                   "connect to (default: a new temporary one)")
     p.set_defaults(fn=cmd_relay)
     p = sub.add_parser("run", help="run the learner and actors together")
     _add_config_args(p)

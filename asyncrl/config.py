@@ -199,6 +199,10 @@ class ActorConfig(_Base):
     exit_after_learner_gone_s: float | None = Field(None, gt=0, description=(
         "Exit (code 1) after this long without word from the learner. Null: wait for it forever (a "
         "restarted learner resumes and the actor resends what was not acknowledged)."))
+    relay_timeout_s: float = Field(10.0, gt=0, description=(
+        "With a node's weights relay (`asyncrl serve --weights-address`): take weights from the learner "
+        "instead, for the rest of the actor's life, once the relay has been unreachable, or newer weights the "
+        "work needs have not come from it, for this long (one line in the actor's log)."))
     weight_update: Literal["batch", "inflight"] = Field("batch", description=(
         "When new weights reach the engine. batch: between generation batches (a batch runs to its longest "
         "sequence with one version; reproducible from the seed). inflight: between two decode steps; the "
@@ -431,6 +435,10 @@ class WireConfig(_Base):
         "(also after a new hello). "
         "Null: 3 x lease_s."))
     max_capacity: int = Field(64, ge=1, description="Most credits one actor may hold (a hello's capacity is capped).")
+    stranger_credits: int | None = Field(None, ge=1, description=(
+        "Most credits held at once, all together, by actors that have not yet delivered a valid episode "
+        "(strangers), so that actors that never deliver cannot take the whole credit pool. Null: half the "
+        "pool, (buffer.max_staleness + 1) x train.batch_tasks, at least 1."))
     max_actors: int = Field(256, ge=1, description=(
         "Most actors admitted at once; when full, an actor id that delivered episodes before takes the "
         "place of the earliest admitted actor that never delivered one, any other hello is refused."))

@@ -185,6 +185,7 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
         real, hog = sorted(net.actors.values(), key=lambda a: a.actor_id != "real")
         assert net.grant_credits(10, min_version=0) == 10 and hog.outstanding == 5
         net.received_from("real", 5)  # the real actor delivers, the hog only heartbeats
+        net.delivered("real", 5)
         deadline = time.time() + DEADLINE_S
         while time.time() < deadline and not net.reclaimed:
             hog.last_seen = time.monotonic()  # (its heartbeats keep its lease)

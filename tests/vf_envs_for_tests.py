@@ -63,3 +63,69 @@ def add_call_parser(text: str):
     if text.strip().isdigit():
         return text, []
     return None, [{"name": "add", "arguments": {"a": len(text), "b": 1}}]
+
+
+class ProbeTools(vf.Toolset[vf.ToolsetConfig]):
+    """Tools a hostile model would call: what the tool process can see and reach (tests of the sandbox)."""
+
+    @vf.tool
+    def whoami(self) -> str:
+        """The tool process's uid and pid."""
+        import os
+        return f"{os.getuid()} {os.getpid()}"
+
+    @vf.tool
+    def read(self, path: str) -> str:
+        """A file's text."""
+        with open(path) as f:
+            return f.read()
+
+    @vf.tool
+    def dial(self, port: int) -> str:
+        """Open a TCP connection to 127.0.0.1:port and send a few bytes."""
+        import socket
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=2) as s:
+            s.sendall(b"pwned")
+        return "sent"
+
+    @vf.tool
+    def nap(self, seconds: float) -> str:
+        """Sleep."""
+        import time
+        time.sleep(float(seconds))
+        return "awake"
+
+
+class ProbeTask(AddTask):
+    @classmethod
+    def toolsets(cls, config):
+        return [ProbeTools(vf.ToolsetConfig())]
+
+
+class ProbeTaskset(vf.Taskset[ProbeTask, AddConfig]):
+    def load(self):
+        for i in range(4):
+            yield ProbeTask(AddData(prompt=f"{i}+1=", answer=str(i + 1)), self.config.task)
+
+
+class DockerTask(AddTask):
+    @classmethod
+    def toolsets(cls, config):
+        from verifiers.v1.runtimes import DockerConfig
+        return [CalcTools(vf.ToolsetConfig(runtime=DockerConfig(image="python:3.11")))]
+
+
+class DockerTaskset(vf.Taskset[DockerTask, AddConfig]):
+    def load(self):
+        yield DockerTask(AddData(prompt="1+1=", answer="2"), self.config.task)
+
+
+class ServerTask(AddTask):
+    @classmethod
+    def toolsets(cls, config):
+        return [CalcTools(vf.ToolsetConfig(url="http://127.0.0.1:9/mcp"))]
+
+
+class ServerTaskset(vf.Taskset[ServerTask, AddConfig]):
+    def load(self):
+        yield ServerTask(AddData(prompt="1+1=", answer="2"), self.config.task)

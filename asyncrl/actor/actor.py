@@ -26,6 +26,7 @@ decoded into its typed body; a bad one is reported (rate-limited) and dropped, n
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from collections import deque
@@ -34,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..rollout.workflow import RolloutContext, get_workflow
-from ..config import Config, cpu_threads
+from ..config import Config, SyncConfig, cpu_threads
 from ..envs.base import make_env
 from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
@@ -43,6 +44,7 @@ from ..engine import make_engine
 from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..types import Task
 from ..sync import make_receiver
+from ..sync.base import check_weight_values
 from ..wire.codec import decode
 from ..wire.messages import Credit
 from .heartbeat import Heartbeat
@@ -66,9 +68,13 @@ class Actor:
         self.weights_in = make_receiver(cfg.sync, cfg.wire, actor_id)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)
-        self.identity = f"{actor_id}:{os.getpid()}".encode()
+        # the routing identity on the learner's sockets: the pid is public (ps), the random part is told only
+        # to the learner, so no other process can take this actor's identity (and its acks and credits) over
+        self.identity = f"{actor_id}:{os.getpid()}:{secrets.token_hex(8)}".encode()
         self.net = ActorNet(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
-                            on_welcome=self._on_welcome, weights_address=weights_address)
+                            on_welcome=self._on_welcome, weights_address=weights_address,
+                            relay_timeout_s=cfg.actor.relay_timeout_s, on_relay_lost=self._on_relay_lost)
+        self._waiting_since: float | None = None  # waiting for weights the credits need since
         self.heartbeat = Heartbeat(self, control_address)
         self._weights_session = None  # the learner session whose weights the engine holds
         self._applied_at: float | None = None  # when the engine last took new weights (unix time)
@@ -118,6 +124,14 @@ class Actor:
             self.ask_weights()
 
     # -- weights --------------------------------------------------------------------------------
+    def _on_relay_lost(self) -> None:
+        """The node's relay is gone (``ActorNet.check_relay``): the learner sends tensor frames
+        (a relay always takes ``sync.type: zmq`` from it), so the receiver changes with the source."""
+        self.weights_in.close()
+        self.weights_in = make_receiver(SyncConfig(type="zmq"), self.cfg.wire, self.actor_id)
+        if self.session is not None:
+            self.ask_weights()
+
     def ask_weights(self) -> None:
         """Tell the learner which of its versions this actor holds (``subscribe``; -1: none, e.g.
         after it restarted: a resumed learner's versions may repeat numbers of a lost timeline). It
@@ -136,6 +150,7 @@ class Actor:
             version, tensors = self.weights_in.tensors(msg)
             if version == self.engine.version and self._weights_session == self.session:
                 return False  # (any other version is applied, older ones too: a resumed learner's)
+            check_weight_values(tensors)  # (names and shapes: the engine checks them before it changes any)
             self.engine.update_weights(tensors, version)
             self._weights_session = self.session
             self._applied_at = time.time()
@@ -161,6 +176,7 @@ class Actor:
         next_hello = time.time() + 1.0
         while not self.stopping:
             self.net.poll(timeout_ms=0 if self.credits else 100)
+            self.net.check_relay()
             next_hello = self._hello_again(next_hello)
             if self.session is None:
                 continue
@@ -187,7 +203,11 @@ class Actor:
         """True when the engine holds this session's weights at the credits' ``min_version``; else
         ask for them (every few seconds) and wait up to ``wait_ms`` for them to arrive."""
         if self.engine.version >= self.net.min_version and self._weights_session == self.session:
+            self._waiting_since = None
             return True
+        now = time.monotonic()
+        self._waiting_since = self._waiting_since or now
+        self.net.check_relay(now - self._waiting_since)
         if time.monotonic() - self.net.asked_weights_at > _WEIGHTS_ASK_S:
             self.ask_weights()
         self.apply_weights(wait_ms)
@@ -220,6 +240,7 @@ class Actor:
                 if stop_by is not None and time.monotonic() > stop_by:
                     break
                 self.net.poll(timeout_ms=0 if running or self.credits else 100)
+                self.net.check_relay()
                 next_hello = self._hello_again(next_hello)
                 self.apply_weights(0)
                 if (not self.stopping and self.session is not None and self.credits > 0

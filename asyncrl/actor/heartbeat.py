@@ -59,7 +59,7 @@ class Heartbeat(threading.Thread):
 
     def _socket(self) -> zmq.Socket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.actor.actor_id}:{os.getpid()}:hb".encode())
+        sock.setsockopt(zmq.IDENTITY, self.actor.identity + b":hb")  # (secret like the actor's own)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queue of stale heartbeats for a learner that is down
         sock.setsockopt(zmq.SNDHWM, 1)
         if self.actor.cfg.wire.curve_dir:

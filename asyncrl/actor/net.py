@@ -16,6 +16,10 @@ generates; everything it says to or hears from the learner goes through here.
 - ``subscribe`` says which version this actor holds; ``newest_weights`` takes the newest weights
   message that arrived.
 - With CURVE, a refused handshake is said once, in one line (a socket monitor).
+- With a node's weights relay (``weights_address``), :meth:`check_relay` falls back to the learner's
+  weights channel (and ``on_relay_lost``) once the relay has been unreachable, or the actor has
+  waited for newer weights, for ``actor.relay_timeout_s``: a dead or stuck relay never stalls its
+  node. Said once, in one line.
 
 Bad messages are reported at a limited rate (per channel the first three, then every 100th) and
 dropped, never fatal.
@@ -41,9 +45,14 @@ _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
 class ActorNet:
     def __init__(self, wire_cfg, control_address: str, actor_id: str, identity: bytes,
                  on_credit: Callable[[Credit], None] | None = None,
-                 on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None):
+                 on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None,
+                 relay_timeout_s: float = 10.0, on_relay_lost: Callable[[], None] | None = None):
         self.wire_cfg, self.actor_id, self.identity = wire_cfg, actor_id, identity
         self.weights_address = weights_address  # a node's weight relay (asyncrl.sync.relay) instead of the learner
+        self.relay_timeout_s, self.on_relay_lost = relay_timeout_s, on_relay_lost
+        self._relay_monitor: zmq.Socket | None = None
+        self._relay_down_since: float | None = None  # not connected to the relay since (None: connected)
+        self.learner_weights: str | None = None  # the learner's weights address (from its welcome)
         self.on_credit, self.on_welcome = on_credit, on_welcome
         self.ctx = zmq.Context.instance()
         self.control = self._socket(zmq.DEALER, control_address)
@@ -129,11 +138,16 @@ class ActorNet:
     def _on_welcome(self, body: Welcome) -> None:
         new_session = body.session != self.session
         self.session = body.session
+        self.learner_weights = body.addresses.get("weights") or self.learner_weights
         if self.episodes is None:  # both sockets or neither (a bad address fails this message only)
             episodes = self._socket(zmq.PUSH, body.addresses["episodes"])
             try:
-                self.weights = (self._socket(zmq.DEALER, body.addresses["weights"]) if self.weights_address is None
-                                else self._socket(zmq.DEALER, self.weights_address, curve=False))  # (loopback)
+                if self.weights_address is None:
+                    self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
+                else:  # the relay's private ipc socket (this user only): no CURVE
+                    self.weights = self._socket(zmq.DEALER, self.weights_address, curve=False)
+                    self._relay_monitor = self.weights.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                    self._relay_down_since = time.monotonic()
             except Exception:
                 episodes.close(0)
                 raise
@@ -165,6 +179,36 @@ class ActorNet:
         send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1),
                                                               applied_at=applied_at if have >= 0 else None)))
 
+    def check_relay(self, waiting_s: float = 0.0) -> bool:
+        """With a relay: fall back to the learner's weights channel when the relay has been
+        unreachable, or the caller has waited ``waiting_s`` for newer weights, for longer than
+        ``relay_timeout_s``. True when it fell back now."""
+        if self.weights_address is None or self._relay_monitor is None:
+            return False
+        while self._relay_monitor.poll(0):
+            event = recv_monitor_message(self._relay_monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._relay_down_since = None
+            elif event == zmq.EVENT_DISCONNECTED and self._relay_down_since is None:
+                self._relay_down_since = time.monotonic()
+        down_s = 0.0 if self._relay_down_since is None else time.monotonic() - self._relay_down_since
+        if max(down_s, waiting_s) <= self.relay_timeout_s or self.learner_weights is None:
+            return False
+        why = (f"unreachable for {down_s:.0f} s" if down_s > self.relay_timeout_s
+               else f"has not sent the weights this actor waits for in {waiting_s:.0f} s")
+        print(f"[{self.actor_id}] the weights relay at {self.weights_address} {why} (actor.relay_timeout_s="
+              f"{self.relay_timeout_s:g}); taking weights from the learner at {self.learner_weights} from now on",
+              flush=True)
+        self.weights.disable_monitor()
+        self._relay_monitor.close(0)
+        self._relay_monitor = None
+        self.weights.close(0)
+        self.weights_address = None
+        self.weights = self._socket(zmq.DEALER, self.learner_weights)
+        if self.on_relay_lost is not None:
+            self.on_relay_lost()
+        return True
+
     def newest_weights(self, timeout_ms: int = 0) -> list | None:
         """The frames of the newest weights message that has arrived (waiting up to ``timeout_ms``
         for one), older ones dropped; None when there is none."""
@@ -179,6 +223,10 @@ class ActorNet:
         return newest[0]
 
     def close(self) -> None:
+        if self._relay_monitor is not None:
+            self.weights.disable_monitor()
+            self._relay_monitor.close(0)
+            self._relay_monitor = None
         if self._auth_monitor is not None:
             self.control.disable_monitor()
             self._auth_monitor.close(0)

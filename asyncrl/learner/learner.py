@@ -26,7 +26,7 @@ from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
 from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
-from ..wire.sockets import check_bind_host
+from ..wire.sockets import check_wire, socket_dir
 from .buffer import EpisodeQueue
 from ..layout import ADDRESSES, EVENTS, buffer_dir, checkpoint_step, list_checkpoints
 from .checkpoint import save_checkpoint
@@ -57,7 +57,7 @@ class Learner:
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         if cfg.model.lora is not None:
             require_peft()  # likewise peft for model.lora (the actors do not need it)
-        check_bind_host(cfg.wire.host, cfg.wire.curve_dir)  # a public address without keys: one line, first
+        check_wire(cfg.wire)  # a public address (or a TCP port) without keys: one line, first
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
         workflow = workflow_class(cfg.algorithm)
         self.counts_for_reward = workflow.counts_for_reward  # which trained rows reward_mean averages
@@ -73,7 +73,8 @@ class Learner:
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
-                                                                          "max_position_embeddings", None)))
+                                                                          "max_position_embeddings", None)),
+                              sock_dir=None if cfg.wire.curve_dir else socket_dir(self.run_dir))
         self.log = RunLog(self.run_dir, on_event=self.net.publish_event,
                           trackers=open_trackers(cfg.log.trackers, self.run_dir, cfg.name, cfg.log.project,
                                                  cfg.model_dump(mode="json"),
@@ -203,11 +204,12 @@ class Learner:
         cfg = self.cfg
         if len(self.net.actors) < cfg.train.min_actors:
             return
-        limit = (cfg.buffer.max_staleness + 1) * cfg.train.batch_tasks
-        free = min(limit, cfg.buffer.capacity) - self.net.in_flight - len(self.buffer)
+        pool = min((cfg.buffer.max_staleness + 1) * cfg.train.batch_tasks, cfg.buffer.capacity)
+        free = pool - self.net.in_flight - len(self.buffer)
         if free > 0:
             self.net.grant_credits(free, min_version=max(self.net.weights_version, 0),
-                                   work=self._credit_work if self.hooks else None)
+                                   work=self._credit_work if self.hooks else None,
+                                   stranger_cap=cfg.wire.stranger_credits or max(1, pool // 2))
 
     def _credit_work(self, actor, n: int) -> dict:
         """The hooks' fields for ``actor``'s credit message (experience replay's assignments)."""

@@ -12,6 +12,12 @@ Sockets (all bound by the learner; actors connect):
   backstop). A ROUTER rather than PUB so that a late subscriber never misses weights.
 - ``events`` PUB: every event written to the run log, for live viewers.
 
+Who can connect: without CURVE keys (``wire.curve_dir``) the sockets are ``ipc://`` files in the
+run's private socket directory (``asyncrl.wire.sockets.socket_dir``: mode 0700), so only this user's
+processes on this host reach them; with keys they are TCP CURVE servers (loopback too), every
+authorised key bound to its name: a message whose actor id (or routing identity) is not its key's
+is refused, so an authorised actor cannot speak for another.
+
 Peers are not trusted. Every message is decoded into its typed body (:mod:`asyncrl.wire.messages`)
 with size limits (``ZMQ_MAXMSGSIZE`` per frame, a header limit per channel, a frame count per
 channel); one that fails is reported to ``on_bad_message`` and dropped, alone. Each ``poll`` takes
@@ -26,9 +32,12 @@ any message from it renews the lease, and a dropped actor's next heartbeat admit
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -37,8 +46,8 @@ import zmq
 from ..wire.codec import (Message, WireError, decode, decode_episode, encode, episode_identity)
 from ..wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
                              Welcome)
-from ..wire.sockets import (apply_curve_server, bind, check_bind_host, drain, send_frames, send_routed,
-                            start_curve_auth)
+from ..wire.sockets import (apply_curve_server, bind, bind_ipc, check_wire, drain, key_allows, private_dir,
+                            send_frames, send_routed, start_curve_auth)
 
 _CHUNK = 16  # messages taken from one socket before the next socket's turn
 _WEIGHTS_HWM = 2  # weights messages queued per subscriber, at most (one is the rule, see _send_weights)
@@ -103,8 +112,16 @@ class Subscriber:
 
 class LearnerNet:
     def __init__(self, wire_cfg, on_bad_message: Callable[[str, Exception], None],
-                 previous: dict[str, str] | None = None, limits: Limits | None = None):
-        check_bind_host(wire_cfg.host, wire_cfg.curve_dir)
+                 previous: dict[str, str] | None = None, limits: Limits | None = None,
+                 sock_dir: Path | None = None):
+        """``sock_dir``: the private directory of the ipc sockets (without CURVE keys); None makes a
+        temporary one, removed by :meth:`close`."""
+        check_wire(wire_cfg)
+        self.tcp = bool(wire_cfg.curve_dir)
+        self._own_dir = None
+        if not self.tcp and sock_dir is None:
+            sock_dir = self._own_dir = private_dir(tempfile.mkdtemp(prefix="asyncrl-sock-"))
+        self.sock_dir = sock_dir
         self.ctx = zmq.Context.instance()
         self.session = uuid.uuid4().hex
         self.lease_s = wire_cfg.lease_s
@@ -119,13 +136,13 @@ class LearnerNet:
         self.on_bad_message = on_bad_message
         prev = previous or {}
         lim = self.limits
-        self.episodes = self._socket(zmq.PULL, wire_cfg, wire_cfg.episodes_port, prev.get("episodes"),
+        self.episodes = self._socket(zmq.PULL, wire_cfg, "episodes", prev.get("episodes"),
                                      max_bytes=lim.frame_bytes, hwm=wire_cfg.hwm)
-        self.control = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.control_port, prev.get("control"),
+        self.control = self._socket(zmq.ROUTER, wire_cfg, "control", prev.get("control"),
                                     max_bytes=lim.control_bytes)
-        self.weights = self._socket(zmq.ROUTER, wire_cfg, wire_cfg.weights_port, prev.get("weights"),
+        self.weights = self._socket(zmq.ROUTER, wire_cfg, "weights", prev.get("weights"),
                                     max_bytes=lim.control_bytes, hwm=_WEIGHTS_HWM)
-        self.events = self._socket(zmq.PUB, wire_cfg, wire_cfg.events_port, prev.get("events"),
+        self.events = self._socket(zmq.PUB, wire_cfg, "events", prev.get("events"),
                                    max_bytes=lim.control_bytes, hwm=wire_cfg.hwm)
         self.addresses = {name: sock.getsockopt_string(zmq.LAST_ENDPOINT)
                           for name, sock in (("episodes", self.episodes), ("control", self.control),
@@ -145,20 +162,25 @@ class LearnerNet:
         self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
         self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
-    def _socket(self, kind, wire_cfg, port, previous_address: str | None, max_bytes: int,
+    def _socket(self, kind, wire_cfg, name: str, previous_address: str | None, max_bytes: int,
                 hwm: int | None = None):
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a larger frame disconnects its sender
         if hwm is not None:
             sock.setsockopt(zmq.SNDHWM if kind != zmq.PULL else zmq.RCVHWM, hwm)
-        if kind == zmq.ROUTER:
+        if kind == zmq.ROUTER:  # a reconnecting actor takes its identity back at once (a cut link's old pipe
+            # may linger); only this user's processes (ipc) or authorised keys (CURVE) connect at all, and
+            # an actor's identity ends in a random part it tells no one but the learner (asyncrl.actor.actor)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if kind == zmq.ROUTER and hwm is not None:  # weights: a full queue or a gone peer is reported
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if wire_cfg.curve_dir:
-            apply_curve_server(sock, wire_cfg.curve_dir)
-        if port == 0 and previous_address:  # a resumed learner keeps its ports so actors reconnect
+        if not self.tcp:  # (a resumed learner binds the same paths again: its actors reconnect)
+            bind_ipc(sock, self.sock_dir, name)
+            return sock
+        apply_curve_server(sock, wire_cfg.curve_dir)
+        port = getattr(wire_cfg, f"{name}_port")
+        if port == 0 and previous_address and previous_address.startswith("tcp://"):  # a resumed learner keeps its ports
             try:
                 bind(sock, wire_cfg.host, int(previous_address.rsplit(":", 1)[1]))
                 return sock
@@ -191,14 +213,16 @@ class LearnerNet:
                 progress = progress or n > 0
         return episodes, control
 
-    def _check_key(self, frames, channel: str) -> None:
-        """With CURVE: refuse a message whose connection's key is no longer authorised (revoked
-        while the learner runs: its connection predates the revocation); the sender is stopped."""
+    def _check_key(self, frames, channel: str) -> str | None:
+        """With CURVE: the name the message's key is bound to; a message whose connection's key is
+        no longer authorised (revoked while the learner runs: its connection predates the
+        revocation) is refused and the sender stopped. None without CURVE."""
         if self.auth is None:
-            return
+            return None
         user = frames[0].get("User-Id")
-        if self.auth.keys.admits(user or ""):
-            return
+        name = self.auth.keys.name_of(user or "")
+        if name is not None:
+            return name
         if channel == "control":
             identity = frames[0].bytes
             main = identity[:-3] if identity.endswith(b":hb") else identity  # (its heartbeat socket)
@@ -208,15 +232,28 @@ class LearnerNet:
         raise WireError(f"a {channel} message from CURVE key {user}, which is no longer authorised (revoked); "
                         f"dropped", reason="revoked_key")
 
+    def _check_speaker(self, key_name: str | None, actor_id: str, identity: bytes | None, channel: str) -> None:
+        """With CURVE: refuse a message whose actor id, or routing identity (``<actor id>:...``), is
+        not the one its key is bound to (an authorised actor speaking for another)."""
+        if self.auth is None:
+            return
+        if key_name is not None and key_allows(key_name, actor_id) and (
+                identity is None or identity.startswith(f"{actor_id}:".encode())):
+            return
+        said = f"actor id {actor_id!r}" + ("" if identity is None else f" (identity {identity[:80]!r})")
+        raise WireError(f"a {channel} message with {said} came with the CURVE key of {key_name!r}; a key speaks "
+                        f"only for the actor it was made for", reason="wrong_key")
+
     def _take_episode(self, frames, out: list[Arrival]) -> None:
         t0 = time.perf_counter()
         try:
-            self._check_key(frames, "episodes")
+            key_name = self._check_key(frames, "episodes")
             msg = decode(frames, max_header_bytes=self.limits.header_bytes, kinds=("episode",))
             episode = decode_episode(msg)
+            self._check_speaker(key_name, episode.actor_id, None, "episodes")
         except WireError as e:  # its actor is told when the header still names it (never to resend it)
             ids = episode_identity(frames[0]) if frames[0].buffer.nbytes <= self.limits.header_bytes else None
-            if ids is not None and e.reason != "revoked_key":
+            if ids is not None and e.reason not in ("revoked_key", "wrong_key"):
                 self.undecodable.append((*ids, e))
             raise
         finally:
@@ -229,13 +266,17 @@ class LearnerNet:
         return out
 
     def _take_routed(self, frames, out: list | None, channel: str) -> None:
-        self._check_key(frames, channel)
+        key_name = self._check_key(frames, channel)
         identity = frames[0].bytes
         if channel == "weights":
             msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("subscribe",))
+            self._check_speaker(key_name, msg.body.actor_id, identity, channel)
             self._on_subscribe(identity, msg.body)
         else:
             msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("hello", "status"))
+            self._check_speaker(key_name, msg.body.actor_id, identity, channel)
+            if msg.kind == "status":  # the identity it names is the one its actor's main socket has
+                self._check_speaker(key_name, msg.body.actor_id, msg.body.identity.encode(), channel)
             out.append((identity, msg))
 
     # -- actors ---------------------------------------------------------------------------------
@@ -319,22 +360,36 @@ class LearnerNet:
                 self.send_control(ident, Ack(ids=ids, rejected=rej))
 
     def received_from(self, actor_id: str, n: int) -> None:
-        """``n`` episodes arrived from ``actor_id``: its credits are used and its lease renewed."""
+        """``n`` episodes arrived from ``actor_id``, valid or not: its credits are used and its
+        lease renewed. Progress is :meth:`delivered`."""
         now = time.monotonic()
         for a in self.actors.values():
             if a.actor_id == actor_id:
                 a.outstanding = max(0, a.outstanding - n)
-                a.last_seen = a.progress_at = now
+                a.last_seen = now
+
+    def delivered(self, actor_id: str, n: int) -> None:
+        """``n`` valid episodes from ``actor_id`` went into the buffer: that, and only that, is
+        progress (it keeps its credits, stops being a hog or a stranger)."""
+        now = time.monotonic()
+        for a in self.actors.values():
+            if a.actor_id == actor_id:
+                a.progress_at = now
                 a.delivered += n
                 a.hog = False
         self._hogs.pop(actor_id, None)
         if actor_id not in self._known:
             self._remember(self._known, actor_id)
 
-    def grant_credits(self, free: int, min_version: int, work=None) -> int:
+    def _stranger(self, a: ActorState) -> bool:
+        return a.delivered == 0 and a.actor_id not in self._known
+
+    def grant_credits(self, free: int, min_version: int, work=None, stranger_cap: int | None = None) -> int:
         """Hand out up to ``free`` credits one at a time, round-robin over the actors below their
         capacity, starting after the actor served first last time, so that every connected actor
         gets a share of each step's work (and so generates with each new ``min_version``).
+        Strangers (actors that have not delivered a valid episode) hold at most ``stranger_cap``
+        credits all together (None: no cap).
 
         ``work(actor_state, n) -> dict``, if given, adds fields to an actor's credit message (the
         learner's replay assignments and skip-set changes, see ``asyncrl.learner.replay``)."""
@@ -346,13 +401,18 @@ class LearnerNet:
         self._credit_cursor += 1
         grants = {ident: 0 for ident, _ in order}
         granted = 0
+        strangers = {ident for ident, a in order if self._stranger(a)}
+        stranger_room = (len(self.actors) * self.max_capacity if stranger_cap is None else
+                         max(0, stranger_cap - sum(self.actors[i].outstanding for i in strangers)))
         while free > 0:
             progress = False
             for ident, a in order:
-                if free > 0 and a.outstanding + grants[ident] < (1 if a.hog else a.capacity):
+                if free > 0 and a.outstanding + grants[ident] < (1 if a.hog else a.capacity) and (
+                        stranger_room > 0 or ident not in strangers):
                     grants[ident] += 1
                     free -= 1
                     granted += 1
+                    stranger_room -= ident in strangers
                     progress = True
             if not progress:
                 break
@@ -429,3 +489,5 @@ class LearnerNet:
             s.close(0)
         if self.auth is not None:
             self.auth.stop()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)

@@ -225,6 +225,7 @@ class Peers:
             if self._write(ep, arrival.frames):
                 self.ingested += 1
                 self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
+                self.net.delivered(ep.actor_id, 1)  # (progress: valid and in the buffer, nothing less)
             else:
                 self.reports.report("duplicate_episode", "duplicate", f"episode {ep.id} from "
                                     f"{ep.actor_id} is already in the buffer (a resend)",

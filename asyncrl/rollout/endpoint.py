@@ -49,6 +49,8 @@ from ..models.prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
 MAX_BODY_BYTES = 8 << 20
+MAX_CONNECTIONS = 512  # open at once; more are answered 503 and closed (one thread each)
+READ_TIMEOUT_S = 30.0  # a connection that sends nothing for this long (idle, or a slow-loris) is closed
 MAX_N = 16
 LINGER_S = 0.02  # a batch goes once no new call arrived for this long (or every agent is waiting)
 ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
@@ -523,10 +525,52 @@ class Endpoint:
 
 class _Server(ThreadingHTTPServer):
     """Loopback only; a listen backlog for a whole batch of agents connecting at once (the default
-    of 5 refused connections when 200 held-out rollouts opened theirs together)."""
+    of 5 refused connections when 200 held-out rollouts opened theirs together). At most
+    ``MAX_CONNECTIONS`` connections are served at once (each holds a thread): one past it is answered
+    ``503`` and closed. A connection reset or timed out by its client is said in one line, the
+    first three and then every 100th (never a traceback)."""
 
     request_queue_size = 1024
     daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._dropped = 0
+        self._dropped_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            self._say_dropped(f"more than {MAX_CONNECTIONS} connections at once; refused one")
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+        err = sys.exc_info()[1]
+        self._say_dropped(f"a connection ended early ({type(err).__name__}: {str(err)[:120]})")
+
+    def _say_dropped(self, what: str) -> None:
+        with self._dropped_lock:
+            self._dropped += 1
+            n = self._dropped
+        if n <= 3 or n % 100 == 0:
+            print(f"[endpoint] {what} ({n} so far)", flush=True)
 
 
 def _handler_for(endpoint: Endpoint):
@@ -534,6 +578,7 @@ def _handler_for(endpoint: Endpoint):
         protocol_version = "HTTP/1.1"
         server_version = "asyncrl-endpoint"
         disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
+        timeout = READ_TIMEOUT_S  # every read of the connection (an idle keep-alive or a slow-loris ends)
 
         def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
             pass
@@ -553,6 +598,24 @@ def _handler_for(endpoint: Endpoint):
                                                       f"rollout was given (.../s/<session>/v1)")
             return parts[1], "/".join(parts[3:])
 
+        def _body(self) -> bytes:
+            """The request body: a valid ``Content-Length`` (no chunked bodies) of at most
+            ``MAX_BODY_BYTES``; otherwise the error, and the connection is closed after it."""
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self.close_connection = True
+                raise EndpointError(411, "length_required", "a POST needs a Content-Length header (chunked "
+                                                            "bodies are not taken)")
+            if not length.strip().isdigit():
+                self.close_connection = True
+                raise EndpointError(400, "invalid_content_length", f"Content-Length {length[:40]!r} is not a "
+                                                                   f"non-negative integer")
+            size = int(length)
+            if size > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
+            return self.rfile.read(size) if size else b""
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             try:
                 token, route = self._route()
@@ -567,10 +630,7 @@ def _handler_for(endpoint: Endpoint):
         def do_POST(self) -> None:  # noqa: N802
             session = None
             try:
-                size = int(self.headers.get("Content-Length") or 0)
-                if size > MAX_BODY_BYTES:
-                    raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
-                raw = self.rfile.read(size) if size else b""
+                raw = self._body()
                 token, route = self._route()
                 if route not in ("chat/completions", "completions"):
                     raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions and "

@@ -10,9 +10,12 @@ verifiers environment package, as ``vf-eval`` takes it), ``config`` (its ``Tasks
   (``tasks.holdout_fraction``, ``tasks.holdout_seed``).
 - **Rollouts** run through the actor's OpenAI-compatible endpoint, with asyncrl's exact token
   bookkeeping: a chat loop with the ``openai`` client that offers the tools of the task's toolsets
-  (``Task.toolsets``, methods marked ``@vf.tool``) and calls them in process for every tool call the
-  model makes, until a reply without tool calls or ``env.max_turns`` model calls. Multi-turn tool use
-  is one trajectory (each call extends the last).
+  (``Task.toolsets``, methods marked ``@vf.tool``) and runs every tool call the model makes in the
+  bubblewrap sandbox (:mod:`asyncrl.rollout.tool_sandbox`: never in the actor's process), until a
+  reply without tool calls or ``env.max_turns`` model calls. Multi-turn tool use is one trajectory
+  (each call extends the last). A toolset that asks for another runtime than verifiers'
+  ``subprocess`` (docker, e2b, modal, ...) or an external server is refused at start, in one line;
+  so is a taskset with tools where bubblewrap does not work.
 - **Reward**: the task's rubric. A ``vf.Trace`` of the conversation is scored by ``Task.score``
   (its ``@vf.reward`` functions, weighted, and ``@vf.metric`` ones); the reward is ``trace.reward``
   and every reward and metric is kept as a named score ``vf/<name>``.
@@ -26,14 +29,15 @@ sandbox box) are skipped by ``Task.score`` without one, which verifiers logs.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
-import json
 from typing import Any
 
 from ..config import ConfigError
 from ..plugins import resolve_import
 from ..types import Task
 from .agent import DEFAULT_MODEL_NAME, AgentEnv
+from .tool_sandbox import ToolSandbox, check_toolsets
 
 DEFAULT_SIZE = 10_000
 
@@ -128,6 +132,8 @@ class VerifiersEnv(AgentEnv):
         self.taskset = load_taskset(taskset, config)
         self.size = int(size)
         self._tasks: dict[int, Any] | None = None
+        self._sandboxes: dict[tuple, ToolSandbox] = {}  # (task class, its config) -> the worker of its tools
+        self._check_tools(taskset)
         self._set_agent(self._episode, f"verifiers {taskset}")
         self._setup(model, request_timeout_s, tool_parser, max_turns)
 
@@ -141,20 +147,41 @@ class VerifiersEnv(AgentEnv):
                              f"needs tasks.type=verifiers")
         return self._tasks[idx]
 
-    def tools(self, vtask) -> tuple[list[dict], dict[str, Any]]:
+    def _check_tools(self, spec: str) -> None:
+        """Refuse at start, in one line, a toolset that cannot run in the sandbox (its runtime, an
+        external server, or no bubblewrap here): the first task's toolsets stand for the taskset's."""
+        first = next(iter(self.taskset if self.taskset.bounded else self.taskset.take(1)), None)
+        if first is None:
+            return
+        toolsets = type(first).toolsets(first.config)
+        check_toolsets(toolsets, f"env.kwargs.taskset {spec}")
+        if toolsets:
+            self._sandbox(first)  # (no bubblewrap here: ConfigError now, not at the first tool call)
+
+    def _sandbox(self, vtask) -> ToolSandbox:
+        key = (type(vtask), vtask.config.model_dump_json())
+        box = self._sandboxes.get(key)
+        if box is None:
+            box = self._sandboxes[key] = ToolSandbox(type(vtask), vtask.config)
+            atexit.register(box.close)
+        return box
+
+    def tools(self, vtask) -> tuple[list[dict], Any]:
+        """The tool specs offered to the model (from the toolsets' signatures) and the sandbox that
+        runs the calls (None without tools)."""
         from verifiers.v1.utils.decorators import discover_decorated
 
-        specs, impls = [], {}
-        for toolset in type(vtask).toolsets(vtask.config):
+        specs = []
+        toolsets = type(vtask).toolsets(vtask.config)
+        check_toolsets(toolsets, f"verifiers task {type(vtask).__name__}")
+        for toolset in toolsets:
             for fn in discover_decorated(toolset, "tool"):
-                name = getattr(fn, "tool_name", None) or fn.__name__
-                specs.append(_tool_spec(name, fn))
-                impls[name] = fn
-        return specs, impls
+                specs.append(_tool_spec(getattr(fn, "tool_name", None) or fn.__name__, fn))
+        return specs, (self._sandbox(vtask) if specs else None)
 
     async def _episode(self, task: Task, client, model: str) -> dict[str, float]:
         vtask = self.vtask(task)
-        tools, impls = self.tools(vtask)
+        tools, sandbox = self.tools(vtask)
         messages: list[dict[str, Any]] = [dict(m) for m in task.prompt]
         extra = {"tools": tools} if tools else {}
         for _ in range(self.max_calls):
@@ -162,9 +189,9 @@ class VerifiersEnv(AgentEnv):
             messages.append(reply.model_dump(exclude_none=True))
             if not reply.tool_calls:
                 break
-            for call in reply.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": await _call_tool(impls, call.function.name, call.function.arguments)})
+            for call in reply.tool_calls:  # in the sandbox, off the event loop (it waits for the worker)
+                content = await asyncio.to_thread(sandbox.call, call.function.name, call.function.arguments or "")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
         return await self.score(vtask, messages)
 
     async def score(self, vtask, messages: list[dict]) -> dict[str, float]:
@@ -195,21 +222,3 @@ def _vf_message(m: dict) -> dict:
         out["tool_calls"] = [{"id": c.get("id", ""), "name": c["function"]["name"],
                               "arguments": c["function"].get("arguments", "{}")} for c in m["tool_calls"]]
     return out
-
-
-async def _call_tool(impls: dict, name: str, arguments: str) -> str:
-    """A tool's result as text; a model's bad call (unknown tool, bad JSON, a raising tool) is the
-    tool message the model sees, as a tool server would answer it."""
-    fn = impls.get(name)
-    if fn is None:
-        return f"error: no tool {name!r}; tools: {', '.join(sorted(impls))}"
-    try:
-        args = json.loads(arguments or "{}")
-        if not isinstance(args, dict):
-            raise ValueError("arguments must be a JSON object")
-        result = fn(**args)
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, 60)
-    except Exception as e:  # noqa: BLE001 - the model's call was bad, or the tool failed on it
-        return f"error: {type(e).__name__}: {str(e)[:200]}"
-    return result if isinstance(result, str) else json.dumps(result, default=str)

@@ -26,6 +26,24 @@ class WeightsError(ValueError):
     """A weights message this receiver cannot use; the text says what was wrong and expected."""
 
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_weight_values(named: dict[str, torch.Tensor]) -> None:
+    """WeightsError unless every tensor is a float32, bfloat16 or float16 tensor of finite values:
+    run by the actor on every received version (full weights and LoRA adapters alike) before the
+    engine takes any of it, so a broken or hostile version changes nothing."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in WEIGHT_DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise WeightsError(f"weights tensor {name!r} is {got}; weights are float32, bfloat16 or float16 "
+                               f"(nothing of this version was loaded)")
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightsError(f"weights tensor {name!r} holds {bad} NaN or infinite value(s) of {t.numel()} "
+                               f"(nothing of this version was loaded)")
+
+
 class WeightPublisher(Protocol):
     """What the learner calls (and nothing else: no attribute is probed)."""
 

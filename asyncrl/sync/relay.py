@@ -5,46 +5,55 @@ With several actors on a node, each would take every version from the learner ov
 with the version it holds; the learner sends the next version only when the relay holds the last,
 over ``sync.type: zmq`` frames), writes each version into this node's shared memory with the
 ``ipc`` transport (:class:`asyncrl.sync.ipc.IpcPublisher`: two slots, a seqlock header) and serves
-the node's actors on a ROUTER bound to 127.0.0.1: the same ``subscribe`` / ``weights`` exchange as
+the node's actors on a ROUTER bound to an ``ipc://`` socket in a private directory (mode 0700:
+only this user's processes reach it): the same ``subscribe`` / ``weights`` exchange as
 the learner's weights channel, so an actor started with ``--weights-address`` (and
 ``sync.type=ipc``) cannot tell the difference. The learner sends each version once per node.
 
 The relay renews its subscription every ``wire.lease_s / 3`` seconds (the learner drops silent
 subscribers) and answers an actor that asks again after ``RESEND_S``. It prints one line per
-version relayed. Nothing here listens beyond loopback.
+version relayed. Nothing here listens on a network address.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import zmq
 
 from ..wire.codec import decode, decode_weights, encode
 from ..wire.messages import Subscribe
-from ..wire.sockets import apply_curve_client, bind, connect, drain, send_frames, send_routed
+from ..wire.sockets import apply_curve_client, bind_ipc, connect, drain, private_dir, send_frames, send_routed
 from .ipc import IpcPublisher
 
 RESEND_S = 5.0
 
 
 class WeightRelay:
-    def __init__(self, learner_weights: str, relay_id: str, wire_cfg, sync_cfg, port: int = 0):
+    def __init__(self, learner_weights: str, relay_id: str, wire_cfg, sync_cfg, sock_dir: str | None = None):
         self.relay_id = relay_id
         self.lease_s = float(wire_cfg.lease_s)
         self.ctx = zmq.Context()
         self.up = self.ctx.socket(zmq.DEALER)
         self.up.setsockopt(zmq.LINGER, 0)
-        self.up.setsockopt(zmq.IDENTITY, f"relay-{relay_id}".encode())
+        # (a random part, as an actor's identity has: no one can take this subscription over)
+        self.up.setsockopt(zmq.IDENTITY, f"relay-{relay_id}:{os.getpid()}:{secrets.token_hex(8)}".encode())
         if wire_cfg.curve_dir:
-            apply_curve_client(self.up, wire_cfg.curve_dir, relay_id)
+            apply_curve_client(self.up, wire_cfg.curve_dir, f"relay-{relay_id}")
         connect(self.up, learner_weights)
+        self._own_dir = None if sock_dir else tempfile.mkdtemp(prefix="asyncrl-relay-")
+        self.sock_dir = private_dir(sock_dir or self._own_dir)
         self.down = self.ctx.socket(zmq.ROUTER)
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.address = bind(self.down, "127.0.0.1", port)
+        self.address = bind_ipc(self.down, self.sock_dir, f"relay-{relay_id}"[:40])
         self.publisher = IpcPublisher(sync_cfg)
         self.version, self.frames = -1, None
         self.subscribers: dict[bytes, list] = {}  # identity -> [have, sent version, sent at]
@@ -118,15 +127,17 @@ class WeightRelay:
         self.up.close(0)
         self.down.close(0)
         self.ctx.term()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
-def main(cfg, learner_weights: str, relay_id: str, port: int = 0) -> int:
+def main(cfg, learner_weights: str, relay_id: str, sock_dir: str | None = None) -> int:
     """``asyncrl relay``: prints ``relay listening on ADDRESS`` once bound, then relays until stopped."""
     if cfg.sync.type != "zmq":
         print(f"asyncrl relay: the learner must publish with sync.type zmq (the relay takes its frames), got "
               f"{cfg.sync.type!r}", file=sys.stderr)
         return 2
-    relay = WeightRelay(learner_weights, relay_id, cfg.wire, cfg.sync, port)
+    relay = WeightRelay(learner_weights, relay_id, cfg.wire, cfg.sync, sock_dir)
 
     def _stop(*_):
         relay.stopping = True

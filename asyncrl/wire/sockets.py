@@ -16,14 +16,25 @@ or DIR itself, in which case the learner takes ``DIR/server`` and actor ``<id>``
 (``asyncrl run`` on one machine: actor ids are ``actor-0``, ``actor-1``, ...). The learner's
 authenticator (:func:`start_curve_auth`) admits only the public keys in ``server/authorized`` and
 reports every other key it refuses.
+
+Who may connect (README "Security"): loopback is not a trust boundary (every local user reaches
+127.0.0.1), so no learner socket listens on plain TCP. Without CURVE keys the learner binds
+``ipc://`` sockets in a private directory (:func:`private_dir`: owned by this user, mode 0700), so the
+operating system refuses every other user's ``connect``; with keys it binds TCP (loopback included)
+as a CURVE server. Under CURVE every authorised key is bound to the name of its file in
+``authorized/`` (``actor-<name>.key`` -> ``actor-<name>``), and :meth:`_AuthorizedKeys.name_of` lets
+the learner refuse a message whose actor id is not its key's.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import ipaddress
 import os
 import shutil
+import stat
+import tempfile
 import threading
 import time
 import warnings
@@ -41,7 +52,61 @@ _KEYS_HINT = ("make keys with `asyncrl keys --out DIR`, then set `wire.curve_dir
 
 
 class WireSecurityError(RuntimeError):
-    """Refused for security reasons (non-loopback bind without CURVE, missing key files)."""
+    """Refused for security reasons (non-loopback bind without CURVE, missing key files, a socket
+    directory another user could reach)."""
+
+
+# --- private ipc sockets -----------------------------------------------------------------------
+
+_IPC_PATH_MAX = 100  # sockaddr_un holds 107 bytes of path; the longest socket name is added to the dir
+
+
+def private_dir(path: str | Path) -> Path:
+    """``path`` as a directory that only this user can enter: created with mode 0700 (parents as
+    needed), or, when it exists, checked to be a real directory (not a link) owned by this user,
+    its mode tightened to 0700. WireSecurityError when another user owns it."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise WireSecurityError(f"cannot make the private socket directory {path}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise WireSecurityError(f"{path} should be a private directory of sockets but is a link or a file; "
+                                f"remove it")
+    if st.st_uid != os.geteuid():
+        raise WireSecurityError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): another "
+                                f"user could reach sockets made there; remove it or pick another run directory")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def socket_dir(run_dir: str | Path) -> Path:
+    """Where a run's ipc sockets live: ``<run_dir>/sock`` (mode 0700), or, when that path is too
+    long for a socket address, ``<runtime dir>/asyncrl-<uid>/<hash of run_dir>`` (the runtime dir is
+    ``$XDG_RUNTIME_DIR`` or the temp directory), the same path again on every start of the run."""
+    run_dir = Path(run_dir).resolve()
+    near = run_dir / "sock"
+    if len(str(near)) <= _IPC_PATH_MAX - 12:
+        return private_dir(near)
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    base = private_dir(Path(runtime) / f"asyncrl-{os.geteuid()}")
+    return private_dir(base / hashlib.sha256(str(run_dir).encode()).hexdigest()[:16])
+
+
+def bind_ipc(sock: zmq.Socket, directory: Path, name: str) -> str:
+    """Bind ``sock`` to ``ipc://<directory>/<name>`` (``directory`` made by :func:`private_dir`);
+    returns the address. A socket file left by a process that is gone is replaced."""
+    address = f"ipc://{Path(directory) / name}"
+    if len(address) - len("ipc://") > _IPC_PATH_MAX + 6:
+        raise WireSecurityError(f"the socket path {address[6:]} is too long for a unix socket address")
+    sock.bind(address)
+    return address
+
+
+def is_ipc(address: str) -> bool:
+    return address.startswith("ipc://")
 
 
 def is_loopback(host: str) -> bool:
@@ -68,13 +133,32 @@ def check_bind_host(host: str, curve_dir: str | None) -> None:
     server_bundle(curve_dir)
 
 
+PORT_FIELDS = ("episodes_port", "control_port", "weights_port", "events_port")
+
+
+def check_wire(wire_cfg) -> None:
+    """The learner's socket rules for a ``wire`` config, checked before anything is bound: a
+    non-loopback host needs CURVE keys (:func:`check_bind_host`), and so does any TCP port: without
+    keys the learner binds private ipc sockets, which have no ports."""
+    check_bind_host(wire_cfg.host, wire_cfg.curve_dir)
+    if wire_cfg.curve_dir:
+        return
+    ports = [f"wire.{f}={getattr(wire_cfg, f)}" for f in PORT_FIELDS if getattr(wire_cfg, f)]
+    if ports:
+        raise WireSecurityError(
+            f"{', '.join(ports)} asks for TCP, and the learner listens on TCP only with CURVE keys (loopback is "
+            f"reachable by every local user); leave the ports at 0 for private ipc sockets on this host, or "
+            f"{_KEYS_HINT}")
+
+
 # --- CURVE key bundles -------------------------------------------------------------------------
 
 def make_curve_keys(out_dir: str, names: list[str]) -> dict[str, str]:
     """Create (or complete) the key bundles in ``out_dir`` for actors ``names``: the server
     bundle once (an existing server pair is kept, so earlier actor bundles stay valid), then each
-    missing ``actor-<name>`` bundle, authorised in ``server/authorized``. Secret files are mode
-    0600. Returns ``{"server": dir, "actor-<name>": dir, ...}``."""
+    missing ``actor-<name>`` bundle (``relay-<x>`` for a name ``relay-<x>``: a weights relay's own
+    key), authorised in ``server/authorized``. Secret files are mode 0600. Returns
+    ``{"server": dir, "actor-<name>": dir, ...}``."""
     root = Path(out_dir)
     _refuse_old_layout(root)
     server = root / "server"
@@ -85,14 +169,15 @@ def make_curve_keys(out_dir: str, names: list[str]) -> dict[str, str]:
     (server / "authorized").mkdir(exist_ok=True)
     out = {"server": str(server)}
     for name in names:
-        bundle = root / f"actor-{name}"
+        name = name if name.startswith("relay-") else f"actor-{name}"
+        bundle = root / name
         if not (bundle / "actor.key_secret").is_file():
             bundle.mkdir(parents=True, exist_ok=True)
             public, secret = zmq.auth.create_certificates(str(bundle), "actor")
             os.chmod(secret, 0o600)
             shutil.copyfile(server / "server.key", bundle / "server.key")
-        shutil.copyfile(bundle / "actor.key", server / "authorized" / f"actor-{name}.key")
-        out[f"actor-{name}"] = str(bundle)
+        shutil.copyfile(bundle / "actor.key", server / "authorized" / f"{name}.key")
+        out[name] = str(bundle)
     return out
 
 
@@ -175,6 +260,7 @@ class _AuthorizedKeys:
         self._stamp: tuple | None = None
         self._checked = 0.0
         self.keys: set[bytes] = set()
+        self.names: dict[bytes, str] = {}  # key -> the name of its file (actor-<name>.key -> actor-<name>)
         self._reload(force=True)
 
     def _reload(self, force: bool = False) -> None:
@@ -190,13 +276,14 @@ class _AuthorizedKeys:
             stamp, files = None, []
         if stamp == self._stamp and not force:
             return
-        keys = set()
+        names: dict[bytes, str] = {}
         for p in files:
             try:
-                keys.add(zmq.auth.load_certificate(str(p))[0])
+                key = zmq.auth.load_certificate(str(p))[0]
             except (OSError, ValueError):  # a half-written or foreign file admits nobody
                 continue
-        self.keys, self._stamp = keys, stamp
+            names[key] = p.stem if key not in names else names[key]  # (one key in two files: the first name)
+        self.keys, self.names, self._stamp = set(names), names, stamp
 
     def admits(self, z85_key: str | bytes) -> bool:
         """Whether the key (z85, as ZeroMQ's User-Id of a CURVE connection) is authorised now."""
@@ -204,6 +291,13 @@ class _AuthorizedKeys:
             self._reload()
             key = z85_key.encode("ascii") if isinstance(z85_key, str) else z85_key
             return key in self.keys
+
+    def name_of(self, z85_key: str | bytes) -> str | None:
+        """The name an authorised key is bound to (its file's name without ``.key``), or None."""
+        with self._lock:
+            self._reload()
+            key = z85_key.encode("ascii") if isinstance(z85_key, str) else z85_key
+            return self.names.get(key)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         with self._lock:
@@ -232,6 +326,14 @@ def start_curve_auth(ctx: zmq.Context, curve_dir: str):
     auth.configure_curve_callback(domain="*", credentials_provider=keys)
     auth.keys = keys
     return auth
+
+
+def key_allows(key_name: str | None, actor_id: str) -> bool:
+    """Whether a CURVE key bound to ``key_name`` (``actor-<name>``, ``relay-<name>``) may speak as
+    ``actor_id``: its own name, or ``<name>`` for ``actor-<name>`` (``--actor-id NAME``)."""
+    if not key_name:
+        return False
+    return actor_id == key_name or (key_name.startswith("actor-") and actor_id == key_name[len("actor-"):])
 
 
 def refused_actor_line(event: dict | None) -> str | None:

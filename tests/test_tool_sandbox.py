@@ -1,0 +1,114 @@
+"""Model-chosen tool calls of a verifiers toolset run in the bubblewrap sandbox, never in the actor
+(issue 41.5): another uid, another PID namespace, no network, none of the caller's files; a hung tool
+is killed and the next call works; a toolset whose runtime asyncrl cannot honour is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.envs.base import make_env
+from asyncrl.envs.bwrap import SANDBOX_ID, unavailable
+
+pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}")
+
+
+def _workers() -> set[int]:
+    """Pids of the processes running a sandboxed program (the tool workers of this machine)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and b"/sandbox/prog.py" in open(f"/proc/{d}/cmdline", "rb").read():
+                out.add(int(d))
+        except OSError:
+            continue
+    return out
+
+
+def _env(taskset: str):
+    return make_env(load_config(None, ["env.type=verifiers", f"env.kwargs.taskset=tests.vf_envs_for_tests:{taskset}"]).env)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    env = _env("ProbeTaskset")
+    vtask = next(iter(env.taskset))
+    specs, sandbox = env.tools(vtask)
+    yield specs, sandbox
+    sandbox.close()
+
+
+def test_tools_are_offered_and_called_in_the_sandbox(probe, tmp_path):
+    specs, sandbox = probe
+    assert {s["function"]["name"] for s in specs} == {"whoami", "read", "dial", "nap"}
+    uid, pid = sandbox.call("whoami", "{}").split()
+    assert int(uid) == SANDBOX_ID and int(uid) != os.getuid()
+    assert int(pid) < 100  # a PID namespace of its own (the actor's pid is far higher on a busy machine)
+    secret = tmp_path / "secret.txt"  # a file of the caller's: not in the sandbox's filesystem at all
+    secret.write_text("the caller's secret")
+    got = sandbox.call("read", f'{{"path": "{secret}"}}')
+    assert got.startswith("error: FileNotFoundError") and "secret" not in got.split(":", 2)[-1].replace(str(secret), "")
+    home = sandbox.call("read", '{"path": "/root/.bashrc"}')
+    assert home.startswith("error:"), home
+
+
+def test_a_tool_cannot_reach_the_network(probe):
+    specs, sandbox = probe
+    received: list[bytes] = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            received.append(conn.recv(64))
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        got = sandbox.call("dial", f'{{"port": {srv.getsockname()[1]}}}')
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+    assert got.startswith("error:") and not received, (got, received)
+
+
+def test_bad_calls_are_answers_and_a_hung_tool_is_killed():
+    env = _env("ProbeTaskset")
+    _, sandbox = env.tools(next(iter(env.taskset)))
+    sandbox.timeout_s = 1.0
+    try:
+        assert sandbox.call("nope", "{}").startswith("error: no tool 'nope'")
+        assert sandbox.call("read", "[1, 2]") == "error: ValueError: arguments must be a JSON object"
+        assert sandbox.call("read", "{not json").startswith("error: JSONDecodeError")
+        starts, before = sandbox.starts, _workers()
+        assert sandbox.call("nap", '{"seconds": 120}') == "error: the tool 'nap' did not answer within 1 s"
+        deadline = time.time() + 30  # the hung worker, and everything in its sandbox, is gone
+        while time.time() < deadline and before & _workers():
+            time.sleep(0.1)
+        assert before and not before & _workers()
+        assert sandbox.call("whoami", "{}").split()[0] == str(SANDBOX_ID)  # a fresh worker
+        assert sandbox.starts == starts + 1
+    finally:
+        sandbox.close()
+
+
+@pytest.mark.parametrize("taskset, words", [("DockerTaskset", "runtime 'docker'"), ("ServerTaskset", "config.url")])
+def test_a_toolset_that_cannot_be_sandboxed_is_refused_in_one_line(taskset, words):
+    with pytest.raises(ConfigError) as e:
+        _env(taskset)
+    assert words in str(e.value) and "\n" not in str(e.value)
