@@ -594,9 +594,16 @@ class Config(_Base):
                              f"wire.lease_s ({self.wire.lease_s}), or healthy actors lose their credits")
         if self.tasks.type == "reasoning_gym" and "reward" not in self.env.model_fields_set:
             self.env.reward = "reasoning_gym"  # the datasets' own scorers
-        if self.env.type == "verifiers" and self.tasks.type == "arithmetic" and "type" not in self.tasks.model_fields_set:
-            self.tasks.type = "verifiers"  # the environment's own dataset
-            self.tasks.kwargs = {k: v for k, v in self.env.kwargs.items() if k in ("taskset", "config", "size")}
+        if self.env.type == "verifiers":  # its tasks are its taskset's (a config file's arithmetic gives way)
+            if self.tasks.type not in ("verifiers", "arithmetic"):
+                raise ValueError(f"env.type=verifiers draws its tasks from its taskset (tasks.type=verifiers), not "
+                                 f"from tasks.type={self.tasks.type}")
+            self.tasks.type = "verifiers"
+            for k in ("taskset", "config", "size"):  # one taskset, named on either side (env's wins)
+                if k in self.env.kwargs:
+                    self.tasks.kwargs[k] = self.env.kwargs[k]
+                elif k in self.tasks.kwargs:
+                    self.env.kwargs[k] = self.tasks.kwargs[k]
         if self.env.type in ("agent", "verifiers") and self.algorithm != "grpo":
             raise ValueError(f"env.type={self.env.type} runs with algorithm grpo (its rollouts are the agent's or the "
                              f"environment's own), not {self.algorithm}")

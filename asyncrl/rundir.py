@@ -5,6 +5,8 @@ Promises:
   run directory holding a run's state (checkpoints, WAL, metrics, events) without ``resume``; a
   resume whose model or algorithm differs from the run's; a resume with no intact checkpoint after
   steps were trained (their weights were never saved). Otherwise it says what the start will do.
+- The run directory is private: the learner makes it mode 0700 (its checkpoints, weights,
+  write-ahead log, logs and sockets are this user's alone; ``RunLock.acquire``).
 - ``RunLock`` is an exclusive lock (the ``filelock`` package, an OS lock released when the process
   dies, even by SIGKILL) on ``<run>/learner.lock``, with the holder's pid in ``<run>/learner.pid``.
   A second holder is refused with a message naming the first one's pid.
@@ -125,8 +127,11 @@ class RunLock:
         self._lock = FileLock(self.run_dir / LOCK_FILE, timeout=0)
 
     def acquire(self) -> None:
-        """Take the lock (creating the run directory) and record this pid; RunDirError if held."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Take the lock (creating the run directory, private: mode 0700) and record this pid;
+        RunDirError if held."""
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.stat(self.run_dir).st_uid == os.geteuid():  # (checkpoints and weights are no one else's to read)
+            os.chmod(self.run_dir, 0o700)
         try:
             self._lock.acquire()
         except Timeout:

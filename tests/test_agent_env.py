@@ -4,7 +4,11 @@ with the real HF engine, real loopback HTTP and the real ``openai`` client."""
 from __future__ import annotations
 
 import json
+import re
+import socket
+import struct
 import threading
+import time
 
 import httpx
 import pytest
@@ -215,3 +219,75 @@ def test_many_agents_connect_at_once(random_engine, tok):
                              tasks=_tasks(50), n=3)
     assert [f for ep in episodes for f in ep.decision.get("failures", [])] == []
     assert sum(len(ep.trajectories) for ep in episodes) == 150 and env.failures == 0
+
+
+def _raw(port: int, data: bytes, read: bool = True) -> bytes:
+    """Send raw bytes to the endpoint and read its answer until it closes (or 10 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        try:
+            while chunk := c.recv(65536):
+                out += chunk
+                if b"\r\n\r\n" in out and b"Content-Length: 0" in out:
+                    break
+                head, _, body = out.partition(b"\r\n\r\n")
+                length = re.search(rb"Content-Length: (\d+)", head)
+                if length and len(body) >= int(length.group(1)):
+                    break
+        except (socket.timeout, ConnectionResetError):
+            pass
+        return out
+
+
+def test_endpoint_limits_headers_connections_and_idle_readers(random_engine, tok, monkeypatch, capfd):
+    """41.6: ``Content-Length: -1`` read 300 MiB past the 8 MiB limit, ``abc`` was a 500, idle and
+    slow-loris connections held a thread each for ever, and every reset connection printed a
+    traceback. Now: a valid, bounded Content-Length (400/411/413), a cap on connections (503 past
+    it), a read timeout, and one line per reset connection (the first three, then every 100th)."""
+    import asyncrl.rollout.endpoint as endpoint_mod
+
+    monkeypatch.setattr(endpoint_mod, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)
+    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30)
+    try:
+        s = ep.open(budget=None)
+        path = s.base_url.split(str(ep.port), 1)[1] + "/chat/completions"
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode()
+        for length, status in ((b"-1", b"400"), (b"abc", b"400"), (b"99999999999", b"413")):
+            got = _raw(ep.port, head + b"Content-Length: " + length + b"\r\n\r\n" + b"x" * 1000)
+            assert got.startswith(b"HTTP/1.1 " + status), got[:200]
+        assert _raw(ep.port, head + b"\r\n{}").startswith(b"HTTP/1.1 411")
+        # idle connections: closed after the read timeout, so they never pile up
+        idle = [socket.create_connection(("127.0.0.1", ep.port), timeout=10) for _ in range(8)]
+        extra = socket.create_connection(("127.0.0.1", ep.port), timeout=10)
+        assert extra.recv(200).startswith(b"HTTP/1.1 503")  # the ninth, while eight are open
+        extra.close()
+        for c in idle:
+            assert c.recv(10) == b""  # closed by the server (timeout 1 s; recv waits up to 10 s)
+            c.close()
+        capfd.readouterr()
+        for _ in range(50):  # connections reset by their client in the middle of a request
+            c = socket.create_connection(("127.0.0.1", ep.port), timeout=10)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.sendall(head + b"Content-Length: 100\r\n\r\nabc")
+            c.close()  # RST
+        deadline = time.time() + 20
+        while time.time() < deadline and ep.server._dropped < 50:
+            time.sleep(0.05)
+        out = capfd.readouterr()
+        assert ep.server._dropped >= 50 and "Traceback" not in out.out + out.err
+        assert len([x for x in (out.out + out.err).splitlines() if x.startswith("[endpoint]")]) <= 4
+        ok = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}).encode()
+        stop = threading.Event()
+        server = threading.Thread(target=_serving, args=(ep, random_engine, stop), daemon=True)
+        server.start()
+        try:  # and a good request is still served
+            assert httpx.post(f"{s.base_url}/chat/completions", content=ok, timeout=30).status_code == 200
+        finally:
+            stop.set()
+            server.join(5)
+    finally:
+        ep.close()

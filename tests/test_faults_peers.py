@@ -421,3 +421,48 @@ def test_a_revoked_key_is_dropped_while_the_learner_runs_and_told_why(tmp_path, 
         assert a1.poll() is None
     finally:
         run.stop()
+
+
+def test_rejected_episodes_are_no_progress_and_strangers_cannot_take_the_pool(tmp_path, tiny_overrides):
+    """41.7: an episode counted as progress before it was validated, so a peer sending one rejected
+    episode a second kept its credits for ever; and peers that never deliver, twenty of them with
+    one credit each, took the whole credit pool (no step for minutes). Now only a valid episode in
+    the buffer is progress, and actors that never delivered hold at most half the pool together."""
+    run = LiveRun(tmp_path, "strangers", _overrides(tiny_overrides, "wire.lease_s=30", "wire.credit_timeout_s=5",
+                                                    "actor.heartbeat_s=0.5", "wire.bad_log_first=100000"))
+    socks, stop = [], threading.Event()
+    try:
+        run.actor("actor-0", 0)
+        assert run.wait_version(3, 240) is not None, run.log_tail(lines=20)
+        for i in [20, *range(20)]:  # one that sends a rejected episode a second, then 20 that only heartbeat
+            s = connect(zmq.DEALER, run.addresses["control"])
+            s.setsockopt(zmq.IDENTITY, f"hog{i}:1".encode())
+            s.disconnect(run.addresses["control"])  # (the identity applies to the next connection)
+            s.connect(run.addresses["control"])
+            s.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": f"hog{i}", "capacity": 1 if i < 20 else 4}))
+            socks.append(s)
+            while i == 20 and s.poll(60_000):  # (the first has its credits before the others come)
+                if decode(s.recv_multipart()).kind == "credit":
+                    break
+        socks = socks[1:] + socks[:1]  # (hog0 .. hog20, in order)
+        push = connect(zmq.PUSH, run.addresses["episodes"])
+
+        def keep_up():  # bounded in count and time
+            for n in range(300):
+                if stop.wait(1.0):
+                    return
+                for i, s in enumerate(socks):
+                    s.send_multipart(frames(SCHEMA_VERSION, "status", {"actor_id": f"hog{i}", "identity": f"hog{i}:1",
+                                                                       "capacity": 1, "version": 0}))
+                push.send_multipart(episode_frames(SCHEMA_VERSION, "hog20", f"bad-{n}", token=10**6))  # rejected
+        t = threading.Thread(target=keep_up, daemon=True)
+        t.start()
+        v = run.version()
+        assert run.wait_version(v + 5, 120) is not None, run.log_tail(lines=20)  # the real actor trains on
+        assert run.wait(lambda: any(e.get("actor_id") == "hog20" for e in run.events("credits_reclaimed")), 120)
+        assert any(e.get("actor_id") == "hog20" for e in run.events("episode_rejected"))
+    finally:
+        stop.set()
+        for s in socks:
+            s.close(0)
+        run.stop()

@@ -230,11 +230,44 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         kill_tree(driver.proc)
 
 
+@pytest.fixture
+def foreign_cluster(ray_env):
+    """Another Ray cluster on this host, as another user's would be: started by ``ray start --head``
+    in Ray's default temp dir, so that ``/tmp/ray/ray_current_cluster`` names it (issue 41.9: a run
+    found it there and crashed with ``ValueError: num_cpus``). Its head is stopped afterwards."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
+                             "--num-cpus=1", "--disable-usage-stats"], env=ray_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = Path("/tmp/ray/ray_current_cluster")
+    try:
+        deadline = time.time() + DEADLINE_S
+        while time.time() < deadline and not (marker.exists() and marker.read_text().strip().endswith(f":{port}")):
+            assert head.poll() is None, "the foreign Ray head did not start"
+            time.sleep(0.5)
+        assert marker.read_text().strip().endswith(f":{port}")
+        yield port
+    finally:
+        head.send_signal(signal.SIGTERM)  # (--block: the head stops what it started)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_tree(head)
+        if marker.exists() and marker.read_text().strip().endswith(f":{port}"):
+            marker.unlink()
+
+
 @pytest.mark.slow
-def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctrl_c(ray_env, tmp_path):
+def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctrl_c(ray_env, tmp_path, foreign_cluster):
     """A run on a local cluster that asyncrl starts, with a 2-process learner group and CURVE keys
-    handed out through Ray (``launch.ray.secure=always``): it trains; Ctrl-C leaves no process of it
-    (asyncrl, raylet, GCS, Ray workers)."""
+    handed out through Ray (``launch.ray.secure=always``), beside another Ray cluster on this host: it
+    starts a cluster of its own and trains; Ctrl-C leaves no process of it (asyncrl, raylet, GCS, Ray
+    workers)."""
     run = tmp_path / "local"
     driver = Driver(["-c", "configs/quickstart.yaml", "--scheduler", "ray", "--learner-procs", "2", f"run_root={tmp_path}",
                      "name=local", "train.total_steps=100000", "actor.num=2", "eval.size=20", "eval.every=100000",

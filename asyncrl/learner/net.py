@@ -96,7 +96,8 @@ class ActorState:
     last_seen: float = field(default_factory=time.monotonic)
     withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
     admitted_at: float = field(default_factory=time.monotonic)
-    progress_at: float = field(default_factory=time.monotonic)  # its last episode, or the grant that gave it work
+    progress_at: float = field(default_factory=time.monotonic)  # its last valid episode, or the grant that gave it work
+    settled: bool = True  # all it was given came back as valid episodes (the next grant starts its clock anew)
     delivered: int = 0  # episodes received from it
     hog: bool = False  # its credits were taken back for want of progress: one at a time until it delivers
 
@@ -377,6 +378,7 @@ class LearnerNet:
                 a.progress_at = now
                 a.delivered += n
                 a.hog = False
+                a.settled = a.outstanding == 0
         self._hogs.pop(actor_id, None)
         if actor_id not in self._known:
             self._remember(self._known, actor_id)
@@ -420,8 +422,9 @@ class LearnerNet:
             if grants[ident]:
                 extra = work(a, grants[ident]) if work is not None else {}
                 self.send_control(ident, Credit(n=grants[ident], min_version=min_version, **extra))
-                if not a.outstanding:  # the clock for its progress starts with the work
-                    a.progress_at = time.monotonic()
+                if not a.outstanding and a.settled:  # the clock for its progress starts with the work (not
+                    a.progress_at = time.monotonic()  # again for credits its rejected episodes used up)
+                a.settled = False
                 a.outstanding += grants[ident]
         return granted
 

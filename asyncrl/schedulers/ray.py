@@ -6,10 +6,12 @@ restarts lost actors and tells this driver where everything is. Episodes, acknow
 and weights go over asyncrl's ZeroMQ protocol, as on one machine.
 
 - **Cluster.** ``launch.ray.address`` or ``RAY_ADDRESS`` is joined (a closed address fails within
-  ``launch.ray.connect_timeout_s``, in one line); without either, a local cluster is started and
-  stopped with the run: bound to 127.0.0.1, no dashboard (``launch.ray.dashboard``), Ray's token
-  authentication on (``RAY_AUTH_MODE=token`` with a fresh token unless one is set). A loopback
-  address pins this driver to 127.0.0.1 too (Ray would otherwise dial the machine's interface).
+  ``launch.ray.connect_timeout_s``, in one line); without either, a local cluster of the run's own is
+  started (even where another Ray cluster runs on this host) and stopped with the run: bound to
+  127.0.0.1, no dashboard (``launch.ray.dashboard``), Ray's token authentication on
+  (``RAY_AUTH_MODE=token`` with a fresh token unless one is set), its files under a private (0700)
+  directory. A loopback address pins this driver to 127.0.0.1 too (Ray would otherwise dial the
+  machine's interface).
 - **Placement.** The learner's processes go to one node: the driver's, or with custom resources in
   ``launch.learner.resources``, a STRICT_PACK placement group of one bundle per process; the run
   directory lives there (no shared filesystem is assumed: configs and keys travel as text through
@@ -20,10 +22,13 @@ and weights go over asyncrl's ZeroMQ protocol, as on one machine.
 - **Addresses and keys.** Actors get the learner's addresses from rank 0's supervisor, not from a
   file. When the cluster has nodes on other hosts (``launch.ray.secure``), the learner binds its
   node's address with CURVE keys made on its node; each actor receives its own bundle (never the
-  server's secret). On one host everything stays on loopback.
+  server's secret). On one host the learner's sockets are private ipc files (no TCP at all).
 - **One copy of the weights per node** (``launch.ray.relay``): the driver starts a relay
   (:mod:`asyncrl.sync.relay`) on each node that holds actors; the learner sends each version once
-  per node and the actors there read it from shared memory (``sync.type=ipc`` on the actors).
+  per node and the actors there read it from shared memory (``sync.type=ipc`` on the actors). Off
+  one host each relay has a CURVE key of its own. A relay that dies is said in one line and
+  restarted by Ray (``launch.ray.max_restarts``); its node's actors take weights from the learner
+  within ``actor.relay_timeout_s`` (:meth:`asyncrl.actor.net.ActorNet.check_relay`).
 - **Failures.** A lost actor (its node, or its process failing) is restarted by Ray up to
   ``launch.ray.max_restarts`` times and re-joins through the session/ack protocol: nothing
   acknowledged is lost, nothing trained twice. A lost learner ends the run with one line
@@ -37,13 +42,14 @@ import os
 import secrets
 import signal
 import socket
+import tempfile
 import sys
 import time
 from pathlib import Path
 
 from ..config import Config, dump_config
 from ..launcher import STOP_GRACE_S, StopRequested, StopSignals
-from ..wire.sockets import is_loopback
+from ..wire.sockets import is_loopback, private_dir
 from . import SchedulerError
 from .procs import ProcSupervisor, relay_name
 
@@ -115,8 +121,13 @@ def connect(cfg: Config):
     for res, n in [(cfg.launch.learner.resources, 1), (cfg.launch.actor.resources, cfg.actor.num)]:
         for k, v in res.items():
             custom[k] = custom.get(k, 0.0) + v * n
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=rc.dashboard, num_cpus=max(os.cpu_count() or 1,
-             int(need_cpu + 0.999)), resources=custom or None, **kwargs)
+    # address "local": a cluster of this run's own, even where another one runs on this host (Ray would
+    # otherwise join the cluster it finds in /tmp/ray, perhaps another user's); its files under a private
+    # directory of this user's (Ray makes its own temp dir mode 0777; the 0700 parent keeps others out)
+    private = private_dir(Path(tempfile.gettempdir()) / f"ray-asyncrl-{os.geteuid()}")
+    ray.init(address="local", _temp_dir=str(private / "r"),
+             _node_ip_address="127.0.0.1", include_dashboard=rc.dashboard,
+             num_cpus=max(os.cpu_count() or 1, int(need_cpu + 0.999)), resources=custom or None, **kwargs)
     return ray, True
 
 
@@ -152,6 +163,7 @@ class RayRun:
         self.actors: list = []
         self.actor_nodes: list[str | None] = [None] * cfg.actor.num
         self.relays: dict[str, object] = {}
+        self.relays_down: set[str] = set()  # nodes whose relay was said to be gone
         self.actor_files: dict[str, dict[str, bytes]] = {}
         self.run_overrides: dict = {}
         self.spec_refs: list = []
@@ -292,16 +304,45 @@ class RayRun:
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        first = self.actor_files.get("actor-0", {})  # off one host: the relay connects with actor-0's key
-        args = ["relay", "--learner-weights", self.addrs["weights"], "--relay-id", "0" if first else node_id[:12]]
-        if first:
-            args += ["-o", "wire.curve_dir={files}/actor-0"]
-        spec = self._spec(f"relay-{node_id[:12]}", args, {**self.run_overrides, "sync.type": "zmq"}, files=first,
-                          sink=self.learner[0])
+        name = f"relay-{node_id[:12]}"
+        args = ["relay", "--learner-weights", self.addrs["weights"], "--relay-id", node_id[:12]]
+        files = {}
+        if self.actor_files:  # off one host: a key of its own (the learner admits it as this relay only)
+            files = self._call(self.learner[0].make_keys.remote(str(Path(self.run_dir) / "keys"), [name]))[name]
+            args += ["-o", f"wire.curve_dir={{files}}/{name}"]
+        spec = self._spec(name, args, {**self.run_overrides, "sync.type": "zmq"}, files=files,
+                          sink=self.learner[0], restart_on_failure=True)
+        ref = self.ray.put(spec)  # (held for the run: a restart needs the constructor's argument)
+        self.spec_refs.append(ref)
         self.relays[node_id] = self.Proc.options(
-            name=relay_name(f"asyncrl-relay-{self.token}", node_id), num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(spec)
+            name=relay_name(f"asyncrl-relay-{self.token}", node_id), num_cpus=0,
+            max_restarts=self.cfg.launch.ray.max_restarts, max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(ref)
         _say(f"weights relay on node {node_id[:12]}: the learner sends each version once for this node's actors")
+
+    def watch_relays(self) -> None:
+        """Say, once each, when a node's relay is gone (its actors take weights from the learner after
+        ``actor.relay_timeout_s``; Ray restarts it, ``launch.ray.max_restarts``) and when it is back."""
+        ray = self.ray
+        for node_id, sup in self.relays.items():
+            try:
+                code = ray.get(sup.poll.remote(), timeout=5.0)
+                gone = None if code is None else f"its process exited with code {code}"
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.ActorDiedError as e:
+                gone = f"gone for good ({str(e).splitlines()[0][:200]})"
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                gone = "unavailable"
+            if gone and node_id not in self.relays_down:
+                self.relays_down.add(node_id)
+                _say(f"the weights relay on node {node_id[:12]} is {gone}: its actors take weights from the learner "
+                     f"(after actor.relay_timeout_s={self.cfg.actor.relay_timeout_s:g} s); Ray restarts it "
+                     f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})")
+            elif not gone and node_id in self.relays_down:
+                self.relays_down.discard(node_id)
+                _say(f"the weights relay on node {node_id[:12]} runs again (actors started on that node from now on "
+                     f"use it)")
 
     def watch_actors(self) -> str | None:
         """Where each actor is, restarts noticed, relays for new nodes; a line ending the run, or None.
@@ -404,6 +445,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
                 code = learner
                 break
             ended = run.watch_actors()
+            run.watch_relays()
             if ended:
                 _say(ended)
                 code = 1

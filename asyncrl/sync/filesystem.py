@@ -1,6 +1,8 @@
 """Filesystem weight sync (``sync.type: filesystem``): the learner writes
 ``weights-<version>.safetensors`` atomically and sends actors only its path; actors read the file.
-For actors that share a filesystem with the learner."""
+For actors that share a filesystem with the learner. The directory is made private (mode 0700) and
+each file mode 0600; an actor loads only a file of its own user's that no one else can read or write
+(:func:`asyncrl.sync.ipc.check_owner`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from safetensors.torch import load_file, save_file
 from ..layout import WEIGHTS
 from ..wire.codec import Message, encode
 from ..wire.messages import Weights
+from ..wire.sockets import private_dir
 from .base import Publisher, Receiver, WeightsError
+from .ipc import check_owner
 
 
 class FilesystemPublisher(Publisher):
@@ -23,10 +27,11 @@ class FilesystemPublisher(Publisher):
     def frames(self, state: dict, version: int) -> list:
         """Save ``state`` as ``weights-<version>.safetensors`` (the newest ``sync.keep`` are kept)
         and return a ``weights`` message naming the file."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         final = self.dir / f"weights-{version:08d}.safetensors"
         tmp = final.with_suffix(".tmp")
         save_file(state, str(tmp), metadata={"version": str(version)})
+        os.chmod(tmp, 0o600)
         os.replace(tmp, final)
         for old in sorted(self.dir.glob("weights-*.safetensors"))[:-self.keep]:
             old.unlink(missing_ok=True)
@@ -42,6 +47,14 @@ class FilesystemReceiver(Receiver):
         if not path:
             raise WeightsError("the learner sent tensor frames but this actor expects sync.type=filesystem; "
                                "use the same sync.type on both sides")
-        if not Path(path).exists():
-            raise WeightsError(f"weights file {path} does not exist (filesystem sync needs a shared filesystem)")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise WeightsError(f"weights file {path} does not exist (filesystem sync needs a shared filesystem)") from None
+        except OSError as e:
+            raise WeightsError(f"weights file {path} cannot be opened: {e.strerror}") from None
+        try:
+            check_owner(fd, path)
+        finally:
+            os.close(fd)
         return msg.body.version, load_file(path)

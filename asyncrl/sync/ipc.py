@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -60,6 +61,17 @@ def sweep_stale(directory: Path) -> list[str]:
     return removed
 
 
+def check_owner(fd: int, path) -> None:
+    """WeightsError unless the open file ``fd`` is a regular file owned by this user and closed to
+    everyone else (mode 0600 or less, as the learner makes it): a segment or file another local
+    user made, or could write, under the expected name is never loaded."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise WeightsError(f"{path} is not this user's private weights file (owner uid {st.st_uid}, mode "
+                           f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.geteuid()}, mode 600): another local user "
+                           f"may have made it; refused")
+
+
 class _Segment:
     """One mapped segment: ``header`` (int64 [begin, end]) and ``data`` (uint8), as views."""
 
@@ -72,9 +84,10 @@ class _Segment:
                 self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE)
             finally:
                 os.close(fd)
-        else:  # attach read-only (an actor)
-            fd = os.open(path, os.O_RDONLY)
+        else:  # attach read-only (an actor): only a segment of this user's that no one else can write
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
+                check_owner(fd, path)
                 self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
@@ -168,6 +181,8 @@ class IpcReceiver(Receiver):
             except FileNotFoundError:
                 raise WeightsError(f"shared-memory segment {self.dir / name} does not exist: ipc sync needs the "
                                    f"learner on this host (and the same sync.dir)") from None
+            except OSError as e:  # e.g. ELOOP: a link under the segment's name
+                raise WeightsError(f"shared-memory segment {self.dir / name} cannot be opened: {e.strerror}") from None
             for old in [n for n in self._open if n.rsplit("-", 1)[0] != name.rsplit("-", 1)[0]]:
                 self._open.pop(old).close()  # another learner session or layout: its segments are done
             self._open[name] = seg

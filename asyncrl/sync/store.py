@@ -64,33 +64,36 @@ class _Table:
         self.refused = 0  # requests refused (secret, bounds, malformed): the learner reports them
         self.cancelled: set[str] = set()  # key prefixes whose waiters are answered at once (a failed group)
 
-    def _put(self, key: str, value: bytes) -> None:
-        if len(value) > self.max_value:
-            raise StoreError(f"value of {len(value)} bytes for {key!r}; this store takes at most {self.max_value}")
+    def _put(self, key: str, value: bytes, bounded: bool = True) -> None:
+        """Store ``key``; ``bounded`` False (the serving process's own writes, a few keys of its
+        making) skips the bounds, so that members filling the store can never stop the learner."""
         old = self.data.get(key)
-        if old is None and len(self.data) >= self.max_keys:
-            raise StoreError(f"store full ({self.max_keys} keys); refused {key!r}")
         total = self.total + len(value) + len(key) - (0 if old is None else len(old) + len(key))
-        if total > self.max_total:
-            raise StoreError(f"store full ({self.max_total} bytes); refused {key!r}")
+        if bounded:
+            if len(value) > self.max_value:
+                raise StoreError(f"value of {len(value)} bytes for {key!r}; this store takes at most {self.max_value}")
+            if old is None and len(self.data) >= self.max_keys:
+                raise StoreError(f"store full ({self.max_keys} keys); refused {key!r}")
+            if total > self.max_total:
+                raise StoreError(f"store full ({self.max_total} bytes); refused {key!r}")
         self.data[key], self.total = value, total
         self.cv.notify_all()
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: bytes, bounded: bool = True) -> None:
         with self.cv:
-            self._put(key, value)
+            self._put(key, value, bounded)
 
-    def add(self, key: str, n: int) -> int:
+    def add(self, key: str, n: int, bounded: bool = True) -> int:
         with self.cv:
             v = int(self.data.get(key, b"0")) + int(n)
-            self._put(key, str(v).encode())
+            self._put(key, str(v).encode(), bounded)
             return v
 
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: str, expected: bytes, desired: bytes, bounded: bool = True) -> bytes:
         with self.cv:
             cur = self.data.get(key)
             if (cur is None and expected == b"") or cur == expected:
-                self._put(key, desired)
+                self._put(key, desired, bounded)
                 return desired
             return expected if cur is None else cur
 
@@ -302,23 +305,25 @@ class StoreServer:
 
 
 class LocalStore(dist.Store):
-    """The serving process's ``torch.distributed.Store`` over the table itself."""
+    """The serving process's ``torch.distributed.Store`` over the table itself. Its own writes are
+    not bounded (the bounds are for members: a member that fills the store must not be able to make
+    the learner's next announcement fail)."""
 
     def __init__(self, table: _Table, timeout_s: float):
         super().__init__()
         self._t, self._timeout_s = table, timeout_s
 
     def set(self, key, value):
-        self._t.set(key, _as_bytes(value))
+        self._t.set(key, _as_bytes(value), bounded=False)
 
     def get(self, key):
         return self._t.get(key, self._timeout_s)
 
     def add(self, key, value):
-        return self._t.add(key, value)
+        return self._t.add(key, value, bounded=False)
 
     def compare_set(self, key, expected, desired):
-        return self._t.compare_set(key, _as_bytes(expected), _as_bytes(desired))
+        return self._t.compare_set(key, _as_bytes(expected), _as_bytes(desired), bounded=False)
 
     def delete_key(self, key):
         return self._t.delete(key)
