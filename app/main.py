@@ -36,12 +36,13 @@ class UIError(ValueError):
 def check_args(args) -> tuple[str, str] | None:
     """Validate the options; returns the ``(user, password)`` pair or None."""
     if not args.run and not args.connect:
-        raise UIError("give --run runs/<name> (a run directory) and/or --connect tcp://HOST:PORT "
+        raise UIError("give --run runs/<name> (a run directory) and/or --connect ADDRESS "
                       "(a live learner's events address, see <run>/addresses.json)")
     if args.run and not Path(args.run).is_dir():
         raise UIError(f"run directory {args.run} does not exist")
     if args.connect and "://" not in args.connect:
-        raise UIError(f"--connect wants a ZeroMQ address such as tcp://127.0.0.1:5555, got {args.connect!r}")
+        raise UIError(f"--connect wants a ZeroMQ address (the 'events' entry of addresses.json: ipc://PATH, or "
+                      f"tcp://HOST:PORT with keys), got {args.connect!r}")
     auth = None
     if args.auth is not None:
         user, sep, password = args.auth.partition(":")

@@ -202,7 +202,8 @@ class ActorConfig(_Base):
     relay_timeout_s: float = Field(10.0, gt=0, description=(
         "With a node's weights relay (`asyncrl serve --weights-address`): take weights from the learner "
         "instead, for the rest of the actor's life, once the relay has been unreachable, or newer weights the "
-        "work needs have not come from it, for this long (one line in the actor's log)."))
+        "work needs have not come from it, for this long (six times as long before its first version: the "
+        "learner may still be starting); one line in the actor's log."))
     weight_update: Literal["batch", "inflight"] = Field("batch", description=(
         "When new weights reach the engine. batch: between generation batches (a batch runs to its longest "
         "sequence with one version; reproducible from the seed). inflight: between two decode steps; the "

@@ -66,6 +66,22 @@ def test_verifiers_multi_turn_tool_calls_are_one_trajectory(random_engine, tok):
         assert text.count("<|user|>") == 1 + t.metadata["turns"] - 1  # the prompt, then tool turns
 
 
+def test_the_readme_verifiers_command_draws_the_tasksets_tasks():
+    """41.9 / 42: the README's command (the quick start's config, which sets tasks.type: arithmetic, plus
+    env.type=verifiers) drew arithmetic tasks and the actor stopped on the first one. Now the taskset's
+    tasks are the run's, named on either side; another task source is refused in one line."""
+    from asyncrl.envs.tasks import task_stream
+
+    for where in ("env", "tasks"):
+        cfg = load_config("configs/quickstart.yaml", ["env.type=verifiers", f"{where}.kwargs.taskset={SINGLE}"])
+        assert cfg.tasks.type == "verifiers" and cfg.tasks.kwargs["taskset"] == cfg.env.kwargs["taskset"] == SINGLE
+        task = next(task_stream(cfg.tasks, 0))
+        assert task.id.startswith("vf:") and make_env(cfg.env).vtask(task) is not None
+    with pytest.raises(ValueError, match="draws its tasks from its taskset"):
+        load_config("configs/quickstart.yaml", ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}",
+                                                "tasks.type=reasoning_gym"])
+
+
 def test_verifiers_config_errors_are_one_line():
     with pytest.raises(ConfigError, match="needs env.kwargs.taskset"):
         make_env(load_config(None, ["env.type=verifiers"]).env)

@@ -391,6 +391,8 @@ def test_a_heartbeat_only_actor_loses_its_credits_and_a_returning_actor_finds_ro
         assert any(e.get("reason") == "evicted" and e.get("actor_id") == "hog" for e in run.events("actor_dropped"))
     finally:
         stop.set()
+        if "beat" in locals():
+            beat.join(10)  # (it may be sending: the socket is closed after it ends)
         hog.close(0)
         run.stop()
 
@@ -463,6 +465,8 @@ def test_rejected_episodes_are_no_progress_and_strangers_cannot_take_the_pool(tm
         assert any(e.get("actor_id") == "hog20" for e in run.events("episode_rejected"))
     finally:
         stop.set()
+        if "t" in locals():
+            t.join(10)
         for s in socks:
             s.close(0)
         run.stop()

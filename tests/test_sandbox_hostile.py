@@ -16,10 +16,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -188,39 +186,6 @@ def caller(tmp_path_factory):
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture()
-def listener():
-    """A TCP listener on 127.0.0.1 that records every byte it receives."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    srv.settimeout(0.1)
-    received: list[bytes] = []
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.settimeout(2)
-                try:
-                    received.append(conn.recv(1024) or b"<connected>")
-                except OSError:
-                    received.append(b"<connected>")
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield srv.getsockname()[1], received
-    finally:
-        stop.set()
-        t.join(timeout=10)
-        srv.close()
 
 
 def _processes_with(marker: str) -> list[int]:

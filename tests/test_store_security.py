@@ -87,6 +87,13 @@ def test_store_bounds_what_it_holds_even_for_its_members():
             member.set("s7", b"3")
         assert len(server.table.data) == 8 and server.table.total <= 4096
         assert member.get("a") == b"1" * 1000  # what it holds is intact
+        # 41.1: a full store stopped the learner (an uncaught StoreError on its next announcement); the
+        # serving process's own writes are never refused
+        local = server.local(5)
+        local.set("latest", "7")
+        assert local.add("bell/1", 1) == 1 and server.table.data["latest"] == b"7"
+        with pytest.raises(StoreError, match="8 keys"):  # (members still are)
+            member.set("s8", b"3")
         # a message past the size bound is dropped by ZeroMQ before it is read: nothing held
         big = StoreClient("127.0.0.1", server.port, server.secret, timeout_s=3)
         with pytest.raises(StoreError):

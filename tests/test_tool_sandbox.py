@@ -5,8 +5,6 @@ is killed and the next call works; a toolset whose runtime asyncrl cannot honour
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 
 import pytest
@@ -15,20 +13,18 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.envs.base import make_env
 from asyncrl.envs.bwrap import SANDBOX_ID, unavailable
 
+from .conftest import alive, descendants
+
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}")
 
 
-def _workers() -> set[int]:
-    """Pids of the processes running a sandboxed program (the tool workers of this machine)."""
-    out = set()
-    for d in os.listdir("/proc"):
-        try:
-            if d.isdigit() and b"/sandbox/prog.py" in open(f"/proc/{d}/cmdline", "rb").read():
-                out.add(int(d))
-        except OSError:
-            continue
-    return out
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _env(taskset: str):
@@ -58,32 +54,10 @@ def test_tools_are_offered_and_called_in_the_sandbox(probe, tmp_path):
     assert home.startswith("error:"), home
 
 
-def test_a_tool_cannot_reach_the_network(probe):
+def test_a_tool_cannot_reach_the_network(probe, listener):
     specs, sandbox = probe
-    received: list[bytes] = []
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            received.append(conn.recv(64))
-            conn.close()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        got = sandbox.call("dial", f'{{"port": {srv.getsockname()[1]}}}')
-    finally:
-        stop.set()
-        t.join(5)
-        srv.close()
+    port, received = listener
+    got = sandbox.call("dial", f'{{"port": {port}}}')
     assert got.startswith("error:") and not received, (got, received)
 
 
@@ -95,12 +69,14 @@ def test_bad_calls_are_answers_and_a_hung_tool_is_killed():
         assert sandbox.call("nope", "{}").startswith("error: no tool 'nope'")
         assert sandbox.call("read", "[1, 2]") == "error: ValueError: arguments must be a JSON object"
         assert sandbox.call("read", "{not json").startswith("error: JSONDecodeError")
-        starts, before = sandbox.starts, _workers()
+        starts = sandbox.starts
+        before = {sandbox._proc.pid} | descendants(sandbox._proc.pid)  # bwrap and the sandbox's processes
+        assert any(b"/sandbox/prog.py" in _cmdline(p) for p in before)
         assert sandbox.call("nap", '{"seconds": 120}') == "error: the tool 'nap' did not answer within 1 s"
         deadline = time.time() + 30  # the hung worker, and everything in its sandbox, is gone
-        while time.time() < deadline and before & _workers():
+        while time.time() < deadline and alive(before):
             time.sleep(0.1)
-        assert before and not before & _workers()
+        assert not alive(before)
         assert sandbox.call("whoami", "{}").split()[0] == str(SANDBOX_ID)  # a fresh worker
         assert sandbox.starts == starts + 1
     finally:

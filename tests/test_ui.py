@@ -183,7 +183,7 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
     profile = tmp_path / "chromium"
     try:
         announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/)").group(1)
-        served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from tcp://").group(1)
+        served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from ipc://").group(1)
         assert served == announced
         dom = wait_dom(served + "?view=overview", profile,
                        lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),

@@ -18,8 +18,8 @@ generates; everything it says to or hears from the learner goes through here.
 - With CURVE, a refused handshake is said once, in one line (a socket monitor).
 - With a node's weights relay (``weights_address``), :meth:`check_relay` falls back to the learner's
   weights channel (and ``on_relay_lost``) once the relay has been unreachable, or the actor has
-  waited for newer weights, for ``actor.relay_timeout_s``: a dead or stuck relay never stalls its
-  node. Said once, in one line.
+  waited for newer weights, for ``actor.relay_timeout_s`` (six times that before the relay's first
+  version): a dead or stuck relay never stalls its node. Said once, in one line.
 
 Bad messages are reported at a limited rate (per channel the first three, then every 100th) and
 dropped, never fatal.
@@ -40,6 +40,7 @@ from ..wire.messages import Ack, Credit, Hello, Stop, Subscribe, Welcome
 from ..wire.sockets import apply_curve_client, connect, drain, refused_actor_line, send_frames
 
 _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
+RELAY_FIRST_FACTOR = 6  # a relay that has never delivered is waited for this many times actor.relay_timeout_s
 
 
 class ActorNet:
@@ -52,6 +53,7 @@ class ActorNet:
         self.relay_timeout_s, self.on_relay_lost = relay_timeout_s, on_relay_lost
         self._relay_monitor: zmq.Socket | None = None
         self._relay_down_since: float | None = None  # not connected to the relay since (None: connected)
+        self._relay_delivered = False  # the relay has sent weights at least once
         self.learner_weights: str | None = None  # the learner's weights address (from its welcome)
         self.on_credit, self.on_welcome = on_credit, on_welcome
         self.ctx = zmq.Context.instance()
@@ -192,7 +194,9 @@ class ActorNet:
             elif event == zmq.EVENT_DISCONNECTED and self._relay_down_since is None:
                 self._relay_down_since = time.monotonic()
         down_s = 0.0 if self._relay_down_since is None else time.monotonic() - self._relay_down_since
-        if max(down_s, waiting_s) <= self.relay_timeout_s or self.learner_weights is None:
+        # (until the relay's first version, waiting is given longer: at start the learner may not have published)
+        wait_limit = self.relay_timeout_s * (1 if self._relay_delivered else RELAY_FIRST_FACTOR)
+        if (down_s <= self.relay_timeout_s and waiting_s <= wait_limit) or self.learner_weights is None:
             return False
         why = (f"unreachable for {down_s:.0f} s" if down_s > self.relay_timeout_s
                else f"has not sent the weights this actor waits for in {waiting_s:.0f} s")
@@ -220,6 +224,8 @@ class ActorNet:
             newest[0] = frames
 
         drain(self.weights, keep, limit=64, on_error=lambda e: self.report_bad("weights", e))
+        if newest[0] is not None and self.weights_address is not None:
+            self._relay_delivered = True
         return newest[0]
 
     def close(self) -> None:

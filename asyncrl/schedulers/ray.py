@@ -330,9 +330,9 @@ class RayRun:
                 gone = None if code is None else f"its process exited with code {code}"
             except ray.exceptions.GetTimeoutError:
                 continue
-            except ray.exceptions.ActorDiedError as e:
-                gone = f"gone for good ({str(e).splitlines()[0][:200]})"
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError) as e:
+                gone = f"gone for good ({str(e).splitlines()[0][:200]})"  # (e.g. its node was removed)
+            except ray.exceptions.RayError:  # unavailable while Ray restarts it, or any other trouble
                 gone = "unavailable"
             if gone and node_id not in self.relays_down:
                 self.relays_down.add(node_id)

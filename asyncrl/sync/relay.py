@@ -24,7 +24,6 @@ import signal
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import zmq
 
