@@ -521,7 +521,8 @@ class RayLaunchConfig(_Base):
     connect_timeout_s: float = Field(10.0, gt=0, description="How long joining the cluster may take.")
     start_timeout_s: float = Field(120.0, gt=0, description=(
         "How long the learner's and actors' resources may take to be granted before the run fails."))
-    max_restarts: int = Field(3, ge=0, description="Restarts of each actor by Ray (a lost node, a crash).")
+    max_restarts: int = Field(3, ge=0, description=(
+        "Restarts of each actor, and of each node's weights relay, by Ray (a lost node, a crash)."))
     relay: bool = Field(True, description=(
         "One weights copy per node: a relay per node takes each version once from the learner and serves "
         "that node's actors through shared memory (sync.type zmq on the learner, ipc on the actors)."))

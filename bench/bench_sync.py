@@ -6,8 +6,9 @@
 For each transport (``sync.type``) and tensor set, the publishing process does what the learner
 does per version (a snapshot copy of the parameters where the transport needs one, then
 ``WeightPublisher.frames``) and sends the ``weights`` message over a loopback ZeroMQ socket; a
-receiving process does what an actor does (``WeightReceiver.tensors`` on the decoded message, then
-copies every tensor into its own model-sized tensors, as ``Engine.update_weights`` does) and
+receiving process does what an actor does (``WeightReceiver.tensors`` on the decoded message, the
+dtype and finite-value check ``check_weight_values``, then copies every tensor into its own
+model-sized tensors, as ``Engine.update_weights`` does) and
 answers with the version. The figure is the time from the start of the publish to that answer.
 
 Tensor sets: ``embedded`` (the shapes of the default embedded model, float32) and ``qwen0.5b``
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.sync import make_publisher, make_receiver  # noqa: E402
+from asyncrl.sync.base import check_weight_values  # noqa: E402
 from asyncrl.wire.codec import decode  # noqa: E402
 
 
@@ -91,7 +93,8 @@ def sync_config(transport: str, directory: str) -> SimpleNamespace:
 
 
 def receive(address: str, transport: str, directory: str, tensor_set: str, lora: str = "0") -> None:
-    """The receiving process: apply every version it is sent and answer with its number."""
+    """The receiving process: check (dtypes, finite values) and apply every version it is sent, as
+    an actor does, and answer with its number."""
     merge = None
     if int(lora):  # a model of the set's shapes (values left as allocated) that the adapters merge into
         from asyncrl.adapters import MergedAdapters
@@ -109,6 +112,7 @@ def receive(address: str, transport: str, directory: str, tensor_set: str, lora:
         if frames[0].bytes == b"stop":
             break
         version, tensors = receiver.tensors(decode(frames))
+        check_weight_values(tensors)  # (as an actor does before its engine takes a version)
         if merge is not None:
             merge.apply(tensors)
         else:

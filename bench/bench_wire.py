@@ -8,7 +8,10 @@ Prints, for an episode (64 trajectories x 40 tokens, with recorded log-probs on 
              (for weights both sides are zero-copy, so this is pure per-message overhead);
   wire       encode -> PUSH -> tcp://127.0.0.1 -> PULL -> decode, messages/s;
   raw        the same bytes pre-built, PUSH -> PULL with no encode/decode, messages/s;
-  ratio      wire / raw (1.0 = the codec costs nothing over pyzmq itself).
+  ratio      wire / raw (1.0 = the codec costs nothing over pyzmq itself);
+  transports raw over tcp://127.0.0.1 (unauthenticated: what the learner bound before issue 41),
+             over ipc:// in a private directory (its default on one host) and over tcp with CURVE
+             (its sockets with wire.curve_dir), messages/s and MB/s.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def report(name: str, frames: list, codec_fn, build, handle, seconds: float) -> 
     print(f"  wire   {wire:10.0f} msg/s  {wire * mb:8.0f} MB/s   (encode, PUSH/PULL tcp, decode)")
     print(f"  raw    {raw:10.0f} msg/s  {raw * mb:8.0f} MB/s   (pre-built bytes, PUSH/PULL tcp)")
     print(f"  ratio wire/raw = {wire / raw:.2f}   (n = {n} messages)")
+    plain = [bytes(memoryview(f)) for f in frames]
+    for transport in ("tcp", "ipc", "curve"):
+        rate = measure_ingest(plain, n, transport=transport)
+        print(f"  {transport:<6} {rate:10.0f} msg/s  {rate * mb:8.0f} MB/s   (pre-built bytes, {transport})")
 
 
 def main() -> None:

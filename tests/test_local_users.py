@@ -93,9 +93,8 @@ def test_an_actor_identity_cannot_be_taken_over(tmp_path, tiny_overrides):
                 s.setsockopt(zmq.IDENTITY, identity.encode())
                 s.connect(run.addresses[channel])
                 socks.append(s)
-        v = run.version()
-        time.sleep(5)  # (the attack is holding connections for a while: nothing to wait for)
-        assert run.wait_version(v + 3, 60) is not None, run.log_tail(lines=20)  # the real actor trains on
+        v = run.version()  # while the connections naming its identity stay open, the real actor trains on
+        assert run.wait_version(v + 3, 60) is not None, run.log_tail(lines=20)
         for s in socks:  # and the connections that named its identity heard nothing meant for it
             assert not s.poll(0), decode(s.recv_multipart()).kind
     finally:

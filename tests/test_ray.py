@@ -189,6 +189,19 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         sent = m["sync/bytes_sent"] / size
         assert sent == int(sent) and sent <= 2 * (m["version"] + 1) + 2, (sent, m["version"])
 
+        # 3b. a relay whose process dies (41.4): the driver says so, Ray restarts it, its node's actors take
+        # weights from the learner meanwhile and versions go on advancing there
+        other = cluster.workers[1].node_id[:12]
+        relay_pids = [p for p in _descendants(test_pid)
+                      if "asyncrl.cli relay" in _cmdline(p) and f"--relay-id {other}" in _cmdline(p)]
+        assert len(relay_pids) == 1, relay_pids
+        at_kill = versions_by_worker().get(1, -1)
+        os.kill(relay_pids[0], signal.SIGKILL)
+        driver.wait_for(lambda: f"the weights relay on node {other} is" in driver.text, "the driver's line on the relay")
+        driver.wait_for(lambda: f"the weights relay on node {other} runs again" in driver.text, "the relay restarted")
+        driver.wait_for(lambda: versions_by_worker().get(1, -1) > at_kill + 2, "versions advancing on that node")
+        m = _metrics(run)[-1]
+
         # 4. remove a worker node: its two actors come back on a node added in its place
         lost = cluster.workers[0]
         lost_id = lost.node_id[:12]
