@@ -203,9 +203,7 @@ class ActorNet:
         print(f"[{self.actor_id}] the weights relay at {self.weights_address} {why} (actor.relay_timeout_s="
               f"{self.relay_timeout_s:g}); taking weights from the learner at {self.learner_weights} from now on",
               flush=True)
-        self.weights.disable_monitor()
-        self._relay_monitor.close(0)
-        self._relay_monitor = None
+        self._drop_relay_monitor()
         self.weights.close(0)
         self.weights_address = None
         self.weights = self._socket(zmq.DEALER, self.learner_weights)
@@ -228,11 +226,14 @@ class ActorNet:
             self._relay_delivered = True
         return newest[0]
 
-    def close(self) -> None:
+    def _drop_relay_monitor(self) -> None:
         if self._relay_monitor is not None:
             self.weights.disable_monitor()
             self._relay_monitor.close(0)
             self._relay_monitor = None
+
+    def close(self) -> None:
+        self._drop_relay_monitor()
         if self._auth_monitor is not None:
             self.control.disable_monitor()
             self._auth_monitor.close(0)
