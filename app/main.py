@@ -8,7 +8,9 @@ for Absolute Zero, Confidence trees for RLCR), Replay buffer, Samples, Config. T
 picks runs of a folder (none: its first runs by name), ``&metrics=x,y`` the metrics charted first (the initial
 data comes with the page load, not over the queue).
 
-Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:password``.
+Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:password``. Without
+``--auth`` the page is served only with the token in the URL it prints (``?token=...``,
+:mod:`app.token_gate`): every local user reaches 127.0.0.1.
 """
 
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+from asyncrl.launcher import UI_TOKEN_ENV  # noqa: E402
 from asyncrl.wire.sockets import is_loopback  # noqa: E402
 
 VIEWS = ("overview", "replay", "samples", "config")  # the generic tabs; the algorithms add theirs
@@ -252,17 +255,24 @@ def serve(args) -> int:
         from starlette.middleware import Middleware
 
         from .login_limit import LoginLimiter
+        from .token_gate import TokenGate, new_token
 
         tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
                if getattr(args, "tls_cert", None) else {})
+        middleware = [Middleware(LoginLimiter)]
+        token = None
+        if auth is None:  # loopback without a login: a token (other local users reach 127.0.0.1 too)
+            token = os.environ.pop(UI_TOKEN_ENV, None) or new_token()
+            middleware.append(Middleware(TokenGate, token=token))
         demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
                     share=False, css=CSS + CHARTS_CSS + "".join(v.css for v in algorithm_views()), footer_links=[],
-                    app_kwargs={"middleware": [Middleware(LoginLimiter)]},
+                    app_kwargs={"middleware": middleware},
                     **tls)
     except OSError as e:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"{'https' if getattr(args, 'tls_cert', None) else 'http'}://{host}:{port}/"
+    url += f"?token={token}" if token else ""
     what = (f"folder of runs {args.run}: {len(catalog.names())} run(s) to pick from" if folder else
             f"{'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
             f"{'live events from ' + args.connect if args.connect else ''}")

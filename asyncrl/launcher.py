@@ -36,6 +36,7 @@ from .lifecycle import child_env
 
 STOP_GRACE_S = 30.0
 WAIT_REPORT_S = 60.0
+UI_TOKEN_ENV = "ASYNCRL_UI_TOKEN"  # `asyncrl run --ui` hands the UI the token it prints
 
 
 class LearnerExited(RuntimeError):
@@ -197,8 +198,9 @@ def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.
     args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
     if cfg.wire.curve_dir:
         args += ["--curve-dir", cfg.wire.curve_dir]
-    proc = subprocess.Popen(_cli(*args), env=env)
-    proc.url = f"http://127.0.0.1:{port}/"
+    token = secrets.token_urlsafe(24)  # the UI's login on loopback (app/token_gate.py), in its environment
+    proc = subprocess.Popen(_cli(*args), env={**env, UI_TOKEN_ENV: token})
+    proc.url = f"http://127.0.0.1:{port}/?token={token}"
     print(f"[asyncrl] UI at {proc.url} (starting; it keeps serving after the training ends, until "
           f"Ctrl-C)", flush=True)
     return proc

@@ -97,7 +97,7 @@ class Browser:
                 return msg["result"]
 
     def goto(self, url: str) -> None:
-        self.call("Page.navigate", url=url)
+        self.call("Page.navigate", url=with_token(url))
 
     def js(self, expression: str):
         """The value of a JavaScript expression in the page (JSON-able)."""
@@ -233,8 +233,30 @@ def start_logged(cmd: list[str]) -> tuple[subprocess.Popen, LineReader]:
     return proc, LineReader(proc)
 
 
+TOKENS: dict[str, str] = {}  # a UI's base URL -> the token it printed (app/token_gate.py)
+
+
+def split_token(url: str) -> str:
+    """``url`` without its ``?token=...``; the token is remembered for :func:`with_token`."""
+    base, _, token = url.partition("?token=")
+    if token:
+        TOKENS[base] = token
+    return base
+
+
+def with_token(url: str) -> str:
+    """``url`` with its UI's token added (when one was printed), as a browser that opened the printed
+    URL would hold it (in its cookie)."""
+    m = re.match(r"https?://[^/]+/", url)
+    token = TOKENS.get(m.group(0)) if m else None
+    if token is None or "token=" in url:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}token={token}"
+
+
 def ui_url(reader: LineReader) -> str:
-    return reader.wait_for(r"asyncrl ui: serving (http://\S+)").group(1)
+    """The base URL a UI printed (its token kept for :func:`with_token`)."""
+    return split_token(reader.wait_for(r"asyncrl ui: serving (http://\S+)").group(1))
 
 
 def stop(proc: subprocess.Popen, sig=None, timeout: float = 60) -> int:

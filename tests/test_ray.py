@@ -222,7 +222,8 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         deadline = time.time() + 60
         while time.time() < deadline and any("asyncrl.cli" in _cmdline(p) for p in _descendants(test_pid)):
             time.sleep(0.5)
-        left = [(p, _cmdline(p)) for p in _descendants(test_pid) if "asyncrl" in _cmdline(p)]
+        left = [(p, _cmdline(p)) for p in _descendants(test_pid) if "asyncrl.cli" in _cmdline(p)]  # (not Ray's
+        # daemons, whose paths hold "asyncrl" when the checkout is named so)
         assert not left, left
 
         # 6. none lost, none trained twice: every acknowledged episode was trained once, is in the

@@ -88,3 +88,34 @@ def test_a_toolset_that_cannot_be_sandboxed_is_refused_in_one_line(taskset, word
     with pytest.raises(ConfigError) as e:
         _env(taskset)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_taskset_under_the_hosts_tmp_is_seen_in_the_sandbox(tmp_path, monkeypatch):
+    """The sandbox's /tmp is its own: a package (or a virtual environment) under the host's /tmp, as
+    in a fresh clone in a temp dir, is bound over it, not hidden by it."""
+    pkg = tmp_path / "tmp_tasks_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text(
+        "import verifiers.v1 as vf\n"
+        "class Echo(vf.Toolset[vf.ToolsetConfig]):\n"
+        "    @vf.tool\n"
+        "    def echo(self, text: str) -> str:\n"
+        "        '''Echo.'''\n"
+        "        return text[::-1]\n"
+        "class EchoTask(vf.Task[vf.TaskData]):\n"
+        "    @classmethod\n"
+        "    def toolsets(cls, config):\n"
+        "        return [Echo(vf.ToolsetConfig())]\n")
+    assert str(tmp_path).startswith("/tmp/")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from tmp_tasks_pkg.mod import EchoTask
+    from verifiers.v1.configs.task import TaskConfig
+
+    from asyncrl.rollout.tool_sandbox import ToolSandbox
+
+    sandbox = ToolSandbox(EchoTask, TaskConfig())
+    try:
+        assert sandbox.call("echo", '{"text": "abc"}') == "cba"
+    finally:
+        sandbox.close()

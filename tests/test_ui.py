@@ -20,7 +20,7 @@ from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
 
 from ._ui_runs import (Browser, LineReader, make_runs, screenshot, start_logged, start_ui, stop, ui_in_browser,
-                       ui_url, visible_text, wait_dom, wait_page)
+                       split_token, ui_url, visible_text, wait_dom, wait_page)
 from .conftest import ROOT, cli, read_jsonl
 
 
@@ -182,9 +182,10 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
     proc, reader = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides))
     profile = tmp_path / "chromium"
     try:
-        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/)").group(1)
+        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/\?token=\S+)").group(1)
         served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from ipc://").group(1)
-        assert served == announced
+        assert served == announced  # (the token run made is the one the UI serves with)
+        served = split_token(served)
         dom = wait_dom(served + "?view=overview", profile,
                        lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),
                        what="a live policy version >= 2 and received events", screenshot_name="ui-live.png")
@@ -212,6 +213,30 @@ def test_ui_with_auth_requires_a_login(demo_runs):
         good = urllib.parse.urlencode({"username": "alice", "password": "s3cret"}).encode()
         assert opener.open(url + "login", data=good, timeout=30).status == 200
         assert opener.open(url + "config", timeout=30).status == 200
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_ui_on_loopback_serves_only_with_its_token(demo_runs):
+    """41: every local user reaches 127.0.0.1, so without --auth the UI makes a token and serves only
+    requests that carry it: the printed URL's ``?token=`` once, then the cookie it sets."""
+    proc, reader = start_ui("--run", str(demo_runs["absolute_zero"]))
+    try:
+        printed = reader.wait_for(r"asyncrl ui: serving (http://\S+)").group(1)
+        base, token = printed.split("?token=")
+        assert len(token) >= 32
+        for url in (base, base + "config", base + "?view=overview", base + "?token=" + "x" * len(token)):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(url, timeout=30)
+            assert err.value.code == 401 and b"token" in err.value.read()
+        jar = urllib.request.HTTPCookieProcessor()
+        opener = urllib.request.build_opener(jar)
+        assert opener.open(printed, timeout=30).status == 200
+        port = int(re.search(r":(\d+)/", base).group(1))
+        cookie = next(c for c in jar.cookiejar if c.name == f"asyncrl_ui_{port}")
+        assert cookie.value == token and cookie.has_nonstandard_attr("HttpOnly")
+        assert opener.open(base + "config", timeout=30).status == 200  # the cookie alone now
     finally:
         stop(proc)
 
@@ -403,7 +428,8 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
     proc, reader = start_ui("--run", str(folder))  # nothing there yet: it says so, and lists runs as they come
     profile = tmp_path / "chromium"
     try:
-        url = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 0 run\(s\) to pick from\)").group(1)
+        url = split_token(reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 0 run\(s\) to "
+                                          r"pick from\)").group(1))
         dom = wait_dom(url, profile, lambda d: "No runs in" in d, what="the empty folder's note")
         for alg in ("absolute_zero", "rlcr"):
             (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
@@ -442,8 +468,9 @@ def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_ov
     proc, reader = start_logged(cli(*args, "--ui"))
     profile = tmp_path / "chromium"
     try:
-        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:\d+/)").group(1)
+        announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:\d+/\S*)").group(1)
         reader.wait_for(r"\[asyncrl\] training finished; the UI is still serving at " + re.escape(announced))
+        announced = split_token(announced)
         dom = wait_dom(announced + "?view=overview", profile, lambda d: "finished" in visible_text(d),
                        what="the finished run", screenshot_name="ui-after-training.png")
         assert _version(dom) == 3

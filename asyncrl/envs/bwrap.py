@@ -156,11 +156,13 @@ class Features:
 
 
 def sandbox_argv(inner: list[str], install: PythonInstall, *, program_fd: int, seccomp_fd: int | None = None,
-                 tmp_mb: int = 16, features: Features = Features(), bwrap: str = "bwrap") -> list[str]:
+                 tmp_mb: int = 16, features: Features = Features(), bwrap: str = "bwrap",
+                 extra_ro: tuple[str, ...] = ()) -> list[str]:
     """The bwrap command line that runs ``inner`` (which starts with ``install.executable``) in the
     sandbox described in the module docstring. ``program_fd`` is read by bwrap into the read-only
     file ``PROGRAM_PATH``; ``seccomp_fd`` (optional) holds a filter from ``no_fork_filter``. Both
-    must be passed to the child (``pass_fds``)."""
+    must be passed to the child (``pass_fds``). ``extra_ro``: more host paths bound read-only at
+    the same place, after the private ``/tmp`` (so that one under the host's ``/tmp`` shows)."""
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID), "--cap-drop", "ALL",
             "--hostname", "sandbox"]
@@ -178,6 +180,8 @@ def sandbox_argv(inner: list[str], install: PythonInstall, *, program_fd: int, s
     argv += ["--ro-bind-data", str(program_fd), PROGRAM_PATH, "--proc", "/proc", "--dev", "/dev"]
     argv += (["--size", str(tmp_mb << 20), "--tmpfs", "/tmp"] if features.tmp_size
              else ["--tmpfs", "/tmp", "--remount-ro", "/tmp"])
+    for path in extra_ro:
+        argv += ["--ro-bind", path, path]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv", "--new-session",
              "--die-with-parent"]
     if seccomp_fd is not None:

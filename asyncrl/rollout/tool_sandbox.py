@@ -167,13 +167,9 @@ class ToolSandbox:
         libs = tuple((real, path) for real, path in install.libs
                      if not (real.startswith(roots) or os.path.realpath(path).startswith(roots)))
         install = bwrap.PythonInstall(install.executable, install.dirs, libs, system)
-        argv = bwrap.sandbox_argv([install.executable, "-I", "-S", "-B", bwrap.PROGRAM_PATH], install,
-                                  program_fd=program_fd, tmp_mb=64, features=probe.features, bwrap=probe.bwrap)
-        extra = []
-        for d in self._binds:  # read-only, at the same paths (before the root is made read-only)
-            extra += ["--ro-bind", d, d]
-        cut = argv.index("--ro-bind-data")
-        return argv[:cut] + extra + argv[cut:]
+        return bwrap.sandbox_argv([install.executable, "-I", "-S", "-B", bwrap.PROGRAM_PATH], install,
+                                  program_fd=program_fd, tmp_mb=64, features=probe.features, bwrap=probe.bwrap,
+                                  extra_ro=tuple(self._binds))
 
     def _start(self) -> None:
         fd = os.memfd_create("asyncrl-tools")
