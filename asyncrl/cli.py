@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from app.args import add_ui_arguments
@@ -127,19 +128,33 @@ def cmd_serve(args) -> int:
     if os.environ.get(BUNDLE_ENV):  # (started by the SLURM scheduler on another node: its own CURVE bundle)
         cfg.wire.curve_dir = materialize_bundle(os.environ.pop(BUNDLE_ENV))
     preflight(cfg)
-    control = args.connect
-    if control is None:
-        addr_file = layout.addresses(Path(args.run_dir or cfg.run_dir))
-        if not addr_file.exists():
-            raise SystemExit(f"asyncrl serve: give --connect ADDRESS (the learner's control address) "
-                             f"or start the learner first so that {addr_file} exists")
-        control = json.loads(addr_file.read_text())["control"]
+    control = args.connect or _wait_for_control(layout.addresses(Path(args.run_dir or cfg.run_dir)))
     try:
         Actor(cfg, control, args.actor_id, args.index, weights_address=args.weights_address).run()
     except TooManyFailures as e:
         print(f"asyncrl serve ({args.actor_id}): stopping: {e}", file=sys.stderr, flush=True)
         return 3
     return 0
+
+
+def _wait_for_control(addr_file: Path, report_s: float = 60.0) -> str:
+    """The learner's control address from ``addr_file`` (its ``addresses.json``), waiting for a
+    learner that is still starting (said once, then every ``report_s`` seconds) until Ctrl-C."""
+    t0 = said = None
+    while True:
+        try:
+            return json.loads(addr_file.read_text())["control"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not written yet, or being written
+        now = time.monotonic()
+        if t0 is None:
+            t0 = said = now
+            print(f"asyncrl serve: waiting for the learner's addresses in {addr_file} (start `asyncrl learn` "
+                  f"with the same run name, or give --connect ADDRESS); Ctrl-C stops", flush=True)
+        elif now - said >= report_s:
+            said = now
+            print(f"asyncrl serve: still waiting for {addr_file} after {now - t0:.0f} s", flush=True)
+        time.sleep(0.2)
 
 
 def cmd_relay(args) -> int:
@@ -211,9 +226,11 @@ def cmd_keys(args) -> int:
 def cmd_export(args) -> int:
     from .models.lora import export_run
 
-    ckpt, out = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
-    print(f"asyncrl export: {ckpt} -> {out} (a Hugging Face model directory"
-          f"{', adapters merged' if args.merge else ''}: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
+    how = (", LoRA adapters merged into the base model" if done.merged else
+           ", full weights copied (the run trained no adapters: --merge had nothing to merge)" if args.merge else "")
+    print(f"asyncrl export: {done.checkpoint} -> {done.out} (a Hugging Face model directory{how}: "
+          f"AutoModelForCausalLM.from_pretrained({str(done.out)!r}))")
     return 0
 
 

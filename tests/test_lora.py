@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -199,8 +200,8 @@ def test_checkpoint_holds_adapters_naming_the_base_and_export_merges_them(traine
     # export: refused without --merge, then a plain Hugging Face model
     with pytest.raises(ConfigError, match="--merge"):
         export_run(run_dir)
-    _, out = export_run(run_dir, merge=True)
-    assert not (out / "adapter_config.json").exists()
+    _, out, merged = export_run(run_dir, merge=True)
+    assert merged and not (out / "adapter_config.json").exists()
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     gens = HFEngine(exported, tok).generate(_prompts(tok), cfg.sampling.model_copy(update={"max_new_tokens": 10}),
                                             seed=1)
@@ -305,8 +306,11 @@ def test_export_of_a_full_weight_run_is_its_model(trained, tmp_path):
     model = load_model(path)
     opt = torch.optim.AdamW(model.parameters())
     save_checkpoint(tmp_path, 2, model, tok, opt, _buffer(tmp_path), {}, keep=1)
-    ckpt, out = export_run(tmp_path, tmp_path / "out")
-    assert ckpt.name.endswith("2")
+    ckpt, out, merged = export_run(tmp_path, tmp_path / "out")
+    assert ckpt.name.endswith("2") and not merged
+    umask = os.umask(0)
+    os.umask(umask)  # 42.8: the weights file had mode 0600, the rest 0644
+    assert {f.stat().st_mode & 0o777 for f in out.rglob("*") if f.is_file()} == {0o666 & ~umask}
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n

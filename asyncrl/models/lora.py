@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -101,12 +103,19 @@ def export_merged(adapter_dir: Path, base_dir: Path, out: Path, dtype: str = "fl
     return out
 
 
-def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None) -> tuple[Path, Path]:
+class Exported(NamedTuple):
+    checkpoint: Path
+    out: Path
+    merged: bool  # LoRA adapters were merged (False: a full-weight checkpoint, copied)
+
+
+def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None) -> Exported:
     """``asyncrl export``: the newest intact checkpoint of ``run_dir`` (or ``step_<step>``) as a plain
     Hugging Face model directory, ``out`` (default ``<run>/export/step_<N>``). A LoRA checkpoint needs
     ``merge``: its adapters are merged into the base model its ``adapter_config.json`` names (or,
     when that directory is gone, the run's own ``model`` config resolves it again, rebuilding the
-    embedded model). Returns ``(checkpoint, out)``; a problem: ConfigError, one line."""
+    embedded model). The files are written with the usual mode (0644 under the common umask), even
+    those copied from a checkpoint's private ones. A problem: ConfigError, one line."""
     import shutil
 
     from ..config import load_config
@@ -129,7 +138,7 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
     model_dir = ckpt / "model"
     if not (model_dir / ADAPTER_CONFIG).exists():  # full weights: already a Hugging Face model
         shutil.copytree(model_dir, out, dirs_exist_ok=True)
-        return ckpt, out
+        return Exported(ckpt, _usual_modes(out), merged=False)
     if not merge:
         raise ConfigError(f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model "
                           f"with --merge")
@@ -137,4 +146,15 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
     if not base or not (Path(base) / "config.json").exists():
         cfg = load_config(str(run_dir / CONFIG), [])
         base = resolve_model_path(cfg.model, cfg.seed)
-    return ckpt, export_merged(model_dir, Path(base), out)
+    return Exported(ckpt, _usual_modes(export_merged(model_dir, Path(base), out)), merged=True)
+
+
+def _usual_modes(out: Path) -> Path:
+    """Every file in ``out`` with the mode a new file gets here (a checkpoint's weights are written
+    private, 0600; an exported model is meant to be shared like any other model directory)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(out).rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+    return out
