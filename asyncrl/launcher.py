@@ -226,16 +226,40 @@ def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_di
         stop.check()
         for i, p in enumerate(ranks, start=1):
             if p.poll() not in (None, 0):
-                print(f"[asyncrl] learner rank {i} exited with code {p.returncode}; see "
-                      f"{layout.learner_rank_log(run_dir, i)}", flush=True)
-                return 1
+                return failed(run_dir, f"learner rank {i}", p.returncode, layout.learner_rank_log(run_dir, i))
         for i, p in enumerate(actors):
             if p.poll() not in (None, 0):
-                print(f"[asyncrl] actor-{i} exited with code {p.returncode}; see {layout.actor_log(run_dir, i)}",
-                      flush=True)
-                return 1
+                return failed(run_dir, f"actor-{i}", p.returncode, layout.actor_log(run_dir, i))
         time.sleep(0.2)
     return learner.returncode
+
+
+def failed(run_dir: Path, who: str, code: int, log: Path) -> int:
+    """A component of the run failed: one console line naming it and its error (its log's last
+    line), which the learner, stopped next, also gives as its stop reason (summary, exit code 1).
+    Returns 1."""
+    line = f"{who} failed (exit code {code}): {last_error_line(log)}; its log: {log}"
+    print(f"[asyncrl] {line}", flush=True)
+    try:
+        (run_dir / layout.STOP_REASON).write_text(line + "\n")
+    except OSError:
+        pass
+    return 1
+
+
+def last_error_line(log: Path, limit: int = 400) -> str:
+    """The last line of ``log`` that says something (not a traceback's frame or caret line)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        text = line.strip()
+        if text and not text.startswith(("File ", "^", "~", "Traceback")) and not set(text) <= set("^~ "):
+            return text[:limit]
+    return "(its log is empty)"
 
 
 def free_port() -> int:

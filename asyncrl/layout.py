@@ -12,6 +12,7 @@ from here, so a file is named in one place.
       addresses.json                            the learner's bound addresses (actors, UI)
       sock/                                     its ipc sockets (mode 0700; asyncrl.wire.sockets.socket_dir)
       learner.lock, learner.pid                 one learner per run directory
+      stop_reason.txt                           why `asyncrl run` stopped the learner (a component failed)
       learner-rank<i>.log, actor-<i>.log        logs of `asyncrl run`'s children
       buffer/wal-<step>.bin                     the write-ahead log of acknowledged episodes
       buffer/quarantine/                        damaged WAL bytes and records that failed checks
@@ -37,6 +38,7 @@ EVENTS = "events.jsonl"
 ADDRESSES = "addresses.json"
 LOCK_FILE = "learner.lock"
 PID_FILE = "learner.pid"
+STOP_REASON = "stop_reason.txt"  # why `asyncrl run` stops the learner when a component failed
 BUFFER = "buffer"
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
@@ -46,7 +48,7 @@ MANIFEST_FORMAT = 1
 
 # What a run leaves in its directory (removed by --overwrite), and what marks a folder as a run.
 RUN_FILES = (CHECKPOINTS, BUFFER, WEIGHTS, METRICS, METRICS_DISCARDED, EVENTS, CONFIG, "config.resume-*.yaml",
-             ADDRESSES, "actor-*.log", PID_FILE)
+             ADDRESSES, "actor-*.log", PID_FILE, STOP_REASON)
 RUN_MARKERS = (METRICS, EVENTS, CONFIG, ADDRESSES, PID_FILE)
 
 _CHUNK = 1 << 22

@@ -104,6 +104,28 @@ def state_found(run_dir: Path) -> list[str]:
     return found
 
 
+def last_stop_reason(run_dir: Path) -> str | None:
+    """Why the run's last learner stopped early (its last ``learner_stop`` event's reason: a failed
+    component, a stop signal, ...), or None (it finished, or no such event)."""
+    path = Path(run_dir) / EVENTS
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - (1 << 20)))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"learner_stop"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("kind") == "learner_stop":
+            return event.get("reason") or None
+    return None
+
+
 def trained_steps(run_dir: Path) -> int:
     """The highest step in ``metrics.jsonl`` (0 when none)."""
     best = 0
@@ -174,7 +196,9 @@ def plan_start(cfg: Config) -> StartPlan:
     if not state:
         return StartPlan(run_dir, "fresh", state=state)
     if not cfg.checkpoint.resume:
-        raise RunDirError(f"{run_dir} already holds a run ({'; '.join(state)}): use {CHOICES}")
+        ended = last_stop_reason(run_dir)
+        raise RunDirError(f"{run_dir} already holds a run ({'; '.join(state)}"
+                          f"{f'; it ended: {ended}' if ended else ''}): use {CHOICES}")
     ckpt, damaged = select_checkpoint(run_dir)
     step = checkpoint_step(ckpt) if ckpt is not None else 0
     if ckpt is None and trained_steps(run_dir) > 0:

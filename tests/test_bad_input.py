@@ -166,6 +166,27 @@ def test_a_run_with_a_flaky_reward_trains_and_records_the_failures(tmp_path, tin
 
 
 @pytest.mark.slow
+def test_a_failed_actor_is_named_on_the_console_in_the_summary_and_at_a_retry(tmp_path, tiny_overrides):
+    """42.3: the console said ``actor-0 exited with code 3; see ...`` and the summary ``stopped by a
+    stop signal``; the cause was only in the actor's log. Now one console line names the actor and
+    its error, the learner's summary gives it as the stop reason (exit code 1), and a retry under the
+    same name is refused saying how the run ended."""
+    args = ["run", "-c", "configs/quickstart.yaml", *tiny_overrides, f"run_root={tmp_path}", "name=broken",
+            "env.reward=tests.plugins_for_tests:broken_reward", "train.total_steps=50", "eval.size=4",
+            "eval.every=0", "log.progress=false", "checkpoint.every=0"]
+    res = run_cli(*args, cwd=ROOT, timeout=400)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    said = [x for x in out.splitlines() if x.startswith("[asyncrl] actor-0 failed (exit code 3)")]
+    assert len(said) == 1 and "KeyError" in said[0] and "actor-0.log" in said[0], out[-3000:]
+    assert "stopped by a stop signal" not in out
+    stop = [e for e in read_jsonl(tmp_path / "broken" / "events.jsonl") if e["kind"] == "learner_stop"][-1]
+    assert stop["reason"].startswith("actor-0 failed (exit code 3)") and "KeyError" in stop["reason"]
+    again = run_cli(*args, cwd=ROOT, timeout=120)
+    assert again.returncode != 0 and "it ended: actor-0 failed (exit code 3)" in again.stdout + again.stderr
+
+
+@pytest.mark.slow
 def test_a_hanging_reward_does_not_block_a_stop(tmp_path, tiny_overrides):
     proc = start_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
                      "name=hang", "env.reward=tests.plugins_for_tests:hanging_reward", "env.call_timeout_s=600",

@@ -28,7 +28,7 @@ from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir
 from .buffer import EpisodeQueue
-from ..layout import ADDRESSES, EVENTS, buffer_dir, checkpoint_step, list_checkpoints
+from ..layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
 from .checkpoint import save_checkpoint
 from .evaluate import EvaluationHung, Evaluator
 from .net import LearnerNet, Limits
@@ -109,8 +109,18 @@ class Learner:
             self.peers.bad_message(channel, error)
 
     def request_stop(self, *_args) -> None:
-        """Stop after the current step; guarded environment calls in flight (evaluation) give up."""
+        """Stop after the current step; guarded environment calls in flight (evaluation) give up.
+        When ``asyncrl run`` stops the learner because a component failed, it says why first
+        (``<run>/stop_reason.txt``): that is the run's stop reason (summary, exit code 1)."""
         self._stop = True
+        reason_file = self.run_dir / STOP_REASON
+        try:
+            reason = reason_file.read_text().strip()
+            reason_file.unlink()
+        except OSError:
+            reason = ""
+        if reason and not self._stop_reason:
+            self._stop_reason = reason
         request_env_stop()
 
     # -- the loop -------------------------------------------------------------------------------
