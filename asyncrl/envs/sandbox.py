@@ -314,7 +314,7 @@ def _execute(argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tup
             code = proc.wait(timeout=lim.timeout_s)
         except subprocess.TimeoutExpired:
             cpu = _tree_cpu_s(proc.pid)  # (before the kill) a busy program is a CPU problem, not a slow one
-            if cpu >= 0.5 * lim.timeout_s:
+            if cpu >= 0.5 * lim.timeout_s or _still_computing(proc.pid, cpu):
                 return SandboxResult(False, reason=f"cpu time limit: busy computing until the {lim.timeout_s:g} s "
                                                    f"wall-clock limit ({cpu:.1f} s of CPU)",
                                      seconds=time.perf_counter() - t0)
@@ -343,6 +343,18 @@ def _is_signal(n: int) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _still_computing(root: int, cpu: float, window_s: float = 0.5) -> bool:
+    """Whether ``root``'s tree gains CPU time within ``window_s`` (a clock tick is enough): a program
+    computing gets some CPU even on a loaded machine, one that waits gets none. (Its CPU share
+    alone cannot tell them apart under load: a busy program may have had less than half a core.)"""
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if _tree_cpu_s(root) > cpu:
+            return True
+    return False
 
 
 def _tree_cpu_s(root: int) -> float:
