@@ -25,6 +25,7 @@ import torch
 
 from ..adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
+from ..models.kv import cache_arg, cache_of
 from .base import Generation
 from .continuous import Row, Scheduler
 
@@ -123,8 +124,8 @@ class HFEngine:
         inp, cache = ids, None
         for t in range(steps):
             out = self.model(input_ids=inp, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+                             **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
+            cache = cache_of(out)
             logp = torch.log_softmax(out.logits[:, -1].float() / sampling.temperature, dim=-1)
             tok = sample_top_p(logp, sampling.top_p, gen).masked_fill(done, self.pad_id)
             tokens[:, t] = tok
@@ -238,7 +239,7 @@ class HFEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         self.rebuilds += 1
-        return rows, out.logits[:, -1], (out.past_key_values, mask, positions[:, -1:])
+        return rows, out.logits[:, -1], (cache_of(out), mask, positions[:, -1:])
 
     def _decode(self) -> tuple:
         """One token for every row in the batch (their last sampled tokens as input)."""
@@ -246,8 +247,8 @@ class HFEngine:
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         positions = positions + 1
         out = self.model(input_ids=last[:, None], attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return self._live, out.logits[:, -1], (out.past_key_values, mask, positions)
+                         **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
+        return self._live, out.logits[:, -1], (cache_of(out), mask, positions)
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` of the batch (its cache, mask, positions, last tokens)."""

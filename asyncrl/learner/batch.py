@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.learner.core_algos import entropy_from_logits, logprobs_from_logits
+from asyncrl.models.kv import cache_arg, cache_of
 from asyncrl.types import Trajectory
 
 __all__ = ["TrainBatch", "collate", "compute_logprobs", "shared_prefix_plan"]
@@ -241,7 +242,7 @@ def _shared_prefix_forward(model, batch: TrainBatch, plan: PrefixPlan, temperatu
     # two forwards, one backward: under DDP and FSDP2 too (each parameter's gradient hook fires once,
     # with both passes' contributions summed; tests/test_distributed_learner.py)
     pre = model(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, use_cache=True)
-    cache = getattr(pre, "past_key_values", None)
+    cache = cache_of(pre)
     layers = getattr(cache, "layers", None)
     if not layers or any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != P for layer in layers):
         return None
@@ -255,7 +256,7 @@ def _shared_prefix_forward(model, batch: TrainBatch, plan: PrefixPlan, temperatu
     suffix_ids = ids.gather(1, index) * suffix_mask
     mask = torch.cat([plan.prefix_mask.index_select(0, group), suffix_mask], 1)
     suf = model(input_ids=suffix_ids, attention_mask=mask, position_ids=start[:, None] + steps[None],
-                past_key_values=rows, use_cache=False)
+                **cache_arg(model, rows), use_cache=False)
     # suffix targets: token start + s for s in 0..S-1, predicted by the prefix's last logits (s = 0)
     # and the suffix logits at s - 1
     last = pre.logits.index_select(0, group)[torch.arange(B, device=ids.device), start - 1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -61,7 +62,9 @@ def with_adapters(model, model_cfg, seed: int, base: str | Path | None = None):
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        wrapped = get_peft_model(model, peft_config(model_cfg.lora, base), adapter_name=ADAPTER)
+        with warnings.catch_warnings():  # (peft 0.21 reads a property transformers 5.2x renamed; not ours to fix)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = get_peft_model(model, peft_config(model_cfg.lora, base), adapter_name=ADAPTER)
     finally:
         torch.random.set_rng_state(state)
     for name, p in wrapped.named_parameters():
