@@ -155,10 +155,14 @@ def _how_to_resume(run_dir: Path) -> None:
     if ckpt is None:
         print(f"[asyncrl] no checkpoint in {run_dir}: a resume would start from step 0", file=sys.stderr, flush=True)
         return
-    argv = [a for a in sys.argv[1:] if a != "--resume"]
-    argv = [a for a in argv if not a.startswith("checkpoint.resume=")]
     print(f"[asyncrl] stopped; checkpoint at step {layout.checkpoint_step(ckpt)} in {ckpt}. Resume with:\n"
-          f"  asyncrl {' '.join(shlex.quote(a) for a in argv)} --resume", file=sys.stderr, flush=True)
+          f"  {resume_command()}", file=sys.stderr, flush=True)
+
+
+def resume_command() -> str:
+    """This ``asyncrl`` command line with ``--resume`` (and no other resume switch)."""
+    argv = [a for a in sys.argv[1:] if a != "--resume" and not a.startswith("checkpoint.resume=")]
+    return f"asyncrl {' '.join(shlex.quote(a) for a in argv)} --resume"
 
 
 def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:

@@ -8,7 +8,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncrl.models.kv import cache_arg, cache_of
+from asyncrl.engine.kv import cache_arg, cache_of
 
 
 class NewStyle(torch.nn.Module):

@@ -25,7 +25,7 @@ import torch
 
 from ..adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
-from ..models.kv import cache_arg, cache_of
+from .kv import cache_arg, cache_of
 from .base import Generation
 from .continuous import Row, Scheduler
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.learner.core_algos import entropy_from_logits, logprobs_from_logits
-from asyncrl.models.kv import cache_arg, cache_of
+from asyncrl.engine.kv import cache_arg, cache_of
 from asyncrl.types import Trajectory
 
 __all__ = ["TrainBatch", "collate", "compute_logprobs", "shared_prefix_plan"]

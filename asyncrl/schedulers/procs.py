@@ -38,8 +38,8 @@ class ProcSupervisor:
     """One asyncrl command on this node. ``spec``: ``name``, ``args`` (after ``asyncrl``), ``config``
     (YAML text), ``env`` (extra variables), ``cwd``, ``files`` ({relative path: bytes} written into
     a private directory, named by ``{files}`` in args), ``restart_on_failure``, ``start``,
-    ``sink`` (a supervisor that collects logs) and ``relay`` (the name prefix of the per-node relays:
-    wait for this node's, which the driver creates, and pass its address as ``{relay}``)."""
+    ``sink`` (the actor name of the supervisor that collects logs) and ``relay`` (the name prefix of
+    the per-node relays: wait for this node's, which the driver creates, and pass its address as ``{relay}``)."""
 
     def __init__(self, spec: dict):
         self.spec = spec
@@ -48,6 +48,7 @@ class ProcSupervisor:
         self.log_path = self.dir / "output.log"
         self.proc: subprocess.Popen | None = None
         self.forwarded = 0
+        self._sink = None  # (the log collector's handle, looked up by name)
         self._stop = threading.Event()
         self.error: str | None = None
         if spec.get("start", True) and spec.get("relay"):  # (returns at once: the driver asks where it is)
@@ -138,7 +139,10 @@ class ProcSupervisor:
             if sink is None:
                 self.append_log(self.name, data)
             else:
-                sink.append_log.remote(self.name, data)
+                if self._sink is None:
+                    import ray
+                    self._sink = ray.get_actor(sink)
+                self._sink.append_log.remote(self.name, data)
         except Exception:  # noqa: BLE001 - the sink is gone (the learner's node): the driver says so
             pass
 

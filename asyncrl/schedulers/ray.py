@@ -8,7 +8,7 @@ and weights go over asyncrl's ZeroMQ protocol, as on one machine.
 - **Cluster.** ``launch.ray.address`` or ``RAY_ADDRESS`` is joined (a closed address fails within
   ``launch.ray.connect_timeout_s``, in one line); without either, a local cluster of the run's own is
   started (even where another Ray cluster runs on this host) and stopped with the run: bound to
-  127.0.0.1, no dashboard (``launch.ray.dashboard``), Ray's token authentication on
+  127.0.0.1, no dashboard web UI (``launch.ray.dashboard``), Ray's token authentication on
   (``RAY_AUTH_MODE=token`` with a fresh token unless one is set), its files under a private (0700)
   directory. A loopback address pins this driver to 127.0.0.1 too (Ray would otherwise dial the
   machine's interface).
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_config
-from ..launcher import STOP_GRACE_S, StopRequested, StopSignals
+from ..launcher import STOP_GRACE_S, StopRequested, StopSignals, resume_command
 from ..wire.sockets import is_loopback, private_dir
 from . import SchedulerError
 from .procs import ProcSupervisor, relay_name
@@ -166,7 +166,6 @@ class RayRun:
         self.relays_down: set[str] = set()  # nodes whose relay was said to be gone
         self.actor_files: dict[str, dict[str, bytes]] = {}
         self.run_overrides: dict = {}
-        self.spec_refs: list = []
         self.said_restarting: set[int] = set()
         self.printed = 0
 
@@ -203,7 +202,11 @@ class RayRun:
         else:  # the driver's node: the run directory is where the run was started
             here = ray.get_runtime_context().get_node_id()
             strategies = [NodeAffinitySchedulingStrategy(here, soft=False)] * self.procs_n
-        self.learner = [self.Proc.options(scheduling_strategy=strategies[rank], **opts).remote(
+        # (rank 0 collects every process's log; the others find it by its name: an actor handle among a
+        # restartable actor's constructor arguments is a reference Ray cannot rebuild, and Ray says so)
+        self.sink_name = f"asyncrl-logs-{self.token}"
+        self.learner = [self.Proc.options(scheduling_strategy=strategies[rank], **opts,
+                                          **({"name": self.sink_name} if rank == 0 else {})).remote(
             {"name": f"learner-rank{rank}", "start": False}) for rank in range(self.procs_n)]
         rank0 = self.learner[0]
         node = self.learner_node = self._call(rank0.node.remote())
@@ -223,7 +226,7 @@ class RayRun:
                    "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
         for rank, sup in enumerate(self.learner):
             spec = self._spec(f"learner-rank{rank}", ["learn"], overrides,
-                              sink=None if rank == 0 else rank0)
+                              sink=None if rank == 0 else self.sink_name)
             self._call(sup.set_spec.remote(spec))
             self._call(sup.start.remote({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if env else {}))
         _say(f"learner: {self.procs_n} process(es) on node {node['ip']} ({node['host']}, id {node['node_id'][:12]}); "
@@ -274,15 +277,15 @@ class RayRun:
             if lc.ray.relay:
                 overrides["sync.type"] = "ipc"
                 args += ["--weights-address", "{relay}"]
-            spec = self._spec(name, args, overrides, files=files, restart_on_failure=True, sink=self.learner[0],
+            spec = self._spec(name, args, overrides, files=files, restart_on_failure=True, sink=self.sink_name,
                               relay=f"asyncrl-relay-{self.token}" if lc.ray.relay else None,
                               relay_timeout_s=lc.ray.start_timeout_s)
-            ref = self.ray.put(spec)  # (held here for the run: a restart needs the constructor's argument)
-            self.spec_refs.append(ref)
+            # (by value, inlined in the actor's creation task: a restart never depends on an object that could
+            # be lost, and Ray does not warn that one might be; a spec is a few kB of config and keys)
             self.actors.append(self.Proc.options(
                 num_cpus=lc.actor.cpus, num_gpus=lc.actor.gpus, resources=lc.actor.resources,
                 max_restarts=lc.ray.max_restarts, max_task_retries=0,
-                scheduling_strategy="SPREAD" if lc.spread_actors else "DEFAULT").remote(ref))
+                scheduling_strategy="SPREAD" if lc.spread_actors else "DEFAULT").remote(spec))
 
     # -- watching ---------------------------------------------------------------------------------
     def _call(self, ref, timeout: float = _CALL_TIMEOUT_S):
@@ -311,13 +314,11 @@ class RayRun:
             files = self._call(self.learner[0].make_keys.remote(str(Path(self.run_dir) / "keys"), [name]))[name]
             args += ["-o", f"wire.curve_dir={{files}}/{name}"]
         spec = self._spec(name, args, {**self.run_overrides, "sync.type": "zmq"}, files=files,
-                          sink=self.learner[0], restart_on_failure=True)
-        ref = self.ray.put(spec)  # (held for the run: a restart needs the constructor's argument)
-        self.spec_refs.append(ref)
-        self.relays[node_id] = self.Proc.options(
+                          sink=self.sink_name, restart_on_failure=True)
+        self.relays[node_id] = self.Proc.options(  # (the spec by value, as the actors')
             name=relay_name(f"asyncrl-relay-{self.token}", node_id), num_cpus=0,
             max_restarts=self.cfg.launch.ray.max_restarts, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(ref)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(spec)
         _say(f"weights relay on node {node_id[:12]}: the learner sends each version once for this node's actors")
 
     def watch_relays(self) -> None:
@@ -460,5 +461,9 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     finally:
         if run is not None:
             run.stop(grace_s=5.0 if stop.count >= 2 else STOP_GRACE_S)
+            if stop.count and run.learner:  # (the checkpoint is in the run directory, on the learner's node)
+                print(f"[asyncrl] stopped; the learner checkpointed in {run.run_dir} on node "
+                      f"{getattr(run, 'learner_node', {}).get('ip', '?')}. Resume with (the same cluster):\n"
+                      f"  {resume_command()}", file=sys.stderr, flush=True)
         ray.shutdown()
     return code
