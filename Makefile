@@ -14,7 +14,7 @@ SHELL := /bin/bash
 # pip's own lines that say what it is doing (the rest of its output is noise)
 PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true
 
-.PHONY: setup vllm browser bwrap slurm demo test test-here bench clean notebook
+.PHONY: setup vllm browser bwrap slurm demo test test-here test-fast bench clean notebook
 
 $(STAMP): pyproject.toml
 	@echo "[setup] $(VENV): Python packages (the first time: a few minutes, torch and ray are the big ones)"
@@ -79,6 +79,11 @@ test:
 # the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
 test-here: setup vllm browser bwrap slurm
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+
+# The unit tests alone, in the demo's .venv: no apt installs, no vLLM, no second environment, a few
+# minutes. Leaves out the end-to-end tests (marked slow) and those that need vLLM or bubblewrap.
+test-fast: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not vllm and not bwrap"
 
 bench: setup
 	$(BIN)/python bench/bench_core.py

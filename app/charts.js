@@ -1,10 +1,13 @@
 // asyncrl ui: every metric its own chart (small multiples grouped by section), several runs
-// overlaid, x = step | wall time | samples, smoothing, hover for values, drag to zoom (all charts
-// together), double-click to zoom out. Runs in the browser as the js_on_load of a gr.HTML whose
+// overlaid, x = step | wall time | samples, smoothing (0.6 by default, TensorBoard's), hover for
+// values, drag to zoom (all charts together), double-click to zoom out. The charts fill the page's
+// width (two per row from 900 px, three from 1500 px); each says its unit on the y axis and whether
+// its values are per step, cumulative or per evaluation. Runs in the browser as the js_on_load of a gr.HTML whose
 // value is the JSON of asyncrl.analysis.charts.chart_data. No library: plain SVG.
-const S = element.__arlCharts || (element.__arlCharts = {x: "step", smooth: 0, zoom: null, filter: "", closed: {}});
+const S = element.__arlCharts || (element.__arlCharts = {x: "step", smooth: 0.6, zoom: null, filter: "", closed: {}});
 const NS = "http://www.w3.org/2000/svg";
-const W = 330, H = 190, L = 52, R = 10, T = 8, B = 30;
+let W = 460;  // a chart's width: set from the grid's width by drawGrid
+const H = 230, L = 64, R = 12, T = 8, B = 32;
 const XLABEL = {step: "step", time: "wall time", samples: "samples trained on"};
 
 function el(tag, attrs, parent, text) {
@@ -61,7 +64,8 @@ function chart(box, c, runs) {
   const pad = (y1 - y0) * 0.06; y0 -= pad; y1 += pad;
   const sx = v => L + (v - x0) / (x1 - x0) * (W - L - R), sy = v => T + (1 - (v - y0) / (y1 - y0)) * (H - T - B);
   const card = el("div", {class: "arl-chart", "data-metric": c.metric}, box);
-  el("div", {class: "arl-chart-title"}, card, c.metric);
+  const title = el("div", {class: "arl-chart-title"}, card, c.metric);
+  if (c.span) el("span", {class: "arl-chart-span"}, title, " \u00b7 " + c.span);
   const svg = el("svg:svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "arl-chart-svg"}, card);
   const yt = ticks(y0, y1, 4), xt = ticks(x0, x1, 4);
   const yaxis = el("svg:g", {class: "arl-yaxis"}, svg);
@@ -72,6 +76,9 @@ function chart(box, c, runs) {
   const xaxis = el("svg:g", {class: "arl-xaxis"}, svg);
   for (const v of xt) el("svg:text", {x: sx(v), y: H - B + 13, "text-anchor": "middle", "font-size": 10, fill: "#57606a"}, xaxis, fmtX(v));
   el("svg:text", {x: (L + W - R) / 2, y: H - 3, "text-anchor": "middle", "font-size": 10, fill: "#8c959f"}, xaxis, XLABEL[S.x]);
+  const ym = T + (H - T - B) / 2;
+  el("svg:text", {x: 11, y: ym, transform: `rotate(-90 11 ${ym})`, "text-anchor": "middle", "font-size": 10,
+                  fill: "#8c959f", class: "arl-ylabel"}, svg, c.unit || c.metric);
   el("svg:rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "none", stroke: "#d0d7de"}, svg);
   const clip = "clip-" + Math.random().toString(36).slice(2);
   const cp = el("svg:clipPath", {id: clip}, el("svg:defs", {}, svg));
@@ -125,6 +132,8 @@ function drawGrid() {
   const grid = element.querySelector(".arl-charts-grid");
   if (!grid) return;
   grid.innerHTML = "";
+  const width = grid.clientWidth || element.clientWidth || 1000, cols = width >= 1500 ? 3 : width >= 900 ? 2 : 1;
+  W = Math.max(300, Math.floor((width - 8 * (cols - 1)) / cols) - 12);  // (the gap, a card's padding and border)
   const f = S.filter.toLowerCase();
   let shown = 0;
   for (const g of data.groups) {
@@ -172,3 +181,8 @@ function draw() {
 }
 draw();
 watch("value", draw);
+if (!element.__arlResize) {  // the charts follow the window's width (once per element)
+  let pending = null;
+  element.__arlResize = () => { clearTimeout(pending); pending = setTimeout(drawGrid, 150); };
+  window.addEventListener("resize", element.__arlResize);
+}

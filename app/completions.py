@@ -13,6 +13,7 @@ from asyncrl.types import prompt_text
 from .kit import AlgorithmView, esc, fmt, html_table, note
 
 MAX_ROWS = 200  # a search shows at most this many rows (newest first)
+MAX_HELDOUT_ROWS = 1000  # one evaluation's held-out outputs: all of them (log.eval_samples keeps up to 1000)
 CSS = """
 #completions-table td,#heldout-table td{max-width:520px}
 .arl-completion{font-family:monospace;white-space:pre-wrap;word-break:break-word}
@@ -40,7 +41,7 @@ def training_rows(store: RunStore, step: int | None = None, query: str = "") -> 
     if not episodes:
         return None, pd.DataFrame()
     if not query:
-        steps = sorted({e.get("step") for e in episodes if e.get("step") is not None})
+        steps = logged_steps(store) or [None]
         step = step if step in steps else steps[-1]
         episodes = [e for e in episodes if e.get("step") == step]
     rows = []
@@ -59,6 +60,21 @@ def training_rows(store: RunStore, step: int | None = None, query: str = "") -> 
         if len(rows) >= MAX_ROWS:
             break
     return (None if query else step), pd.DataFrame(rows)
+
+
+def logged_steps(store: RunStore) -> list[int]:
+    """The training steps that have logged episodes, in order."""
+    return sorted({e.get("step") for e in store.records("episode") if isinstance(e.get("step"), int)})
+
+
+def neighbour_step(store: RunStore, step: int | None, direction: int) -> int:
+    """The logged step before (``direction`` -1) or after (+1) the one shown for ``step`` (a step
+    with no logged episodes, 0 or None shows the latest), kept within the logged steps; 0 when none."""
+    steps = logged_steps(store)
+    if not steps:
+        return 0
+    i = steps.index(step) if step in steps else len(steps) - 1
+    return steps[min(max(i + direction, 0), len(steps) - 1)]
 
 
 def training_html(store: RunStore, step: int | None = None, query: str = "") -> str:
@@ -80,8 +96,11 @@ def training_html(store: RunStore, step: int | None = None, query: str = "") -> 
     log = store.config.get("log") or {}
     logged = (f"; episode events are sampled: every {log.get('episode_events_every', 10)}th episode without a "
               f"decision is logged" if log.get("episode_events") == "sampled" else "")
-    head = (f"<b>Step {shown}: {groups} group(s), {len(df)} completion(s)</b> (the advantage is the one each "
-            f"was trained with; staleness: learner version - the version that wrote it{logged})"
+    steps = logged_steps(store)
+    where = (f" · logged step {steps.index(shown) + 1} of {len(steps)} ({steps[0]} to {steps[-1]}; "
+             f"earlier/later step to browse)" if shown in steps else "")
+    head = (f"<b>Step {shown}: {groups} group(s), {len(df)} completion(s)</b>{where} (the advantage is the one "
+            f"each was trained with; staleness: learner version - the version that wrote it{logged})"
             if shown is not None else
             f"<b>{len(df)} logged completion(s) holding <code>{esc(query)}</code></b>"
             f"{' (the newest ' + str(MAX_ROWS) + ')' if len(df) >= MAX_ROWS else ''}")
@@ -105,7 +124,7 @@ def heldout_rows(store: RunStore, step: int | None = None, query: str = "") -> t
             rows.append({"version": e.get("version"), "prompt": s.get("prompt") or "",
                          "completion": s.get("completion") or "", "gold": s.get("answer"),
                          "reward": s.get("reward"), "correct": bool(s.get("correct"))})
-    return (None if query else evals[-1].get("version")), pd.DataFrame(rows[:MAX_ROWS])
+    return (None if query else evals[-1].get("version")), pd.DataFrame(rows[:MAX_ROWS if query else MAX_HELDOUT_ROWS])
 
 
 def heldout_html(store: RunStore, step: int | None = None, query: str = "") -> str:
@@ -133,8 +152,10 @@ class CompletionsView(AlgorithmView):
 
     def build(self, gr, empty: RunStore) -> None:
         with gr.Row():
+            self.earlier = gr.Button("\u25c0 earlier step", scale=0, min_width=120, elem_id="completions-earlier")
             step = gr.Number(value=0, precision=0, label="training step (0: the latest logged)", scale=1,
                              elem_id="completions-step")
+            self.later = gr.Button("later step \u25b6", scale=0, min_width=120, elem_id="completions-later")
             search = gr.Textbox(label="search prompts and completions (every logged step and evaluation)",
                                 scale=3, elem_id="completions-search")
         train = gr.HTML(elem_id="completions-view")
@@ -148,3 +169,9 @@ class CompletionsView(AlgorithmView):
 
     def applies(self, store: RunStore) -> bool:
         return True
+
+    def wire(self, gr, main_store, runs) -> None:
+        step = self.inputs[0]
+        for button, direction in ((self.earlier, -1), (self.later, 1)):
+            button.click(lambda pick, s, d=direction: neighbour_step(main_store(pick), int(s) if s else None, d),
+                         inputs=[runs, step], outputs=[step], show_progress="hidden")

@@ -24,12 +24,14 @@ CSS = """
 .arl-card .v{font-size:1.5em;font-weight:600}
 .arl-card .k{font-size:.8em;color:#57606a}
 .arl-note{padding:10px 14px;border-left:4px solid #0969da;background:#f0f6ff;margin:6px 0}
+.arl-scroll{max-width:100%;overflow-x:auto}
 table.arl{border-collapse:collapse;font-size:.9em;margin:6px 0}
 table.arl td,table.arl th{border:1px solid #d0d7de;padding:3px 7px;text-align:left;vertical-align:top}
 table.arl th{background:#f6f8fa;white-space:nowrap;word-break:keep-all}
 .arl-state-running{color:#0969da}.arl-state-finished{color:#1a7f37}
 .arl-state-interrupted{color:#9a6700}.arl-state-crashed,.arl-state-silent{color:#cf222e}
 pre.arl-config{font-size:.85em;background:#f6f8fa;padding:8px;border-radius:6px;max-height:600px;overflow:auto}
+pre#config-diff{white-space:pre-wrap}
 details.arl-tree{border:1px solid #d0d7de;border-radius:6px;margin:5px 0;padding:4px 8px}
 details.arl-tree details{margin-left:18px;border-left:2px solid #d0d7de;padding-left:8px}
 .arl-ok{color:#1a7f37;font-weight:600}.arl-bad{color:#cf222e;font-weight:600}
@@ -83,7 +85,9 @@ def html_table(df: pd.DataFrame, table_id: str | None = None, raw_cols: tuple[st
                         for c in df.columns)
         rows.append(f'<tr class="arl-row">{cells}</tr>')
     tid = f' id="{table_id}"' if table_id else ""
-    return f'<table class="arl"{tid}><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    # (a wide table scrolls, the page does not)
+    return (f'<div class="arl-scroll"><table class="arl"{tid}><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
 def figure(n: int, cols: int = 3, height: float = 2.6) -> tuple[Figure, list]:

@@ -5,8 +5,10 @@ for Absolute Zero, Confidence trees for RLCR), Replay buffer, Samples, Config. T
 (``gr.Timer``) without a page reload.
 
 ``/?view=overview|tasks|trees|replay|samples|config`` (a tab's id) opens the page on that view, ``&runs=a,b``
-picks runs of a folder (none: its first runs by name), ``&metrics=x,y`` the metrics charted first (the initial
-data comes with the page load, not over the queue).
+picks runs of a folder (none: its first runs by name), ``&focus=a`` the run the cards, the actors table and
+the tabs show (default: the first picked), ``&metrics=x,y`` the metrics charted first (the initial data comes
+with the page load, not over the queue). A tab that does not apply to the shown run (an algorithm's tab
+for another algorithm, Replay buffer for a run without experience replay) is hidden.
 
 Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:password``. Without
 ``--auth`` the page is served only with the token in the URL it prints (``?token=...``,
@@ -21,6 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -96,87 +99,107 @@ def build_app(source, live=None, title: str = "asyncrl"):
     catalog = source if isinstance(source, RunCatalog) else RunCatalog(source, name=title)
     empty = RunStore()
 
-    def chosen(sel):
+    # ``pick``: {"sel": the runs picked, "focus": the run the cards and tabs show}, one per page (a gr.State)
+    def chosen(pick):
         """The picked runs; in a folder of runs with none picked, its first MAX_DEFAULT_RUNS by name."""
-        return catalog.stores(sel or catalog.names()[:MAX_DEFAULT_RUNS])
+        return catalog.stores(pick["sel"] or catalog.names()[:MAX_DEFAULT_RUNS])
 
-    def main_store(sel):
-        stores = chosen(sel)
-        return next(iter(stores.values())) if stores else empty
+    def focus_name(pick) -> str | None:
+        stores = chosen(pick)
+        return pick.get("focus") if pick.get("focus") in stores else next(iter(stores), None)
+
+    def main_store(pick):
+        """The run the cards, the actors table and the tabs show (``focus``; else the first picked)."""
+        stores = chosen(pick)
+        return stores.get(focus_name(pick)) or empty
 
     def live_status():
         return live.status() if live is not None else None
 
-    def runs_note(sel):
+    def runs_note(pick):
         if catalog.folder is None:
             return ""
         names = catalog.names()
-        shown = list(chosen(sel))
-        listed = ", ".join(f"<code>{V.esc(n)}</code>" for n in names)
-        how = ("picked above" if sel else f"none picked: the first {len(shown)} by name" if len(shown) < len(names)
-               else "none picked: all of them")
+        shown = list(chosen(pick))
+        # every run of the folder one click away (the link opens the page on it alone)
+        listed = ", ".join(f'<a href="?runs={quote(n)}" class="arl-run-link">{V.esc(n)}</a>' for n in names)
+        how = ("picked above" if pick["sel"] else f"none picked: the first {len(shown)} by name"
+               if len(shown) < len(names) else "none picked: all of them")
         return V.note(f"<span id=\"runs-list\">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>"
                       f"{': ' + listed if names else ''}</span>. Shown ({how}): "
-                      f"{', '.join(f'<code>{V.esc(n)}</code>' for n in shown)}; the cards and the other tabs show "
-                      f"the first, every chart overlays all of them."
+                      f"{', '.join(f'<code>{V.esc(n)}</code>' for n in shown)}; the cards, the actors table and the "
+                      f"tabs show <code>{V.esc(focus_name(pick))}</code> (pick another below), every chart overlays "
+                      f"all of them."
                       if names else f"No runs in <code>{V.esc(catalog.folder)}</code> yet (a run directory holds "
                       f"config.yaml, metrics.jsonl or events.jsonl); the list updates as runs appear.")
 
-    def light(sel):
-        store = main_store(sel)
-        return runs_note(sel) + V.overview_html(store, live_status()), V.actors_html(store)
+    def light(pick):
+        store = main_store(pick)
+        return runs_note(pick) + V.overview_html(store, live_status()), V.actors_html(store)
 
     algo_views = V.algorithm_views()
 
-    def view_outputs(view, sel, *inputs):
-        store = main_store(sel)
+    def view_outputs(view, pick, *inputs):
+        store = main_store(pick)
         if not view.applies(store):
             return [view.absent_note(store), gr.update(visible=False), *[gr.skip()] * len(view.outputs)]
         return ["", gr.update(visible=True), *view.render(store, *inputs)]
 
-    def sample_outputs(sel, choice):
-        store = main_store(sel)
+    def sample_outputs(pick, choice):
+        store = main_store(pick)
         choices = V.sample_choices(store)
         valid = {c[1] for c in choices}
         value = choice if choice in valid else (choices[0][1] if choices else None)
         return gr.update(choices=choices, value=value), V.sample_html(store, value)
 
-    def revision_key(sel) -> str:
-        stores = chosen(sel)
-        return "|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(catalog.names())
+    def revision_key(pick) -> str:
+        stores = chosen(pick)
+        return ("|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(catalog.names())
+                + "@" + str(focus_name(pick)))
 
-    def heavy(key, sel, pins, *args):
+    def heavy(key, pick, pins, *args):
         """Every view's content when the run changed; ``pins``: the metrics charted first (``?metrics=``);
         ``args``: each algorithm view's inputs, then the sample choice."""
-        new_key = revision_key(sel)
+        new_key = revision_key(pick)
         if key == new_key:
             return [gr.skip()] * len(heavy_out)
-        store = main_store(sel)
+        store = main_store(pick)
         names = catalog.names()
-        runs = gr.update(choices=names, value=[n for n in (sel or []) if n in names])
+        runs = gr.update(choices=names, value=[n for n in pick["sel"] if n in names])
+        stores = chosen(pick)
+        focus = gr.update(choices=list(stores), value=focus_name(pick))
         algo_out, at = [], 0
         for view in algo_views:
-            algo_out += view_outputs(view, sel, *args[at:at + len(view.inputs)])
+            algo_out += view_outputs(view, pick, *args[at:at + len(view.inputs)])
             at += len(view.inputs)
         (choice,) = args[at:]
-        stores = chosen(sel)
+        hidden = [view.id for view in algo_views if not view.applies(store)]
+        hidden += [] if V.has_replay(store) else ["replay"]
         return [V.runs_html(stores) if catalog.folder is not None else "", V.charts_json(stores, pins or []),
-                *algo_out, V.replay_html(store), V.replay_figure(store), *sample_outputs(sel, choice),
-                V.config_html(store), runs, new_key]
+                *algo_out, V.replay_html(store), V.replay_figure(store), *sample_outputs(pick, choice),
+                V.config_html(store), runs, focus, V.hidden_tabs_css(hidden), new_key]
 
     def on_load(request: gr.Request, *args):
         view = (request.query_params.get("view") if request is not None else None) or "overview"
         selected = view if view in VIEWS or view in {v.id for v in algo_views} else "overview"
         sel = [n for n in _query_list(request, "runs") if n in catalog.names()]
+        pick = {"sel": sel, "focus": (request.query_params.get("focus") if request is not None else None)}
         pins = _query_list(request, "metrics")
-        return [gr.Tabs(selected=selected), sel, pins, *light(sel), *heavy("", sel, pins, *args)]
+        return [gr.Tabs(selected=selected), pick, pins, *light(pick), *heavy("", pick, pins, *args)]
+
+    def picked(sel, focus, *args):
+        """The runs picker or the shown-run picker changed: the new pick, then every view."""
+        pick = {"sel": list(sel or []), "focus": focus}
+        return [pick, *light(pick), *heavy("", pick, *args)]
 
     with gr.Blocks(title=title) as demo:
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(title)}</h2>')
         runs_dd = gr.Dropdown(catalog.names(), value=[], multiselect=True, visible=catalog.folder is not None,
-                              label="runs (none picked: the first 8 by name; the first is shown in the cards and the other tabs, "
-                                    "all are overlaid in every chart)",
+                              label="runs (none picked: the first 8 by name; all are overlaid in every chart, the run shown "
+                                    "in the cards and the tabs is picked below)",
                               elem_id="runs-picker")
+        focus_dd = gr.Dropdown([], value=None, visible=catalog.folder is not None, elem_id="focus-picker",
+                               label="run shown in the cards, the actors table and the tabs")
         with gr.Tabs(selected="overview") as tabs:
             with gr.Tab("Overview", id="overview"):
                 ov_html = gr.HTML(elem_id="overview")
@@ -199,26 +222,31 @@ def build_app(source, live=None, title: str = "asyncrl"):
                 sm_html = gr.HTML(elem_id="samples-view")
             with gr.Tab("Config", id="config"):
                 cfg_html = gr.HTML(elem_id="config-tab")
+        # the tabs that do not apply to the shown run, hidden by a style rule (Gradio 6.31 draws a tab's
+        # button whatever its visible=)
+        tab_style = gr.HTML("", elem_id="tab-style", padding=False, container=False)
         rev = gr.State("")
         pins = gr.State([])
+        pick = gr.State({"sel": [], "focus": None})
         filters = [c for view in algo_views for c in view.inputs] + [sm_choice]
         algo_out = [c for view, box in zip(algo_views, algo_boxes) for c in (*box, *view.outputs)]
-        heavy_out = [ov_runs, charts, *algo_out, rp_html, rp_plot, sm_choice, sm_html, cfg_html, runs_dd, rev]
+        heavy_out = [ov_runs, charts, *algo_out, rp_html, rp_plot, sm_choice, sm_html, cfg_html, runs_dd, focus_dd,
+                     tab_style, rev]
         # the first data comes with the page load (not over the queue)
-        demo.load(on_load, inputs=filters, outputs=[tabs, runs_dd, pins, ov_html, ov_actors, *heavy_out],
+        demo.load(on_load, inputs=filters, outputs=[tabs, pick, pins, ov_html, ov_actors, *heavy_out],
                   queue=False, show_progress="hidden")
-        gr.Timer(2.0).tick(light, inputs=[runs_dd], outputs=[ov_html, ov_actors], show_progress="hidden")
-        gr.Timer(5.0).tick(heavy, inputs=[rev, runs_dd, pins, *filters], outputs=heavy_out,
+        gr.Timer(2.0).tick(light, inputs=[pick], outputs=[ov_html, ov_actors], show_progress="hidden")
+        gr.Timer(5.0).tick(heavy, inputs=[rev, pick, pins, *filters], outputs=heavy_out,
                            show_progress="hidden")
-        runs_dd.input(lambda sel, *a: [*light(sel), *heavy("", sel, *a)],
-                      inputs=[runs_dd, pins, *filters], outputs=[ov_html, ov_actors, *heavy_out],
-                      show_progress="hidden")
+        for picker in (runs_dd, focus_dd):
+            picker.input(picked, inputs=[runs_dd, focus_dd, pins, *filters],
+                         outputs=[pick, ov_html, ov_actors, *heavy_out], show_progress="hidden")
         for view, box in zip(algo_views, algo_boxes):
             for c in view.inputs:
-                c.change(functools.partial(view_outputs, view), inputs=[runs_dd, *view.inputs],
+                c.change(functools.partial(view_outputs, view), inputs=[pick, *view.inputs],
                          outputs=[*box, *view.outputs], show_progress="hidden")
-            view.wire(gr, main_store, runs_dd)
-        sm_choice.input(lambda sel, c: V.sample_html(main_store(sel), c), inputs=[runs_dd, sm_choice],
+            view.wire(gr, main_store, pick)
+        sm_choice.input(lambda p, c: V.sample_html(main_store(p), c), inputs=[pick, sm_choice],
                         outputs=[sm_html])
     return demo
 

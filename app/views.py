@@ -129,6 +129,7 @@ details.arl-chart-group{margin:4px 0}details.arl-chart-group>summary{font-weight
 .arl-chart-row{display:flex;flex-wrap:wrap;gap:8px}
 .arl-chart{position:relative;border:1px solid #d0d7de;border-radius:6px;padding:4px;background:#fff}
 .arl-chart-title{font-size:.85em;font-weight:600;font-family:monospace;margin:0 0 2px 4px}
+.arl-chart-span{font-weight:400;font-family:sans-serif;color:#57606a}
 .arl-tip{position:absolute;left:56px;top:24px;background:rgba(255,255,255,.95);border:1px solid #d0d7de;
   border-radius:4px;padding:3px 6px;font-size:.78em;pointer-events:none;z-index:5;max-width:300px}
 .arl-flat{font-size:.8em;color:#57606a;margin:4px 0 8px}
@@ -147,7 +148,7 @@ def runs_html(stores: dict[str, RunStore]) -> str:
     if not stores:
         return ""
     df = runs_table(stores)
-    n = len(df.columns) - 6 - len(SUMMARY_METRICS)
+    n = len(df.columns) - 7 - len(SUMMARY_METRICS)  # (run, algorithm, state, steps, time, samples, best)
     what = (f"; the last {n} column(s): the config keys that differ" if n > 0 else
             "; no config key differs" if len(stores) > 1 else "")
     return (f'<b>Runs ({len(stores)}{what})</b>'
@@ -156,8 +157,9 @@ def runs_html(stores: dict[str, RunStore]) -> str:
 
 
 def config_html(store: RunStore) -> str:
-    """The run's config snapshots (``config.yaml``, and ``config.resume-<N>.yaml`` per resumed
-    segment), as written by the learner."""
+    """The run's config: first what differs from the defaults (``asyncrl config --diff``, the default
+    beside each key), then each snapshot in full, folded (``config.yaml``, and ``config.resume-<N>.yaml``
+    per resumed segment), as written by the learner."""
     run_dir = store.run_dir
     snaps = []
     if run_dir is not None:
@@ -170,19 +172,43 @@ def config_html(store: RunStore) -> str:
     if not snaps:
         return note("No config snapshot: this view has no run directory (live events only), or the learner has "
                     "not written <code>config.yaml</code> yet.")
-    parts = []
+    parts = [_config_diff(snaps[-1][1])]
     for title, path in snaps:
         try:
             text = path.read_text()
         except OSError as e:
             text = f"(cannot read: {e})"
-        parts.append(f"<b>{esc(title)}</b><pre class=\"arl-config\">{esc(text)}</pre>")
+        parts.append(f"<details><summary><b>{esc(title)}</b>, in full</summary>"
+                     f"<pre class=\"arl-config\">{esc(text)}</pre></details>")
     return f'<div id="config-view">{"".join(parts)}</div>'
+
+
+def _config_diff(path: Path) -> str:
+    """What the snapshot at ``path`` sets apart from the defaults, the default beside each key."""
+    from asyncrl.config import load_config
+    from asyncrl.config_show import show_config
+
+    try:
+        text = show_config(load_config(path), diff=True)
+    except Exception as e:  # noqa: BLE001 - a snapshot this install cannot load (another version's keys)
+        return note(f"Cannot compare <code>{esc(path.name)}</code> with the defaults: {esc(type(e).__name__)}: "
+                    f"{esc(e)}")
+    return (f"<b>What this run sets apart from the defaults</b> (<code>{esc(path.name)}</code>; "
+            f"<code>asyncrl config -c {esc(path.name)} --diff</code>)"
+            f'<pre class="arl-config" id="config-diff">{esc(text)}</pre>')
 
 
 # ------------------------------------------------------------------------------------- replay buffer
 REPLAY_METRICS = ["replay/pool_tasks", "replay/skip_tasks", "replay/pool_trajectories", "replay/replayed_share",
                   "replay/active"]
+
+
+def hidden_tabs_css(tab_ids: list[str]) -> str:
+    """A style rule hiding the buttons of the tabs ``tab_ids`` (those that do not apply to the run shown)."""
+    if not tab_ids:
+        return ""
+    rules = ",".join(f'button[role=tab][data-tab-id="{esc(t)}"]' for t in tab_ids)
+    return f'<style id="hidden-tabs" data-tabs="{esc(",".join(tab_ids))}">{rules}{{display:none}}</style>'
 
 
 def has_replay(store: RunStore) -> bool:

@@ -185,6 +185,8 @@ def cmd_run(args) -> int:
             return 2
     check_writable(cfg.run_dir)
     check_trackers(cfg.log.trackers)  # the learner's trackers: a missing library stops here, in one line
+    if args.dry_run:  # (local or Ray: the checks above and a word on what would start; nothing written)
+        return _dry_run(cfg, heldout, args)
     try:  # before anything starts: the lock, fresh/resume/overwrite, damaged checkpoints, frozen keys
         prepare(cfg, overwrite=args.overwrite)
     except _start_errors() as e:
@@ -197,6 +199,37 @@ def cmd_run(args) -> int:
     except SchedulerError as e:
         print(f"asyncrl run: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+def _dry_run(cfg, heldout: str, args) -> int:
+    """``asyncrl run --dry-run`` with the local or Ray scheduler: the config and its set-up checked
+    (preflight), what the run directory would do (start fresh, resume, or refuse), and the command
+    that starts it; nothing is started or written. Exit code 2 when the start would be refused."""
+    import shlex
+
+    from .rundir import RunDirError, plan_start, state_found  # (both only read)
+
+    run_dir = Path(cfg.run_dir).resolve()
+    where = "on a Ray cluster" if cfg.launch.scheduler == "ray" else "on this machine"
+    print(f"[asyncrl] {heldout}", flush=True)
+    print(f"[asyncrl] dry run: the config and its set-up passed the checks; nothing was started or written. It "
+          f"would start {args.learner_procs} learner process(es) and {cfg.actor.num} actor(s) {where} for "
+          f"{cfg.train.total_steps} steps, in {run_dir}", flush=True)
+    code = 0
+    if args.overwrite and state_found(cfg.run_dir):
+        print(f"[asyncrl] --overwrite would delete what {run_dir} holds ({'; '.join(state_found(cfg.run_dir))})",
+              flush=True)
+    elif not args.overwrite:
+        try:
+            plan = plan_start(cfg)
+            if plan.mode == "resume":
+                print(f"[asyncrl] it would resume from step {plan.step}", flush=True)
+        except RunDirError as e:
+            print(f"[asyncrl] the start would be refused: {e}", flush=True)
+            code = 2
+    argv = [a for a in sys.argv[1:] if a != "--dry-run"]
+    print(f"[asyncrl] start it with:\n  asyncrl {' '.join(shlex.quote(a) for a in argv)}", flush=True)
+    return code
 
 
 def cmd_config(args) -> int:
@@ -277,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=["local", "ray", "slurm"],
                    help="where the processes run (launch.scheduler): local child processes (default), a Ray cluster, "
                         "or a SLURM job (submitted; inside an allocation, run there)")
-    p.add_argument("--dry-run", action="store_true", help="--scheduler slurm: write the sbatch script, do not submit")
+    p.add_argument("--dry-run", action="store_true", help="check the config and set-up (preflight) and say what would "
+                   "start, starting nothing; with --scheduler slurm, write the sbatch script and say how to submit it")
     p.add_argument("--learner-procs", type=int, default=1, metavar="N",
                    help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
                         "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")

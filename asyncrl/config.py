@@ -495,9 +495,9 @@ class LogConfig(_Base):
         "Most tokens in a `sample` event; a longer trajectory keeps its last tokens."))
     tracker_table_rows: int = Field(64, ge=0, description=(
         "Most completions per step in the trackers' completions table (log.trackers); 0: no table."))
-    eval_samples: int = Field(16, ge=0, description=(
-        "Held-out outputs each evaluation keeps in its `eval` event (prompt, completion, gold answer, "
-        "reward), for the UI's completions view; 0: none."))
+    eval_samples: int = Field(1000, ge=0, description=(
+        "Most held-out outputs each evaluation keeps in its `eval` event (prompt, completion, gold answer, "
+        "reward), for the UI's completions view: by default all of a held-out set up to 1000; 0: none."))
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], description=(
         "Also send every step's metrics to these trackers, each with its own client library (pip "
         "install tensorboard / wandb / trackio): tensorboard writes <run>/tensorboard; wandb and "

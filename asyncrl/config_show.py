@@ -8,12 +8,14 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from .config import Config, validate_section
 
 
 def _scalar(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    # (models inside a dict or list, e.g. Absolute Zero's learnability dimensions, as plain data)
+    text = yaml.safe_dump(to_jsonable_python(value), default_flow_style=True, width=10_000).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 

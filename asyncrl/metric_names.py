@@ -35,3 +35,35 @@ def tag(name: str) -> str:
     """The metric's name with its section as a prefix (``policy/loss``, ``eval/accuracy``): the tag
     trackers file it under, so that no metric is a section of its own."""
     return name if "/" in name else f"{metric_group(name)}/{name}"
+
+
+# What a metric's value counts over: most are per step; these are totals since the learner started
+# (its process: a resume starts them again), and the eval metrics are per evaluation.
+CUMULATIVE = frozenset({"episodes_acked", "ingest_s", "dropped_stale", "bad_messages", "rejected_episodes",
+                        "nonfinite_steps"})
+_UNITS = {"_s": "seconds", "_frac": "fraction", "_tokens": "tokens", "tokens": "tokens",
+          "length_mean": "tokens", "length_max": "tokens", "length_min": "tokens", "lr": "learning rate"}
+
+
+def metric_span(name: str) -> str:
+    """``cumulative`` (a total since the learner process started), ``per evaluation`` (``eval/*``)
+    or ``per step``: said on the metric's chart."""
+    if name in CUMULATIVE:
+        return "cumulative"
+    if name.startswith("eval/"):
+        return "per evaluation"
+    return "per step"
+
+
+def metric_unit(name: str) -> str:
+    """The unit of the metric's values for its chart's y axis (``seconds``, ``per second``, ``tokens``...),
+    from its name's ending; the name itself where there is none to say."""
+    base = name.rsplit("/", 1)[-1]
+    if base.endswith("_per_s"):
+        return base[:-len("_per_s")].replace("_", " ") + " per second"
+    if base.startswith("tokens_"):
+        return "tokens"
+    for end, unit in _UNITS.items():
+        if base.endswith(end) and (end.startswith("_") or base == end or end.startswith("length")):
+            return unit
+    return base

@@ -5,7 +5,8 @@ before a model is built, a process is started or a file is written, so a mistake
 one line instead of a traceback after minutes of model building and a half-written run directory:
 
 - the algorithm and its ``algo.*`` section (each algorithm validates its own section);
-- ``env.type`` / ``env.reward`` import paths and the environment's construction;
+- ``env.type`` / ``env.reward`` import paths and the environment's construction; an agent function's
+  own check (``fn.preflight()``, e.g. that the OpenEnv server it plays answers);
 - the task source: every record of a task file (or of an import-path source) and the held-out split
   (``asyncrl.envs.tasks``);
 - ``model.path`` (a Hugging Face directory) and the prompt format against its tokenizer;
@@ -46,7 +47,9 @@ def preflight(cfg: Config) -> Preflight:
     if cfg.replay.enabled and not workflow.supports_replay:
         raise ConfigError(f"replay.enabled needs a workflow that takes per-task rollout counts; algorithm "
                           f"{cfg.algorithm!r} does not: use algorithm grpo or set replay.enabled=false")
-    make_env(cfg.env)
+    env = make_env(cfg.env)
+    if callable(getattr(env, "preflight", None)):
+        env.preflight()
     _check_registry_names(cfg)
     train, heldout = split_tasks(cfg.tasks)  # holdout_fraction <= 0.9 always leaves training tasks
     if cfg.model.path is not None or cfg.tasks.type == "file":  # the user's model, or the user's prompts

@@ -298,6 +298,7 @@ def test_unparseable_proposals_get_reasons_never_a_crash():
     assert ep.trajectories == [] and ep.metrics["repropose/final_non_learnable"] == 1
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_code_o_domain_runs_proposals_in_the_sandbox():
     good = "```python\ndef f(x):\n    return x * 3\n```\n```input\n14\n```"
     loop = "```python\ndef f(x):\n    while True:\n        pass\n```\n```input\n1\n```"

@@ -50,6 +50,7 @@ def test_verifiers_dataset_and_rubric(random_engine, tok):
     assert right["reward"] == right["vf/correct"] == 1.0 and wrong["reward"] == 0.0
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_verifiers_multi_turn_tool_calls_are_one_trajectory(random_engine, tok):
     episodes, env, _ = _rollouts(random_engine, tok, *MULTI)
     rows = [t for ep in episodes for t in ep.trajectories]
@@ -83,7 +84,7 @@ def test_the_readme_verifiers_command_draws_the_tasksets_tasks():
 
 
 def test_verifiers_config_errors_are_one_line():
-    with pytest.raises(ConfigError, match="needs env.kwargs.taskset"):
+    with pytest.raises(ConfigError, match="needs its taskset: env.kwargs.taskset="):
         make_env(load_config(None, ["env.type=verifiers"]).env)
     with pytest.raises(ConfigError, match="not a verifiers Taskset"):
         make_env(load_config(None, ["env.type=verifiers", "env.kwargs.taskset=tests.vf_envs_for_tests:AddTask"]).env)

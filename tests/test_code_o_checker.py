@@ -40,6 +40,7 @@ def test_non_literal_gold_is_compared_as_text():
     "print = lambda *a, **k: None\ndef f(x):\n    return x",
     "def f(x):\n    return x\ndef print(*a):\n    return None",
 ])
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_a_program_that_prints_nothing_is_not_a_task(code):
     domain = CodeOutputDomain(SandboxLimits(timeout_s=5.0))
     got = domain.parse(f"```python\n{code}\n```\n```input\n3\n```", Task(id="seed", prompt=[]), "q0")
@@ -47,6 +48,7 @@ def test_a_program_that_prints_nothing_is_not_a_task(code):
     assert got.reason == "the program printed nothing: no output to predict"
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_a_program_that_prints_a_value_is_a_task():
     domain = CodeOutputDomain(SandboxLimits(timeout_s=5.0))
     got = domain.parse("```python\ndef f(x):\n    return x > 2\n```\n```input\n3\n```", Task(id="seed", prompt=[]), "q0")

@@ -71,6 +71,12 @@ def test_the_completions_tab_shows_a_steps_groups_and_held_out_outputs_and_searc
         assert held[:held.index("</table>")].count('class="arl-row"') == 5
         screenshot(browser, "ui-completions.png")
 
+        browser.js("document.querySelector('#completions-earlier').click()")  # browse to the step before
+        dom = wait_page(browser, lambda d: "Step 3: 2 group(s)" in visible_text(d), what="the earlier step")
+        assert "logged step 3 of 4 (1 to 4" in visible_text(dom)
+        browser.js("document.querySelector('#completions-later').click()")
+        wait_page(browser, lambda d: "Step 4: 2 group(s)" in visible_text(d), what="the later step again")
+
         prompt = last[0]["prompt"]
         prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         browser.js(f"""(() => {{ const t = document.querySelector('#completions-search textarea, #completions-search input');

@@ -161,6 +161,17 @@ def test_asyncrl_config_prints_every_key_with_its_description_and_the_diff(tmp_p
     assert "asyncrl config -c FILE" in _cli_out("run", "--help").stdout
 
 
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_the_diff_of_every_shipped_config_prints(config):
+    """Issue 42.7: the UI's Config tab leads with ``--diff``; Absolute Zero's learnability dimensions
+    (models inside a dict) made it fail with yaml's RepresenterError."""
+    from asyncrl.config import load_config
+    from asyncrl.config_show import show_config
+
+    diff = show_config(load_config(ROOT / "configs" / config), diff=True).splitlines()
+    assert diff and all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff), diff
+
+
 def test_a_mistyped_key_suggests_the_nearest_and_nothing_starts(tmp_path):
     res = _cli_out("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), f"run_root={tmp_path}", "train.lrr=1e-5")
     assert res.returncode == 2

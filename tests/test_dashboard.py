@@ -403,8 +403,8 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
         fn = next(f for f in build_app(catalog, title="t").fns.values() if f.name == "heavy")
         rest = [None] * (len(fn.inputs) - 3)  # the algorithms' views' inputs and the sample choice
 
-        def heavy(sel, pins):
-            return fn.fn("", sel, pins, *rest)
+        def heavy(sel, pins, focus=None):
+            return fn.fn("", {"sel": sel, "focus": focus}, pins, *rest)
 
         out = heavy([], ["entropy"])
         runs_view, charts = out[0], json.loads(out[1])
@@ -414,5 +414,10 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
         one = json.loads(heavy(["b"], [])[1])
         assert [r["name"] for r in one["runs"]] == ["b"]
         assert json.loads(heavy(["nope"], [])[1])["runs"] == []  # a run that is not in the folder
+        # the run the cards and tabs show: the first picked, or the one named (issue 42.7)
+        focus_of = lambda out: next(o for o in out if isinstance(o, dict) and "choices" in o and "value" in o  # noqa: E731
+                                    and o["value"] in ("a", "b"))["value"]
+        assert focus_of(heavy([], [])) == "a" and focus_of(heavy([], [], focus="b")) == "b"
+        assert focus_of(heavy(["a", "b"], [], focus="nope")) == "a"
     finally:
         catalog.stop()

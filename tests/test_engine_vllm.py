@@ -22,6 +22,9 @@ from asyncrl.types import Trajectory
 
 from .conftest import read_jsonl, run_cli
 
+pytestmark = pytest.mark.vllm  # (make test-fast leaves these out)
+
+
 PROMPTS = ["<|user|>12+34=<|end|><|assistant|>", "<|user|>7+5=<|end|><|assistant|>"]
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from asyncrl.analysis.records import quiet_records
 
-from .conftest import ROOT, kill_tree, subprocess_env
+from .conftest import ROOT, kill_tree, read_jsonl, run_cli, subprocess_env
 
 # Ray reads its settings (token auth) when first imported: only the cluster fixture imports it here,
 # after setting them. make test installs the ray extra, so CI never skips these.
@@ -219,6 +219,12 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         # 5. Ctrl-C: the learner checkpoints, every process of the run ends
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
+        deadline = time.time() + 30  # (the reader thread takes the last lines)
+        while time.time() < deadline and "--resume" not in driver.text:
+            time.sleep(0.2)
+        hint = driver.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
+        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), driver.text[-2000:]
+        assert "core_worker.cc" not in driver.text  # (42.5: Ray's restart warning, an error line on every run)
         deadline = time.time() + 60
         while time.time() < deadline and any("asyncrl.cli" in _cmdline(p) for p in _descendants(test_pid)):
             time.sleep(0.5)
@@ -298,6 +304,12 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
         assert any("raylet" in _cmdline(p) for p in pids) and any("asyncrl.cli" in _cmdline(p) for p in pids)
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
+        deadline = time.time() + 30  # (the reader thread takes the last lines)
+        while time.time() < deadline and "--resume" not in driver.text:
+            time.sleep(0.2)
+        hint = driver.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
+        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), driver.text[-2000:]
+        assert "core_worker.cc" not in driver.text  # (42.5: Ray's restart warning, an error line on every run)
         deadline = time.time() + 60
         while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
             time.sleep(0.5)
@@ -305,6 +317,24 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
         assert not left, left
     finally:
         kill_tree(driver.proc)
+
+
+@pytest.mark.slow
+def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_path, tiny_overrides):
+    """42.5: an actor whose reward always raises, with no restarts left: the driver says which actor
+    and why in one line, and the learner (on its node) gives that as its stop reason, exit code 1."""
+    proc = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, "--scheduler", "ray",
+                   f"run_root={tmp_path}", "name=broken", "launch.ray.max_restarts=0",
+                   "env.reward=tests.plugins_for_tests:broken_reward", "train.total_steps=50", "eval.size=4",
+                   "eval.every=0", "log.progress=false", "checkpoint.every=0",
+                   cwd=ROOT, env=ray_env, timeout=DEADLINE_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    said = [x for x in out.splitlines() if "actor-0 is gone for good" in x]
+    assert len(said) == 1, out[-4000:]
+    stop = [e for e in read_jsonl(tmp_path / "broken" / "events.jsonl") if e["kind"] == "learner_stop"][-1]
+    assert stop["reason"].startswith("actor-0 is gone for good"), stop
+    assert "stopped by a stop signal" not in out
 
 
 def _fails_fast(args: list[str], env: dict, expect: str, within_s: float) -> None:

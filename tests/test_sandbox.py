@@ -11,6 +11,9 @@ import pytest
 
 from asyncrl.envs.sandbox import SandboxLimits, check_code, isolation_problem, run_python
 
+pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
+
+
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_mb=256, max_output_bytes=4096)  # cpu_s stops loops
 
 

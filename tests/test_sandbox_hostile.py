@@ -28,6 +28,9 @@ import pytest
 
 from asyncrl.envs.sandbox import SandboxLimits
 
+pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_VAR = "ASYNCRL_HOSTILE_SECRET"
 LEFTOVER_DEADLINE_S = 10.0  # the kernel reaps a dead PID namespace at once; this is slack for load

@@ -16,6 +16,8 @@ from asyncrl.config import ConfigError, config_from_dict, load_config
 
 from .conftest import ROOT, read_jsonl
 
+pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
+
 # Runs in a process whose PATH holds no bwrap: what a machine without bubblewrap sees.
 WITHOUT_BWRAP = r"""
 import json

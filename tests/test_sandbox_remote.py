@@ -108,6 +108,7 @@ def remote(url: str, **remote_cfg) -> SandboxLimits:
     return SandboxLimits(isolation="remote", timeout_s=3.0, remote=cfg)
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_a_program_runs_remotely_with_the_determinism_check():
     server = FusionServer()
     with serve(server) as url:
@@ -120,6 +121,7 @@ def test_a_program_runs_remotely_with_the_determinism_check():
         assert not nondet.ok and "nondeterministic" in nondet.reason
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_remote_failures_come_back_as_reasons(tmp_path):
     target = tmp_path / "pwned"
     with serve(FusionServer()) as url:
@@ -132,6 +134,7 @@ def test_remote_failures_come_back_as_reasons(tmp_path):
         assert rejected.reason.startswith("rejected before running")  # the static check runs locally first
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_a_server_that_fails_once_is_retried():
     server = FusionServer(fail_first=1)
     with serve(server) as url:
@@ -183,6 +186,7 @@ def test_a_hanging_server_times_out():
     assert elapsed < WAIT_S
 
 
+@pytest.mark.bwrap  # (the OS sandbox: make test-fast leaves it out)
 def test_concurrency_is_capped():
     server = FusionServer(gather=2)  # requests are held in pairs, and a third one would be seen
     with serve(server) as url:

@@ -28,6 +28,8 @@ def test_the_sbatch_script_carries_the_config_and_the_job_settings(tmp_path):
                  "launch.slurm.nodes=3", "launch.slurm.partition=gpu", "launch.slurm.time=00:20:00",
                  "launch.slurm.sbatch_args=[--qos=high]", "train.lr=3e-5"], subprocess_env())
     assert proc.returncode == 0, proc.stderr
+    assert f"Submit it on a login node with:\n  sbatch {tmp_path}/job.sbatch\n" in proc.stdout  # (issue 42.8)
+    assert "asks for 3 node(s) for 00:20:00 on partition gpu" in proc.stdout
     script = (tmp_path / "job.sbatch").read_text()
     for line in ("#SBATCH --nodes=3", "#SBATCH --partition=gpu", "#SBATCH --time=00:20:00", "#SBATCH --qos=high",
                  f"#SBATCH --output={tmp_path}/job.slurm-%j.out"):

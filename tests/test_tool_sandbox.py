@@ -16,7 +16,8 @@ from asyncrl.envs.bwrap import SANDBOX_ID, unavailable
 from .conftest import alive, descendants
 
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}")
+pytestmark = [pytest.mark.bwrap,  # (make test-fast leaves these out)
+              pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}")]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -409,6 +409,58 @@ def test_replay_view_shows_replay_state_and_metrics_when_present():
 
 
 # ------------------------------------------------------------------------------------- issue 11
+_SHOWN_TABS = "[...document.querySelectorAll('[role=tab]')].filter(t => t.offsetParent).map(t => t.textContent.trim())"
+_CHART_LABELS = """[...document.querySelectorAll('.arl-chart')].map(c => [c.dataset.metric,
+    (c.querySelector('.arl-chart-span') || {}).textContent, (c.querySelector('.arl-ylabel') || {}).textContent])"""
+
+
+@pytest.mark.slow
+def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
+    """Issue 42.7 in a real browser 1400 px wide: smoothing 0.6 by default; two charts a row filling
+    the width; each chart's unit on its y axis and whether it is per step, cumulative or per
+    evaluation; every run of the folder a link; the run shown in the cards and tabs picked by name;
+    the tabs that do not apply to it hidden; a wide runs table scrolls inside itself; the Config tab
+    leads with what differs from the defaults."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for alg in ("absolute_zero", "rlcr"):
+        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    with ui_in_browser(folder, tmp_path / "chromium", "?view=overview&focus=rlcr") as browser:
+        wait_page(browser, lambda d: 'data-metric="tokens_per_s"' in d and 'id="hidden-tabs"' in d,
+                  what="the charts and the tab rule")
+        assert browser.js("document.querySelector('input.arl-smooth').value") == "0.6"
+        grid = browser.js("document.querySelector('.arl-charts-grid').getBoundingClientRect().width")
+        widths = browser.js("[...document.querySelectorAll('.arl-chart')].map(c => c.getBoundingClientRect().width)")
+        assert grid > 1000 and min(widths) > 0.45 * grid, (grid, widths)  # two a row, the page's width
+        labels = {m: (span, unit) for m, span, unit in browser.js(_CHART_LABELS)}
+        assert labels["tokens_per_s"] == (" \u00b7 per step", "tokens per second")
+        assert labels["train_s"] == (" \u00b7 per step", "seconds")
+        assert labels["ingest_s"] == (" \u00b7 cumulative", "seconds")
+        shown = browser.js(_SHOWN_TABS)
+        assert "Confidence trees" in shown and "Proposed tasks" not in shown and "Replay buffer" not in shown, shown
+        assert "rlcr" in browser.js("document.querySelector('#overview-cards').textContent")
+        links = browser.js("[...document.querySelectorAll('a.arl-run-link')].map(a => a.textContent)")
+        assert links == ["absolute_zero", "rlcr"]
+        assert browser.js("document.querySelector('#runs-table').parentElement.className") == "arl-scroll"
+        assert browser.js("document.documentElement.scrollWidth <= window.innerWidth")  # nothing runs off the page
+        screenshot(browser, "ui-dashboard.png")
+
+        base = browser.js("location.origin + location.pathname")
+        browser.goto(base + "?view=overview&focus=absolute_zero")
+        wait_page(browser, lambda d: 'id="hidden-tabs"' in d and 'data-tabs="trees,replay"' in d,
+                  what="the tabs of an Absolute Zero run")
+        shown = browser.js(_SHOWN_TABS)
+        assert "Proposed tasks" in shown and "Confidence trees" not in shown, shown
+
+        browser.goto(base + "?view=config&focus=absolute_zero")
+        dom = wait_page(browser, lambda d: 'id="config-diff"' in d, what="the config's differences")
+        diff = browser.js("document.querySelector('#config-diff').textContent")
+        full = browser.js("document.querySelectorAll('pre.arl-config')[1].textContent")
+        assert "algorithm: absolute_zero  # default grpo" in diff
+        assert len(diff.splitlines()) < len(full.splitlines()) / 2  # only what differs, not the whole config
+        screenshot(browser, "ui-config.png")
+
+
 def _tiny_run_args(tmp_path, tiny_overrides, name: str, steps: int, *extra: str) -> list[str]:
     return ["run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
             f"name={name}", f"train.total_steps={steps}", "train.batch_tasks=2", "actor.tasks_per_batch=2",

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..config import flat_keys
-from ..metric_names import GROUP_ORDER, metric_group
+from ..metric_names import GROUP_ORDER, metric_group, metric_span, metric_unit
 from .curves import eval_series, metric_columns
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
     :func:`metric_group` or ``group_of`` (e.g. an algorithm's own reward metrics into ``reward``;
     ``pinned`` metrics first, in a group of their own).
 
-    Returns ``{"runs": [{"name", "color"}], "groups": [{"name", "charts": [{"metric", "series":
+    Returns ``{"runs": [{"name", "color"}], "groups": [{"name", "charts": [{"metric", "span" (per step,
+    cumulative, per evaluation), "unit" (the y axis's label), "series":
     [{"run", "step", "time", "samples", "y"}]}], "flat": [{"metric", "why"}]}]}``: a metric whose
     value never changed in any run is not drawn but listed in ``flat`` with its value; a metric
     with no value at all is left out."""
@@ -131,7 +132,7 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
             t = np.interp(x, steps, np.nan_to_num(time_)) if time_ is not None else np.full(len(x), np.nan)
             n = np.interp(x, steps, samples) if samples is not None else np.full(len(x), np.nan)
             series.append({"run": i, "step": _nums(x), "time": _nums(t), "samples": _nums(n), "y": _nums(y)})
-        g["charts"].append({"metric": name, "series": series})
+        g["charts"].append({"metric": name, "span": metric_span(name), "unit": metric_unit(name), "series": series})
     groups = sorted(by_group.values(), key=lambda g: (g["name"] != "pinned", _group_key(g["name"])))
     return {"runs": run_list, "groups": groups}
 
@@ -141,7 +142,8 @@ SUMMARY_METRICS = ("reward_mean", "eval/accuracy", "entropy", "staleness_mean", 
 
 def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
     """One row per run: its state, steps, wall time and samples, the last value of the
-    :data:`SUMMARY_METRICS` (the held-out accuracy: the last evaluation's), then the config keys
+    :data:`SUMMARY_METRICS` (the held-out accuracy: the last evaluation's), the best held-out accuracy,
+    then the config keys
     whose values differ between the runs (``name`` and ``run_root`` left out)."""
     from .state import run_state
 
@@ -154,6 +156,8 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
         for name in SUMMARY_METRICS:
             _, y = _series(store, name)
             row[name] = _num(float(y[-1])) if len(y) else None
+        _, acc = _series(store, "eval/accuracy")
+        row["eval/accuracy best"] = _num(float(np.max(acc))) if len(acc) else None
         rows.append(row)
         configs[run] = {k: v for k, v in flat_keys(store.config or {}).items() if k not in ("name", "run_root")}
     df = pd.DataFrame(rows)

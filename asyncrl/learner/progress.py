@@ -57,6 +57,13 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
         show = [f"{v:.3f}" if v is not None else NA for v in (x, y)]
         change = f"{y - x:+.3f}" if x is not None and y is not None else NA
         rows.append((label, *show, change))
+    accs = [(e["accuracy"], e.get("version", i)) for i, e in enumerate(evals) if e.get("accuracy") is not None]
+    if accs:  # the best evaluation (the first of equals): what a checkpoint picked by held-out accuracy gives
+        best, at = max(accs, key=lambda av: av[0])
+        out["eval_accuracy_best"], out["eval_accuracy_best_version"] = best, at
+        rows.append((f"held-out accuracy, best (version {at})", f"{a.get('accuracy', best):.3f}"
+                     if a.get("accuracy") is not None else NA, f"{best:.3f}",
+                     f"{best - a['accuracy']:+.3f}" if a.get("accuracy") is not None else NA))
     if calib:
         out["confidences_parsed_start"], out["confidences_parsed_end"] = a["parsed"], b["parsed"]
         rows.append(("held-out confidences parsed", f"{a['parsed']}/{a['size']}", f"{b['parsed']}/{b['size']}", ""))

@@ -76,6 +76,16 @@ class AgentEnv:
                 raise ConfigError(f"env.agent {spec!r} takes a 'client', which needs the openai package: "
                                   f"pip install 'asyncrl[envs]' (or take base_url instead)") from None
 
+    def preflight(self) -> None:
+        """The agent function's own check of what it needs outside asyncrl (a server it plays, a key),
+        when it has one: ``fn.preflight()``, called before a run starts; what it raises is one line."""
+        check = getattr(self.fn, "preflight", None)
+        if callable(check):
+            try:
+                check()
+            except Exception as e:  # noqa: BLE001 - any failure of the user's check refuses the run in one line
+                raise ConfigError(f"env.agent {self.spec!r}: {e}") from None
+
     def _setup(self, model: str, request_timeout_s: float, tool_parser: str, max_turns: int) -> None:
         self.model = str(model)
         self.request_timeout_s = float(request_timeout_s)

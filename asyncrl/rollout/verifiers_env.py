@@ -58,8 +58,9 @@ def load_taskset(spec: str, config: dict | None):
     from verifiers.v1.utils.loaders import taskset_class
 
     if not spec:
-        raise ConfigError("env.type=verifiers needs env.kwargs.taskset: 'pkg.module:TasksetClass' or an installed "
-                          "verifiers environment id")
+        raise ConfigError("env.type=verifiers (or tasks.type=verifiers) needs its taskset: env.kwargs.taskset="
+                          "'pkg.module:TasksetClass' or an installed verifiers environment id (tasks.kwargs.taskset "
+                          "is the same key; e.g. examples/verifiers.yaml)")
     if ":" in spec:
         cls = resolve_import(spec, "env.kwargs.taskset")
     else:

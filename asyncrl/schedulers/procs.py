@@ -215,6 +215,13 @@ class ProcSupervisor:
             self._forward()
         return self.poll()
 
+    def write_stop_reason(self, line: str) -> None:
+        """(Rank 0's supervisor, on the learner's node) why the driver stops the run, for the learner's
+        summary: ``<run>/stop_reason.txt`` (:func:`asyncrl.launcher.failed` writes it on one machine)."""
+        from .. import layout
+
+        (Path(self.spec["run_dir"]) / layout.STOP_REASON).write_text(line + "\n")
+
     def cleanup(self) -> None:
         """Remove this supervisor's private directory (its config, keys and output)."""
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -392,6 +392,14 @@ class RayRun:
         return code
 
     # -- stopping ---------------------------------------------------------------------------------
+    def say_stop_reason(self, line: str) -> None:
+        """Give the learner, about to be stopped, ``line`` as its stop reason (summary, learner_stop
+        event, exit code 1), as a run on one machine does; never raises."""
+        try:
+            self._call(self.learner[0].write_stop_reason.remote(line))
+        except Exception:  # noqa: BLE001 - the learner's node is gone: the console line is said anyway
+            pass
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the learner first (it checkpoints and tells the actors to stop), then everything else;
         never raises."""
@@ -449,6 +457,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
             run.watch_relays()
             if ended:
                 _say(ended)
+                run.say_stop_reason(ended)
                 code = 1
                 break
             time.sleep(_POLL_S)

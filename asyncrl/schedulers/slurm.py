@@ -82,6 +82,13 @@ def submit(cfg: Config, dry_run: bool, overwrite: bool, learner_procs: int) -> i
     path.write_text(script_text(cfg, overwrite=overwrite, learner_procs=learner_procs))
     print(f"[asyncrl] wrote {path}", flush=True)
     if dry_run:
+        sc = cfg.launch.slurm
+        print(f"[asyncrl] dry run: nothing submitted. The job asks for {sc.nodes} node(s) for {sc.time}"
+              f"{f' on partition {sc.partition}' if sc.partition else ''}. Submit it on a login node with:\n"
+              f"  sbatch {path}\n"
+              f"its output goes to {Path(cfg.run_root).resolve() / cfg.name}.slurm-<job id>.out and the run to "
+              f"{Path(cfg.run_root).resolve() / cfg.name} (on the first node); scancel <job id> stops it cleanly",
+              flush=True)
         return 0
     try:
         out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
