@@ -99,6 +99,16 @@ class Driver:
             time.sleep(0.5)
         raise AssertionError(f"timed out waiting for {what}:\n{self.text[-4000:]}")
 
+    def check_stopped_output(self) -> None:
+        """(After a Ctrl-C) issue 42.5: the driver says how to resume, as a local run does, and Ray's
+        restart warning (a core_worker.cc error line on every run) is gone."""
+        deadline = time.time() + 30  # (the reader thread takes the last lines)
+        while time.time() < deadline and "--resume" not in self.text:
+            time.sleep(0.2)
+        hint = self.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
+        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), self.text[-2000:]
+        assert "core_worker.cc" not in self.text
+
     def actor_nodes(self) -> dict[str, str]:
         """actor id -> the node id prefix it (last) started on, from the driver's lines."""
         out = {}
@@ -219,12 +229,7 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         # 5. Ctrl-C: the learner checkpoints, every process of the run ends
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
-        deadline = time.time() + 30  # (the reader thread takes the last lines)
-        while time.time() < deadline and "--resume" not in driver.text:
-            time.sleep(0.2)
-        hint = driver.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
-        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), driver.text[-2000:]
-        assert "core_worker.cc" not in driver.text  # (42.5: Ray's restart warning, an error line on every run)
+        driver.check_stopped_output()
         deadline = time.time() + 60
         while time.time() < deadline and any("asyncrl.cli" in _cmdline(p) for p in _descendants(test_pid)):
             time.sleep(0.5)
@@ -304,12 +309,7 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
         assert any("raylet" in _cmdline(p) for p in pids) and any("asyncrl.cli" in _cmdline(p) for p in pids)
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
-        deadline = time.time() + 30  # (the reader thread takes the last lines)
-        while time.time() < deadline and "--resume" not in driver.text:
-            time.sleep(0.2)
-        hint = driver.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
-        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), driver.text[-2000:]
-        assert "core_worker.cc" not in driver.text  # (42.5: Ray's restart warning, an error line on every run)
+        driver.check_stopped_output()
         deadline = time.time() + 60
         while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
             time.sleep(0.5)
@@ -330,10 +330,10 @@ def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_p
                    cwd=ROOT, env=ray_env, timeout=DEADLINE_S)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
-    said = [x for x in out.splitlines() if "actor-0 is gone for good" in x]
-    assert len(said) == 1, out[-4000:]
+    said = [x for x in out.splitlines() if x.startswith("[asyncrl] actor-0 is gone for good")]
+    assert len(said) == 1 and "KeyError" in said[0] and "actor-0.log" in said[0], out[-4000:]  # its error
     stop = [e for e in read_jsonl(tmp_path / "broken" / "events.jsonl") if e["kind"] == "learner_stop"][-1]
-    assert stop["reason"].startswith("actor-0 is gone for good"), stop
+    assert stop["reason"].startswith("actor-0 is gone for good") and "KeyError" in stop["reason"], stop
     assert "stopped by a stop signal" not in out
 
 

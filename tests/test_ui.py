@@ -111,6 +111,15 @@ CHART_JS = """(() => {{
 }})()"""
 
 
+def _folder_of(demo_runs: dict, tmp_path):
+    """A folder of runs holding the Absolute Zero and RLCR demo runs (links)."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for alg in ("absolute_zero", "rlcr"):
+        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    return folder
+
+
 def _chart(browser: Browser, metric: str) -> dict:
     c = browser.js(CHART_JS.format(metric=metric))
     assert c is not None, f"no chart of {metric}"
@@ -122,10 +131,7 @@ def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom
     """Issue 29 items 1 and 2 in a real browser: every metric its own chart with its own y axis;
     both runs of a folder overlaid by default; x switched to wall time; hovering shows both runs'
     values; dragging zooms every chart, a double-click zooms out; smoothing shows the raw value too."""
-    folder = tmp_path / "runs"
-    folder.mkdir()
-    for alg in ("absolute_zero", "rlcr"):
-        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    folder = _folder_of(demo_runs, tmp_path)
     with ui_in_browser(folder, tmp_path / "chromium", "?view=overview") as browser:
         wait_page(browser, lambda d: 'data-metric="entropy"' in d and 'data-metric="tokens_per_s"' in d,
                   what="the entropy and tokens/s charts")
@@ -421,10 +427,7 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
     evaluation; every run of the folder a link; the run shown in the cards and tabs picked by name;
     the tabs that do not apply to it hidden; a wide runs table scrolls inside itself; the Config tab
     leads with what differs from the defaults."""
-    folder = tmp_path / "runs"
-    folder.mkdir()
-    for alg in ("absolute_zero", "rlcr"):
-        (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
+    folder = _folder_of(demo_runs, tmp_path)
     with ui_in_browser(folder, tmp_path / "chromium", "?view=overview&focus=rlcr") as browser:
         wait_page(browser, lambda d: 'data-metric="tokens_per_s"' in d and 'id="hidden-tabs"' in d,
                   what="the charts and the tab rule")
@@ -453,7 +456,7 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
         assert "Proposed tasks" in shown and "Confidence trees" not in shown, shown
 
         browser.goto(base + "?view=config&focus=absolute_zero")
-        dom = wait_page(browser, lambda d: 'id="config-diff"' in d, what="the config's differences")
+        wait_page(browser, lambda d: 'id="config-diff"' in d, what="the config's differences")
         diff = browser.js("document.querySelector('#config-diff').textContent")
         full = browser.js("document.querySelectorAll('pre.arl-config')[1].textContent")
         assert "algorithm: absolute_zero  # default grpo" in diff

@@ -119,7 +119,7 @@ class ProcSupervisor:
     def _watch(self) -> None:
         while not self._stop.is_set():
             done = self.proc.poll() is not None
-            self._forward()
+            self._forward(wait=done)
             if done:
                 if self.proc.returncode != 0 and self.spec.get("restart_on_failure") and not self._stop.is_set():
                     print(f"[asyncrl] {self.name} exited with code {self.proc.returncode}; its supervisor ends "
@@ -128,8 +128,9 @@ class ProcSupervisor:
                 return
             time.sleep(1.0)
 
-    def _forward(self) -> None:
-        """New output to ``<run>/logs/<name>.log``: through the sink (rank 0's supervisor), or here (rank 0)."""
+    def _forward(self, wait: bool = False) -> None:
+        """New output to ``<run>/logs/<name>.log``: through the sink (rank 0's supervisor), or here (rank 0).
+        ``wait``: until the sink has it (the last output of a process that failed: its error)."""
         data = self.read_log(self.forwarded)
         if not data:
             return
@@ -139,10 +140,13 @@ class ProcSupervisor:
             if sink is None:
                 self.append_log(self.name, data)
             else:
+                import ray
+
                 if self._sink is None:
-                    import ray
                     self._sink = ray.get_actor(sink)
-                self._sink.append_log.remote(self.name, data)
+                ref = self._sink.append_log.remote(self.name, data)
+                if wait:
+                    ray.get(ref, timeout=10)
         except Exception:  # noqa: BLE001 - the sink is gone (the learner's node): the driver says so
             pass
 
@@ -214,6 +218,13 @@ class ProcSupervisor:
         if self.proc is not None:
             self._forward()
         return self.poll()
+
+    def last_error_line(self, name: str) -> str:
+        """(Rank 0's supervisor, which holds the logs) the last line of ``<run>/logs/<name>.log`` that
+        says something: a failed process's error."""
+        from ..launcher import last_error_line
+
+        return last_error_line(Path(self.spec["run_dir"]) / "logs" / f"{name}.log")
 
     def write_stop_reason(self, line: str) -> None:
         """(Rank 0's supervisor, on the learner's node) why the driver stops the run, for the learner's

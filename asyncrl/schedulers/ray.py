@@ -359,7 +359,7 @@ class RayRun:
                 continue
             except ray.exceptions.ActorDiedError as e:
                 return (f"actor-{i} is gone for good after {self.cfg.launch.ray.max_restarts} restart(s) "
-                        f"(launch.ray.max_restarts): {str(e).splitlines()[0][:300]}")
+                        f"(launch.ray.max_restarts): {self._last_words(f'actor-{i}', e)}")
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
                 if i not in self.said_restarting:
                     self.said_restarting.add(i)
@@ -392,6 +392,18 @@ class RayRun:
         return code
 
     # -- stopping ---------------------------------------------------------------------------------
+    def _last_words(self, name: str, error) -> str:
+        """What a process that Ray gave up on said last (its log's last line, on the learner's node), and
+        where its log is; Ray's own reason where that log has nothing."""
+        log = f"{self.run_dir}/logs/{name}.log"
+        try:
+            line = self._call(self.learner[0].last_error_line.remote(name))
+        except Exception:  # noqa: BLE001 - the learner's node is gone too
+            line = ""
+        if line and not line.startswith("("):  # (not "(no log)", "(its log is empty)")
+            return f"{line}; its log: {log} (on the learner's node)"
+        return f"{str(error).splitlines()[0][:300]}; its log: {log} (on the learner's node)"
+
     def say_stop_reason(self, line: str) -> None:
         """Give the learner, about to be stopped, ``line`` as its stop reason (summary, learner_stop
         event, exit code 1), as a run on one machine does; never raises."""
