@@ -99,14 +99,20 @@ def build_app(source, live=None, title: str = "asyncrl"):
     catalog = source if isinstance(source, RunCatalog) else RunCatalog(source, name=title)
     empty = RunStore()
 
-    # ``pick``: {"sel": the runs picked, "focus": the run the cards and tabs show}, one per page (a gr.State)
+    # ``pick``: {"sel": the runs picked, "focus": the run the cards and tabs show}, one per page (a gr.State);
+    # None (nothing picked) and a plain list of run names are taken too (an algorithm tab's own handlers)
+    def _pick(pick) -> dict:
+        if isinstance(pick, dict):
+            return {"sel": list(pick.get("sel") or []), "focus": pick.get("focus")}
+        return {"sel": list(pick or []), "focus": None}
+
     def chosen(pick):
         """The picked runs; in a folder of runs with none picked, its first MAX_DEFAULT_RUNS by name."""
-        return catalog.stores(pick["sel"] or catalog.names()[:MAX_DEFAULT_RUNS])
+        return catalog.stores(_pick(pick)["sel"] or catalog.names()[:MAX_DEFAULT_RUNS])
 
     def focus_name(pick) -> str | None:
-        stores = chosen(pick)
-        return pick.get("focus") if pick.get("focus") in stores else next(iter(stores), None)
+        stores, focus = chosen(pick), _pick(pick)["focus"]
+        return focus if focus in stores else next(iter(stores), None)
 
     def main_store(pick):
         """The run the cards, the actors table and the tabs show (``focus``; else the first picked)."""
@@ -123,7 +129,7 @@ def build_app(source, live=None, title: str = "asyncrl"):
         shown = list(chosen(pick))
         # every run of the folder one click away (the link opens the page on it alone)
         listed = ", ".join(f'<a href="?runs={quote(n)}" class="arl-run-link">{V.esc(n)}</a>' for n in names)
-        how = ("picked above" if pick["sel"] else f"none picked: the first {len(shown)} by name"
+        how = ("picked above" if _pick(pick)["sel"] else f"none picked: the first {len(shown)} by name"
                if len(shown) < len(names) else "none picked: all of them")
         return V.note(f"<span id=\"runs-list\">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>"
                       f"{': ' + listed if names else ''}</span>. Shown ({how}): "
@@ -165,7 +171,7 @@ def build_app(source, live=None, title: str = "asyncrl"):
             return [gr.skip()] * len(heavy_out)
         store = main_store(pick)
         names = catalog.names()
-        runs = gr.update(choices=names, value=[n for n in pick["sel"] if n in names])
+        runs = gr.update(choices=names, value=[n for n in _pick(pick)["sel"] if n in names])
         stores = chosen(pick)
         focus = gr.update(choices=list(stores), value=focus_name(pick))
         algo_out, at = [], 0
