@@ -205,8 +205,7 @@ def _dry_run(cfg, heldout: str, args) -> int:
     """``asyncrl run --dry-run`` with the local or Ray scheduler: the config and its set-up checked
     (preflight), what the run directory would do (start fresh, resume, or refuse), and the command
     that starts it; nothing is started or written. Exit code 2 when the start would be refused."""
-    import shlex
-
+    from .launcher import this_command
     from .rundir import RunDirError, plan_start, state_found  # (both only read)
 
     run_dir = Path(cfg.run_dir).resolve()
@@ -215,10 +214,9 @@ def _dry_run(cfg, heldout: str, args) -> int:
     print(f"[asyncrl] dry run: the config and its set-up passed the checks; nothing was started or written. It "
           f"would start {args.learner_procs} learner process(es) and {cfg.actor.num} actor(s) {where} for "
           f"{cfg.train.total_steps} steps, in {run_dir}", flush=True)
-    code = 0
-    if args.overwrite and state_found(cfg.run_dir):
-        print(f"[asyncrl] --overwrite would delete what {run_dir} holds ({'; '.join(state_found(cfg.run_dir))})",
-              flush=True)
+    code, state = 0, state_found(cfg.run_dir)
+    if args.overwrite and state:
+        print(f"[asyncrl] --overwrite would delete what {run_dir} holds ({'; '.join(state)})", flush=True)
     elif not args.overwrite:
         try:
             plan = plan_start(cfg)
@@ -227,8 +225,7 @@ def _dry_run(cfg, heldout: str, args) -> int:
         except RunDirError as e:
             print(f"[asyncrl] the start would be refused: {e}", flush=True)
             code = 2
-    argv = [a for a in sys.argv[1:] if a != "--dry-run"]
-    print(f"[asyncrl] start it with:\n  asyncrl {' '.join(shlex.quote(a) for a in argv)}", flush=True)
+    print(f"[asyncrl] start it with:\n  {this_command(lambda a: a == '--dry-run')}", flush=True)
     return code
 
 

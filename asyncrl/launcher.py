@@ -159,10 +159,14 @@ def _how_to_resume(run_dir: Path) -> None:
           f"  {resume_command()}", file=sys.stderr, flush=True)
 
 
+def this_command(drop=lambda arg: False) -> str:
+    """This ``asyncrl`` command line, quoted for a shell, without the arguments ``drop`` picks."""
+    return "asyncrl " + " ".join(shlex.quote(a) for a in sys.argv[1:] if not drop(a))
+
+
 def resume_command() -> str:
     """This ``asyncrl`` command line with ``--resume`` (and no other resume switch)."""
-    argv = [a for a in sys.argv[1:] if a != "--resume" and not a.startswith("checkpoint.resume=")]
-    return f"asyncrl {' '.join(shlex.quote(a) for a in argv)} --resume"
+    return this_command(lambda a: a == "--resume" or a.startswith("checkpoint.resume=")) + " --resume"
 
 
 def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:
