@@ -1,4 +1,4 @@
-"""The command-line options of the UI, defined once: ``asyncrl ui`` (:mod:`asyncrl.cli`) and
+"""The command-line options of the UI, defined once: ``asyncrl ui`` (:mod:`asyncrl.commands.cli`) and
 ``python -m app.main`` both build their parser with :func:`add_ui_arguments`."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 // values, drag to zoom (all charts together), double-click to zoom out. The charts fill the page's
 // width (two per row from 900 px, three from 1500 px); each says its unit on the y axis and whether
 // its values are per step, cumulative or per evaluation. Runs in the browser as the js_on_load of a gr.HTML whose
-// value is the JSON of asyncrl.analysis.charts.chart_data. No library: plain SVG.
+// value is the JSON of asyncrl.analysis.metric_series.chart_data. No library: plain SVG.
 const S = element.__arlCharts || (element.__arlCharts = {x: "step", smooth: 0.6, zoom: null, filter: "", closed: {}});
 const NS = "http://www.w3.org/2000/svg";
 let W = 460;  // a chart's width: set from the grid's width by drawGrid

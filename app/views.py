@@ -17,9 +17,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from asyncrl.analysis import RunStore, actor_statuses, chart_data, run_state, runs_table, staleness_counts
-from asyncrl.analysis.charts import SUMMARY_METRICS
+from asyncrl.analysis.metric_series import SUMMARY_METRICS
 from asyncrl.config import ConfigError
-from asyncrl.layout import config_snapshot
+from asyncrl.rundir.layout import config_snapshot
 from asyncrl.rollout.workflow import all_workflows, workflow_class
 
 from .kit import CSS, AlgorithmView, curves, empty_axes, esc, figure, fmt, fmt_rate, html_table, note  # noqa: F401
@@ -186,7 +186,7 @@ def config_html(store: RunStore) -> str:
 def _config_diff(path: Path) -> str:
     """What the snapshot at ``path`` sets apart from the defaults, the default beside each key."""
     from asyncrl.config import load_config
-    from asyncrl.config_show import show_config
+    from asyncrl.analysis.config_view import show_config
 
     try:
         text = show_config(load_config(path), diff=True)

@@ -8,13 +8,13 @@ bad values fail at start-up with the field path and what is allowed (``ConfigErr
 from __future__ import annotations
 
 import difflib
-
+import importlib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 
@@ -26,8 +26,35 @@ class ConfigError(ValueError):
     """A configuration problem, with the field path and the allowed values in the message."""
 
 
+def registered(table: str, default: str, description: str, import_path: bool = False) -> Any:
+    """A field whose value names an entry of a :class:`asyncrl.registry.Registry`: ``table`` is where the
+    registry lives (``module:NAME``). The registry is the one declaration of the names: a value other
+    than the default is checked against it when the config is validated (looked up by name, so the
+    config imports nothing above it; the error lists the registered names). ``import_path``: an import
+    path ``pkg.module:Name`` is taken too (resolved where it is used)."""
+    return Field(default, description=description, json_schema_extra={"registry": table, "import_path": import_path})
+
+
+def _registry(table: str):
+    module, _, name = table.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*")
+    @classmethod
+    def _registered_name(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields[info.field_name]
+        extra = field.json_schema_extra
+        if not isinstance(extra, dict) or "registry" not in extra or value == field.default:
+            return value  # (the defaults are registered: tests/test_architecture.py checks it)
+        table = _registry(extra["registry"])
+        if value in table or (extra["import_path"] and (":" in value or "." in value)):
+            return value
+        also = ", or an import path 'pkg.module:Name'" if extra["import_path"] else ""
+        raise ValueError(f"unknown {table.kind} {value!r}; valid names: {', '.join(table.names())}{also}")
 
 
 class EmbeddedModelConfig(_Base):
@@ -88,7 +115,7 @@ class ModelConfig(_Base):
 
 
 class TasksConfig(_Base):
-    type: str = Field("arithmetic", description=(
+    type: str = registered("asyncrl.envs.tasks:TASK_SOURCES", "arithmetic", import_path=True, description=(
         "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), 'reasoning_gym' "
         "(procedural datasets; kwargs datasets, size, seed; the reward defaults to their own scorers), "
         "'verifiers' (the dataset of env.type=verifiers), or an import path 'pkg.module:function' "
@@ -121,7 +148,7 @@ class TasksConfig(_Base):
 
 
 class EnvConfig(_Base):
-    type: str = Field("single_turn", description=(
+    type: str = registered("asyncrl.envs.base:ENVS", "single_turn", import_path=True, description=(
         "Environment: 'single_turn' (one reply scored by the reward function), 'calculator' (multi-turn: "
         "the model may call a calculator with 'calc:EXPR' before answering; kwargs tool_prefix, "
         "max_calls), 'agent' (any agent code calling the actor's OpenAI-compatible endpoint: env.agent; "
@@ -131,7 +158,7 @@ class EnvConfig(_Base):
         "env.type=agent: the agent function 'pkg.module:fn' (plain or async), called per rollout with the "
         "keyword arguments it names among task, client (an openai client on the rollout's endpoint), "
         "base_url, api_key, model; it returns the reward (a float or a dict of scores with 'reward')."))
-    reward: str = Field("arithmetic", description=(
+    reward: str = registered("asyncrl.envs.base:REWARDS", "arithmetic", import_path=True, description=(
         "Reward function: 'arithmetic' (exact numeric match), 'exact_match' (normalised string), "
         "'reasoning_gym' (the task's reasoning-gym dataset scorer; the default with that source), or an "
         "import path 'pkg.module:function' taking (task, response_text) and returning a float or dict."))
@@ -163,7 +190,7 @@ class SamplingConfig(_Base):
 
 
 class EngineConfig(_Base):
-    type: Literal["hf", "vllm"] = Field("hf", description="Generation engine.")
+    type: str = registered("asyncrl.engine:ENGINES", "hf", description="Generation engine.")
     device: str = Field("cpu", description="Torch device for the hf engine ('cpu', 'cuda', 'cuda:1').")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=(
         "vLLM: share of the GPU's memory it may take (weights + KV cache); leave room for a learner "
@@ -220,7 +247,8 @@ class ActorConfig(_Base):
 
 
 class AdvantageConfig(_Base):
-    estimator: str = Field("grpo", description="Advantage estimator (registry name).")
+    estimator: str = registered("asyncrl.objectives.advantages:ADV_ESTIMATORS", "grpo",
+                                description="Advantage estimator (registry name).")
     norm_by_std: bool = Field(True, description="Divide by the group std (false: Dr.GRPO, A = R - mean).")
     singleton: Literal["zero", "verl"] = Field("zero", description=(
         "Advantage of a group of one: 'zero' (no baseline, no gradient) or 'verl' (verl's mean 0 / std 1: "
@@ -239,7 +267,8 @@ class TrainConfig(_Base):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the version advances once).")
-    policy_loss: str = Field("ppo", description="Policy loss (registry name).")
+    policy_loss: str = registered("asyncrl.objectives.losses:POLICY_LOSSES", "ppo",
+                                  description="Policy loss (registry name).")
     shared_prefix: bool = Field(True, description=(
         "Run the tokens shared by a batch's rows up to their first trained token (a prompt's completions) "
         "once per forward, the rows' suffixes attending to that prefix's key/value cache: the same log-probs "
@@ -253,8 +282,8 @@ class TrainConfig(_Base):
         "Decoupled PPO: recompute the proximal policy's log-probs before the update and weight each "
         "token by a behaviour weight from rho = exp(logp_prox - logp_behavior) (off_policy_correction). "
         "False: plain PPO against behaviour."))
-    off_policy_correction: Literal["decoupled", "token_tis", "seq_tis", "seq_mis", "icepop", "geo_mask"] = Field(
-        "decoupled", description=(
+    off_policy_correction: str = registered(
+        "asyncrl.objectives.corrections:OFF_POLICY_CORRECTIONS", "decoupled", description=(
             "Behaviour weight from rho (needs recompute_proximal; docs/off_policy.md): 'decoupled' (AReaL: "
             "min(rho, is_cap), or 0 above is_cap with is_cap_mode=mask), 'token_tis' (min(rho_t, is_cap)), "
             "'seq_tis' (min(prod rho_t, is_cap) per sequence), 'seq_mis' (prod rho_t, 0 above is_cap), "
@@ -291,7 +320,7 @@ class TrainConfig(_Base):
         "The training step over several processes (accelerate launch / torchrun; configs/accelerate/): "
         "'none' (one process), 'ddp' (DistributedDataParallel) or 'fsdp2' (fully_shard per decoder layer). "
         "Each rank trains on its share of every mini-batch; gradients equal one process's "
-        "(asyncrl.learner.distributed). 'none' under a launcher of several processes: DDP, or FSDP2 "
+        "(asyncrl.learner.training.distributed). 'none' under a launcher of several processes: DDP, or FSDP2 "
         "when the accelerate config says FSDP. One process always trains as 'none'."))
     distributed_timeout_s: float = Field(120.0, gt=0, description=(
         "Learner group (several learner processes): a training collective that waits longer than this "
@@ -395,7 +424,7 @@ class ReplayConfig(_Base):
 
 
 class SyncConfig(_Base):
-    type: Literal["zmq", "filesystem", "ipc", "nccl"] = Field("zmq", description=(
+    type: str = registered("asyncrl.sync:TRANSPORTS", "zmq", description=(
         "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
         "`dir` and sends actors only the path (actors must see the same filesystem); 'ipc' writes each "
         "version into shared memory and sends only its name and layout (actors on the learner's host); "
@@ -550,7 +579,7 @@ class SlurmLaunchConfig(_Base):
 class LaunchConfig(_Base):
     """Where the processes run (``asyncrl run``)."""
 
-    scheduler: Literal["local", "ray", "slurm"] = Field("local", description=(
+    scheduler: str = registered("asyncrl.schedulers:SCHEDULERS", "local", description=(
         "local: child processes of asyncrl run on this machine; ray: Ray actors on a cluster; slurm: a batch "
         "job (submitted, or run inside the allocation it is started in)."))
     learner: Resources = Field(default_factory=Resources, description="Each learner process's resources.")

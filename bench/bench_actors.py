@@ -32,7 +32,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.analysis.records import quiet_records  # noqa: E402
+from asyncrl.analysis.jsonl import quiet_records  # noqa: E402
 from asyncrl.types import Episode, Trajectory  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_episode  # noqa: E402
 from asyncrl.wire.messages import Hello, Status  # noqa: E402
@@ -76,7 +76,7 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
     name = f"n{n_actors}"
     run_dir = workdir / name
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    learner = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "learn", "-c", "configs/quickstart.yaml",
+    learner = subprocess.Popen([sys.executable, "-m", "asyncrl", "learn", "-c", "configs/quickstart.yaml",
                                 f"run_root={workdir}", f"name={name}", "train.total_steps=1000000", "eval.every=0",
                                 "eval.size=8", "checkpoint.every=0", "log.progress=false", "buffer.max_staleness=4",
                                 f"wire.max_actors={max(n_actors * 2, 16)}", "wire.lease_s=30", "--overwrite"],

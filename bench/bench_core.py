@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.buffer import EpisodeQueue  # noqa: E402
-from asyncrl.records import encode_record  # noqa: E402
-from asyncrl.learner.net import LearnerNet  # noqa: E402
-from asyncrl.learner.peers import EpisodeValidator  # noqa: E402
+from asyncrl.learner.ingest.buffer import EpisodeQueue  # noqa: E402
+from asyncrl.rundir.record_file import encode_record  # noqa: E402
+from asyncrl.learner.ingest.net import LearnerNet  # noqa: E402
+from asyncrl.learner.ingest.peers import EpisodeValidator  # noqa: E402
 from asyncrl.lifecycle import freeze_startup_heap  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
 from asyncrl.wire.sockets import bind  # noqa: E402
@@ -298,7 +298,7 @@ def bench_runs(steps: int, runs=DEFAULT_RUNS) -> list[dict]:
     rows = []
     for label, overrides in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(ROOT / "configs/quickstart.yaml"),
+            cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(ROOT / "configs/quickstart.yaml"),
                    f"run_root={tmp}", "name=bench", f"train.total_steps={steps}", *overrides,
                    "eval.every=0", "eval.size=1", "log.progress=false", "checkpoint.every=0"]
             t0 = time.time()

@@ -115,8 +115,8 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     from asyncrl.config import SamplingConfig, load_config
     from asyncrl.engine.hf import HFEngine
     from asyncrl.models.loading import load_policy
-    from asyncrl.models.prompts import render_tokens
-    from asyncrl.rollout.endpoint import Endpoint
+    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.envs.endpoint import Endpoint
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)

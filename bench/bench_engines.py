@@ -112,7 +112,7 @@ def bench_vllm(path: Path, tok, prompts, new_tokens: int, dtype: str, mem: float
 
 
 def mismatch(model, tok, prompts, gens, device: str) -> tuple[float, float]:
-    from asyncrl.learner.batch import collate, compute_logprobs
+    from asyncrl.learner.training.batch import collate, compute_logprobs
     from asyncrl.types import Trajectory
 
     diffs = []

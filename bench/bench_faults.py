@@ -244,7 +244,7 @@ def sc_enospc(root: Path, tmp: Path) -> None:
 
 
 def sc_public(root: Path, tmp: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "learn", f"run_root={tmp}", "wire.host=0.0.0.0",
+    res = subprocess.run([sys.executable, "-m", "asyncrl", "learn", f"run_root={tmp}", "wire.host=0.0.0.0",
                           f"model.embedded.cache_dir={tmp.parent / 'models'}", *TINY],
                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, cwd=root,
                          timeout=300)

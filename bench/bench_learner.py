@@ -4,7 +4,7 @@
         [--setups 1x2 1x1 2x1:ddp 2x1:fsdp2] [-o KEY=VALUE ...]
 
 Each setup ``PROCSxTHREADS[:MODE]`` runs the learner's real training step
-(:class:`asyncrl.learner.trainer.PolicyTrainer`, the config's loss, AdamW) on the model the config
+(:class:`asyncrl.learner.training.trainer.PolicyTrainer`, the config's loss, AdamW) on the model the config
 selects (default: the embedded quick-start model) over a fixed batch of ``--batch`` trajectories of
 ``--prompt`` + ``--response`` tokens (``--group`` completions per prompt, sharing it; or
 ``--distinct-prompts``), in PROCS processes of THREADS torch threads each (a gloo group
@@ -40,8 +40,8 @@ def worker(args) -> None:
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.learner import distributed
-    from asyncrl.learner.group import make_trainer
+    from asyncrl.learner.training import distributed
+    from asyncrl.learner.training.ranks import make_trainer
     from asyncrl.models.loading import load_policy
     from asyncrl.types import Trajectory
 

@@ -2,7 +2,7 @@
 
 1. Learner bytes per weights version with and without the per-node relay, for 2 nodes x 4 actors,
    for the embedded demo model and for Qwen2.5-0.5B's shapes (random bf16 weights, 494M parameters):
-   the learner's real weights socket (:class:`asyncrl.learner.net.LearnerNet`) publishes; without the
+   the learner's real weights socket (:class:`asyncrl.learner.ingest.net.LearnerNet`) publishes; without the
    relay 8 subscribers take every version from it, with it 2 relays (:class:`asyncrl.sync.relay.WeightRelay`)
    take it once each and serve 4 subscribers each from shared memory. Bytes are the learner's own
    count (``weights_bytes_sent``).
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.net import LearnerNet  # noqa: E402
+from asyncrl.learner.ingest.net import LearnerNet  # noqa: E402
 from asyncrl.sync.relay import WeightRelay  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_weights  # noqa: E402
 from asyncrl.wire.messages import Subscribe  # noqa: E402
@@ -131,7 +131,7 @@ def relay_bytes(state: dict[str, torch.Tensor], versions: int, relay: bool, node
 
 def time_to_first_step(scheduler: str, address: str | None, env: dict, workdir: Path) -> float:
     run = workdir / scheduler
-    args = [sys.executable, "-m", "asyncrl.cli", "run", "-c", "configs/quickstart.yaml", "--scheduler", scheduler,
+    args = [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler", scheduler,
             f"run_root={workdir}", f"name={scheduler}", "train.total_steps=100000", "actor.num=4",
             "eval.size=20", "eval.every=100000"]
     if scheduler == "ray":

@@ -78,7 +78,7 @@ def _jsonl(path: Path) -> list[dict]:
 def run_one(name: str, overrides: list[str], args) -> Path:
     """One ``asyncrl run``; returns its run directory. Stopped at ``--minutes`` (SIGINT, then SIGKILL
     after a grace period) or left to finish ``--steps``; never left running."""
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(args.config), "--overwrite", f"name={name}",
+    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", f"name={name}",
            f"run_root={args.run_root}", "log.progress=false", *overrides]
     run_dir = Path(args.run_root) / name
     log = open(Path(args.run_root) / f"{name}.log", "w")

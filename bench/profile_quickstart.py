@@ -140,7 +140,7 @@ def main() -> None:
         raise SystemExit("py-spy is not installed: pip install -e '.[bench]'")
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = args.out / "run"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(args.config), "--overwrite", "name=run",
+    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", "name=run",
            f"run_root={args.out}", "log.progress=false", "train.total_steps=10000000", "eval.every=0",
            "checkpoint.every=0", *args.set]
     with open(args.out / "run.log", "w") as log:

@@ -102,7 +102,7 @@ def trl_worker(args) -> None:
     from asyncrl.envs.base import get_reward_fn, scores_from
     from asyncrl.envs.tasks import task_stream
     from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path
-    from asyncrl.models.prompts import render_tokens
+    from asyncrl.envs.prompts import render_tokens
 
     cfg = _cfg(args)
     torch.manual_seed(cfg.seed)
@@ -169,13 +169,13 @@ def trl_worker(args) -> None:
 def run_asyncrl(args) -> dict:
     """``asyncrl run`` for ``--minutes`` of training (stopped with SIGINT: it checkpoints), then the
     held-out accuracy of the checkpoint it saved."""
-    from asyncrl.layout import latest_checkpoint
+    from asyncrl.rundir.layout import latest_checkpoint
     from asyncrl.models.loading import load_model, load_tokenizer
 
     cfg = _cfg(args)
     name = "asyncrl"
     run_dir = Path(args.run_root) / name
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "-c", str(args.config), "--overwrite", f"name={name}",
+    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", f"name={name}",
            f"run_root={args.run_root}", "log.progress=false", "train.total_steps=10000000", "eval.every=0",
            "checkpoint.every=0", *args.set]
     with open(Path(args.run_root) / f"{name}.log", "w") as out:

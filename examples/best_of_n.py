@@ -16,7 +16,7 @@ directory)::
   shared conversation loop (:mod:`asyncrl.rollout.conversation`), on the actor;
 - its own ``algo:`` section, validated when the config loads (a pydantic model, ``extra="forbid"``);
 - advantages of its own, set on ``Trajectory.advantage`` (the learner's estimator then leaves them
-  as they are: :func:`asyncrl.advantages.trajectory_advantages`).
+  as they are: :func:`asyncrl.objectives.advantages.trajectory_advantages`).
 
 ``algorithm: examples.best_of_n:BestOfNWorkflow`` loads it by import path. It is also registered as
 ``best_of_n``: the name the registry finds by itself when the file lives in ``asyncrl/algos/``.

@@ -29,7 +29,7 @@ _LOCK = threading.Lock()
 def make_runs(tmp_path_factory, model_cache: Path) -> dict[str, Path]:
     """``{"absolute_zero": dir, "rlcr": dir}``: 3 steps each, made concurrently once per session,
     with a ``sample`` event every step."""
-    from asyncrl.demo import demo_run
+    from asyncrl.analysis.demo_runs import demo_run
 
     with _LOCK:
         if not _RUNS:

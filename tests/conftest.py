@@ -91,7 +91,7 @@ def random_engine(tok):
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
+    return [sys.executable, "-m", "asyncrl", *args]
 
 
 def subprocess_env() -> dict:
@@ -101,13 +101,13 @@ def subprocess_env() -> dict:
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
-    from asyncrl.launcher import wait_for_addresses
+    from asyncrl.schedulers.local import wait_for_addresses
 
     return wait_for_addresses(path, proc, timeout)
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    from asyncrl.runlog import read_jsonl as _read
+    from asyncrl.rundir.runlog import read_jsonl as _read
 
     return _read(path)
 
@@ -286,7 +286,7 @@ def stop_processes(procs) -> None:
 def wal_ids(run_dir: Path) -> set[str]:
     """Episode ids in every WAL segment of a run: what the learner acknowledged since the oldest kept
     checkpoint (a killed learner's last record may be torn: reading stops there)."""
-    from asyncrl.records import read_frame_records
+    from asyncrl.rundir.record_file import read_frame_records
     from asyncrl.wire.codec import decode, decode_episode
 
     ids = set()
@@ -298,7 +298,7 @@ def wal_ids(run_dir: Path) -> set[str]:
 
 def checkpoint_buffer_ids(ckpt: Path) -> set[str]:
     """Episode ids in a checkpoint's saved buffer (read strictly: a checkpoint is whole or refused)."""
-    from asyncrl.records import read_frame_records
+    from asyncrl.rundir.record_file import read_frame_records
     from asyncrl.wire.codec import decode, decode_episode
 
     return {decode_episode(decode(f)).id for f in read_frame_records(ckpt / "buffer.bin")}
@@ -359,7 +359,7 @@ class ResumableRun:
         if procs == 1:
             self.learner = self._start(args, f"learner{self.lives}.log")
             return self.learner
-        from asyncrl.launcher import free_port
+        from asyncrl.schedulers.local import free_port
         group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for rank in range(procs):
             name = f"learner{self.lives}.log" if rank == 0 else f"learner{self.lives}-rank{rank}.log"

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from asyncrl.learner import distributed
-from asyncrl.learner.core_algos import LOSS_AGG_MODES
+from asyncrl.learner.training import distributed
+from asyncrl.objectives.aggregation import LOSS_AGG_MODES
 from asyncrl.types import Trajectory
 
 # gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
@@ -67,10 +67,10 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     publish) and ``optim/<name>/<key>`` (:func:`distributed.optimizer_state`: what a checkpoint
     saves); the last two on rank 0 only under a process group."""
     from asyncrl.config import load_config
-    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
-    from asyncrl.learner import batch as batch_module
+    from asyncrl.learner.training import batch as batch_module
 
     cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
     torch.manual_seed(0)

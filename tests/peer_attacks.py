@@ -134,7 +134,7 @@ class LiveRun:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(self.root), env.get("PYTHONPATH", "")])
         out = open(self.logs / f"{self.dir.name}-{log}.log", "w")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "asyncrl.cli", command, *self.overrides, *args],
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "asyncrl", command, *self.overrides, *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
                                 start_new_session=True)  # its own group: ``stop`` kills all of it
         self.procs.append(proc)

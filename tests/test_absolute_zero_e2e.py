@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.learner.buffer import EpisodeQueue
+from asyncrl.learner.ingest.buffer import EpisodeQueue
+from asyncrl.learner.staleness import StalenessPolicy
 from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
@@ -73,7 +74,7 @@ def test_empty_episode_keeps_its_version_through_wire_and_buffer(tmp_path):
     buf = EpisodeQueue(tmp_path / "buf", capacity=8)
     buf.open_wal(0)
     buf.add(back, encode_episode(back))
-    taken = buf.take(1, version=6, max_staleness=1)
+    taken = buf.take(1, version=6, staleness=StalenessPolicy(1, "drop"))
     assert taken is not None and taken[0].id == ep.id and buf.dropped_stale == 0
 
 

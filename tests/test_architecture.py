@@ -31,10 +31,10 @@ ALGO_UI = ("asyncrl.algos.*.ui",)
 FORBIDDEN = [
     (ACTOR_SIDE, ("asyncrl.learner",), "code that runs on an actor never imports the learner"),
     (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
-    (("app",), ("asyncrl.cli",), "the UI app does not import the command line (the CLI starts the app)"),
+    (("app",), ("asyncrl.commands.cli",), "the UI app does not import the command line (the CLI starts the app)"),
     (("asyncrl.analysis",), ("app",), "run analysis is UI-free (the app reads it, not the other way)"),
-    (("asyncrl.rundir",), ("asyncrl.learner",), "the run directory's rules sit below the learner (paths and "
-                                               "checkpoint selection are asyncrl.layout)"),
+    (("asyncrl.rundir.claim",), ("asyncrl.learner",), "the run directory's rules sit below the learner (paths and "
+                                               "checkpoint selection are asyncrl.rundir.layout)"),
     (("asyncrl.engine",), ("asyncrl.models",), "engines run a loaded model; they do not build or load one"),
     (("asyncrl.models",), ("asyncrl.engine",), "building a model needs no engine (init_model measures it)"),
     (("asyncrl.algos",), ("asyncrl.analysis", "app"), "algorithms sit below the run analysis and the UI that read "
@@ -45,7 +45,7 @@ FORBIDDEN = [
 ]
 
 # The ground floor: modules any layer may import, which import no other asyncrl module but each other.
-GROUND = ("asyncrl.layout", "asyncrl.records", "asyncrl.types")
+GROUND = ("asyncrl.rundir.layout", "asyncrl.rundir.record_file", "asyncrl.types")
 
 
 def ground_floor_edges(graph: dict[str, set[str]], ground=GROUND) -> list[str]:
@@ -200,7 +200,7 @@ def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
 # ------------------------------------------------------------------------------------- the rules
 def test_the_scan_sees_the_whole_package():
     graph = import_graph()
-    assert {"asyncrl.cli", "asyncrl.actor.actor", "asyncrl.learner.trainer", "asyncrl.rollout.workflow",
+    assert {"asyncrl.commands.cli", "asyncrl.actor.actor", "asyncrl.learner.training.trainer", "asyncrl.rollout.workflow",
             "app.main"} <= set(graph)
     # imports inside functions and relative imports are followed (make_engine imports .hf lazily)
     assert "asyncrl.engine.hf" in graph["asyncrl.engine"]
@@ -236,20 +236,20 @@ def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
         "asyncrl/rollout/__init__.py": "",
         "asyncrl/rollout/loop.py": "def f():\n    from ..actor.actor import x\n",
         "asyncrl/envs/__init__.py": "",
-        "asyncrl/envs/base.py": "from asyncrl.learner.buffer import EpisodeQueue\nfrom .. import config\n",
+        "asyncrl/envs/base.py": "from asyncrl.learner.ingest.buffer import EpisodeQueue\nfrom .. import config\n",
         "asyncrl/learner/__init__.py": "",
-        "asyncrl/learner/buffer.py": "from asyncrl import config\n",
+        "asyncrl/learner/ingest/buffer.py": "from asyncrl import config\n",
         "app/__init__.py": "",
-        "app/main.py": "import asyncrl.cli\n",
+        "app/main.py": "import asyncrl.commands.cli\n",
     })
     graph = import_graph(tmp_path)
-    assert graph["asyncrl.envs.base"] == {"asyncrl.learner.buffer", "asyncrl.config"}
-    assert graph["app.main"] == {"asyncrl"}  # no asyncrl/cli.py in this tree: its package is what runs
+    assert graph["asyncrl.envs.base"] == {"asyncrl.learner.ingest.buffer", "asyncrl.config"}
+    assert graph["app.main"] == {"asyncrl"}  # no asyncrl/commands/cli.py in this tree: its package is what runs
     assert find_cycles(graph) == [["asyncrl.actor.actor", "asyncrl.rollout.loop", "asyncrl.actor.actor"]]
     assert forbidden_edges(graph) == [
-        "asyncrl.envs.base -> asyncrl.learner.buffer: code that runs on an actor never imports the learner"]
-    assert ground_floor_edges({"asyncrl.layout": {"asyncrl.types", "asyncrl.config"}}) == [
-        "asyncrl.layout -> asyncrl.config: the ground floor imports only the ground floor"]
+        "asyncrl.envs.base -> asyncrl.learner.ingest.buffer: code that runs on an actor never imports the learner"]
+    assert ground_floor_edges({"asyncrl.rundir.layout": {"asyncrl.types", "asyncrl.config"}}) == [
+        "asyncrl.rundir.layout -> asyncrl.config: the ground floor imports only the ground floor"]
 
 
 def test_weight_transports_declare_what_the_learner_calls():
@@ -265,12 +265,13 @@ def test_weight_transports_declare_what_the_learner_calls():
 
 
 def test_every_name_table_is_a_registry_with_the_import_path_fallback():
-    from asyncrl.advantages import ADV_ESTIMATORS
+    from asyncrl.objectives.advantages import ADV_ESTIMATORS
     from asyncrl.algos.absolute_zero.domains import DOMAINS
     from asyncrl.config import ConfigError
     from asyncrl.engine import ENGINES
     from asyncrl.envs.base import ENVS, REWARDS
-    from asyncrl.learner.core_algos import OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+    from asyncrl.objectives.corrections import OFF_POLICY_CORRECTIONS
+    from asyncrl.objectives.losses import POLICY_LOSSES
     from asyncrl.models.tiny import BUILTIN_FORMATS
     from asyncrl.registry import Registry
     from asyncrl.rollout.workflow import WORKFLOWS, workflow_class

@@ -17,7 +17,7 @@ from asyncrl.config import load_config
 from asyncrl.envs.base import make_env
 from asyncrl.envs.guard import EnvFailure, TooManyFailures
 from asyncrl.envs.tasks import describe_heldout, split_tasks
-from asyncrl.learner.trainer import PolicyTrainer
+from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tiny import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learner.batch import TrainBatch, collate, compute_logprobs
+from asyncrl.learner.training.batch import TrainBatch, collate, compute_logprobs
 from asyncrl.types import Trajectory
 
 PAD = 0
@@ -113,7 +113,7 @@ def test_compute_logprobs_has_grad():
 def test_mismatch_stats_count_only_tokens_made_with_the_current_weights():
     import math
 
-    from asyncrl.learner.trainer import mismatch_stats
+    from asyncrl.learner.training.trainer import mismatch_stats
 
     rows = [Trajectory(np.array([5, 6, 7, 8], np.int32), np.array([0, 0, 1, 1], np.uint8),
                        np.array([0, 0, -1.0, -2.0], np.float32), policy_version=v) for v in (3, 2)]

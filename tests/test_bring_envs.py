@@ -1,5 +1,5 @@
 """Environments people already have: verifiers (v1) environments and reasoning-gym tasks, through the
-actor's OpenAI-compatible endpoint (asyncrl.rollout.verifiers_env) and asyncrl's own loop."""
+actor's OpenAI-compatible endpoint (asyncrl.envs.verifiers_env) and asyncrl's own loop."""
 
 from __future__ import annotations
 

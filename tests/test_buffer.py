@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl.learner.buffer import EpisodeQueue
-from asyncrl.records import read_frame_records
+from asyncrl.learner.ingest.buffer import EpisodeQueue
+from asyncrl.learner.staleness import StalenessPolicy
+from asyncrl.rundir.record_file import read_frame_records
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
@@ -26,11 +27,11 @@ def test_take_respects_staleness_and_order(tmp_path):
     buf.open_wal(0)
     for v, eid in [(5, "a"), (3, "b"), (4, "c"), (1, "old")]:
         assert _add(buf, v, eid)
-    assert buf.take(4, version=5, max_staleness=2) is None  # "old" (staleness 4) is dropped: 3 left
+    assert buf.take(4, version=5, staleness=StalenessPolicy(2, "drop")) is None  # "old" (staleness 4) is dropped: 3 left
     assert buf.dropped_stale == 1
-    got = buf.take(2, version=5, max_staleness=2)
+    got = buf.take(2, version=5, staleness=StalenessPolicy(2, "drop"))
     assert [e.id for e in got] == ["b", "c"]  # oldest policy versions first
-    assert [e.id for e in buf.take(1, version=5, max_staleness=2)] == ["a"]
+    assert [e.id for e in buf.take(1, version=5, staleness=StalenessPolicy(2, "drop"))] == ["a"]
     assert len(buf) == 0
 
 
@@ -48,7 +49,7 @@ def test_restore_from_checkpoint_and_wal_with_torn_tail(tmp_path):
     buf.open_wal(0)
     _add(buf, 0, "consumed")
     _add(buf, 0, "pending")
-    buf.take(1, version=0, max_staleness=0)  # "consumed" leaves the buffer (trained)
+    buf.take(1, version=0, staleness=StalenessPolicy(0, "drop"))  # "consumed" leaves the buffer (trained)
     buf.save(tmp_path / "buffer.bin")  # checkpoint: "pending" + seen {consumed, pending}
     seen = set(buf.seen)
     buf.open_wal(1)
@@ -61,6 +62,6 @@ def test_restore_from_checkpoint_and_wal_with_torn_tail(tmp_path):
     assert report.recovered == 1 and report.from_checkpoint == 1
     assert [(t.path.name, t.bytes_cut) for t in report.truncated] == [("wal-00000001.bin", 5)]
     assert sorted(e.id for e, _ in fresh.episodes.values()) == ["after", "pending"]
-    ep = fresh.take(2, version=1, max_staleness=1)[0]
+    ep = fresh.take(2, version=1, staleness=StalenessPolicy(1, "drop"))[0]
     assert ep.trajectories[0].loss_mask.tolist() == [0, 0, 1, 1]
     assert decode_episode(decode(encode_episode(ep))).id == ep.id

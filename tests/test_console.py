@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from asyncrl import layout
+from asyncrl.rundir import layout
 
 from .conftest import ROOT, cli, kill_tree, read_jsonl, subprocess_env
 
@@ -166,7 +166,7 @@ def test_the_diff_of_every_shipped_config_prints(config):
     """Issue 42.7: the UI's Config tab leads with ``--diff``; Absolute Zero's learnability dimensions
     (models inside a dict) made it fail with yaml's RepresenterError."""
     from asyncrl.config import load_config
-    from asyncrl.config_show import show_config
+    from asyncrl.analysis.config_view import show_config
 
     diff = show_config(load_config(ROOT / "configs" / config), diff=True).splitlines()
     assert diff and all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff), diff

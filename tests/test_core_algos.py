@@ -5,18 +5,11 @@ import math
 import pytest
 import torch
 
-from asyncrl.advantages import ADV_ESTIMATORS, compute_grpo_advantages
-from asyncrl.learner.core_algos import (
-    POLICY_LOSSES,
-    LossConfig,
-    PolicyLossInputs,
-    agg_loss,
-    behavior_importance_weight,
-    compute_policy_loss,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-)
+from asyncrl.objectives.advantages import ADV_ESTIMATORS, compute_grpo_advantages
+from asyncrl.objectives.aggregation import agg_loss
+from asyncrl.objectives.corrections import behavior_importance_weight
+from asyncrl.objectives.logprobs import entropy_from_logits, kl_penalty, logprobs_from_logits
+from asyncrl.objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs, compute_policy_loss
 
 D = torch.float64
 EPS = 1e-6

@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.learner.batch import collate, compute_logprobs
-from asyncrl.learner.core_algos import (OFF_POLICY_CORRECTIONS, CorrectionConfig, LossConfig, PolicyLossInputs,
-                                        behavior_weights, compute_policy_loss)
-from asyncrl.learner.trainer import PolicyTrainer, token_lag_stats
+from asyncrl.learner.training.batch import collate, compute_logprobs
+from asyncrl.objectives.corrections import OFF_POLICY_CORRECTIONS, CorrectionConfig, behavior_weights
+from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
+from asyncrl.learner.training.trainer import PolicyTrainer, token_lag_stats
 from asyncrl.types import Episode, Trajectory
 
 LN = math.log
@@ -94,11 +94,13 @@ def test_every_correction_is_one_without_staleness(name, mode):
 
 
 def test_config_names_every_registered_correction():
-    from typing import get_args
-
-    from asyncrl.config import TrainConfig
-    assert set(get_args(TrainConfig.model_fields["off_policy_correction"].annotation)) == set(
-        OFF_POLICY_CORRECTIONS.names())
+    """The registry is the one declaration: every registered correction is a valid config value, and
+    anything else is refused with the registered names."""
+    for name in OFF_POLICY_CORRECTIONS.names():
+        assert load_config(None, [f"train.off_policy_correction={name}"]).train.off_policy_correction == name
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.off_policy_correction=nope"])
+    assert ", ".join(OFF_POLICY_CORRECTIONS.names()) in str(err.value)
 
 
 def test_cap_below_one_and_bad_bounds_are_refused_at_config_load():

@@ -192,7 +192,7 @@ def test_calibration_figure_says_how_many_confidences_it_rests_on():
 
 # ------------------------------------------------------------------------------------- item 9
 def test_batch_metrics_response_length_identical_groups_and_named_scores():
-    from asyncrl.learner.batch_stats import batch_metrics
+    from asyncrl.learner.training.batch_stats import batch_metrics
     from asyncrl.types import Episode, Trajectory
 
     def traj(group: str, reward: float, generated: int, **scores) -> Trajectory:
@@ -212,9 +212,9 @@ def test_batch_metrics_response_length_identical_groups_and_named_scores():
 
 def test_trainer_logs_the_exact_per_token_entropy_every_step(tiny_overrides):
     from asyncrl.config import load_config
-    from asyncrl.learner.batch import compute_logprobs
-    from asyncrl.learner.core_algos import entropy_from_logits
-    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.learner.training.batch import compute_logprobs
+    from asyncrl.objectives.logprobs import entropy_from_logits
+    from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
     from asyncrl.types import Trajectory
 
@@ -267,7 +267,7 @@ def test_config_view_shows_every_snapshot(tmp_path):
 
 # ------------------------------------------------------------------------------------- item 11
 def test_a_missing_tracker_library_is_one_line_naming_the_pip_package(monkeypatch):
-    from asyncrl import runlog
+    from asyncrl.rundir import runlog
     from asyncrl.config import ConfigError
 
     monkeypatch.setitem(runlog.TRACKERS, "wandb", ("asyncrl_no_such_module", "wandb"))
@@ -310,7 +310,7 @@ def _wandb_history(path) -> list[tuple[int, dict]]:
 def test_metrics_reach_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
     """The three trackers through their own client libraries, read back with those libraries'
     readers (W&B offline, Trackio in a local directory)."""
-    from asyncrl.runlog import RunLog, open_trackers
+    from asyncrl.rundir.runlog import RunLog, open_trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

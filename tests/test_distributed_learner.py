@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.learner import distributed
+from asyncrl.learner.training import distributed
 
 from .conftest import kill_tree, subprocess_env
 from .dist_step_worker import CASES, one_step
@@ -110,7 +110,7 @@ def test_a_sharded_checkpoint_state_loads_into_one_process(two_ranks, tiny_overr
     shards) loads into a one-process model and optimizer and gives back exactly those states; the
     index-keyed optimizer state of checkpoints from before issue 15 converts to the same."""
     from asyncrl.config import load_config
-    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
     got = load_file(two_ranks / "fsdp2_token-mean.safetensors")

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner.buffer import EpisodeQueue
-from asyncrl.records import RecordError, RecordScan, encode_record, read_frame_records, scan_records
+from asyncrl.learner.ingest.buffer import EpisodeQueue
+from asyncrl.rundir.record_file import RecordError, RecordScan, encode_record, read_frame_records, scan_records
 from asyncrl.learner.checkpoint import save_checkpoint
-from asyncrl.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
-from asyncrl.rundir import RunDirError, plan_start
+from asyncrl.rundir.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
+from asyncrl.rundir.claim import RunDirError, plan_start
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
@@ -165,8 +165,8 @@ def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
     and crashed every resume at the step that took it. It now fails the receipt checks on restore,
     is quarantined and reported, and the rest are restored."""
     from asyncrl.config import load_config as _load
-    from asyncrl.learner.net import Arrival, Limits
-    from asyncrl.learner.peers import EpisodeValidator
+    from asyncrl.learner.ingest.net import Arrival, Limits
+    from asyncrl.learner.ingest.peers import EpisodeValidator
 
     _write_wal(tmp_path, ["a", "b"])
     evil = _episode("evil")
@@ -221,7 +221,7 @@ _FULL_DISK_WAL = """
 import json, resource, signal, sys
 from pathlib import Path
 import numpy as np
-from asyncrl.learner.buffer import EpisodeQueue
+from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import encode_episode
 def _episode(eid, n):
@@ -308,7 +308,7 @@ def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_ove
         import resource, signal, sys, torch
         from pathlib import Path
         from asyncrl.config import load_config
-        from asyncrl.learner.buffer import EpisodeQueue
+        from asyncrl.learner.ingest.buffer import EpisodeQueue
         from asyncrl.learner.checkpoint import save_checkpoint
         from asyncrl.models.loading import load_policy
         cfg = load_config(None, {tiny_overrides!r})

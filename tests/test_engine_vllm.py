@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import ConfigError, SamplingConfig, load_config
 from asyncrl.engine.vllm import VLLMEngine, check_engine_config, require_vllm
-from asyncrl.learner.batch import collate, compute_logprobs
+from asyncrl.learner.training.batch import collate, compute_logprobs
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Trajectory
 
@@ -169,7 +169,7 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
 
 def _lora_policy(lora_cfg, seed: int) -> tuple[dict, torch.nn.Module]:
     """``(adapter tensors by wire name, the peft model merged)``: random A and B (B non-zero) on ``_model(0)``."""
-    from asyncrl.adapters import adapter_tensors
+    from asyncrl.sync.adapters import adapter_tensors
     from asyncrl.models.lora import with_adapters
 
     peft = with_adapters(_model(0), lora_cfg, seed=seed)

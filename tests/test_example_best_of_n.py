@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.advantages import trajectory_advantages
+from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.base import Engine
 from asyncrl.envs.base import SingleTurnEnv

@@ -135,7 +135,7 @@ def test_dry_run_checks_and_starts_nothing(tmp_path, tiny_overrides):
 def test_preflight_runs_an_agent_functions_own_check(monkeypatch, tmp_path):
     """``fn.preflight()`` of an agent function: what it raises refuses the run in one line."""
     from asyncrl.config import ConfigError, load_config
-    from asyncrl.preflight import preflight
+    from asyncrl.commands.preflight import preflight
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENENV_URL", f"http://127.0.0.1:{_free_port()}/nothing-here")

@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from asyncrl.records import read_frame_records
+from asyncrl.rundir.record_file import read_frame_records
 from asyncrl.wire.codec import SCHEMA_VERSION, decode, decode_episode, encode_msg, encode_weights
 from asyncrl.wire.sockets import make_curve_keys
 

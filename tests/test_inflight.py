@@ -15,12 +15,13 @@ import torch
 from asyncrl.config import SamplingConfig, load_config
 from asyncrl.engine.continuous import EngineStopped
 from asyncrl.engine.hf import HFEngine
-from asyncrl.learner.batch import collate
-from asyncrl.learner.buffer import EpisodeQueue
-from asyncrl.learner.core_algos import (CorrectionConfig, LossConfig, PolicyLossInputs, behavior_weights,
-                                        compute_policy_loss)
-from asyncrl.learner.peers import EpisodeValidator
-from asyncrl.learner.trainer import mismatch_stats, token_lag_stats
+from asyncrl.learner.training.batch import collate
+from asyncrl.learner.ingest.buffer import EpisodeQueue
+from asyncrl.learner.staleness import StalenessPolicy
+from asyncrl.objectives.corrections import CorrectionConfig, behavior_weights
+from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
+from asyncrl.learner.ingest.peers import EpisodeValidator
+from asyncrl.learner.training.trainer import mismatch_stats, token_lag_stats
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Trajectory, row_versions
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
@@ -206,7 +207,7 @@ def test_the_wal_and_a_restore_keep_per_token_versions(tmp_path):
     fresh = EpisodeQueue(tmp_path / "buffer", capacity=16)
     report = fresh.restore(None, set())
     assert report.recovered == 1
-    (restored,) = fresh.take(1, version=6, max_staleness=2)
+    (restored,) = fresh.take(1, version=6, staleness=StalenessPolicy(2, "drop"))
     assert restored.trajectories[0].token_versions.tolist() == [4, 4, 4, 4, 4, 5, 5, 6]
 
 
@@ -214,9 +215,9 @@ def test_take_judges_by_the_oldest_or_the_newest_token(tmp_path):
     q = EpisodeQueue(tmp_path, capacity=16)
     ep = Episode(trajectories=[_mixed_row()], actor_id="a")  # tokens of versions 4..6
     q.episodes[ep.id] = (ep, [])
-    assert q.take(1, version=7, max_staleness=1, by_newest=True) == [ep]  # newest 6: lag 1
+    assert q.take(1, version=7, staleness=StalenessPolicy(1, "keep")) == [ep]  # newest 6: lag 1
     q.episodes[ep.id] = (ep, [])
-    assert q.take(1, version=7, max_staleness=1) is None and q.dropped_stale == 1  # oldest 4: lag 3
+    assert q.take(1, version=7, staleness=StalenessPolicy(1, "drop")) is None and q.dropped_stale == 1  # oldest 4: lag 3
 
 
 def test_mixed_rows_through_collate_the_corrections_and_the_truncate_rule():

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from asyncrl.layout import list_checkpoints
+from asyncrl.rundir.layout import list_checkpoints
 
 from .conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli
 from .test_pipeline import COMMON

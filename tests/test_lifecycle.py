@@ -14,7 +14,7 @@ import time
 import pytest
 
 from asyncrl import OPENMP_SPINCOUNT
-from asyncrl.launcher import LearnerExited, wait_for_addresses
+from asyncrl.schedulers.local import LearnerExited, wait_for_addresses
 from asyncrl.lifecycle import PARENT_ENV
 
 from .conftest import ROOT, alive, cli, descendants, kill_tree, read_jsonl, subprocess_env

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.learner.net import LearnerNet
+from asyncrl.learner.ingest.net import LearnerNet
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import Hello, Status, Subscribe
 from asyncrl.wire.sockets import WireSecurityError, make_curve_keys

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.adapters import adapter_tensors, is_adapter_name
+from asyncrl.sync.adapters import adapter_tensors, is_adapter_name
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
-from asyncrl.layout import list_checkpoints
-from asyncrl.learner.batch import collate, compute_logprobs
-from asyncrl.learner.buffer import EpisodeQueue
+from asyncrl.rundir.layout import list_checkpoints
+from asyncrl.learner.training.batch import collate, compute_logprobs
+from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.learner.checkpoint import read_checkpoint, save_checkpoint
-from asyncrl.learner.trainer import PolicyTrainer
-from asyncrl.layout import CheckpointError
+from asyncrl.learner.training.trainer import PolicyTrainer
+from asyncrl.rundir.layout import CheckpointError
 from asyncrl.models.loading import load_model, load_policy
 from asyncrl.models.lora import export_run, with_adapters
 from asyncrl.sync import make_publisher, make_receiver
@@ -212,7 +212,7 @@ def test_checkpoint_holds_adapters_naming_the_base_and_export_merges_them(traine
 
 
 def test_lora_settings_that_cannot_work_are_refused_in_one_line(tiny_overrides, trained, tmp_path):
-    from asyncrl.preflight import preflight
+    from asyncrl.commands.preflight import preflight
 
     cfg = load_config(None, [*tiny_overrides, "model.lora.target_modules=[q_proj,qkv]"])
     with pytest.raises(ConfigError, match=r"'qkv' names no linear layer of the model; it has .*q_proj"):
@@ -276,9 +276,9 @@ def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
 
 
 def test_a_bfloat16_merge_equals_pefts(trained):
-    """The engines' merge (``asyncrl.adapters.merged_weight``) of a bfloat16 base rounds as peft's
+    """The engines' merge (``asyncrl.sync.adapters.merged_weight``) of a bfloat16 base rounds as peft's
     ``merge_and_unload`` does: the float32 product added to the base, rounded once."""
-    from asyncrl.adapters import MergedAdapters
+    from asyncrl.sync.adapters import MergedAdapters
 
     cfg, model, tok, path, _, _, _ = trained
     state = adapter_tensors({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -324,7 +324,8 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base_model(trained):
     """``train.kl_coef > 0`` with LoRA: no copy of the model is made; the reference is the policy with its
     adapters disabled. The step's ``kl`` equals k3(policy, base model) over the response tokens, computed
     here from the base model loaded afresh."""
-    from asyncrl.learner.core_algos import kl_penalty, masked_mean
+    from asyncrl.objectives.aggregation import masked_mean
+    from asyncrl.objectives.logprobs import kl_penalty
 
     cfg, model, tok, path, _, _, _ = trained
     policy = copy.deepcopy(model)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.analysis.records import quiet_records
+from asyncrl.analysis.jsonl import quiet_records
 
 from .conftest import ROOT, subprocess_env
 
@@ -82,7 +82,7 @@ class Hosts:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
+    return [sys.executable, "-m", "asyncrl", *args]
 
 
 def _lines(path: Path) -> list[dict]:

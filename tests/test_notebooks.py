@@ -67,7 +67,7 @@ DEMOS = {"run_overview": "grpo", "calibration": "rlcr", "self_play_curriculum": 
 def test_notebooks_make_their_demo_with_the_default_settings():
     import inspect
 
-    from asyncrl.demo import notebook_run
+    from asyncrl.analysis.demo_runs import notebook_run
 
     for name, algorithm in DEMOS.items():
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
@@ -77,7 +77,7 @@ def test_notebooks_make_their_demo_with_the_default_settings():
 
 
 def test_the_run_a_notebook_reads_comes_from_its_cell_the_environment_or_the_project_root(tmp_path, monkeypatch):
-    from asyncrl.demo import PROJECT, RUN_ENV, notebook_run
+    from asyncrl.analysis.demo_runs import PROJECT, RUN_ENV, notebook_run
 
     run = tmp_path / "r"
     run.mkdir()
@@ -119,7 +119,7 @@ def test_default_demos_learn(algorithm, model_cache, tmp_path):
     """The default demo runs show learning, not flat zero curves: GRPO's batch reward and held-out
     accuracy rise; RLCR's held-out ECE and Brier fall, over confidences that were parsed."""
     from asyncrl.analysis import load_run
-    from asyncrl.demo import demo_run
+    from asyncrl.analysis.demo_runs import demo_run
 
     run = load_run(demo_run(algorithm, tmp_path, extra_overrides=[f"model.embedded.cache_dir={model_cache}"]))
     s = run.records("learner_stop")[-1]["summary"]
@@ -138,7 +138,7 @@ def test_demo_run_reuses_only_a_run_made_with_the_same_settings(tmp_path, tiny_o
     """An old demo run (say a few steps of a tiny model) is never shown as the learning demo: a
     finished demo is reused only when it was made with the very same settings."""
     from asyncrl.analysis import load_run
-    from asyncrl.demo import demo_run
+    from asyncrl.analysis.demo_runs import demo_run
 
     extra = [tiny_overrides[0]]
     first = demo_run("grpo", tmp_path, name="d", steps=2, quick=True, extra_overrides=extra)

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.learner.net import Arrival, LearnerNet, Limits
-from asyncrl.learner.peers import EpisodeValidator, RateLimitedLog
+from asyncrl.learner.ingest.net import Arrival, LearnerNet, Limits
+from asyncrl.learner.ingest.peers import EpisodeValidator, RateLimitedLog
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import (WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg,
                                  encode_weights)

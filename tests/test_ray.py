@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.analysis.records import quiet_records
+from asyncrl.analysis.jsonl import quiet_records
 
 from .conftest import ROOT, kill_tree, read_jsonl, run_cli, subprocess_env
 
@@ -75,7 +75,7 @@ class Driver:
     """``asyncrl run --scheduler ray`` as a process of its own, its output collected."""
 
     def __init__(self, args: list[str], env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", *args], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
@@ -203,7 +203,7 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         # weights from the learner meanwhile and versions go on advancing there
         other = cluster.workers[1].node_id[:12]
         relay_pids = [p for p in _descendants(test_pid)
-                      if "asyncrl.cli relay" in _cmdline(p) and f"--relay-id {other}" in _cmdline(p)]
+                      if "-m asyncrl relay" in _cmdline(p) and f"--relay-id {other}" in _cmdline(p)]
         assert len(relay_pids) == 1, relay_pids
         at_kill = versions_by_worker().get(1, -1)
         os.kill(relay_pids[0], signal.SIGKILL)
@@ -231,9 +231,9 @@ def test_a_run_on_a_three_node_cluster_survives_a_lost_node_and_stops_clean(clus
         assert driver.proc.wait(timeout=120) != 0
         driver.check_stopped_output()
         deadline = time.time() + 60
-        while time.time() < deadline and any("asyncrl.cli" in _cmdline(p) for p in _descendants(test_pid)):
+        while time.time() < deadline and any("-m asyncrl " in _cmdline(p) for p in _descendants(test_pid)):
             time.sleep(0.5)
-        left = [(p, _cmdline(p)) for p in _descendants(test_pid) if "asyncrl.cli" in _cmdline(p)]  # (not Ray's
+        left = [(p, _cmdline(p)) for p in _descendants(test_pid) if "-m asyncrl " in _cmdline(p)]  # (not Ray's
         # daemons, whose paths hold "asyncrl" when the checkout is named so)
         assert not left, left
 
@@ -301,12 +301,12 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
         driver.wait_for(lambda: len(_metrics(run)) >= 3, "three training steps")
         assert "CURVE keys on" in driver.text and (run / "keys" / "server" / "server.key_secret").is_file()
         assert "2 learner processes (ddp)" in driver.text
-        actors_keys = [p for p in _descendants(driver.proc.pid) if "asyncrl.cli serve" in _cmdline(p)]
+        actors_keys = [p for p in _descendants(driver.proc.pid) if "-m asyncrl serve" in _cmdline(p)]
         assert actors_keys and all("wire.curve_dir=" in _cmdline(p) for p in actors_keys)  # each its own bundle
         assert not any((Path(d) / "server.key_secret").exists()  # and never the learner's secret
                        for p in actors_keys for d in re.findall(r"wire.curve_dir=(\S+)", _cmdline(p)))
         pids = _descendants(driver.proc.pid)
-        assert any("raylet" in _cmdline(p) for p in pids) and any("asyncrl.cli" in _cmdline(p) for p in pids)
+        assert any("raylet" in _cmdline(p) for p in pids) and any("-m asyncrl " in _cmdline(p) for p in pids)
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
         driver.check_stopped_output()
@@ -339,7 +339,7 @@ def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_p
 
 def _fails_fast(args: list[str], env: dict, expect: str, within_s: float) -> None:
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "-c", "configs/quickstart.yaml",
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml",
                            "--scheduler", "ray", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=within_s + 60)
     took = time.time() - t0

@@ -13,7 +13,7 @@ import yaml
 from .conftest import ROOT
 
 README = ROOT / "README.md"
-RUN = re.compile(r"\basyncrl(?:\.cli)? (run|learn)\b")
+RUN = re.compile(r"\basyncrl (run|learn)\b")
 
 
 def _commands() -> list[list[str]]:

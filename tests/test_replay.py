@@ -15,12 +15,12 @@ from asyncrl.rollout import RolloutContext, run_conversations, start_conversatio
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
-from asyncrl.learner.batch import collate, compute_logprobs
+from asyncrl.learner.training.batch import collate, compute_logprobs
 from asyncrl.learner.replay import (ExperienceManager, ReplayHook, align_recorded_logprobs, compact_logprobs,
                                     make_replay_trajectory)
-from asyncrl.advantages import trajectory_advantages
-from asyncrl.learner.core_algos import LossConfig
-from asyncrl.learner.trainer import PolicyTrainer
+from asyncrl.objectives.advantages import trajectory_advantages
+from asyncrl.objectives.losses import LossConfig
+from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.loading import load_policy
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.layout import latest_checkpoint
+from asyncrl.rundir.layout import latest_checkpoint
 from asyncrl.learner.replay import ExperienceManager
 
 from .conftest import ResumableRun

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.records import encode_record
-from asyncrl.layout import list_checkpoints
+from asyncrl.rundir.record_file import encode_record
+from asyncrl.rundir.layout import list_checkpoints
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import encode_episode
 

@@ -14,9 +14,10 @@ from asyncrl.algos.rlcr import (RLCRConfig, RLCRWorkflow, brier_reward, parse_an
                                 rlcr_warmstart_example, tree_advantages)
 from asyncrl.config import ConfigError, SamplingConfig, load_config
 from asyncrl.envs.base import SingleTurnEnv
-from asyncrl.envs.verifiers import resolve_verifier, verify, verify_exact_match, verify_numeric
-from asyncrl.learner.batch import collate
-from asyncrl.learner.core_algos import LOSS_AGG_MODES, LossConfig, PolicyLossInputs, compute_policy_loss
+from asyncrl.envs.answer_checks import resolve_verifier, verify, verify_exact_match, verify_numeric
+from asyncrl.learner.training.batch import collate
+from asyncrl.objectives.aggregation import LOSS_AGG_MODES
+from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
 

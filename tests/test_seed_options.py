@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.advantages import compute_grpo_advantages, trajectory_advantages
+from asyncrl.objectives.advantages import compute_grpo_advantages, trajectory_advantages
 from asyncrl.algos.absolute_zero.config import AbsoluteZeroConfig
 from asyncrl.algos.rlcr.calibration import bin_index, expected_calibration_error
 from asyncrl.algos.rlcr.config import RLCRConfig
@@ -145,7 +145,7 @@ def test_one_question_per_group_is_refused():
     assert validate_section(AbsoluteZeroConfig, {"questions_per_prompt": 2}, "algo").questions_per_prompt == 2
     # where (docs/seed_fidelity.md): not at config load, which does not know the algorithm's settings, but at
     # start-up, by preflight, before anything is built or written
-    from asyncrl.preflight import preflight
+    from asyncrl.commands.preflight import preflight
 
     cfg = load_config(None, ["algorithm=absolute_zero", "algo.questions_per_prompt=1"])
     with pytest.raises(ConfigError, match=r"algo\.questions_per_prompt.*at least 2"):

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from asyncrl.config import EmbeddedModelConfig, load_config
-from asyncrl.learner.batch import collate, compute_logprobs, shared_prefix_plan
+from asyncrl.learner.training.batch import collate, compute_logprobs, shared_prefix_plan
 from asyncrl.models.tiny import embedded_llama_config
 from asyncrl.types import Trajectory
 
@@ -85,7 +85,7 @@ def test_shared_prefix_forward_equals_the_plain_forward(temperature):
 
 
 def test_a_trainer_step_with_and_without_shared_prefix_gives_the_same_weights():
-    from asyncrl.learner.trainer import PolicyTrainer
+    from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()

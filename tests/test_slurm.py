@@ -19,7 +19,7 @@ from .slurm_cluster import SlurmCluster, missing, stepds
 
 
 def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "-c", "configs/quickstart.yaml", "--scheduler",
+    return subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
                            "slurm", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -45,7 +45,7 @@ def test_the_sbatch_script_carries_the_config_and_the_job_settings(tmp_path):
 def test_outside_slurm_without_sbatch_it_says_so(tmp_path):
     env = {**subprocess_env(), "PATH": "/nonexistent"}
     env.pop("SLURM_JOB_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "-c", "configs/quickstart.yaml", "--scheduler",
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
                            "slurm", f"run_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr, proc.stderr
     assert (tmp_path / "quickstart.sbatch").exists()  # (written: submit it by hand)
@@ -72,7 +72,7 @@ def _asyncrl_left(run_dir: Path) -> list[str]:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "asyncrl.cli" in cmd and (str(run_dir) in cmd or "asyncrl-" in cmd and ".yaml" in cmd):
+            if "-m asyncrl " in cmd and (str(run_dir) in cmd or "asyncrl-" in cmd and ".yaml" in cmd):
                 out.append(f"{d.name}: {cmd[:200]}")
     return out
 

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from asyncrl.sync.collective import CollectivePublisher
-from asyncrl.sync.store import StoreClient, StoreError, StoreServer
+from asyncrl.sync.rendezvous import StoreClient, StoreError, StoreServer
 
 from .collective_peer import expected
 from .conftest import ROOT, kill_tree, subprocess_env
@@ -150,10 +150,10 @@ def test_learner_group_store_binds_only_master_addr():
     env = dict(subprocess_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), ASYNCRL_STORE_SECRET="s3cret")
     code = ("import subprocess, sys\n"
-            "from asyncrl.learner import distributed as d\n"
+            "from asyncrl.learner.training import distributed as d\n"
             "print(d.init_from_env(30))\n"
             f"print(subprocess.run(['ss', '-Htln'], capture_output=True, text=True).stdout)\n"
-            "from asyncrl.sync.store import StoreClient, StoreError\n"
+            "from asyncrl.sync.rendezvous import StoreClient, StoreError\n"
             f"c = StoreClient('127.0.0.1', {port}, 'wrong', timeout_s=10)\n"
             "try:\n    c.set('x', 'y'); print('ACCEPTED')\nexcept StoreError as e:\n    print('REFUSED', e)\n"
             "c.close(); d.leave_group()\n")

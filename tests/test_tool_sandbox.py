@@ -113,7 +113,7 @@ def test_a_taskset_under_the_hosts_tmp_is_seen_in_the_sandbox(tmp_path, monkeypa
     from tmp_tasks_pkg.mod import EchoTask
     from verifiers.v1.configs.task import TaskConfig
 
-    from asyncrl.rollout.tool_sandbox import ToolSandbox
+    from asyncrl.envs.tool_sandbox import ToolSandbox
 
     sandbox = ToolSandbox(EchoTask, TaskConfig())
     try:

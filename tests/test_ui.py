@@ -476,7 +476,7 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
     """``asyncrl ui --run <folder of runs>`` lists the runs instead of waiting for one; picked runs
     are overlaid in the metric explorer; the held-out accuracy of a 40-step run is a curve; the
     config is shown."""
-    from asyncrl.demo import demo_run
+    from asyncrl.analysis.demo_runs import demo_run
 
     folder = tmp_path / "runs"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""The actor's side of the protocol (:class:`ActorNet`), the peer of ``asyncrl.learner.net.LearnerNet``:
+"""The actor's side of the protocol (:class:`ActorNet`), the peer of ``asyncrl.learner.ingest.net.LearnerNet``:
 its sockets, hello/welcome, learner sessions, credits, delivery (ack and resend), the weight
 subscription and replay assignments as they arrive. The actor's loop (``asyncrl.actor.actor``)
 generates; everything it says to or hears from the learner goes through here.

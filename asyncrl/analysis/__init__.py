@@ -21,17 +21,17 @@ The package's modules: :mod:`.records` (reading JSON-lines files that may still 
 :mod:`.store` (:class:`RunStore`, :class:`RunReader`, :func:`load_run`), :mod:`.frames` (records to
 DataFrames), :mod:`.curves` (metrics as curves, overlays), :mod:`.charts` (every metric its own chart, grouped; runs compared), :mod:`.state` (run state, run folders).
 The algorithms' own tables live with them (``asyncrl.algos.absolute_zero.analysis``, ``asyncrl.algos.rlcr.analysis``); demo runs for the
-notebooks are :func:`asyncrl.demo.demo_run`.
+notebooks are :func:`asyncrl.analysis.demo_runs.demo_run`.
 """
 
 from __future__ import annotations
 
 from ..metric_names import metric_group, tag
-from .charts import chart_data, run_axes, runs_table
+from .metric_series import chart_data, run_axes, runs_table
 from .curves import curves_frame, eval_series, metric_columns, smooth
 from .frames import (actors_frame, calibration_summary, evals_frame, events_frames, episodes_frame, metrics_frame,
                      reliability_frame, staleness_counts, trajectories_frame)
-from .records import TruncatedRecordWarning, read_records
+from .jsonl import TruncatedRecordWarning, read_records
 from .state import NA, RunState, actor_statuses, is_run_dir, list_runs, run_state
 from .store import Run, RunReader, RunStore, load_events, load_metrics, load_run
 

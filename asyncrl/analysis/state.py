@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..layout import PID_FILE, RUN_MARKERS
+from ..rundir.layout import PID_FILE, RUN_MARKERS
 from ..lifecycle import pid_alive
 
 if TYPE_CHECKING:

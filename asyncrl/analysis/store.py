@@ -11,11 +11,11 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from ..layout import EVENTS, METRICS, config_snapshot
-from ..runlog import EVENTS_SCHEMA
+from ..rundir.layout import EVENTS, METRICS, config_snapshot
+from ..rundir.runlog import EVENTS_SCHEMA
 from .frames import (actors_frame, episodes_frame, events_frames, evals_frame, kind_frame, metrics_frame,
                      trajectories_frame)
-from .records import TruncatedRecordWarning, _Tail, read_records
+from .jsonl import TruncatedRecordWarning, _Tail, read_records
 
 
 def _event_key(rec: dict) -> tuple:

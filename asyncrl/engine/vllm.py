@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
+from ..sync.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
 from .continuous import Row, Scheduler

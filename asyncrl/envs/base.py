@@ -89,8 +89,8 @@ class SingleTurnEnv:
 # built-in environments: a class, or an import path loaded on first use
 ENVS: Registry["type | str"] = Registry("environment", {"single_turn": SingleTurnEnv,
                                                         "calculator": "asyncrl.envs.calculator:CalculatorEnv",
-                                                        "agent": "asyncrl.rollout.agent:AgentEnv",
-                                                        "verifiers": "asyncrl.rollout.verifiers_env:VerifiersEnv"})
+                                                        "agent": "asyncrl.envs.agent:AgentEnv",
+                                                        "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv"})
 
 
 def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":

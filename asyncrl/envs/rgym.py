@@ -122,6 +122,11 @@ def reasoning_gym_split(cfg) -> tuple[list[Task], list[Task]]:
     return train, heldout
 
 
+def reasoning_gym_tasks(cfg) -> list[Task]:
+    """``tasks.type=reasoning_gym``: the training tasks (the held-out ones are :func:`reasoning_gym_split`'s)."""
+    return reasoning_gym_split(cfg)[0]
+
+
 def extract_answer(response: str) -> str:
     found = _ANSWER.findall(response)
     return (found[-1] if found else response).strip()

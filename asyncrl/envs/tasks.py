@@ -1,7 +1,8 @@
 """Task sources: where prompts come from, validated before anything starts, with a real hold-out.
 
-Sources (``tasks.type``): ``arithmetic`` (generated), ``file`` (JSONL, JSON list or Parquet at
-``tasks.path``) or an import path ``pkg.module:function`` returning Tasks or records (dicts).
+Sources (``tasks.type``, the registry :data:`TASK_SOURCES`): ``arithmetic`` (generated), ``file``
+(JSONL, JSON list or Parquet at ``tasks.path``), ``reasoning_gym``, ``verifiers``, or an import path
+``pkg.module:function`` returning Tasks or records (dicts).
 
 Every record is checked when it is read, and the first bad one is a :class:`ConfigError` naming the
 file and line (record for JSON/Parquet) and what was expected: bytes that are not UTF-8, JSON that
@@ -24,10 +25,10 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..config import ConfigError
-from ..plugins import resolve_import
+from ..registry import Registry
 from ..types import Task
 from .arithmetic import arithmetic_tasks
 
@@ -125,33 +126,31 @@ def load_task_file(path: str, cfg) -> list[Task]:
     return tasks
 
 
+def _file_tasks(cfg) -> list[Task]:
+    if not cfg.path:
+        raise ConfigError("tasks.type is 'file' but tasks.path is not set")
+    return load_task_file(cfg.path, cfg)
+
+
+# ``tasks.type``: a source is ``fn(tasks_cfg) -> all its tasks``, or None for a generated (endless) stream;
+# a source with a library behind it is imported when named
+TASK_SOURCES: Registry[Callable[..., "list[Task] | None"] | str] = Registry("task source", {
+    "arithmetic": lambda cfg: None, "file": _file_tasks,
+    "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_tasks", "verifiers": "asyncrl.envs.verifiers_env:verifiers_source"})
+
+
 def source_tasks(cfg) -> list[Task] | None:
-    """All tasks of a finite source (file, import path), validated; None for ``arithmetic``."""
+    """All tasks of a finite source (a built-in name or an import path), validated; None for ``arithmetic``."""
     kind = cfg.type
-    if kind == "arithmetic":
-        return None
-    if kind == "reasoning_gym":
-        from .rgym import reasoning_gym_split
-
-        return reasoning_gym_split(cfg)[0]
-    if kind == "verifiers":
-        from ..rollout.verifiers_env import verifiers_tasks
-
-        return verifiers_tasks(cfg.kwargs)
-    if kind == "file":
-        if not cfg.path:
-            raise ConfigError("tasks.type is 'file' but tasks.path is not set")
-        return load_task_file(cfg.path, cfg)
-    if ":" in kind or "." in kind:
-        fn = resolve_import(kind, "tasks.type")
-        items = list(fn(**cfg.kwargs))
-        tasks = [t if isinstance(t, Task) else _task_from_record(t, f"{kind} item {i}", cfg, kind, i)
-                 for i, t in enumerate(items)]
-        if not tasks:
-            raise ConfigError(f"tasks.type {kind}: the function returned no tasks")
-        return tasks
-    raise ConfigError(f"tasks.type: unknown task source {kind!r}; expected 'arithmetic', 'file', 'reasoning_gym', or an import "
-                      f"path 'pkg.module:function'")
+    if kind in TASK_SOURCES:
+        return TASK_SOURCES.resolve(kind, "tasks.type")(cfg)
+    fn = TASK_SOURCES.resolve(kind, "tasks.type", what="function")
+    items = list(fn(**cfg.kwargs))
+    tasks = [t if isinstance(t, Task) else _task_from_record(t, f"{kind} item {i}", cfg, kind, i)
+             for i, t in enumerate(items)]
+    if not tasks:
+        raise ConfigError(f"tasks.type {kind}: the function returned no tasks")
+    return tasks
 
 
 # ---- the split --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Promises:
 - A checkpoint is built in ``.tmp_step_<version>``: every file is written and fsynced, then the
   manifest (each file's size and CRC32C) is written last, then the directory is renamed into place.
   A failure while writing (disk full, ...) removes the temp directory and re-raises.
-- ``select_checkpoint`` (``asyncrl.layout``, with the listing) verifies checkpoints newest first against their manifests and returns the
+- ``select_checkpoint`` (``asyncrl.rundir.layout``, with the listing) verifies checkpoints newest first against their manifests and returns the
   newest intact one, with the damaged ones it skipped and the file at fault in each.
 - ``load_checkpoint`` errors name the file that failed to load.
 """
@@ -19,9 +19,9 @@ import os
 import shutil
 from pathlib import Path
 
-from ..adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
+from ..sync.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
 from ..models.lora import adapter_state, is_lora, read_adapters, settings_of
-from ..layout import (MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
+from ..rundir.layout import (MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
                       fsync_path, list_checkpoints, replace_dir)
 
 def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
@@ -35,7 +35,7 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
     are taken from ``model`` and ``optimizer`` here (one process)."""
     import torch
 
-    from .distributed import optimizer_state
+    from .training.distributed import optimizer_state
 
     if states is None:
         states = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer_state(model, optimizer))
@@ -92,7 +92,7 @@ def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
     import torch
     from safetensors.torch import load_file
 
-    from .distributed import by_name
+    from .training.distributed import by_name
 
     weights = {}
     lora = is_lora(model)
@@ -123,7 +123,7 @@ def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load weights and optimizer state into a one-process ``model``/``optimizer``; returns
     ``state.json``. Any failure raises CheckpointError naming the file."""
-    from .distributed import load_states
+    from .training.distributed import load_states
 
     weights, optim, state = read_checkpoint(path, model)
     try:

@@ -2,7 +2,7 @@
 
 A hook sees each batch before it is collated and each step's result after it, and may add fields
 to actors' credit messages and files to checkpoints. The trainer knows nothing about hooks: it
-takes loss inputs and returns a :class:`asyncrl.learner.trainer.TrainStepResult`.
+takes loss inputs and returns a :class:`asyncrl.learner.training.trainer.TrainStepResult`.
 
 Per step the learner calls, in order: ``before_batch`` (it may add trajectories to episodes),
 the trainer's step (with per-row log-probs and entropies when ``needs_rows``), ``after_step``
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ..types import Episode
-from .trainer import TrainStepResult
+from .training.trainer import TrainStepResult
 
 
 class LearnerHook(Protocol):

@@ -24,32 +24,34 @@ from ..models.loading import load_policy
 from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
-from ..runlog import RunLog, check_trackers, open_trackers, read_jsonl
+from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir
-from .buffer import EpisodeQueue
-from ..layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
+from .ingest.buffer import EpisodeQueue
+from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
 from .checkpoint import save_checkpoint
 from .evaluate import EvaluationHung, Evaluator
-from .net import LearnerNet, Limits
-from .peers import Peers
+from .ingest.net import LearnerNet, Limits
+from .ingest.peers import Peers
 from .progress import Progress, summary_table
 from .hooks import LearnerHook
 from .startup import Startup
 from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
-from .group import Ranks
+from .staleness import StalenessPolicy
+from .training.ranks import Ranks
 
 
 class Learner:
     def __init__(self, cfg: Config, overwrite: bool = False, ranks: Ranks | None = None):
-        """Claim the run directory (``asyncrl.rundir``: refused before anything is written if it is
+        """Claim the run directory (``asyncrl.rundir.claim``: refused before anything is written if it is
         locked or holds a run that ``cfg.checkpoint.resume`` does not continue; ``overwrite`` deletes
         the old run first), build the model, then resume from the plan's checkpoint and WAL.
 
-        ``ranks``: rank 0's handle on a group of learner processes (``asyncrl.learner.group``);
+        ``ranks``: rank 0's handle on a group of learner processes (``asyncrl.learner.training.ranks``);
         by default one process."""
         self.cfg = cfg
+        self.staleness = StalenessPolicy.from_config(cfg)  # credits, the buffer's drop rule, token truncation
         self.ranks = ranks or Ranks(None, "none")
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cpu_threads(cfg, "learner"))
@@ -80,8 +82,8 @@ class Learner:
                                                  cfg.model_dump(mode="json"),
                                                  resume=self.start.plan.mode == "resume"))
         self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
-                           vocab_size=self.model.get_input_embeddings().num_embeddings)
-        self.hooks: list[LearnerHook] = _make_hooks(cfg, self.log.event)
+                           vocab_size=self.model.get_input_embeddings().num_embeddings, limits=self.net.limits)
+        self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
         self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
@@ -103,7 +105,7 @@ class Learner:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _on_bad_message(self, channel: str, error: Exception) -> None:
-        """A peer's message that was refused (``asyncrl.learner.peers``: counted, reported at a limited rate)."""
+        """A peer's message that was refused (``asyncrl.learner.ingest.peers``: counted, reported at a limited rate)."""
         self.bad_messages += 1
         if hasattr(self, "peers"):
             self.peers.bad_message(channel, error)
@@ -172,8 +174,7 @@ class Learner:
         while self.version < cfg.train.total_steps and not self._stop:
             t0 = time.time()
             self.pump(timeout_ms=50)
-            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, cfg.buffer.max_staleness,
-                                        by_newest=cfg.buffer.stale_tokens != "drop")
+            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, self.staleness)
             if episodes is None:
                 t_wait += time.time() - t0
                 continue
@@ -203,7 +204,7 @@ class Learner:
 
     def pump(self, timeout_ms: int) -> None:
         """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
-        grant credits (``asyncrl.learner.peers.Peers``)."""
+        grant credits (``asyncrl.learner.ingest.peers.Peers``)."""
         self.peers.pump(timeout_ms, self.version)
         self.weights_out.poll()  # sync.type=nccl: actors joining the weight-sync group
         if self.peers.stop_reason and not self._stop:
@@ -214,7 +215,7 @@ class Learner:
         cfg = self.cfg
         if len(self.net.actors) < cfg.train.min_actors:
             return
-        pool = min((cfg.buffer.max_staleness + 1) * cfg.train.batch_tasks, cfg.buffer.capacity)
+        pool = self.staleness.credit_pool()
         free = pool - self.net.in_flight - len(self.buffer)
         if free > 0:
             self.net.grant_credits(free, min_version=max(self.net.weights_version, 0),
@@ -235,9 +236,7 @@ class Learner:
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
         batch = self.trainer.make_batch(episodes) if has_rows else None
-        truncated = 0
-        if batch is not None and self.cfg.buffer.stale_tokens == "truncate":
-            truncated = batch.truncate_stale(self.version, self.cfg.buffer.max_staleness)
+        truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
         advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
@@ -338,13 +337,13 @@ class Learner:
         return path
 
 
-def _make_hooks(cfg: Config, event) -> list[LearnerHook]:
+def _make_hooks(cfg: Config, staleness: StalenessPolicy, event) -> list[LearnerHook]:
     """The learner hooks the config asks for: experience replay when ``replay.enabled`` (the
     preflight has checked that the workflow takes per-task rollout counts)."""
     if not cfg.replay.enabled:
         return []
     manager = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
-                                max_staleness=cfg.buffer.max_staleness)
+                                max_staleness=staleness.max_staleness)
     return [ReplayHook(manager, cfg.replay.state_event_every, event)]
 
 

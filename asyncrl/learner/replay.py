@@ -427,7 +427,7 @@ class ExperienceManager:
         """Write ``replay.json`` and ``replay_pool.bin`` (one wire-encoded Episode per pooled task)
         into a checkpoint directory."""
         from ..wire.codec import encode_episode
-        from ..records import write_frames
+        from ..rundir.record_file import write_frames
 
         directory = Path(directory)
         (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))
@@ -439,7 +439,7 @@ class ExperienceManager:
     def load(self, directory: Path) -> bool:
         """Restore from a checkpoint directory; False (state untouched) when it holds no replay state."""
         from ..wire.codec import decode, decode_episode
-        from ..records import read_frame_records
+        from ..rundir.record_file import read_frame_records
 
         directory = Path(directory)
         path = directory / STATE_FILE

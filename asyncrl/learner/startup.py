@@ -1,6 +1,6 @@
 """How a learner takes its run directory and picks up where the run left off.
 
-:class:`Startup` claims the run directory (``asyncrl.rundir``: refused before anything is written
+:class:`Startup` claims the run directory (``asyncrl.rundir.claim``: refused before anything is written
 if it is locked or holds a run that ``checkpoint.resume`` does not continue; ``--overwrite``
 deletes the old run first), sets it up for the plan (damaged checkpoints moved aside, metrics of
 rolled-back steps moved out, this segment's config snapshot), and later restores the model,
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..rundir import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
-from ..layout import CheckpointError, clean_partial, quarantine_checkpoint, read_addresses
+from ..rundir.claim import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
+from ..rundir.layout import CheckpointError, clean_partial, quarantine_checkpoint, read_addresses
 from .checkpoint import read_checkpoint
 
 
@@ -25,7 +25,7 @@ def _receipt_check(validator):
     """``validate(episode, message)`` for ``EpisodeQueue.restore``: the learner's receipt checks,
     without the future-version one (after a fallback to an older checkpoint, episodes of the
     versions it forgot are legitimate, as they were when acknowledged)."""
-    from .net import Arrival
+    from .ingest.net import Arrival
 
     return lambda ep, msg: validator.check(Arrival(ep, [], msg.arrays), _ANY_VERSION)
 

@@ -10,10 +10,10 @@ from collections import defaultdict, deque
 import numpy as np
 import torch
 
-from ..runlog import EVENTS_SCHEMA
+from ..rundir.runlog import EVENTS_SCHEMA
 from ..types import PER_TOKEN, Episode, prompt_text
-from .batch import collate, compute_logprobs
-from .batch_stats import batch_metrics
+from .training.batch import collate, compute_logprobs
+from .training.batch_stats import batch_metrics
 
 
 class Telemetry:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
 
 from ..config import ModelConfig
-from .prompts import set_prompt_format
+from ..envs.prompts import set_prompt_format
 from .tiny import build_embedded_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +53,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
 def load_tokenizer(path: str | Path, prompt_format: str = "auto"):
     """The tokenizer in ``path``; without a pad token it gets its EOS token as pad. ``prompt_format``
-    (``tasks.prompt_format``) decides how prompts are rendered for it (``asyncrl.models.prompts``)."""
+    (``tasks.prompt_format``) decides how prompts are rendered for it (``asyncrl.envs.prompts``)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -12,7 +12,7 @@
   ``adapter_config.json``, whose ``base_model_name_or_path`` names the base model);
   ``asyncrl export --merge RUN`` writes a plain Hugging Face model with them merged (:func:`export_merged`).
 
-Names and the in-place merge are :mod:`asyncrl.adapters` (the engines use them too).
+Names and the in-place merge are :mod:`asyncrl.sync.adapters` (the engines use them too).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
+from ..sync.adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
                         internal_name, is_adapter_name, targeted)
 from ..config import ConfigError, LoraSettings
 
@@ -122,7 +122,7 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
     import shutil
 
     from ..config import load_config
-    from ..layout import CONFIG, checkpoint_dir, select_checkpoint, verify_checkpoint
+    from ..rundir.layout import CONFIG, checkpoint_dir, select_checkpoint, verify_checkpoint
     from .loading import resolve_model_path
 
     run_dir = Path(run_dir)

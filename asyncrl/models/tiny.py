@@ -39,11 +39,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..config import EmbeddedModelConfig, TasksConfig
 from ..envs.arithmetic import make_problem
-from ..layout import replace_dir
+from ..rundir.layout import replace_dir
 from ..plugins import resolve_import
 from ..registry import Registry
 from ..types import Task
-from .prompts import render_tokens, set_prompt_format
+from ..envs.prompts import render_tokens, set_prompt_format
 from .tokenizer import build_char_tokenizer
 
 BUILD_VERSION = 2  # bump when the build procedure changes: it is part of the cache key

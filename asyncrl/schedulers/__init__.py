@@ -5,7 +5,7 @@ relay``) and stops them together; episodes, acknowledgements, credits and weight
 asyncrl's own ZeroMQ protocol, never through the scheduler. Each is a function ``launch(cfg,
 config_path, overrides, ui=False, learner_procs=1) -> exit code``:
 
-- ``local``: child processes of ``asyncrl run`` on this machine (:mod:`asyncrl.launcher`);
+- ``local``: child processes of ``asyncrl run`` on this machine (:mod:`asyncrl.schedulers.local`);
 - ``ray``: Ray actors on a cluster, joined or started (:mod:`asyncrl.schedulers.ray`);
 - ``slurm``: a batch job; outside an allocation :func:`asyncrl.schedulers.slurm.submit` writes and
   submits it instead (:mod:`asyncrl.schedulers.slurm`).
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from ..registry import Registry
 
-SCHEDULERS: Registry = Registry("launch.scheduler")
-SCHEDULERS.add("local", "asyncrl.launcher:launch")
+SCHEDULERS: Registry = Registry("scheduler")
+SCHEDULERS.add("local", "asyncrl.schedulers.local:launch")
 SCHEDULERS.add("ray", "asyncrl.schedulers.ray:launch")
 SCHEDULERS.add("slurm", "asyncrl.schedulers.slurm:launch")
 

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..launcher import free_port
+from .local import free_port
 from ..lifecycle import child_env
 
 
@@ -86,7 +86,7 @@ class ProcSupervisor:
         env = child_env({**os.environ, **(spec.get("env") or {}), **(extra_env or {}), "PYTHONUNBUFFERED": "1"})
         cwd = spec.get("cwd") if spec.get("cwd") and Path(spec["cwd"]).is_dir() else None
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", args[0], "--config", str(config),
+            self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl", args[0], "--config", str(config),
                                           *args[1:]], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         threading.Thread(target=self._watch, daemon=True, name="asyncrl-supervise").start()
         return self.proc.pid
@@ -222,14 +222,14 @@ class ProcSupervisor:
     def last_error_line(self, name: str) -> str:
         """(Rank 0's supervisor, which holds the logs) the last line of ``<run>/logs/<name>.log`` that
         says something: a failed process's error."""
-        from ..launcher import last_error_line
+        from .local import last_error_line
 
         return last_error_line(Path(self.spec["run_dir"]) / "logs" / f"{name}.log")
 
     def write_stop_reason(self, line: str) -> None:
         """(Rank 0's supervisor, on the learner's node) why the driver stops the run, for the learner's
-        summary: ``<run>/stop_reason.txt`` (:func:`asyncrl.launcher.failed` writes it on one machine)."""
-        from .. import layout
+        summary: ``<run>/stop_reason.txt`` (:func:`asyncrl.schedulers.local.failed` writes it on one machine)."""
+        from ..rundir import layout
 
         (Path(self.spec["run_dir"]) / layout.STOP_REASON).write_text(line + "\n")
 

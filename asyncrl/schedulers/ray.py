@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_config
-from ..launcher import STOP_GRACE_S, StopRequested, StopSignals, resume_command
+from .local import STOP_GRACE_S, StopRequested, StopSignals, resume_command
 from ..wire.sockets import is_loopback, private_dir
 from . import SchedulerError
 from .procs import ProcSupervisor, relay_name

@@ -57,7 +57,7 @@ def script_text(cfg: Config, overwrite: bool = False, learner_procs: int = 1) ->
     text = dump_config(frozen)
     if "ASYNCRL_CONFIG_END" in text:
         raise SchedulerError("the config contains the text ASYNCRL_CONFIG_END, which ends the script's inline config")
-    run = [sc.python or sys.executable, "-m", "asyncrl.cli", "run", "--config", "$CONFIG", "--scheduler", "slurm"]
+    run = [sc.python or sys.executable, "-m", "asyncrl", "run", "--config", "$CONFIG", "--scheduler", "slurm"]
     run += ["--overwrite"] if overwrite else []
     run += ["--learner-procs", str(learner_procs)] if learner_procs > 1 else []
     return "\n".join(lines + [
@@ -167,7 +167,7 @@ def materialize_bundle(value: str) -> str:
 def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
            learner_procs: int = 1) -> int:
     """Inside an allocation: the learner here, the actors on the allocation's nodes."""
-    from ..launcher import launch as local_launch
+    from .local import launch as local_launch
     from ..wire.sockets import make_curve_keys
 
     if not in_allocation():

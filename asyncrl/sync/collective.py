@@ -3,7 +3,7 @@ its actors, with the ``nccl`` backend between GPUs or ``gloo`` (``sync.backend``
 code either way.
 
 Membership, over the rendezvous store the learner serves (``sync.group_host:group_port``,
-:class:`asyncrl.sync.store.StoreServer`: bound to that host alone, CURVE off loopback, bounded, and
+:class:`asyncrl.sync.rendezvous.StoreServer`: bound to that host alone, CURVE off loopback, bounded, and
 answering only requests that carry its secret, which reaches the actors in the learner's ``weights``
 message; a plain ``TCPStore`` would listen on every interface and take anyone's registrations):
 
@@ -47,7 +47,7 @@ from ..wire.codec import Message, encode
 from ..wire.messages import TensorSpec, Weights
 from .base import Publisher, Receiver, WeightsError
 from ..wire.tensors import pack, plan_layout, unpack
-from .store import StoreClient, StoreServer
+from .rendezvous import StoreClient, StoreServer
 
 _POLL_S = 0.05  # waiting for an epoch
 _RING_WAIT_S = 0.2  # a member waiting for the bell (the store answers as soon as it rings)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ..layout import WEIGHTS
+from ..rundir.layout import WEIGHTS
 from ..wire.codec import Message, encode
 from ..wire.messages import Weights
 from ..wire.sockets import private_dir

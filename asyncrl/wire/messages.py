@@ -212,7 +212,7 @@ class Event(Body):
     event: JsonMap
 
 
-# --- the learner group: rank 0 -> the other ranks (asyncrl.learner.group, over a gloo broadcast) ---
+# --- the learner group: rank 0 -> the other ranks (asyncrl.learner.training.ranks, over a gloo broadcast) ---
 
 class GroupStart(Body):
     """Build the model and the trainer (the wrap is itself a collective)."""

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...advantages import compute_grpo_advantages
+from ...objectives.advantages import compute_grpo_advantages
 from ...engine.base import Generation
-from ...envs.verifiers import verify
-from ...models.prompts import delta_tokens, render_tokens
+from ...envs.answer_checks import verify
+from ...envs.prompts import delta_tokens, render_tokens
 from ...types import Task, Trajectory, row_versions
 from .config import RLCRConfig
 from .parsing import Parsed, brier_reward, parse_answer, parse_confidence, span_mask

@@ -6,7 +6,7 @@ import time
 
 
 from ...config import validate_section
-from ...envs.verifiers import require_math_verify
+from ...envs.answer_checks import require_math_verify
 from ...rollout.workflow import RolloutContext, Workflow, register_workflow
 from ...types import Episode, Task, new_id
 from .calibration import calibration_report

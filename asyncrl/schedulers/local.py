@@ -29,10 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-from . import layout
+from ..rundir import layout
 
-from .config import Config
-from .lifecycle import child_env
+from ..config import Config
+from ..lifecycle import child_env
 
 STOP_GRACE_S = 30.0
 WAIT_REPORT_S = 60.0
@@ -75,7 +75,7 @@ class StopSignals:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
+    return [sys.executable, "-m", "asyncrl", *args]
 
 
 def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | None = None,
@@ -170,10 +170,10 @@ def resume_command() -> str:
 
 
 def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:
-    """``n`` learner processes of one group (``asyncrl.learner.group``), as ``torchrun`` would start
+    """``n`` learner processes of one group (``asyncrl.learner.training.ranks``), as ``torchrun`` would start
     them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port), and
     ASYNCRL_STORE_SECRET, with which rank 0 serves the group's rendezvous store (bound to loopback
-    alone, answering only that secret: ``asyncrl.learner.distributed``).
+    alone, answering only that secret: ``asyncrl.learner.training.distributed``).
     Rank 0 prints to this terminal; rank i > 0 to ``<run>/learner-rank<i>.log``. One process: no
     group variables at all."""
     if n < 1:

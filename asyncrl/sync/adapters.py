@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, LoraSettings
+from ..config import ConfigError, LoraSettings
 
 ADAPTER = "default"  # peft's adapter name
 PREFIX = "base_model.model."  # peft's prefix before the wrapped model's own names

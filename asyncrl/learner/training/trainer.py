@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import Episode
+from ...objectives.advantages import trajectory_advantages
+from ...objectives.aggregation import agg_loss, masked_mean
+from ...objectives.corrections import CorrectionConfig, behavior_weights
+from ...objectives.logprobs import kl_penalty
+from ...objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
+from ...types import Episode
+from ..staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .batch import TrainBatch, collate, compute_logprobs
-from ..advantages import trajectory_advantages
-from .core_algos import (POLICY_LOSSES, CorrectionConfig, LossConfig, PolicyLossInputs, agg_loss, behavior_weights,
-                         kl_penalty, masked_mean)
 
 
 @dataclass
@@ -48,10 +51,11 @@ class PolicyTrainer:
     ``self.model`` is the wrapped model: read full weights with :func:`distributed.full_state_dict`."""
 
     def __init__(self, model, tokenizer, train_cfg, temperature: float, loss_cfg: LossConfig | None = None,
-                 use_recorded_logprobs: bool = True, distributed: str = "none"):
+                 use_recorded_logprobs: bool = True, distributed: str = "none",
+                 staleness: StalenessPolicy | None = None):
         if distributed != "none" and not dist_learner.active():
             raise RuntimeError(f"PolicyTrainer: distributed={distributed!r} needs a process group of more than "
-                               "one rank; call asyncrl.learner.distributed.init_from_env first, or use 'none'")
+                               "one rank; call asyncrl.learner.training.distributed.init_from_env first, or use 'none'")
         self.distributed = distributed
         self.model = model
         self.cfg = train_cfg
@@ -59,7 +63,7 @@ class PolicyTrainer:
         self.correction = CorrectionConfig.from_config(train_cfg)
         self.use_recorded = use_recorded_logprobs
         self.temperature = temperature
-        self.max_staleness: int | None = None  # buffer.max_staleness, for staleness/token_frac_past_bound
+        self.staleness = staleness  # for staleness/token_frac_past_bound (None: not reported)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
         self.ref_model = None
@@ -119,7 +123,7 @@ class PolicyTrainer:
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         result.stats = {k: v / counts[k] for k, v in sums.items()}
         if version is not None:
-            result.stats.update(token_lag_stats(batch, version, max_staleness=self.max_staleness))
+            result.stats.update(token_lag_stats(batch, version, max_staleness=None if self.staleness is None else self.staleness.max_staleness))
         return result
 
     def _loss_inputs(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[PolicyLossInputs, dict[str, float]]:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..envs import bwrap
+from . import bwrap
 
 MAX_REPLY_BYTES = 1 << 20
 MEMORY_BYTES = 4 << 30  # the worker's address space (the verifiers import alone takes a few hundred MB)

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config, SamplingConfig
-from .engine.hf import HFEngine
-from .envs.arithmetic import arithmetic_reward
-from .models.loading import load_model, load_policy, load_tokenizer
-from .models.tiny import build_embedded_model, heldout_tasks, read_model_info
-from .rollout.workflow import workflow_class
-from .types import Task
+from ..config import Config, SamplingConfig
+from ..engine.hf import HFEngine
+from ..envs.arithmetic import arithmetic_reward
+from ..models.loading import load_model, load_policy, load_tokenizer
+from ..models.tiny import build_embedded_model, heldout_tasks, read_model_info
+from ..rollout.workflow import workflow_class
+from ..types import Task
 
 
 def init_model(cfg: Config) -> Path:
@@ -57,7 +57,7 @@ def evaluate_accuracy(model, tokenizer, tasks: list[Task], temperature: float, s
 
 def _initial_evaluation_line(cfg: Config) -> str:
     """The run's held-out evaluation of the freshly built model (version 0), as one line."""
-    from .learner.evaluate import Evaluator
+    from ..learner.evaluate import Evaluator
 
     model, tokenizer, _ = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
                                       workflow_class(cfg.algorithm).warmstart_formats)
@@ -69,7 +69,7 @@ def _initial_evaluation_line(cfg: Config) -> str:
     line = (f"held-out accuracy as a {cfg.algorithm} run measures it ({result.get('size', len(evaluator.tasks))} "
             f"tasks, {how}): {result['accuracy']:.3f}")
     if "confidence_parse_fail" in result:  # RLCR: the calibration the run starts from
-        from .analysis import NA, calibration_summary
+        from ..analysis import NA, calibration_summary
 
         c = calibration_summary(result)
         ece, brier = (NA if c[k] is None else f"{c[k]:.3f}" for k in ("ece", "brier"))

@@ -3,7 +3,7 @@
 ``env.kwargs``: ``taskset`` (an import path ``pkg.module:TasksetClass``, or the id of an installed
 verifiers environment package, as ``vf-eval`` takes it), ``config`` (its ``TasksetConfig`` fields),
 ``size`` (most tasks read from an endless taskset; default 10,000), plus the agent endpoint's
-``model``/``request_timeout_s``/``tool_parser`` (:mod:`asyncrl.rollout.agent`).
+``model``/``request_timeout_s``/``tool_parser`` (:mod:`asyncrl.envs.agent`).
 
 - **Tasks** (``tasks.type=verifiers``, set with this environment): the taskset's tasks, the prompt
   being ``system_prompt`` + ``prompt`` as chat messages. Held out as any finite source
@@ -11,7 +11,7 @@ verifiers environment package, as ``vf-eval`` takes it), ``config`` (its ``Tasks
 - **Rollouts** run through the actor's OpenAI-compatible endpoint, with asyncrl's exact token
   bookkeeping: a chat loop with the ``openai`` client that offers the tools of the task's toolsets
   (``Task.toolsets``, methods marked ``@vf.tool``) and runs every tool call the model makes in the
-  bubblewrap sandbox (:mod:`asyncrl.rollout.tool_sandbox`: never in the actor's process), until a
+  bubblewrap sandbox (:mod:`asyncrl.envs.tool_sandbox`: never in the actor's process), until a
   reply without tool calls or ``env.max_turns`` model calls. Multi-turn tool use is one trajectory
   (each call extends the last). A toolset that asks for another runtime than verifiers'
   ``subprocess`` (docker, e2b, modal, ...) or an external server is refused at start, in one line;
@@ -94,6 +94,11 @@ def _messages(vtask) -> list[dict[str, str]]:
             raise ConfigError(f"verifiers task {data.idx}: only text messages are supported, got {str(content)[:80]}")
         out.append({"role": d["role"], "content": content})
     return out
+
+
+def verifiers_source(tasks_cfg) -> list[Task]:
+    """``tasks.type=verifiers``: the tasks of the taskset ``tasks.kwargs`` names."""
+    return verifiers_tasks(tasks_cfg.kwargs)
 
 
 def verifiers_tasks(kwargs: dict) -> list[Task]:

@@ -1,6 +1,6 @@
 """The learner's training step over several processes (issue 15): DDP or FSDP2 on a process group.
 
-Promised here (``asyncrl.learner.group`` runs the learner's ranks on top of it):
+Promised here (``asyncrl.learner.training.ranks`` runs the learner's ranks on top of it):
 
 - :func:`init_from_env` joins the group that ``torchrun`` / ``accelerate launch`` describe in the
   environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): gloo on CPU, nccl on CUDA,
@@ -11,7 +11,7 @@ Promised here (``asyncrl.learner.group`` runs the learner's ranks on top of it):
 - :func:`loss_scales`: DDP and FSDP2 *average* gradients over the ``W`` ranks, so each rank's loss,
   normalised over its own rows, is multiplied by a factor that makes the average equal the
   one-process gradient of the whole batch, for every ``loss_agg_mode`` of
-  :func:`asyncrl.learner.core_algos.agg_loss` (token-mean: ``W * n_local / N_global`` tokens;
+  :func:`asyncrl.objectives.losses.agg_loss` (token-mean: ``W * n_local / N_global`` tokens;
   seq-mean modes: the same with non-empty rows; seq-mean-token-sum-norm: ``W``, its divisor being
   a constant).
 - :func:`full_state_dict`: the full, unsharded parameters on every rank, on the CPU (for
@@ -27,9 +27,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from ..wire.codec import WireError, decode, encode
-from ..wire.messages import GROUP_KINDS, Body
-from ..wire.tensors import check_layout, pack, plan_layout, unpack
+from ...wire.codec import WireError, decode, encode
+from ...wire.messages import GROUP_KINDS, Body
+from ...wire.tensors import check_layout, pack, plan_layout, unpack
 
 MODES = ("none", "ddp", "fsdp2")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -96,13 +96,13 @@ _STORE: list = []  # this process's rendezvous store objects, alive as long as t
 
 def _group_store(timeout_s: float):
     """With ``ASYNCRL_STORE_SECRET`` set (``asyncrl run --learner-procs`` sets it), the group meets
-    at an authenticated, bounded :class:`asyncrl.sync.store.StoreServer` that rank 0 binds on
+    at an authenticated, bounded :class:`asyncrl.sync.rendezvous.StoreServer` that rank 0 binds on
     MASTER_ADDR:MASTER_PORT alone (a plain ``TCPStore`` listens on every interface and takes anyone's
     keys); without it, None: the launcher's own store."""
     secret = os.environ.get("ASYNCRL_STORE_SECRET")
     if not secret:
         return None
-    from ..sync.store import StoreClient, StoreServer
+    from ...sync.rendezvous import StoreClient, StoreServer
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if int(os.environ["RANK"]) == 0:
@@ -190,7 +190,7 @@ def loss_scales(mask: torch.Tensor, agg_mode: str) -> tuple[float, float]:
     token-mean term (KL, entropy). With gradients averaged over ``W`` ranks, a token-mean loss
     ``S_r / n_r`` scaled by ``W n_r / N`` contributes ``S_r / N``: the ranks sum to the global mean.
     1.0 for both without a process group. One all-reduce of two numbers."""
-    from .core_algos import LOSS_AGG_MODES
+    from ...objectives.aggregation import LOSS_AGG_MODES
     if agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"distributed.loss_scales: loss_agg_mode {agg_mode!r} unknown; "
                          f"expected one of {', '.join(LOSS_AGG_MODES)}")

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError
+from ..config import ConfigError
 from .layout import EVENTS, METRICS
-from .metric_names import tag
+from ..metric_names import tag
 
 EVENTS_SCHEMA = 1
 

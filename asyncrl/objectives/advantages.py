@@ -10,24 +10,29 @@ trajectory's typed ``advantage_scale`` (e.g. Absolute Zero's proposer weight) mu
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Sequence
+from typing import Callable, Sequence, get_args
 
 import torch
 from torch import Tensor
 
-from .registry import Registry
-from .types import Trajectory
+from ..config import AdvantageConfig
+from ..registry import Registry
+from ..types import Trajectory
 
 ADV_ESTIMATORS: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
 
 
-SINGLETON_RULES = ("zero", "verl")
-STD_ESTIMATORS = ("unbiased", "population")
+_ADV = AdvantageConfig.model_fields  # the choices and defaults are the config's, declared once there
+SINGLETON_RULES = get_args(_ADV["singleton"].annotation)
+STD_ESTIMATORS = get_args(_ADV["std"].annotation)
+# ``train.advantage`` settings an estimator takes as keyword arguments when they differ from their defaults
+_OPTIONS = ("singleton", "std")
 
 
 @ADV_ESTIMATORS.register("grpo")
-def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = True,
-                            eps: float = 1e-6, singleton: str = "zero", std: str = "unbiased") -> Tensor:
+def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = _ADV["norm_by_std"].default,
+                            eps: float = 1e-6, singleton: str = _ADV["singleton"].default,
+                            std: str = _ADV["std"].default) -> Tensor:
     """GRPO outcome advantage, one scalar per trajectory (Shao et al. 2024, DeepSeekMath).
 
     Args:
@@ -79,7 +84,7 @@ def estimator_options(adv_cfg) -> dict:
     """The ``train.advantage`` settings beyond ``norm_by_std`` (``singleton``, ``std``) that differ
     from their defaults, as keyword arguments: an estimator registered without them keeps working
     as long as they are left at their defaults."""
-    defaults = {"singleton": "zero", "std": "unbiased"}
+    defaults = {k: _ADV[k].default for k in _OPTIONS}
     return {k: v for k, d in defaults.items() if (v := getattr(adv_cfg, k, d)) != d}
 
 

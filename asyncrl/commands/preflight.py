@@ -16,7 +16,7 @@ one line instead of a traceback after minutes of model building and a half-writt
 - experience replay's need for a workflow that takes per-task rollout counts;
 - ``model.lora.target_modules`` against the model's linear layers; with ``engine.type=vllm`` what vLLM
   cannot honour (``sampling.top_p < 1``, a LoRA rank above vLLM's largest);
-- the advantage estimator and policy loss names (``asyncrl.advantages``, ``asyncrl.learner.core_algos``).
+- the advantage estimator and policy loss names (``asyncrl.objectives.advantages``, ``asyncrl.objectives.losses``).
 
 Every problem is a :class:`ConfigError` whose message is one line naming the field, file or
 function and what was expected.
@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 
 
 @dataclass
@@ -39,9 +39,9 @@ class Preflight:
 
 
 def preflight(cfg: Config) -> Preflight:
-    from .rollout.workflow import get_workflow
-    from .envs.base import make_env
-    from .envs.tasks import describe_heldout, split_tasks
+    from ..rollout.workflow import get_workflow
+    from ..envs.base import make_env
+    from ..envs.tasks import describe_heldout, split_tasks
 
     workflow = get_workflow(cfg.algorithm, cfg)
     if cfg.replay.enabled and not workflow.supports_replay:
@@ -50,14 +50,13 @@ def preflight(cfg: Config) -> Preflight:
     env = make_env(cfg.env)
     if callable(getattr(env, "preflight", None)):
         env.preflight()
-    _check_registry_names(cfg)
     train, heldout = split_tasks(cfg.tasks)  # holdout_fraction <= 0.9 always leaves training tasks
     if cfg.model.path is not None or cfg.tasks.type == "file":  # the user's model, or the user's prompts
         _check_model_and_prompts(cfg, (train or []) + heldout if cfg.tasks.type == "file" else [])
     if cfg.model.lora is not None:
         _check_lora(cfg)
     if cfg.engine.type == "vllm":  # what vLLM cannot honour exactly (nucleus log-probs, LoRA ranks)
-        from .engine.vllm import check_engine_config
+        from ..engine.vllm import check_engine_config
 
         check_engine_config(cfg)
     return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train),
@@ -69,9 +68,9 @@ def _check_lora(cfg: Config) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .adapters import targeted
-    from .models.tiny import embedded_llama_config
-    from .models.tokenizer import build_char_tokenizer
+    from ..sync.adapters import targeted
+    from ..models.tiny import embedded_llama_config
+    from ..models.tokenizer import build_char_tokenizer
 
     if cfg.model.path is None:
         config = embedded_llama_config(cfg.model.embedded, len(build_char_tokenizer()))
@@ -81,26 +80,8 @@ def _check_lora(cfg: Config) -> None:
         targeted(AutoModelForCausalLM.from_config(config), cfg.model.lora)
 
 
-def _check_registry_names(cfg: Config) -> None:
-    """``train.advantage.estimator`` and ``train.policy_loss`` name registered functions (the
-    defaults always do; other names import the registries, which need torch)."""
-    if cfg.train.advantage.estimator != "grpo":
-        from .advantages import ADV_ESTIMATORS
-
-        _registered(ADV_ESTIMATORS, cfg.train.advantage.estimator, "train.advantage.estimator")
-    if cfg.train.policy_loss != "ppo":
-        from .learner.core_algos import POLICY_LOSSES
-
-        _registered(POLICY_LOSSES, cfg.train.policy_loss, "train.policy_loss")
-
-
-def _registered(registry, name: str, field: str) -> None:
-    if name not in registry.names():
-        raise ConfigError(f"{field}: unknown {registry.kind} {name!r}; valid names: {', '.join(registry.names())}")
-
-
 def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
-    from .models.prompts import render_tokens, set_prompt_format
+    from ..envs.prompts import render_tokens, set_prompt_format
 
     tokenizer, context, where = _tokenizer_and_context(cfg)
     set_prompt_format(tokenizer, cfg.tasks.prompt_format, where=where)
@@ -124,12 +105,12 @@ def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
 def _tokenizer_and_context(cfg: Config):
     """``(tokenizer, context length or None, ' in <where>')`` without loading any weights."""
     if cfg.model.path is None:
-        from .models.tokenizer import build_char_tokenizer
+        from ..models.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer(), cfg.model.embedded.max_positions, " of the embedded model"
     from transformers import AutoTokenizer
 
-    from .models.loading import resolve_model_path
+    from ..models.loading import resolve_model_path
 
     try:
         path = resolve_model_path(cfg.model)

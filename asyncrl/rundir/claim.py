@@ -30,11 +30,11 @@ from typing import Any
 import yaml
 from filelock import FileLock, Timeout
 
-from .config import Config, ConfigError, dump_config, flat_keys
+from ..config import Config, ConfigError, dump_config, flat_keys
 from .layout import (EVENTS, LOCK_FILE, METRICS, METRICS_DISCARDED, PID_FILE, RUN_FILES, buffer_dir, checkpoint_step, config_snapshot,
                      list_checkpoints, select_checkpoint, wal_segments)
 
-# (asyncrl.layout.RUN_FILES: what asyncrl writes into a run directory; --overwrite removes exactly these)
+# (asyncrl.rundir.layout.RUN_FILES: what asyncrl writes into a run directory; --overwrite removes exactly these)
 # Keys a resume may not change: the checkpoint's weights belong to this model and this algorithm.
 FROZEN_ON_RESUME = ("model", "algorithm")
 # Keys never compared: where the run is, whether it resumes, and where the built model is cached.

@@ -43,10 +43,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 import zmq
 
-from ..wire.codec import (Message, WireError, decode, decode_episode, encode, episode_identity)
-from ..wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
+from ...wire.codec import (Message, WireError, decode, decode_episode, encode, episode_identity)
+from ...wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
                              Welcome)
-from ..wire.sockets import (apply_curve_server, bind, bind_ipc, check_wire, drain, key_allows, private_dir,
+from ...wire.sockets import (apply_curve_server, bind, bind_ipc, check_wire, drain, key_allows, private_dir,
                             send_frames, send_routed, start_curve_auth)
 
 _CHUNK = 16  # messages taken from one socket before the next socket's turn
@@ -111,6 +111,21 @@ class Subscriber:
     last_seen: float = field(default_factory=time.monotonic)
 
 
+def credit_timeout_s(wire_cfg) -> float:
+    """``wire.credit_timeout_s``, or three leases when unset."""
+    return wire_cfg.credit_timeout_s or 3 * wire_cfg.lease_s
+
+
+@dataclass
+class Housekeeping:
+    """What one round of upkeep found (:meth:`LearnerNet.housekeeping`), for the learner to report."""
+
+    dropped: list  # ActorState: silent past their lease (wire.lease_s); their credits return to the pool
+    reclaimed: list  # (ActorState, credits): held credits without progress for credit_timeout_s
+    evicted: list  # ActorState: made room in a full actor table for an actor that delivers
+    denied: list  # (CURVE key, time): clients refused by the authenticator
+
+
 class LearnerNet:
     def __init__(self, wire_cfg, on_bad_message: Callable[[str, Exception], None],
                  previous: dict[str, str] | None = None, limits: Limits | None = None,
@@ -126,7 +141,7 @@ class LearnerNet:
         self.ctx = zmq.Context.instance()
         self.session = uuid.uuid4().hex
         self.lease_s = wire_cfg.lease_s
-        self.credit_timeout_s = wire_cfg.credit_timeout_s or 3 * wire_cfg.lease_s
+        self.credit_timeout_s = credit_timeout_s(wire_cfg)
         self.reclaimed: list[tuple[ActorState, int]] = []  # credits taken back since the last call
         self.evicted: list[ActorState] = []  # strangers dropped for a returning actor since the last call
         self._hogs: dict[str, None] = {}  # actor ids whose credits were taken back (kept across hellos)
@@ -435,6 +450,15 @@ class LearnerNet:
     def stop_actors(self, reason: str = "") -> None:
         for ident in list(self.actors):
             self.send_control(ident, Stop(reason=reason))
+
+    def housekeeping(self) -> Housekeeping:
+        """Expire leases, then take what was reclaimed, evicted and denied since the last call."""
+        dropped = self.expire()
+        reclaimed, evicted = self.take_reclaimed()
+        return Housekeeping(dropped, reclaimed, evicted, self.take_denied())
+
+    def has_actors(self) -> bool:
+        return bool(self.actors)
 
     def take_denied(self) -> list[tuple[str, float]]:
         """CURVE client keys the authenticator refused since the last call (key, unix time)."""

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from app.args import add_ui_arguments
 
-from .config import ConfigError, load_config
-from .wire.sockets import WireSecurityError
-from .lifecycle import freeze_startup_heap, tolerate_closed_output, warn_once_per_message, watch_parent
+from ..config import ConfigError, load_config
+from ..wire.sockets import WireSecurityError
+from ..lifecycle import freeze_startup_heap, tolerate_closed_output, warn_once_per_message, watch_parent
 from .preflight import preflight
-from . import layout
-from .rundir import check_writable
-from .runlog import check_trackers
+from ..rundir import layout
+from ..rundir.claim import check_writable
+from ..rundir.runlog import check_trackers
 
 
 CONFIG_KEYS_HELP = "every config key, its value and what it does: asyncrl config -c FILE [KEY=VALUE ...] [--diff]"
@@ -54,21 +54,21 @@ def _add_start_args(p: argparse.ArgumentParser) -> None:
 
 
 def _start_refused(args, error: Exception) -> int:
-    """A start refused by the run directory's state (asyncrl.rundir) or an unusable checkpoint/WAL."""
+    """A start refused by the run directory's state (asyncrl.rundir.claim) or an unusable checkpoint/WAL."""
     print(f"asyncrl {args.command}: {error}", file=sys.stderr, flush=True)
     return 2
 
 
 def _start_errors() -> tuple[type[Exception], ...]:
-    from .records import RecordError
-    from .layout import CheckpointError
-    from .rundir import RunDirError
+    from ..rundir.record_file import RecordError
+    from ..rundir.layout import CheckpointError
+    from ..rundir.claim import RunDirError
 
     return RunDirError, CheckpointError, RecordError
 
 
 def cmd_learn(args) -> int:
-    from .learner.learner import Learner
+    from ..learner.learner import Learner
 
     if args.resume:
         args.override.append("checkpoint.resume=true")
@@ -95,10 +95,10 @@ def cmd_learn(args) -> int:
 
 def _learner_group(cfg):
     """Under torchrun / accelerate launch / ``asyncrl run --learner-procs`` (WORLD_SIZE > 1): join
-    the group; rank 0 gets its :class:`asyncrl.learner.group.Ranks`, any other rank trains with it
+    the group; rank 0 gets its :class:`asyncrl.learner.training.ranks.Ranks`, any other rank trains with it
     here and gets its exit code. One process: a ``Ranks`` of one."""
-    from .learner import distributed
-    from .learner.group import Ranks, follow
+    from ..learner.training import distributed
+    from ..learner.training.ranks import Ranks, follow
 
     world = distributed.launched_world()
     mode = distributed.resolve_mode(cfg.train.distributed, world)
@@ -120,11 +120,11 @@ def _learner_group(cfg):
 
 
 def cmd_serve(args) -> int:
-    from .actor.actor import Actor
-    from .envs.guard import TooManyFailures
+    from ..actor.actor import Actor
+    from ..envs.guard import TooManyFailures
 
     cfg, _ = _load(args)
-    from .schedulers.slurm import BUNDLE_ENV, materialize_bundle
+    from ..schedulers.slurm import BUNDLE_ENV, materialize_bundle
     if os.environ.get(BUNDLE_ENV):  # (started by the SLURM scheduler on another node: its own CURVE bundle)
         cfg.wire.curve_dir = materialize_bundle(os.environ.pop(BUNDLE_ENV))
     preflight(cfg)
@@ -158,15 +158,15 @@ def _wait_for_control(addr_file: Path, report_s: float = 60.0) -> str:
 
 
 def cmd_relay(args) -> int:
-    from .sync.relay import main as relay_main
+    from ..sync.relay import main as relay_main
 
     cfg, _ = _load(args)
     return relay_main(cfg, args.learner_weights, args.relay_id, args.sock_dir)
 
 
 def cmd_run(args) -> int:
-    from .rundir import prepare
-    from .schedulers import SchedulerError, launch
+    from ..rundir.claim import prepare
+    from ..schedulers import SchedulerError, launch
 
     if args.resume:  # the learner child gets the same overrides, so it resumes too
         args.override.append("checkpoint.resume=true")
@@ -177,7 +177,7 @@ def cmd_run(args) -> int:
         cfg = load_config(args.config, overrides)
     heldout = preflight(cfg).heldout  # (checks the tasks; printed once nothing refuses the run)
     if cfg.launch.scheduler == "slurm" and (args.dry_run or not os.environ.get("SLURM_JOB_ID")):
-        from .schedulers.slurm import submit  # (the run directory is claimed by the job, on its first node)
+        from ..schedulers.slurm import submit  # (the run directory is claimed by the job, on its first node)
         try:
             return submit(cfg, dry_run=args.dry_run, overwrite=args.overwrite, learner_procs=args.learner_procs)
         except SchedulerError as e:
@@ -205,8 +205,8 @@ def _dry_run(cfg, heldout: str, args) -> int:
     """``asyncrl run --dry-run`` with the local or Ray scheduler: the config and its set-up checked
     (preflight), what the run directory would do (start fresh, resume, or refuse), and the command
     that starts it; nothing is started or written. Exit code 2 when the start would be refused."""
-    from .launcher import this_command
-    from .rundir import RunDirError, plan_start, state_found  # (both only read)
+    from ..schedulers.local import this_command
+    from ..rundir.claim import RunDirError, plan_start, state_found  # (both only read)
 
     run_dir = Path(cfg.run_dir).resolve()
     where = "on a Ray cluster" if cfg.launch.scheduler == "ray" else "on this machine"
@@ -230,7 +230,7 @@ def _dry_run(cfg, heldout: str, args) -> int:
 
 
 def cmd_config(args) -> int:
-    from .config_show import show_config
+    from ..analysis.config_view import show_config
 
     cfg, _ = _load(args)
     print(show_config(cfg, diff=args.diff))
@@ -238,7 +238,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from .wire.sockets import make_curve_keys
+    from ..wire.sockets import make_curve_keys
 
     names = args.names or [str(i) for i in range(args.actors)]
     bundles = make_curve_keys(args.out, names)
@@ -254,7 +254,7 @@ def cmd_keys(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .models.lora import export_run
+    from ..models.lora import export_run
 
     done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
     how = (", LoRA adapters merged into the base model" if done.merged else
@@ -278,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-model", help="build (or find in the cache) the embedded tiny model")
     _add_config_args(p)
     p.set_defaults(fn=cmd_init_model)
+    _add_process_commands(sub)
+    _add_run_command(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_process_commands(sub) -> None:
+    """``learn``, ``serve``, ``relay``: the processes a run is made of, each startable by hand."""
     p = sub.add_parser("learn", help="run the learner")
     _add_config_args(p)
     _add_start_args(p)
@@ -299,12 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sock-dir", help="private directory (made mode 0700) of the ipc socket this node's actors "
                    "connect to (default: a new temporary one)")
     p.set_defaults(fn=cmd_relay)
+
+
+def _add_run_command(sub) -> None:
+    """``run``: the learner and actors together, on a scheduler."""
+    from ..schedulers import SCHEDULERS
+
     p = sub.add_parser("run", help="run the learner and actors together")
     _add_config_args(p)
     p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
     _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
-    p.add_argument("--scheduler", choices=["local", "ray", "slurm"],
+    p.add_argument("--scheduler", choices=list(SCHEDULERS),
                    help="where the processes run (launch.scheduler): local child processes (default), a Ray cluster, "
                         "or a SLURM job (submitted; inside an allocation, run there)")
     p.add_argument("--dry-run", action="store_true", help="check the config and set-up (preflight) and say what would "
@@ -313,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
                         "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")
     p.set_defaults(fn=cmd_run)
+
+
+def _add_tool_commands(sub) -> None:
+    """``config``, ``keys``, ``export``, ``ui``: commands that start no run."""
     p = sub.add_parser("config", help="print the resolved config (every key, with its description)",
                        description="The config a run would use (the file, then the overrides, over the defaults), "
                                    "as YAML with each key's description. --diff: only the keys that differ from "
@@ -334,7 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     add_ui_arguments(p)
     p.set_defaults(fn=cmd_ui)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

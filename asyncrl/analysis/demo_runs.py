@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .analysis.records import quiet_records
+from .jsonl import quiet_records
 
 __all__ = ["demo_run", "notebook_run", "TINY_MODEL_OVERRIDES", "RUN_ENV"]
 
@@ -93,7 +93,7 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
             "actor.heartbeat_s=0.5",
             *(["log.sample_every=1"] if quick else []), *(extra_overrides or [])]
     marker = run_dir / ".asyncrl-demo"
-    made_with = json.dumps({"made by": "asyncrl.demo.demo_run", "config": config, "overrides": args})
+    made_with = json.dumps({"made by": "asyncrl.analysis.demo_runs.demo_run", "config": config, "overrides": args})
     if reuse and _read_text(marker) == made_with and any(
             r.get("kind") == "learner_stop" for r in quiet_records(run_dir / "events.jsonl")):
         return run_dir  # finished, with these very settings
@@ -103,7 +103,7 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
         shutil.rmtree(run_dir)  # unfinished, made with other settings, or not to be reused: start afresh
     run_dir.mkdir(parents=True)
     marker.write_text(made_with)
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "-c", str(root / config), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", "-c", str(root / config), *args],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: killed whole below
     try:

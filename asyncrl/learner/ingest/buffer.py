@@ -8,7 +8,7 @@ Promises:
   A write that fails part-way is cut back, so the file always ends on a whole record.
 - Episode ids are de-duplicated across restarts (``seen`` is part of the checkpoint), so an actor
   resending an unacknowledged episode never gets it trained twice.
-- ``take`` returns the oldest usable episodes first and drops those staler than ``max_staleness``.
+- ``take`` returns the oldest usable episodes first and drops those the staleness policy finds too old.
 - A checkpoint stores the unconsumed episodes and ``seen``; the learner deletes WAL segments older
   than the oldest checkpoint it keeps (so a damaged newest checkpoint can fall back to an older one
   without losing what was acknowledged since). Resuming reads the checkpoint, then every WAL record
@@ -19,7 +19,7 @@ Promises:
   garbage, zero fill, with no valid record after it) is cut off. Everything is reported: the byte
   ranges, how many records they held at least, and the episode ids quarantined.
 
-Records are the checksummed format of ``asyncrl.records`` (shared with checkpoint buffer files and
+Records are the checksummed format of ``asyncrl.rundir.record_file`` (shared with checkpoint buffer files and
 the replay pool).
 """
 
@@ -30,10 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..layout import cut_file, fsync_path, wal_segment, wal_segments
-from ..records import Damage, RecordScan, encode_record, read_frame_records, scan_records_resync, write_frames
-from ..types import Episode
-from ..wire.codec import WireError, decode, decode_episode
+from ...rundir.layout import cut_file, fsync_path, wal_segment, wal_segments
+from ...rundir.record_file import Damage, RecordScan, encode_record, read_frame_records, scan_records_resync, write_frames
+from ...types import Episode
+from ...wire.codec import WireError, decode, decode_episode
+from ..staleness import StalenessPolicy
 
 
 @dataclass
@@ -114,15 +115,10 @@ class EpisodeQueue:
             self._dirty = False
 
     # -- reading --------------------------------------------------------------------------------
-    def take(self, count: int, version: int, max_staleness: int, by_newest: bool = False) -> list[Episode] | None:
-        """``count`` episodes with ``version - policy_version <= max_staleness``, oldest first, or
-        None if fewer are available. Too-stale episodes are dropped (counted in ``dropped_stale``).
-        ``by_newest``: judge an episode by its newest token's version instead of its oldest
-        (``buffer.stale_tokens`` keep and truncate: rows made across in-flight updates)."""
-        def age(ep: Episode) -> int:
-            return version - (ep.newest_version if by_newest else ep.policy_version)
-
-        for eid in [k for k, (ep, _) in self.episodes.items() if age(ep) > max_staleness]:
+    def take(self, count: int, version: int, staleness: StalenessPolicy) -> list[Episode] | None:
+        """``count`` episodes within the staleness bound, oldest first, or None if fewer are available.
+        Episodes that ``staleness`` finds too old are dropped (counted in ``dropped_stale``)."""
+        for eid in [k for k, (ep, _) in self.episodes.items() if staleness.too_old(ep, version)]:
             del self.episodes[eid]
             self.dropped_stale += 1
         if len(self.episodes) < count:

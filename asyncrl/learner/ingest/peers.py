@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, defaultdict
-from typing import Callable
+from typing import Callable, Protocol
 
 import msgspec
 import numpy as np
 
-from ..wire.codec import WireError
-from ..wire.messages import Rejected
-from .net import Arrival, LearnerNet, Limits
+from ...wire.codec import Message, WireError
+from ...wire.messages import Rejected
+from .net import ActorState, Arrival, Housekeeping, Limits, credit_timeout_s
 
 _REASON_CHARS = 300  # a rejection reason sent back to the actor (the Ack field allows 1024)
 
@@ -150,14 +150,35 @@ class RateLimitedLog:
         self.event("messages_suppressed", seconds=round(window, 3), counts=counts, examples=examples)
 
 
+class PeerLink(Protocol):
+    """What :class:`Peers` needs of the learner's network (:class:`asyncrl.learner.ingest.net.LearnerNet`),
+    and nothing more: arrivals and control messages, the actors' accounting, acknowledgements, upkeep."""
+
+    def poll(self, timeout_ms: int) -> tuple[list[Arrival], list[tuple[bytes, Message]]]: ...
+
+    def handle_control(self, identity: bytes, msg: Message) -> ActorState: ...
+
+    def take_undecodable(self) -> list[tuple[str, str, WireError]]: ...
+
+    def received_from(self, actor_id: str, n: int) -> None: ...
+
+    def delivered(self, actor_id: str, n: int) -> None: ...
+
+    def ack(self, by_actor: dict[str, list[str]], rejected: dict[str, list[Rejected]] | None = None) -> None: ...
+
+    def housekeeping(self) -> Housekeeping: ...
+
+    def has_actors(self) -> bool: ...
+
+
 class Peers:
     """One ``pump`` of the wire for the learner: ingest episodes (validate, WAL, acknowledge),
     handle control messages, expire leases, report refused CURVE clients. ``stop_reason`` is set
     when ``train.exit_after_no_actors_s`` has passed with no actor."""
 
-    def __init__(self, cfg, net: LearnerNet, buffer, event: Callable[..., None], vocab_size: int):
+    def __init__(self, cfg, net: PeerLink, buffer, event: Callable[..., None], vocab_size: int, limits: Limits):
         self.cfg, self.net, self.buffer, self.event = cfg, net, buffer, event
-        self.validator = EpisodeValidator(vocab_size, net.limits)
+        self.validator = EpisodeValidator(vocab_size, limits)
         self.reports = RateLimitedLog(event, cfg.wire.bad_log_first, cfg.wire.bad_log_every_s)
         self.bad_messages = 0
         self.rejected_episodes = 0
@@ -182,27 +203,30 @@ class Peers:
         t0 = time.perf_counter()
         self._ingest(arrivals, version)
         self.ingest_s += time.perf_counter() - t0
-        for a in self.net.expire():
+        self._report(self.net.housekeeping())
+        self._watch_actors()
+        self.reports.flush()
+
+    def _report(self, news: Housekeeping) -> None:
+        wire = self.cfg.wire
+        for a in news.dropped:
             self._status_logged.pop(a.identity, None)
             self.reports.report("actor_dropped", "lease", f"{a.actor_id} was silent for more than "
-                                f"{self.net.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
+                                f"{wire.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
                                 f"return to the pool", actor_id=a.actor_id, outstanding=a.outstanding)
-        reclaimed, evicted = self.net.take_reclaimed()
-        for a, n in reclaimed:
+        for a, n in news.reclaimed:
             self.reports.report("credits_reclaimed", "no_progress", f"{a.actor_id} held {n} credits and "
-                                f"delivered no episode for {self.net.credit_timeout_s:g} s (wire.credit_timeout_s); "
+                                f"delivered no episode for {credit_timeout_s(wire):g} s (wire.credit_timeout_s); "
                                 f"they return to the pool and it gets one at a time until it delivers",
                                 actor_id=a.actor_id, outstanding=n)
-        for a in evicted:
+        for a in news.evicted:
             self._status_logged.pop(a.identity, None)
             self.reports.report("actor_dropped", "evicted", f"{a.actor_id} (never delivered an episode) made "
                                 f"room in the full actor table for an actor that did",
                                 actor_id=a.actor_id, outstanding=a.outstanding)
-        for key, _ in self.net.take_denied():
+        for key, _ in news.denied:
             self.reports.report("connection_refused", "curve_key", f"a CURVE client with key {key} is "
                                 f"not in the server's authorized keys", client_key=key)
-        self._watch_actors()
-        self.reports.flush()
 
     def _ingest(self, arrivals: list[Arrival], version: int) -> None:
         """Validate, write (WAL, fsync once) and acknowledge; invalid episodes are rejected."""
@@ -264,7 +288,7 @@ class Peers:
     def _watch_actors(self) -> None:
         limit = self.cfg.train.exit_after_no_actors_s
         now = time.monotonic()
-        if self.net.actors:
+        if self.net.has_actors():
             self._no_actor_since = now
         elif limit is not None and self.stop_reason is None and now - self._no_actor_since > limit:
             self.stop_reason = (f"no actor for {limit:g} s (train.exit_after_no_actors_s); stopping "

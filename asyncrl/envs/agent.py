@@ -6,7 +6,7 @@ keyword arguments it names among:
 
 - ``task``: the :class:`asyncrl.types.Task` (``task.prompt`` messages, ``task.answer``, ``metadata``);
 - ``client``: an ``openai.OpenAI`` client (``openai.AsyncOpenAI`` for an async function) whose base URL
-  is this rollout's endpoint session (:mod:`asyncrl.rollout.endpoint`);
+  is this rollout's endpoint session (:mod:`asyncrl.envs.endpoint`);
 - ``base_url``, ``api_key``, ``model``: the same, for code that builds its own client.
 
 Each of the ``sampling.n`` rollouts of a task runs the function once, concurrently with the others;
@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from ..config import ConfigError
-from ..envs.guard import EnvFailure, ScoresError, stopping, validate_scores
+from .guard import EnvFailure, ScoresError, stopping, validate_scores
 from ..plugins import resolve_import
 from ..types import Task
 from .endpoint import Endpoint, Session, tool_parser as make_tool_parser

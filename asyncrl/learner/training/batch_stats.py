@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..types import Episode
+from ...types import Episode
 
 SAME_REWARD_TOL = 1e-9
 

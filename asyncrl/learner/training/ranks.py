@@ -5,14 +5,14 @@
 :class:`asyncrl.learner.learner.Learner` as in one process: it alone owns the sockets, the buffer
 and its write-ahead log, events, metrics, evaluation and checkpoints. The other ranks run
 :func:`follow`: they hold the model (a DDP replica or their FSDP2 shards) and its optimizer, and do
-what rank 0 announces on the control channel (:class:`asyncrl.learner.distributed.Control`: the
+what rank 0 announces on the control channel (:class:`asyncrl.learner.training.distributed.Control`: the
 ``group.*`` bodies of :mod:`asyncrl.wire.messages` through the wire codec, tensors in one byte
 bucket packed by :mod:`asyncrl.wire.tensors`):
 
 - ``GroupStart``: build the model and the trainer (the wrap is itself a collective);
 - ``GroupLoad``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards);
 - ``GroupStep``: the collated batch; every rank trains on its rows of each mini-batch
-  (:class:`asyncrl.learner.trainer.PolicyTrainer`), gradients combined over the ranks;
+  (:class:`asyncrl.learner.training.trainer.PolicyTrainer`), gradients combined over the ranks;
 - ``GroupState``: join the gathering of the full parameters (FSDP2: for publishing and evaluation);
 - ``GroupCheckpoint``: join the gathering of the full model and optimizer states, which rank 0
   writes in the one-process format (so either kind of run resumes the other's checkpoints);
@@ -31,12 +31,13 @@ import signal
 
 import torch
 
-from ..config import cpu_threads
-from ..wire.codec import WireError
-from ..wire.messages import Body, GroupCheckpoint, GroupLoad, GroupStart, GroupState, GroupStep, GroupStop
+from ...config import cpu_threads
+from ...wire.codec import WireError
+from ...wire.messages import Body, GroupCheckpoint, GroupLoad, GroupStart, GroupState, GroupStep, GroupStop
 from . import distributed as dist_learner
 from .batch import TrainBatch
-from .core_algos import LossConfig
+from ...objectives.losses import LossConfig
+from ..staleness import StalenessPolicy
 from .trainer import PolicyTrainer, TrainStepResult
 
 _LIST_FIELDS = ("sample_types", "group_ids")
@@ -44,11 +45,10 @@ _LIST_FIELDS = ("sample_types", "group_ids")
 
 def make_trainer(cfg, model, tokenizer, mode: str) -> PolicyTrainer:
     """The learner's trainer for ``cfg`` (every rank builds the same one)."""
-    trainer = PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
-                            loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
-                            use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode)
-    trainer.max_staleness = cfg.buffer.max_staleness
-    return trainer
+    return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
+                         loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
+                         use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode,
+                         staleness=StalenessPolicy.from_config(cfg))
 
 
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
@@ -140,9 +140,9 @@ class Ranks:
 def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     """A rank other than 0: do what rank 0 announces until it says stop (exit code 0) or is gone
     (exit code 1, one line)."""
-    from ..models.loading import load_policy
-    from ..models.lora import with_adapters
-    from ..rollout.workflow import workflow_class
+    from ...models.loading import load_policy
+    from ...models.lora import with_adapters
+    from ...rollout.workflow import workflow_class
 
     rank = torch.distributed.get_rank()
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops

@@ -1,6 +1,6 @@
 """An OpenAI-compatible endpoint over the actor's own engine, with exact token bookkeeping.
 
-Agent code (``env.type=agent``, :mod:`asyncrl.rollout.agent`) talks to the policy the way it talks to
+Agent code (``env.type=agent``, :mod:`asyncrl.envs.agent`) talks to the policy the way it talks to
 any model server: ``POST {base_url}/chat/completions`` (or ``/completions``) with the ``openai``
 client. Every rollout gets its own base URL, ``http://127.0.0.1:PORT/s/<secret>/v1``; the server
 binds loopback only and the unguessable path is the session's credential.
@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError, SamplingConfig
 from ..engine.base import token_versions
-from ..models.prompts import delta_tokens, prompt_format, render_tokens
+from .prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
 MAX_BODY_BYTES = 8 << 20
@@ -573,93 +573,98 @@ class _Server(ThreadingHTTPServer):
             print(f"[endpoint] {what} ({n} so far)", flush=True)
 
 
-def _handler_for(endpoint: Endpoint):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "asyncrl-endpoint"
-        disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
-        timeout = READ_TIMEOUT_S  # every read of the connection (an idle keep-alive or a slow-loris ends)
+class _Handler(BaseHTTPRequestHandler):
+    """One HTTP connection to the endpoint (``endpoint``: set per server by :func:`_handler_for`)."""
 
-        def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
-            pass
+    endpoint: Endpoint
+    protocol_version = "HTTP/1.1"
+    server_version = "asyncrl-endpoint"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
+    timeout = READ_TIMEOUT_S  # every read of the connection (an idle keep-alive or a slow-loris ends)
 
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
+        pass
 
-        def _route(self) -> tuple[str, str]:
-            parts = self.path.split("?", 1)[0].strip("/").split("/")
-            if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
-                raise EndpointError(404, "not_found", f"unknown path {self.path[:80]!r}; use the base URL the "
-                                                      f"rollout was given (.../s/<session>/v1)")
-            return parts[1], "/".join(parts[3:])
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-        def _body(self) -> bytes:
-            """The request body: a valid ``Content-Length`` (no chunked bodies) of at most
-            ``MAX_BODY_BYTES``; otherwise the error, and the connection is closed after it."""
-            length = self.headers.get("Content-Length")
-            if length is None:
-                self.close_connection = True
-                raise EndpointError(411, "length_required", "a POST needs a Content-Length header (chunked "
-                                                            "bodies are not taken)")
-            if not length.strip().isdigit():
-                self.close_connection = True
-                raise EndpointError(400, "invalid_content_length", f"Content-Length {length[:40]!r} is not a "
-                                                                   f"non-negative integer")
-            size = int(length)
-            if size > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
-            return self.rfile.read(size) if size else b""
+    def _route(self) -> tuple[str, str]:
+        parts = self.path.split("?", 1)[0].strip("/").split("/")
+        if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
+            raise EndpointError(404, "not_found", f"unknown path {self.path[:80]!r}; use the base URL the "
+                                                  f"rollout was given (.../s/<session>/v1)")
+        return parts[1], "/".join(parts[3:])
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def _body(self) -> bytes:
+        """The request body: a valid ``Content-Length`` (no chunked bodies) of at most
+        ``MAX_BODY_BYTES``; otherwise the error, and the connection is closed after it."""
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise EndpointError(411, "length_required", "a POST needs a Content-Length header (chunked "
+                                                        "bodies are not taken)")
+        if not length.strip().isdigit():
+            self.close_connection = True
+            raise EndpointError(400, "invalid_content_length", f"Content-Length {length[:40]!r} is not a "
+                                                               f"non-negative integer")
+        size = int(length)
+        if size > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
+        return self.rfile.read(size) if size else b""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        try:
+            token, route = self._route()
+            self.endpoint.session(token)
+            if route != "models":
+                raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
+            self._send(200, {"object": "list", "data": [{"id": self.endpoint.model_name, "object": "model",
+                                                         "owned_by": "asyncrl"}]})
+        except EndpointError as e:
+            self._send(e.status, e.body())
+
+    def do_POST(self) -> None:  # noqa: N802
+        session = None
+        try:
+            raw = self._body()
+            token, route = self._route()
+            if route not in ("chat/completions", "completions"):
+                raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions and "
+                                                      f"/v1/completions")
+            session = self.endpoint.session(token)
             try:
-                token, route = self._route()
-                endpoint.session(token)
-                if route != "models":
-                    raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
-                self._send(200, {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
-                                                             "owned_by": "asyncrl"}]})
-            except EndpointError as e:
-                self._send(e.status, e.body())
+                body = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise EndpointError(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
+            if not isinstance(body, dict):
+                raise EndpointError(400, "invalid_json", "the request body must be a JSON object")
+            if body.get("stream"):
+                raise EndpointError(400, "stream_unsupported", "'stream': true is not supported; the rollout "
+                                                               "needs the whole completion")
+            chat = route == "chat/completions"
+            call = self.endpoint.submit(session, body, chat)
+            if not call.done.wait(self.endpoint.request_timeout_s):
+                raise EndpointError(408, "timeout", f"no completion within {self.endpoint.request_timeout_s:g} s "
+                                                    f"(env.kwargs.request_timeout_s)", "server_error")
+            if call.error is not None:
+                raise call.error
+            self._send(200, self.endpoint.response(call, chat))
+        except EndpointError as e:
+            if session is not None:
+                with session.lock:
+                    session.rejected.append(f"{e.code}: {e}")
+            self._send(e.status, e.body())
+        except Exception as e:  # noqa: BLE001 - never a crash: an internal error is a 500 answer
+            self._send(500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
+                                          "server_error").body())
 
-        def do_POST(self) -> None:  # noqa: N802
-            session = None
-            try:
-                raw = self._body()
-                token, route = self._route()
-                if route not in ("chat/completions", "completions"):
-                    raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions and "
-                                                          f"/v1/completions")
-                session = endpoint.session(token)
-                try:
-                    body = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise EndpointError(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
-                if not isinstance(body, dict):
-                    raise EndpointError(400, "invalid_json", "the request body must be a JSON object")
-                if body.get("stream"):
-                    raise EndpointError(400, "stream_unsupported", "'stream': true is not supported; the rollout "
-                                                                   "needs the whole completion")
-                chat = route == "chat/completions"
-                call = endpoint.submit(session, body, chat)
-                if not call.done.wait(endpoint.request_timeout_s):
-                    raise EndpointError(408, "timeout", f"no completion within {endpoint.request_timeout_s:g} s "
-                                                        f"(env.kwargs.request_timeout_s)", "server_error")
-                if call.error is not None:
-                    raise call.error
-                self._send(200, endpoint.response(call, chat))
-            except EndpointError as e:
-                if session is not None:
-                    with session.lock:
-                        session.rejected.append(f"{e.code}: {e}")
-                self._send(e.status, e.body())
-            except Exception as e:  # noqa: BLE001 - never a crash: an internal error is a 500 answer
-                self._send(500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
-                                              "server_error").body())
 
-    return Handler
+def _handler_for(endpoint: Endpoint) -> type[_Handler]:
+    return type("Handler", (_Handler,), {"endpoint": endpoint})
+

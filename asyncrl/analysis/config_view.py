@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from .config import Config, validate_section
+from ..config import Config, validate_section
 
 
 def _scalar(value: Any) -> str:
@@ -36,7 +36,7 @@ def _leaves(model: BaseModel, defaults: BaseModel | None, prefix: str = "") -> l
 
 
 def _algo_section(cfg: Config) -> tuple[BaseModel | None, BaseModel | None]:
-    from .rollout.workflow import workflow_class
+    from ..rollout.workflow import workflow_class
 
     cls = getattr(workflow_class(cfg.algorithm), "algo_config", None)
     if cls is None:

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asyncrl.learner.core_algos import entropy_from_logits, logprobs_from_logits
-from asyncrl.engine.kv import cache_arg, cache_of
-from asyncrl.types import Trajectory
+from ...engine.kv import cache_arg, cache_of
+from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
+from ...types import Trajectory
 
 __all__ = ["TrainBatch", "collate", "compute_logprobs", "shared_prefix_plan"]
 

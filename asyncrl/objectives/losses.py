@@ -1,0 +1,181 @@
+"""Policy losses: a registry keyed by ``train.policy_loss``, with verl's shape::
+
+    POLICY_LOSSES.get("ppo")(PolicyLossInputs(logprobs, old_logprobs, advantages, mask), LossConfig(...))
+
+Shapes as in :mod:`asyncrl.objectives`; references: verl's ``core_algos``, AReaL's decoupled PPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, get_args
+
+import torch
+from torch import Tensor
+
+from ..config import ReplayConfig, TrainConfig
+from ..registry import Registry
+from .aggregation import LOSS_AGG_MODES, NORM_REQUIRED, agg_loss, masked_mean
+from .corrections import LOG_RATIO_CLAMP
+
+POLICY_LOSSES: Registry[Callable[..., tuple[Tensor, dict[str, float]]]] = Registry("policy loss")
+OFF_POLICY_RESHAPES = get_args(ReplayConfig.model_fields["off_policy_reshape"].annotation)
+_TRAIN = TrainConfig.model_fields  # LossConfig's defaults are the config's, declared once there
+
+
+def _clipped_pg(ratio: Tensor, adv: Tensor, low: float, high: float, c: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Clip-higher + dual-clip PPO per token. Returns (loss, clipped, dual_clipped), all ``[B, T]``."""
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * c
+    neg = adv < 0
+    loss = torch.where(neg, torch.minimum(clip1, pg3), clip1)
+    return loss, pg2 > pg1, neg & (clip1 > pg3)
+
+
+def _stat(x: Tensor, mask: Tensor, how: str) -> float:
+    sel = x.detach()[mask > 0]
+    if sel.numel() == 0:
+        return 0.0
+    return float(getattr(sel.float(), how)())
+
+
+@dataclass
+class PolicyLossInputs:
+    """What a policy loss sees, all ``[B, T]`` over target positions (see the module doc).
+
+    - ``logprobs``: the current policy, with grad;
+    - ``old_logprobs``: the proximal policy; for replayed tokens the recorded log-probs;
+    - ``advantages``; ``mask``: the response mask;
+    - ``behavior_weight``: detached weight (:func:`behavior_importance_weight`) multiplying every
+      token's loss, replayed tokens included; None means 1;
+    - ``exp_mask``: 1 on replayed (off-policy) tokens (experience replay); None: none.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    behavior_weight: Tensor | None = None
+    exp_mask: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The settings of a policy loss (``train.*``, and ``replay.*`` for replayed tokens).
+
+    ``off_clip_high``: upper clip ``1 + off_clip_high`` for replayed tokens (None: ``clip_high``).
+    ``off_policy_reshape="p_div_p_0.1"``: replayed tokens use the ExGRPO policy shaping
+    ``L = -A * f(r)``, ``f(r) = r / (r + 0.1)``, unclipped, with ``r = exp(logp - logp_old)`` the
+    importance ratio against the recorded policy (ExGRPO, Zhan et al. 2025, ``f(w) = w / (w + beta)``).
+    LUFFY's code path of the same name shapes the bare probability ``exp(logp)`` instead (its
+    off-policy data come from a teacher without log-probs); we have recorded ones.
+    ``agg_norm``: the constant divisor of ``seq-mean-token-sum-norm`` (``train.loss_scale_norm``,
+    verl's ``loss_scale_factor``), required in that mode (``asyncrl.config.Config`` always sets it).
+    """
+
+    clip_low: float = _TRAIN["clip_low"].default
+    clip_high: float = _TRAIN["clip_high"].default
+    dual_clip_c: float = _TRAIN["dual_clip_c"].default
+    loss_agg_mode: str = _TRAIN["loss_agg_mode"].default
+    agg_norm: float | None = None
+    off_clip_high: float | None = None
+    off_policy_reshape: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.off_policy_reshape not in (None, *OFF_POLICY_RESHAPES):
+            raise ValueError(f"unknown off_policy_reshape {self.off_policy_reshape!r}; valid: {', '.join(OFF_POLICY_RESHAPES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.agg_norm is None:
+            raise ValueError(NORM_REQUIRED)
+
+    @classmethod
+    def from_config(cls, train_cfg, replay_cfg=None) -> "LossConfig":
+        """``train.*`` settings; with experience replay on, its off-policy ones."""
+        replay = replay_cfg if replay_cfg is not None and replay_cfg.enabled else None
+        return cls(clip_low=train_cfg.clip_low, clip_high=train_cfg.clip_high, dual_clip_c=train_cfg.dual_clip_c,
+                   loss_agg_mode=train_cfg.loss_agg_mode, agg_norm=train_cfg.loss_scale_norm,
+                   off_clip_high=replay.off_cliprange_high if replay else None,
+                   off_policy_reshape=None if replay is None or replay.off_policy_reshape == "none"
+                   else replay.off_policy_reshape)
+
+
+@POLICY_LOSSES.register("ppo")
+def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """PPO clip (clip-higher, dual clip) with decoupled staleness weights and replayed tokens.
+
+    Per token ``r = exp(clamp(logp - logp_old, -20, 20))``,
+    ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``, and where ``A < 0``
+    ``L = min(L, -A c)``; then ``L_tok = (L_off * exp + L_on * (1 - exp)) * w``, aggregated by
+    ``loss_agg_mode``.
+    Returns:
+        (scalar loss, stats of python floats). ``clipfrac``: share of masked tokens where the
+        clipped branch was taken; ``dual_clip_frac`` (verl's ``clipfrac_lower``, same value): share
+        where the dual-clip bound applied; ``ratio_*`` and ``approx_kl`` (mean of old - new) over
+        masked tokens; with ``exp_mask`` also ``on_pg_loss``/``off_pg_loss`` (token means of the
+        weighted losses), ``on_clipfrac``/``off_clipfrac``, ``off_ratio_*`` (raw ratio on replayed
+        tokens) and ``off_token_ratio``.
+    """
+    # the loss and all its statistics share every intermediate tensor: they are computed together
+    logprobs, advantages = inputs.logprobs, inputs.advantages
+    mask = inputs.mask.to(logprobs.dtype)
+    log_ratio = (logprobs - inputs.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    on_loss, clipped, dual = _clipped_pg(ratio, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
+    weight = 1.0 if inputs.behavior_weight is None else inputs.behavior_weight.detach().to(logprobs.dtype)
+
+    stats: dict[str, float] = {}
+    if inputs.exp_mask is None:
+        tok_loss = on_loss * weight
+    else:
+        tok_loss, clipped, dual, stats = _with_replayed_tokens(inputs, cfg, ratio, (on_loss, clipped, dual), weight, mask)
+
+    loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
+    with torch.no_grad():
+        dual_frac = float(masked_mean(dual.to(mask.dtype), mask))
+        stats.update(
+            pg_loss=float(loss),
+            clipfrac=float(masked_mean(clipped.to(mask.dtype), mask)),
+            dual_clip_frac=dual_frac,
+            clipfrac_lower=dual_frac,
+            ratio_mean=_stat(ratio, mask, "mean"),
+            ratio_min=_stat(ratio, mask, "min"),
+            ratio_max=_stat(ratio, mask, "max"),
+            approx_kl=float(masked_mean(-log_ratio, mask)),
+        )
+    return loss, stats
+
+
+def _with_replayed_tokens(inputs: PolicyLossInputs, cfg: LossConfig, ratio: Tensor, on: tuple[Tensor, Tensor, Tensor],
+                          weight, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
+    """Replayed tokens (``exp_mask``) take their own clip (``off_clip_high``) or ExGRPO's shaping: the
+    per-token loss mixed from both, the clipped and dual-clipped flags, and the on/off statistics."""
+    advantages, exp = inputs.advantages, inputs.exp_mask.to(inputs.logprobs.dtype)
+    on_loss, clipped, dual = on
+    if cfg.off_policy_reshape == "p_div_p_0.1":
+        off_loss = -advantages * (ratio / (ratio + 0.1))
+        off_clipped = torch.zeros_like(clipped)
+        off_dual = torch.zeros_like(dual)
+    else:
+        hi = cfg.clip_high if cfg.off_clip_high is None else cfg.off_clip_high
+        off_loss, off_clipped, off_dual = _clipped_pg(ratio, advantages, cfg.clip_low, hi, cfg.dual_clip_c)
+    is_off = exp > 0
+    on_clipped = clipped
+    clipped = torch.where(is_off, off_clipped, clipped)
+    dual = torch.where(is_off, off_dual, dual)
+    tok_loss = (off_loss * exp + on_loss * (1.0 - exp)) * weight
+    on_m, off_m = mask * (1.0 - exp), mask * exp
+    with torch.no_grad():
+        stats = dict(
+            on_pg_loss=float(masked_mean(tok_loss, on_m)),
+            off_pg_loss=float(masked_mean(tok_loss, off_m)),
+            on_clipfrac=float(masked_mean(on_clipped.to(mask.dtype), on_m)),
+            off_clipfrac=float(masked_mean(clipped.to(mask.dtype), off_m)),
+            off_ratio_mean=_stat(ratio, off_m, "mean"),
+            off_ratio_min=_stat(ratio, off_m, "min"),
+            off_ratio_max=_stat(ratio, off_m, "max"),
+            off_token_ratio=float(off_m.sum() / mask.sum().clamp(min=1e-8)),
+        )
+    return tok_loss, clipped, dual, stats
