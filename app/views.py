@@ -119,7 +119,7 @@ def staleness_panel(ax, store: RunStore) -> None:
 
 
 # ------------------------------------------------------------------------------------- charts
-CHARTS_JS = (Path(__file__).parent / "charts.js").read_text()
+CHARTS_JS = (Path(__file__).parent / "svg_charts.js").read_text()
 CHARTS_CSS = """
 .arl-charts-bar{display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin:4px 0 8px;font-size:.9em}
 .arl-charts-bar select,.arl-charts-bar input[type=search]{border:1px solid #d0d7de;border-radius:6px;padding:2px 6px}
@@ -138,7 +138,7 @@ details.arl-chart-group{margin:4px 0}details.arl-chart-group>summary{font-weight
 
 def charts_json(stores: dict[str, RunStore], pinned: list[str] | tuple[str, ...] = ()) -> str:
     """The value of the charts view: :func:`asyncrl.analysis.chart_data` as JSON (drawn in the
-    browser by ``charts.js``)."""
+    browser by ``svg_charts.js``)."""
     group_of = {name: "reward" for store in stores.values() for name in reward_metrics(store)}
     return json.dumps(chart_data(stores, pinned, group_of), separators=(",", ":"), allow_nan=False)
 

@@ -79,10 +79,10 @@ def engine_only(rounds: int, seed: int = 0) -> list[tuple[float, float]]:
             t.start()
         while any(t.is_alive() for t in threads):
             if not engine.step():
-                engine.scheduler.wait_for_work(0.005)
+                engine.batcher.wait_for_work(0.005)
         inflight_cps = len(done) / (time.perf_counter() - t0)
         engine.stop_continuous("round over")
-        engine.scheduler = None
+        engine.batcher = None
         out.append((batch_cps, inflight_cps))
         print(f"engine round {r + 1}: batch {batch_cps:.0f}, inflight {inflight_cps:.0f} completions/s "
               f"({inflight_cps / batch_cps:.2f}x)", flush=True)

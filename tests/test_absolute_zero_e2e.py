@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.learner.ingest.buffer import EpisodeQueue
-from asyncrl.learner.staleness import StalenessPolicy
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
 

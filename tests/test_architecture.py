@@ -19,7 +19,7 @@ from .conftest import ROOT
 PACKAGES = ("asyncrl", "app")
 
 # The code that runs in an actor process: it must never need the learner's code.
-ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.envs",
+ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.envs", "asyncrl.objectives",
               "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
 
 # An algorithm's tab in the UI (app.kit.AlgorithmView): its package's top floor, loaded by path by the UI
@@ -31,10 +31,10 @@ ALGO_UI = ("asyncrl.algos.*.ui",)
 FORBIDDEN = [
     (ACTOR_SIDE, ("asyncrl.learner",), "code that runs on an actor never imports the learner"),
     (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
-    (("app",), ("asyncrl.commands.cli",), "the UI app does not import the command line (the CLI starts the app)"),
+    (("app",), ("asyncrl.commands",), "the UI app does not import the command line (the CLI starts the app)"),
     (("asyncrl.analysis",), ("app",), "run analysis is UI-free (the app reads it, not the other way)"),
-    (("asyncrl.rundir.claim",), ("asyncrl.learner",), "the run directory's rules sit below the learner (paths and "
-                                               "checkpoint selection are asyncrl.rundir.layout)"),
+    (("asyncrl.rundir",), ("asyncrl.learner",), "the run directory sits below the learner (paths, records, the run "
+                                               "log, the start-up rules)"),
     (("asyncrl.engine",), ("asyncrl.models",), "engines run a loaded model; they do not build or load one"),
     (("asyncrl.models",), ("asyncrl.engine",), "building a model needs no engine (init_model measures it)"),
     (("asyncrl.algos",), ("asyncrl.analysis", "app"), "algorithms sit below the run analysis and the UI that read "
@@ -344,3 +344,152 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
         "(but for their UI tab)",
         "asyncrl.learner.learner -> asyncrl.algos.absolute_zero.workflow: the generic layers name no algorithm: an "
         "algorithm registers its tables, views and trained-sample filter with its workflow"]
+
+
+# --------------------------------------------------------------------------------- floors of the house
+# The package's rooms from the ground up: a module may import its own room and the rooms of lower
+# floors, never a room of its own floor or above (docs/architecture.md, "Module map"). A room is a
+# top-level package or module of asyncrl (``app`` is one room; an algorithm's UI tab is a room of its own).
+FLOORS = [
+    ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names"),
+    ("asyncrl.plugins", "asyncrl.wire"),
+    ("asyncrl.registry", "asyncrl.rundir"),
+    ("asyncrl.schedulers", "asyncrl.sync", "asyncrl.objectives"),
+    ("asyncrl.engine",),
+    ("asyncrl.envs",),
+    ("asyncrl.models",),
+    ("asyncrl.rollout",),
+    ("asyncrl.algos",),
+    ("asyncrl.analysis",),
+    ("asyncrl.actor", "asyncrl.learner"),
+    ("app",),
+    ALGO_UI,
+    ("asyncrl.commands",),
+    ("asyncrl.__main__",),
+]
+# Inside the learner: training may use ingest's staleness policy, ingest knows nothing of training, and
+# neither reaches back up into the learner's own modules (the loop, start-up, checkpoints, hooks).
+LEARNER_FLOORS = [("asyncrl.learner.ingest",), ("asyncrl.learner.training",),
+                  ("asyncrl.learner.*",)]
+MAX_ROOT_MODULES = 10  # files directly under asyncrl/ (foundations and the package's entry points)
+MAX_FUNCTION_LINES = 60
+
+
+def _floor_of(module: str, floors) -> int | None:
+    """The floor of ``module``'s room (the most specific prefix wins: an algorithm's UI tab over asyncrl.algos)."""
+    best = None
+    for i, rooms in enumerate(floors):
+        for prefix in rooms:
+            if _within(module, (prefix,)) and (best is None or len(prefix.split(".")) > best[1]):
+                best = (i, len(prefix.split(".")))
+    return None if best is None else best[0]
+
+
+def _room_of(module: str, floors) -> str | None:
+    found = [p for rooms in floors for p in rooms if _within(module, (p,))]
+    return max(found, key=lambda p: len(p.split(".")), default=None)
+
+
+def unplaced(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """The modules on no floor (the package's own ``__init__`` aside)."""
+    return [f"{m}: on no floor (add its room to FLOORS)" for m in sorted(graph)
+            if m not in PACKAGES and _floor_of(m, floors) is None]
+
+
+def floor_violations(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """One line per import from a room to a room of its own floor or a higher one."""
+    bad = []
+    for importer in sorted(graph):
+        fi, ri = _floor_of(importer, floors), _room_of(importer, floors)
+        for imported in sorted(graph[importer]):
+            fj, rj = _floor_of(imported, floors), _room_of(imported, floors)
+            if None in (fi, fj) or ri == rj or fj < fi:
+                continue
+            where = "its own floor" if fj == fi else "a higher floor"
+            bad.append(f"{importer} -> {imported}: an import of a room on {where} ({rj}, floor {fj + 1}; "
+                       f"{ri} is on floor {fi + 1})")
+    return bad
+
+
+def string_registrations(root: Path = ROOT) -> list[tuple[str, str, int]]:
+    """``(registering module, registered import path, line)`` for every built-in that a Registry holds by
+    import path (``Registry(kind, {name: "pkg.module:Name"})`` or ``.add(name, "pkg.module:Name")``)."""
+    out = []
+    for module, path in module_files(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            values = []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Registry":
+                values = [v for a in node.args[1:2] if isinstance(a, ast.Dict) for v in a.values]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add" and len(node.args) == 2:
+                values = [node.args[1]]
+            out += [(module, v.value, v.lineno) for v in values
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith(PACKAGES)]
+    return out
+
+
+def foreign_string_registrations(root: Path = ROOT) -> list[str]:
+    """A built-in registered by import path lives in the registering module's own room: a string is no
+    way around the floors (it would be an import from a lower room up to a higher one)."""
+    return [f"{module}:{line} registers {target!r}, outside its room {_room_of(module, FLOORS)}"
+            for module, target, line in string_registrations(root)
+            if _room_of(target.split(":")[0], FLOORS) != _room_of(module, FLOORS)]
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    out = []
+    for module, path in module_files(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{module}:{node.lineno} {node.name}: {lines} lines (at most {limit})")
+    return out
+
+
+def root_modules(root: Path = ROOT) -> list[str]:
+    return sorted(p.name for p in (root / "asyncrl").glob("*.py") if p.name != "__init__.py")
+
+
+def test_every_room_imports_only_lower_floors():
+    graph = import_graph()
+    bad = unplaced(graph) + floor_violations(graph) + floor_violations(
+        {m: deps for m, deps in graph.items() if _within(m, ("asyncrl.learner",))}, LEARNER_FLOORS)
+    assert not bad, "imports against the floors:\n" + "\n".join("  " + b for b in bad)
+
+
+def test_built_ins_registered_by_import_path_stay_in_their_room():
+    regs = string_registrations()
+    assert ("asyncrl.schedulers", "asyncrl.schedulers.local:launch") in [(m, t) for m, t, _ in regs]  # (the scan sees them)
+    assert not (bad := foreign_string_registrations()), "\n".join(bad)
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    assert not (bad := long_functions()), "\n".join(bad)
+
+
+def test_the_package_root_holds_only_foundations():
+    names = root_modules()
+    assert len(names) <= MAX_ROOT_MODULES, names
+
+
+def test_the_new_rules_fail_on_a_tree_that_breaks_them(tmp_path):
+    """Each of the rules above reports a tree built to break it (the tree before issue 43 broke each
+    of them: an environment reaching up into the rollout package, a string registration from envs into
+    rollout, 18 modules at the root, a 175-line function)."""
+    _write(tmp_path, {
+        "asyncrl/__init__.py": "", "app/__init__.py": "", "asyncrl/types.py": "",
+        "asyncrl/envs/__init__.py": "",
+        "asyncrl/envs/tasks.py": "def f():\n    from ..rollout.verifiers_env import x\n",
+        "asyncrl/envs/base.py": "ENVS = Registry('environment', {'agent': 'asyncrl.rollout.agent:AgentEnv'})\n",
+        "asyncrl/rollout/__init__.py": "", "asyncrl/rollout/verifiers_env.py": "from ..envs import tasks\n",
+        "asyncrl/rollout/agent.py": "def g():\n" + "    x = 1\n" * 61,
+        **{f"asyncrl/m{i}.py": "" for i in range(10)},
+    })
+    graph = import_graph(tmp_path)
+    assert floor_violations(graph) == [
+        "asyncrl.envs.tasks -> asyncrl.rollout.verifiers_env: an import of a room on a higher floor "
+        "(asyncrl.rollout, floor 8; asyncrl.envs is on floor 6)"]
+    assert foreign_string_registrations(tmp_path) == [
+        "asyncrl.envs.base:1 registers 'asyncrl.rollout.agent:AgentEnv', outside its room asyncrl.envs"]
+    assert long_functions(tmp_path) == ["asyncrl.rollout.agent:1 g: 62 lines (at most 60)"]
+    assert len(root_modules(tmp_path)) == 11 > MAX_ROOT_MODULES

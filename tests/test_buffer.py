@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl.learner.ingest.buffer import EpisodeQueue
-from asyncrl.learner.staleness import StalenessPolicy
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.rundir.record_file import read_frame_records
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode

@@ -163,7 +163,7 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
             assert np.abs(g.logprobs - ref).max() < 1e-3
     finally:
         engine.stop_continuous("test over")
-        engine.scheduler = None
+        engine.batcher = None
         engine.update_weights(dict(model.named_parameters()), version=0)
 
 

@@ -17,7 +17,7 @@ from asyncrl.engine.continuous import EngineStopped
 from asyncrl.engine.hf import HFEngine
 from asyncrl.learner.training.batch import collate
 from asyncrl.learner.ingest.buffer import EpisodeQueue
-from asyncrl.learner.staleness import StalenessPolicy
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.objectives.corrections import CorrectionConfig, behavior_weights
 from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.learner.ingest.peers import EpisodeValidator
@@ -48,7 +48,7 @@ def _serve(engine: HFEngine, calls: list[tuple[int, list, SamplingConfig]], on_s
             if i not in threads and steps >= start:
                 threads[i] = threading.Thread(target=lambda i=i, p=prompts, s=sp: results.__setitem__(i, engine.generate(p, s)))
                 threads[i].start()
-                while not engine.scheduler.num_pending() and threads[i].is_alive():
+                while not engine.batcher.num_pending() and threads[i].is_alive():
                     time.sleep(0.001)  # (queued before the next step)
         for i, t in threads.items():
             if i not in finished_at and not t.is_alive():
@@ -60,7 +60,7 @@ def _serve(engine: HFEngine, calls: list[tuple[int, list, SamplingConfig]], on_s
             if on_step is not None:
                 on_step(steps)
         else:
-            engine.scheduler.wait_for_work(0.005)
+            engine.batcher.wait_for_work(0.005)
     raise AssertionError(f"calls not done after {timeout} s ({steps} steps)")
 
 
@@ -147,7 +147,7 @@ def test_stopping_the_engine_fails_waiting_calls(tokenizer):
 
     t = threading.Thread(target=call)
     t.start()
-    while not engine.scheduler.num_pending():
+    while not engine.batcher.num_pending():
         time.sleep(0.001)
     engine.step()
     engine.stop_continuous("the actor is stopping")

@@ -251,7 +251,7 @@ class Actor:
                 if self.engine.step():
                     self._gen_s += time.time() - t0
                 elif running:
-                    self.engine.scheduler.wait_for_work(0.005)
+                    self.engine.batcher.wait_for_work(0.005)
                 for item in [r for r in running if r[0].done()]:
                     running.remove(item)
                     self._send(item[0].result(), item[1], item[2])

@@ -1,6 +1,6 @@
 """Every metric its own chart: the metrics of one or more runs grouped by what they are about, each
 series with three x axes (step, wall time since the run started, samples trained on), ready for the
-UI's interactive small multiples (``app/charts.js``) and for the trackers' tag names.
+UI's interactive small multiples (``app/svg_charts.js``) and for the trackers' tag names.
 
 Pure functions of :class:`RunStore` objects; no UI code here."""
 

@@ -3,7 +3,7 @@
 In ``batch`` mode an engine call runs to the end of its longest sequence, and new weights wait for
 the batch. In ``inflight`` mode the actor's thread owns the engine and calls its ``step()``: one
 decode step over every sequence in flight. Rollouts run on their own threads, and their
-``engine.generate`` calls queue their prompts here (:class:`Scheduler`) and wait; the owner admits
+``engine.generate`` calls queue their prompts here (:class:`ContinuousBatcher`) and wait; the owner admits
 queued prompts as sequences finish (so a batch no longer waits for its longest sequence: the next
 batch's prompts take the free rows), and applies new weights between two steps. Every token records
 the policy version of the weights that produced it (``Generation.versions``).
@@ -59,7 +59,7 @@ class Row:
         return self.call.sampling
 
 
-class Scheduler:
+class ContinuousBatcher:
     """Generate calls from any thread, served by the owner thread's ``step()`` (thread-safe)."""
 
     def __init__(self, owner: int | None = None) -> None:

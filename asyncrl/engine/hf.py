@@ -27,7 +27,7 @@ from ..sync.adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
 from .kv import cache_arg, cache_of
 from .base import Generation
-from .continuous import Row, Scheduler
+from .continuous import Row, ContinuousBatcher
 
 KV_ON_UPDATE = ("recompute", "keep")
 
@@ -80,7 +80,7 @@ class HFEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids))
-        self.scheduler: Scheduler | None = None  # continuous mode (start_continuous)
+        self.batcher: ContinuousBatcher | None = None  # continuous mode (start_continuous)
         self.kv_on_update = "recompute"
         self._live: list[Row] = []
         self._state = None  # (cache, mask, positions, last tokens) after the latest step
@@ -101,8 +101,8 @@ class HFEngine:
         """
         if not prompts:
             return []
-        if self.scheduler is not None and not self.scheduler.is_owner():
-            return self.scheduler.submit(prompts, sampling)
+        if self.batcher is not None and not self.batcher.is_owner():
+            return self.batcher.submit(prompts, sampling)
         ids, mask = left_pad(prompts, self.pad_id)
         gen = None
         if seed is not None:
@@ -171,13 +171,13 @@ class HFEngine:
         """Serve ``generate`` calls from other threads through :meth:`step` (called by this thread)."""
         if kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {kv_on_update!r}")
-        self.scheduler, self.kv_on_update = Scheduler(), kv_on_update
+        self.batcher, self.kv_on_update = ContinuousBatcher(), kv_on_update
         self._live, self._state = [], None
 
     def stop_continuous(self, reason: str) -> None:
         """Fail every call still waiting (EngineStopped) and leave continuous mode."""
-        if self.scheduler is not None:
-            self.scheduler.stop(reason, self._live)
+        if self.batcher is not None:
+            self.batcher.stop(reason, self._live)
         self._live, self._state = [], None
 
     @property
@@ -192,7 +192,7 @@ class HFEngine:
         go back to their callers and leave the batch (their cache rows are dropped), so no step
         computes a finished sequence."""
         alive = [i for i, r in enumerate(self._live) if r.finished is None]
-        new = self.scheduler.take() if self.scheduler.num_pending() else []
+        new = self.batcher.take() if self.batcher.num_pending() else []
         if not alive and not new:
             self._live, self._state, self._rebuild = [], None, False
             return False
@@ -225,7 +225,7 @@ class HFEngine:
                 r.finished = "length"
             if r.finished is not None:
                 text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                self.scheduler.finish(r, Generation(r.tokens, r.logprobs, text, r.finished, r.versions))
+                self.batcher.finish(r, Generation(r.tokens, r.logprobs, text, r.finished, r.versions))
         self._live = rows
         self._state = (*state, tok)
         return True

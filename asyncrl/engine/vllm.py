@@ -51,7 +51,7 @@ import torch
 from ..sync.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
-from .continuous import Row, Scheduler
+from .continuous import Row, ContinuousBatcher
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "length"}
 
@@ -86,7 +86,7 @@ class VLLMEngine:
 
         self.tokenizer = tokenizer
         self.version = 0
-        self.scheduler: Scheduler | None = None  # continuous mode (start_continuous)
+        self.batcher: ContinuousBatcher | None = None  # continuous mode (start_continuous)
         self._live: dict[str, Row] = {}
         self._next_id = 0
         self.continued = 0  # requests continued from their prefix after an in-flight update
@@ -122,8 +122,8 @@ class VLLMEngine:
         """One continuation per prompt (token-id lists); deterministic for a given ``seed``."""
         if not prompts:
             return []
-        if self.scheduler is not None and not self.scheduler.is_owner():
-            return self.scheduler.submit(prompts, sampling)
+        if self.batcher is not None and not self.batcher.is_owner():
+            return self.batcher.submit(prompts, sampling)
         params = self._params(sampling, sampling.max_new_tokens)
         if seed is not None:
             # vLLM samples with torch's default generators: seeding them makes the call reproducible.
@@ -154,11 +154,11 @@ class VLLMEngine:
     def start_continuous(self, kv_on_update: str = "recompute") -> None:
         """Serve ``generate`` calls from other threads through :meth:`step` (called by this thread).
         (``kv_on_update`` is the HF engine's choice; vLLM always continues with a fresh cache.)"""
-        self.scheduler, self._live = Scheduler(), {}
+        self.batcher, self._live = ContinuousBatcher(), {}
 
     def stop_continuous(self, reason: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop(reason, list(self._live.values()))
+        if self.batcher is not None:
+            self.batcher.stop(reason, list(self._live.values()))
         if self._live:
             self.llm.llm_engine.abort_request(list(self._live))
         self._live = {}
@@ -180,7 +180,7 @@ class VLLMEngine:
 
     def step(self) -> bool:
         """Admit queued prompts and run one vLLM engine step; False when nothing is in flight."""
-        for row in self.scheduler.take():
+        for row in self.batcher.take():
             self._add(row)
         if not self._live:
             return False
@@ -197,7 +197,7 @@ class VLLMEngine:
             if out.finished:
                 del self._live[out.request_id]
                 text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                self.scheduler.finish(row, Generation(row.tokens, row.logprobs, text,
+                self.batcher.finish(row, Generation(row.tokens, row.logprobs, text,
                                                       _FINISH.get(c.finish_reason, "length"), row.versions))
         return True
 

@@ -666,5 +666,6 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _handler_for(endpoint: Endpoint) -> type[_Handler]:
-    return type("Handler", (_Handler,), {"endpoint": endpoint})
+    """The handler class of ``endpoint``'s server (the read timeout as the module says when it starts)."""
+    return type("Handler", (_Handler,), {"endpoint": endpoint, "timeout": READ_TIMEOUT_S})
 

@@ -38,7 +38,7 @@ from .hooks import LearnerHook
 from .startup import Startup
 from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
-from .staleness import StalenessPolicy
+from .ingest.staleness import StalenessPolicy
 from .training.ranks import Ranks
 
 

@@ -34,7 +34,7 @@ from ...rundir.layout import cut_file, fsync_path, wal_segment, wal_segments
 from ...rundir.record_file import Damage, RecordScan, encode_record, read_frame_records, scan_records_resync, write_frames
 from ...types import Episode
 from ...wire.codec import WireError, decode, decode_episode
-from ..staleness import StalenessPolicy
+from .staleness import StalenessPolicy
 
 
 @dataclass

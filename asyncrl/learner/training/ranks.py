@@ -37,7 +37,7 @@ from ...wire.messages import Body, GroupCheckpoint, GroupLoad, GroupStart, Group
 from . import distributed as dist_learner
 from .batch import TrainBatch
 from ...objectives.losses import LossConfig
-from ..staleness import StalenessPolicy
+from ..ingest.staleness import StalenessPolicy
 from .trainer import PolicyTrainer, TrainStepResult
 
 _LIST_FIELDS = ("sample_types", "group_ids")

@@ -25,7 +25,7 @@ from ...objectives.corrections import CorrectionConfig, behavior_weights
 from ...objectives.logprobs import kl_penalty
 from ...objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
 from ...types import Episode
-from ..staleness import StalenessPolicy
+from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .batch import TrainBatch, collate, compute_logprobs
 

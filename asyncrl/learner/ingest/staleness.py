@@ -5,7 +5,7 @@ One :class:`StalenessPolicy` is built from the config by the learner and handed 
 - the credit limit (:meth:`credit_pool`): credits are granted only while ``in_flight + buffered``
   stays below ``(max_staleness + 1) * batch_tasks`` (AReaL's capacity rule), at most the buffer's
   capacity, which bounds the staleness of what arrives;
-- the buffer's drop rule (:meth:`too_old`, :class:`asyncrl.learner.ingest.buffer.EpisodeQueue`):
+- the buffer's drop rule (:meth:`too_old`, :class:`.buffer.EpisodeQueue`):
   an episode older than ``max_staleness`` is dropped, judged by its oldest token (``drop``) or by its
   newest (``keep`` and ``truncate``: rows made across in-flight updates);
 - the token truncation (:meth:`truncate`): under ``truncate`` the tokens of a kept row that are
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from ..config import BufferConfig, TrainConfig
-from ..types import Episode
+from ...config import BufferConfig, TrainConfig
+from ...types import Episode
 
 _BUFFER, _TRAIN = BufferConfig.model_fields, TrainConfig.model_fields  # the defaults are the config's
 STALE_TOKENS = get_args(_BUFFER["stale_tokens"].annotation)
