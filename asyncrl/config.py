@@ -49,7 +49,7 @@ class _Base(BaseModel):
         field = cls.model_fields[info.field_name]
         extra = field.json_schema_extra
         if not isinstance(extra, dict) or "registry" not in extra or value == field.default:
-            return value  # (the defaults are registered: tests/test_architecture.py checks it)
+            return value  # (the defaults are registered: tests/unit/foundations/test_architecture.py checks it)
         table = _registry(extra["registry"])
         if value in table or (extra["import_path"] and (":" in value or "." in value)):
             return value

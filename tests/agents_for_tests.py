@@ -1,4 +1,4 @@
-"""Agent functions for ``env.type=agent`` tests (tests/test_agent_env.py), named by import path."""
+"""Agent functions for ``env.type=agent`` tests (tests/unit/envs/test_agent_env.py), named by import path."""
 
 from __future__ import annotations
 

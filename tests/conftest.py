@@ -270,6 +270,59 @@ class ScriptedEngine:
 
 # ---- kill and resume: a learner and an actor on loopback, the learner killed and resumed ----
 
+# A small end-to-end run: 4 tasks x 4 rollouts a step, short replies rewarded by length, no evaluation or
+# checkpoints unless a test asks (the shared settings of the process tests)
+SMALL_RUN = ["sampling.n=4", "sampling.max_new_tokens=4", "actor.tasks_per_batch=4", "train.batch_tasks=4",
+             "train.lr=1e-3", "env.reward=tests.plugins_for_tests:short_reply_reward", "eval.size=8",
+             "eval.every=0", "actor.heartbeat_s=0.2", "log.progress=false", "checkpoint.every=0"]
+# Experience replay on the multi-turn calculator, with tasks that recur
+REPLAY_RUN = ["replay.enabled=true", "replay.replay_start_ratio=0.1", "replay.exp_ratio=0.5",
+              "replay.offpolicy_trajectories_per_task=1", "tasks.max_operand=3",  # 16 tasks: they recur
+              "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",  # two assistant turns each
+              "sampling.max_new_tokens=5"]
+
+
+def initial_weights(overrides):
+    """The weights of the embedded model these overrides select (built once, cached; the session's
+    model cache holds other tests' models too)."""
+    from safetensors.torch import load_file
+
+    from asyncrl.config import load_config
+    from asyncrl.models.tiny import build_embedded_model
+
+    cfg = load_config(None, overrides)
+    return load_file(build_embedded_model(cfg.model.embedded, seed=cfg.seed, progress=False) / "model.safetensors")
+
+
+def ramp_logprobs(n: int) -> np.ndarray:
+    """-0.1, -0.2, ...: a distinct behaviour log-prob for every generated token."""
+    return -np.arange(1, n + 1, dtype=np.float32) / 10
+
+
+def scripted_engine(tok, replies) -> ScriptedEngine:
+    """The shared scripted engine (policy version 7) replaying ``(text, stop)`` replies in order."""
+    return ScriptedEngine.replies(tok, replies, version=7, logprob=ramp_logprobs)
+
+
+def scripted_conversation(overrides: list[str], question: str, answer, replies, max_turns: int):
+    """One multi-turn conversation of the env that ``overrides`` configure, on ``question``, with the
+    scripted ``replies`` (:func:`scripted_engine`): ``(tok, env, task, conversation, engine)``."""
+    from asyncrl.config import load_config
+    from asyncrl.envs.base import make_env
+    from asyncrl.models.tokenizer import build_char_tokenizer
+    from asyncrl.rollout import run_conversations, start_conversations
+    from asyncrl.types import Task
+
+    tok = build_char_tokenizer()
+    cfg = load_config(None, overrides)
+    env = make_env(cfg.env)
+    task = Task(id=f"t:{question}", prompt=[{"role": "user", "content": question}], answer=answer)
+    convs = start_conversations(tok, env, [task], 1, ["g"])
+    engine = scripted_engine(tok, replies)
+    run_conversations(engine, tok, env, convs, cfg.sampling, max_turns=max_turns)
+    return tok, env, task, convs[0], engine
+
+
 def stop_processes(procs) -> None:
     """Ask every process to stop (SIGTERM), then kill whatever is left of each process tree."""
     for p in procs:

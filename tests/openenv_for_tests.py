@@ -1,4 +1,4 @@
-"""An OpenEnv (openenv-core) environment for tests/test_bring_envs.py: one addition per episode,
+"""An OpenEnv (openenv-core) environment for tests/unit/envs/test_bring_envs.py: one addition per episode,
 served over HTTP/WebSocket by OpenEnv's own server (``create_app`` + uvicorn), without Docker.
 
     python -m tests.openenv_for_tests PORT     # serves on 127.0.0.1:PORT

@@ -1,4 +1,4 @@
-"""Another local user, for tests/test_local_users.py: started as the test's user, it loads what it
+"""Another local user, for tests/e2e/test_local_users.py: started as the test's user, it loads what it
 needs, drops to uid/gid 65534 (``nobody``: on a shared machine, anyone else) and then attacks a run
 as such a user would, printing one JSON line of what it got.
 

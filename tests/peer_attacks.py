@@ -1,4 +1,4 @@
-"""Misbehaving peers against a live learner, shared by tests/test_faults_peers.py and
+"""Misbehaving peers against a live learner, shared by tests/e2e/test_faults_peers.py and
 bench/bench_faults.py: crafted frames built with raw msgpack (so they reach the learner whatever
 the sending side's codec would allow), a scripted actor on real sockets, and a run of real
 ``asyncrl`` processes over loopback that is always stopped.

@@ -1,4 +1,4 @@
-"""Two verifiers (v1) environments for tests/test_bring_envs.py: single-turn addition, and addition
+"""Two verifiers (v1) environments for tests/unit/envs/test_bring_envs.py: single-turn addition, and addition
 with a calculator tool the model may call (multi-turn)."""
 
 from __future__ import annotations

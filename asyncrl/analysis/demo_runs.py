@@ -15,7 +15,7 @@ from .jsonl import quiet_records
 
 __all__ = ["demo_run", "notebook_run", "TINY_MODEL_OVERRIDES", "RUN_ENV"]
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]  # the checkout: asyncrl/analysis/demo_runs.py
 RUN_ENV = "ASYNCRL_RUN"  # the run a notebook reads when its RUN_DIR cell is left at None
 
 
@@ -77,7 +77,7 @@ def demo_run(algorithm: str = "grpo", run_root: str | Path = "runs", name: str |
     ``reuse``, a finished run already there (a ``learner_stop`` event) is returned as is."""
     if algorithm not in _QUICK:
         raise ValueError(f"no demo run for algorithm {algorithm!r}; choose one of {sorted(_QUICK)}")
-    root = Path(project_root) if project_root else Path(__file__).resolve().parents[1]
+    root = Path(project_root) if project_root else PROJECT
     config, quick_overrides = _QUICK[algorithm]
     if quick:
         overrides, steps = [*TINY_MODEL_OVERRIDES, *quick_overrides], steps or 4

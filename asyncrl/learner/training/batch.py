@@ -240,7 +240,7 @@ def _shared_prefix_forward(model, batch: TrainBatch, plan: PrefixPlan, temperatu
     B, T = ids.shape
     P = plan.prefix_ids.shape[1]
     # two forwards, one backward: under DDP and FSDP2 too (each parameter's gradient hook fires once,
-    # with both passes' contributions summed; tests/test_distributed_learner.py)
+    # with both passes' contributions summed; tests/unit/learner/test_distributed_learner.py)
     pre = model(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, use_cache=True)
     cache = cache_of(pre)
     layers = getattr(cache, "layers", None)

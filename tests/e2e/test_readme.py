@@ -1,0 +1,68 @@
+"""The README's commands, read as a new user follows them after ``make demo`` (issue 42.1): none
+reuses the demo's run (``runs/quickstart``: refused, and ``--overwrite`` would delete it), and what a
+later command reads (``export --merge runs/X``, ``serve --run-dir runs/X``) is a run an earlier
+command made, of the right kind."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import yaml
+
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+RUN = re.compile(r"\basyncrl (run|learn)\b")
+
+
+def _commands() -> list[list[str]]:
+    """Every shell command of the README's ``bash`` blocks (continuation lines joined, comments
+    and environment assignments dropped), as argument lists."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words = words[1:]
+            if words:
+                out.append(words)
+    return out
+
+
+def _name(words: list[str]) -> str | None:
+    """The run's name: a ``name=`` override, else the config file's ``name`` (None: neither)."""
+    given = next((w.split("=", 1)[1] for w in words if w.startswith("name=")), None)
+    if given is not None:
+        return given
+    for flag in ("-c", "--config"):
+        if flag in words:
+            return (yaml.safe_load((ROOT / words[words.index(flag) + 1]).read_text()) or {}).get("name")
+    return None
+
+
+def test_no_readme_command_reuses_or_overwrites_the_demos_run():
+    runs = [w for w in _commands() if RUN.search(" ".join(w))]
+    assert len(runs) >= 8, runs  # (the parser found the README's runs)
+    for words in runs:
+        line = " ".join(words)
+        assert "--overwrite" not in words, line
+        assert _name(words) not in (None, "quickstart"), f"runs/quickstart is the demo's run: {line}"
+
+
+def test_what_a_readme_command_reads_is_a_run_made_before_it():
+    made: dict[str, str] = {}
+    for words in _commands():
+        line = " ".join(words)
+        if RUN.search(line) and _name(words):
+            made.setdefault(_name(words), line)
+        for flag in ("--merge", "--run-dir"):
+            if flag in words:
+                target = words[words.index(flag) + 1] if flag == "--run-dir" else words[-1]
+                name = target.removeprefix("runs/")
+                assert name in made, f"{line}: no earlier command makes runs/{name}"
+                if flag == "--merge":
+                    assert "model.lora" in made[name], f"{line}: runs/{name} trains no LoRA adapters"

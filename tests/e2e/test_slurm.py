@@ -1,0 +1,113 @@
+"""``asyncrl run --scheduler slurm`` against a real SLURM (Debian's slurm-wlm and munge, a one-node
+cluster started by the fixture, tests/slurm_cluster.py): the sbatch script it writes from the
+config, a short job submitted with ``sbatch`` that trains to completion, and ``scancel`` mid-run,
+which stops every process cleanly (the learner checkpoints) and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, subprocess_env
+from tests.slurm_cluster import SlurmCluster, missing, stepds
+
+
+def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
+                           "slurm", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_sbatch_script_carries_the_config_and_the_job_settings(tmp_path):
+    proc = _run(["--dry-run", "--overwrite", "--learner-procs", "2", f"run_root={tmp_path}", "name=job", "actor.num=3",
+                 "launch.slurm.nodes=3", "launch.slurm.partition=gpu", "launch.slurm.time=00:20:00",
+                 "launch.slurm.sbatch_args=[--qos=high]", "train.lr=3e-5"], subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert f"Submit it on a login node with:\n  sbatch {tmp_path}/job.sbatch\n" in proc.stdout  # (issue 42.8)
+    assert "asks for 3 node(s) for 00:20:00 on partition gpu" in proc.stdout
+    script = (tmp_path / "job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=3", "#SBATCH --partition=gpu", "#SBATCH --time=00:20:00", "#SBATCH --qos=high",
+                 f"#SBATCH --output={tmp_path}/job.slurm-%j.out"):
+        assert line in script, line
+    assert "--overwrite" in script and "--learner-procs 2" in script and "--scheduler slurm" in script
+    inline = script.split("<<'ASYNCRL_CONFIG_END'\n", 1)[1].split("\nASYNCRL_CONFIG_END", 1)[0]
+    cfg = yaml.safe_load(inline)  # the resolved config travels inside the script (no shared filesystem)
+    assert cfg["train"]["lr"] == 3e-5 and cfg["actor"]["num"] == 3 and cfg["run_root"] == str(tmp_path)
+    assert not (tmp_path / "job").exists()  # the run directory is the job's to make, on its node
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0  # valid bash
+
+
+def test_outside_slurm_without_sbatch_it_says_so(tmp_path):
+    env = {**subprocess_env(), "PATH": "/nonexistent"}
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
+                           "slurm", f"run_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr, proc.stderr
+    assert (tmp_path / "quickstart.sbatch").exists()  # (written: submit it by hand)
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.fail(f"a real SLURM is needed here ({why}); make test installs it")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _asyncrl_left(run_dir: Path) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "-m asyncrl " in cmd and (str(run_dir) in cmd or "asyncrl-" in cmd and ".yaml" in cmd):
+                out.append(f"{d.name}: {cmd[:200]}")
+    return out
+
+
+@pytest.mark.slow
+def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_path):
+    env = {**subprocess_env(), **{k: v for k, v in slurm.env.items() if k == "SLURM_CONF"}}
+    env.pop("SLURM_JOB_ID", None)
+    # 1. submitted with sbatch: it trains to the end, the job completes
+    proc = _run([f"run_root={tmp_path}", "name=short", "actor.num=2", "train.total_steps=8", "eval.size=20"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    assert slurm.wait_gone(job, 300) == "COMPLETED", slurm.logs()
+    out = (tmp_path / f"short.slurm-{job}.out").read_text()
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert summary["steps_trained"] == 8, out[-2000:]
+    assert "learner and 2 actor(s) on" in out
+    assert (tmp_path / "short" / "actor-1.log").exists()  # (actors ran as srun steps of the job)
+
+    # 2. scancel mid-run: SIGTERM is the run's Ctrl-C: the learner checkpoints where it stopped, all end
+    proc = _run([f"run_root={tmp_path}", "name=long", "actor.num=2", "train.total_steps=100000", "eval.size=20",
+                 "checkpoint.every=100000"], env)
+    job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    metrics = tmp_path / "long" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.logs()
+        time.sleep(1)
+    assert slurm.run("scancel", job).returncode == 0
+    slurm.wait_gone(job, 120)
+    out = (tmp_path / f"long.slurm-{job}.out").read_text()
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert "stop signal" in summary["stopped"], out[-2000:]
+    assert (tmp_path / "long" / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
+    deadline = time.time() + 60
+    while time.time() < deadline and (_asyncrl_left(tmp_path) or stepds(slurm.root)):
+        time.sleep(0.5)
+    assert not _asyncrl_left(tmp_path) and not stepds(slurm.root)
