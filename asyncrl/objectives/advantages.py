@@ -88,13 +88,14 @@ def estimator_options(adv_cfg) -> dict:
     return {k: v for k, d in defaults.items() if (v := getattr(adv_cfg, k, d)) != d}
 
 
-def trajectory_advantages(trajs: list[Trajectory], adv_cfg) -> Tensor:
+def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
     that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. Each is then multiplied by
-    its ``advantage_scale``."""
+    its ``advantage_scale``. ``estimator``: ``train.advantage.estimator`` already looked up (the trainer
+    does so once)."""
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    adv = ADV_ESTIMATORS.get(adv_cfg.estimator)(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std,
-                                                **estimator_options(adv_cfg))
+    estimator = estimator or ADV_ESTIMATORS.get(adv_cfg.estimator)
+    adv = estimator(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std, **estimator_options(adv_cfg))
     own = torch.tensor([t.advantage if t.advantage is not None else 0.0 for t in trajs], dtype=torch.float32)
     has_own = torch.tensor([t.advantage is not None for t in trajs])
     scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)

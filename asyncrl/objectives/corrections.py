@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, get_args
 
 import torch
@@ -52,6 +52,7 @@ class CorrectionConfig:
     cap: float = _TRAIN["is_cap"].default
     cap_mode: str = _TRAIN["is_cap_mode"].default
     low: float | None = _TRAIN["is_low"].default
+    fn: Callable[..., "BehaviorWeight"] = field(init=False, repr=False, compare=False)  # the correction, looked up once
 
     def __post_init__(self) -> None:
         if not self.cap >= 1.0:
@@ -60,7 +61,7 @@ class CorrectionConfig:
             raise ValueError(f"unknown is_cap_mode {self.cap_mode!r}; valid: {', '.join(CAP_MODES)}")
         if self.low is not None and not 0.0 < self.low <= 1.0:
             raise ValueError(f"is_low must be in (0, 1]; got {self.low}")
-        OFF_POLICY_CORRECTIONS.get(self.name)  # an unknown name raises, listing the valid ones
+        object.__setattr__(self, "fn", OFF_POLICY_CORRECTIONS.get(self.name))  # an unknown name lists the valid ones
 
     @property
     def lower(self) -> float:
@@ -178,6 +179,6 @@ def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tens
     # which a sequence sum would spread over the whole row)
     log_rho = torch.where(on, old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64),
                           torch.zeros((), dtype=torch.float64))
-    out = OFF_POLICY_CORRECTIONS.get(cfg.name)(log_rho, m, cfg)
+    out = cfg.fn(log_rho, m, cfg)
     return BehaviorWeight(out.weight.to(old_logprobs.dtype).contiguous(), out.capped.expand_as(on) & on,
                           out.masked.expand_as(on) & on)

@@ -64,15 +64,19 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-def _asyncrl_left(run_dir: Path) -> list[str]:
+def _asyncrl_left(run_dir: Path, slurm_conf: str) -> list[str]:
+    """asyncrl processes of this test: naming its run directory, or started by this cluster's jobs (their
+    environment names its SLURM_CONF). Another test's processes (a Ray run beside this one) are not."""
     out = []
+    conf = f"SLURM_CONF={slurm_conf}".encode()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                ours = str(run_dir) in cmd or conf in (d / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if "-m asyncrl " in cmd and (str(run_dir) in cmd or "asyncrl-" in cmd and ".yaml" in cmd):
+            if "-m asyncrl " in cmd and ours:
                 out.append(f"{d.name}: {cmd[:200]}")
     return out
 
@@ -108,6 +112,6 @@ def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_pat
     assert "stop signal" in summary["stopped"], out[-2000:]
     assert (tmp_path / "long" / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
     deadline = time.time() + 60
-    while time.time() < deadline and (_asyncrl_left(tmp_path) or stepds(slurm.root)):
+    while time.time() < deadline and (_asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) or stepds(slurm.root)):
         time.sleep(0.5)
-    assert not _asyncrl_left(tmp_path) and not stepds(slurm.root)
+    assert not _asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) and not stepds(slurm.root)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...objectives.advantages import trajectory_advantages
+from ...objectives.advantages import ADV_ESTIMATORS, trajectory_advantages
 from ...objectives.aggregation import agg_loss, masked_mean
 from ...objectives.corrections import CorrectionConfig, behavior_weights
 from ...objectives.logprobs import kl_penalty
@@ -66,6 +66,7 @@ class PolicyTrainer:
         self.staleness = staleness  # for staleness/token_frac_past_bound (None: not reported)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
+        self.estimator = ADV_ESTIMATORS.get(train_cfg.advantage.estimator)
         self.ref_model = None
         # model.lora: the reference is the base model, i.e. the policy with its adapters disabled (no copy)
         self.ref_is_base = train_cfg.kl_coef > 0 and hasattr(model, "disable_adapter")
@@ -84,7 +85,7 @@ class PolicyTrainer:
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
         trajs = [t for ep in episodes for t in ep.trajectories]
-        adv = trajectory_advantages(trajs, self.cfg.advantage)
+        adv = trajectory_advantages(trajs, self.cfg.advantage, self.estimator)
         return collate(trajs, adv, self.pad_id, device=self.cfg.device)
 
     def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
