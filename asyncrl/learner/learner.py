@@ -67,7 +67,7 @@ class Learner:
             cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
             warmstart_formats=workflow.warmstart_formats)
         model = with_adapters(model, cfg.model, cfg.seed, base=self.model_dir)  # model.lora: train adapters only
-        self.trainer = self.ranks.start(cfg, model, self.tokenizer)
+        self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version = 0

@@ -24,8 +24,8 @@ channel); one that fails is reported to ``on_bad_message`` and dropped, alone. E
 at most ``budget`` messages, a few from each socket in turn, so neither a flood nor one busy channel
 holds the learner.
 
-Flow control (AReaL's capacity rule): credits are granted only while
-``in_flight + buffered <= (max_staleness + 1) * batch_tasks``, which bounds staleness. Credits are
+Flow control (AReaL's capacity rule): credits are granted only while ``in_flight + buffered`` stays
+within the pool the learner's :class:`.staleness.StalenessPolicy` sets, which bounds staleness. Credits are
 leases: an actor silent for ``wire.lease_s`` is dropped with its outstanding credits (``expire``);
 any message from it renews the lease, and a dropped actor's next heartbeat admits it again.
 """

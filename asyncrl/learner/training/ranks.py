@@ -43,12 +43,13 @@ from .trainer import PolicyTrainer, TrainStepResult
 _LIST_FIELDS = ("sample_types", "group_ids")
 
 
-def make_trainer(cfg, model, tokenizer, mode: str) -> PolicyTrainer:
-    """The learner's trainer for ``cfg`` (every rank builds the same one)."""
+def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy | None = None) -> PolicyTrainer:
+    """The learner's trainer for ``cfg`` (every rank builds the same one); ``staleness``: the learner's
+    policy (the other ranks build theirs from ``cfg``)."""
     return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
                          loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
                          use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode,
-                         staleness=StalenessPolicy.from_config(cfg))
+                         staleness=staleness or StalenessPolicy.from_config(cfg))
 
 
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
@@ -82,7 +83,7 @@ class Ranks:
         if self.control is not None:
             self.control.send(body, tensors)
 
-    def start(self, cfg, model, tokenizer) -> PolicyTrainer:
+    def start(self, cfg, model, tokenizer, staleness: StalenessPolicy | None = None) -> PolicyTrainer:
         """Build the trainer on every rank (rank 0 passes its loaded model)."""
         self._say(GroupStart())
         if self.mode == "fsdp2":  # the shards replace the module's parameters: keep a full copy to publish
@@ -90,7 +91,7 @@ class Ranks:
             self.plain = copy.deepcopy(model)
         else:
             self.plain = model
-        self.trainer = make_trainer(cfg, model, tokenizer, self.mode)
+        self.trainer = make_trainer(cfg, model, tokenizer, self.mode, staleness)
         return self.trainer
 
     def load(self, weights: dict, optim_state: dict) -> None:
