@@ -269,10 +269,24 @@ class TrainConfig(_Base):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the version advances once).")
     policy_loss: str = registered("asyncrl.objectives.losses:POLICY_LOSSES", "ppo",
                                   description="Policy loss (registry name).")
+    packing: bool = Field(True, description=(
+        "Train without padding: the learner packs a batch's rows into bins (a block mask on CPU and SDPA; "
+        "position ids alone under a flash variable-length kernel), so its forward and backward touch real "
+        "tokens only; the same log-probs and gradients as padding every row to the longest (false: the "
+        "padded forward, the reference)."))
     shared_prefix: bool = Field(True, description=(
-        "Run the tokens shared by a batch's rows up to their first trained token (a prompt's completions) "
-        "once per forward, the rows' suffixes attending to that prefix's key/value cache: the same log-probs "
+        "With packing: the rows that start with the same tokens up to their first trained token (a prompt's "
+        "completions) read one copy of that prompt in each bin, which is computed once: the same log-probs "
         "and gradients on fewer tokens (in a learner group, each rank over its own rows)."))
+    micro_batch_tokens: int = Field(8192, ge=1, description=(
+        "Token budget of one forward/backward: a mini-batch's rows go through the model in micro-batches "
+        "of at most this many tokens (each row's tokens; padded slots with packing off; a longer row goes "
+        "alone), the gradients accumulated and the loss normalised over the whole mini-batch, so any budget "
+        "gives the same update."))
+    skip_zero_advantage: bool = Field(True, description=(
+        "Rows that carry no gradient (advantage 0 on every token, or no trained token) are not forwarded "
+        "when no KL or entropy term needs them and their log-probs are not kept (experience replay): the "
+        "same update, less work (learner/rows_skipped). Their tokens still count in the loss's normaliser."))
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = Field("token-mean", description="Loss aggregation.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")

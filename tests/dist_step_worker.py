@@ -28,11 +28,12 @@ from asyncrl.types import Trajectory
 STEP_OVERRIDES = ["train.max_grad_norm=1e6", "train.lr=1e-3", "train.kl_coef=0.05", "train.entropy_coef=0.01"]
 
 
-def trajectories(vocab: int, shared_prompts: bool = False) -> list[Trajectory]:
+def trajectories(vocab: int, shared_prompts: bool = False, equal_b: bool = False) -> list[Trajectory]:
     """Five rows in two groups, unequal lengths and response lengths, one replayed row with
     recorded log-probs: the two ranks' shares (3 and 2 rows) hold different token counts. With
-    ``shared_prompts`` each group's rows start with the same 8-token prompt (the shared-prefix
-    forward runs it once, on each rank)."""
+    ``shared_prompts`` each group's rows start with the same 8-token prompt (the packed forward
+    reads one copy of it, on each rank). ``equal_b``: group b's rewards are equal (advantage 0),
+    so that rank 1 has no row that carries a gradient."""
     rng = np.random.default_rng(7)
     shapes = ([(13, 8, "a", 1.0), (16, 8, "a", 0.0), (11, 8, "a", 1.0), (14, 8, "b", 0.0), (10, 8, "b", 1.0)]
               if shared_prompts else
@@ -40,6 +41,7 @@ def trajectories(vocab: int, shared_prompts: bool = False) -> list[Trajectory]:
     prompts = {g: rng.integers(4, vocab, 8) for g in "ab"}
     out = []
     for i, (n, prompt, group, reward) in enumerate(shapes):
+        reward = 1.0 if equal_b and group == "b" else reward
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)]
         ids = rng.integers(4, vocab, n)
         if shared_prompts:
@@ -56,6 +58,11 @@ def trajectories(vocab: int, shared_prompts: bool = False) -> list[Trajectory]:
 CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
          "two_minibatches": ["train.mini_batches=2"],
          "shared_prefix": ["train.shared_prefix=true"],  # with trajectories(shared_prompts=True)
+         "padded": ["train.packing=false"],  # the padded forward (the reference layout)
+         # issue 44: micro-batches of a token budget (rank 0 runs 3, rank 1 runs 2 and one empty one), and rows
+         # left out (group b's equal rewards: rank 1 forwards nothing of its own)
+         "micro_batches": ["train.micro_batch_tokens=12"],
+         "skip_rows": ["train.kl_coef=0", "train.entropy_coef=0", "train.skip_zero_advantage=true"],
          "lora": ["model.lora.rank=4"]}  # adapters only (issue 32), B drawn non-zero so that A has gradients too
 
 
@@ -70,8 +77,6 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
-    from asyncrl.learner.training import batch as batch_module
-
     cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
     torch.manual_seed(0)
     model, tok, _ = load_policy(cfg.model, cfg.seed)
@@ -85,26 +90,14 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
-    rows = trajectories(len(tok), shared_prompts=case == "shared_prefix")
+    rows = trajectories(len(tok), shared_prompts=case == "shared_prefix", equal_b=case == "skip_rows")
     batch = trainer.make_batch([type("E", (), {"trajectories": rows})()])
-    shared_forwards = []  # how many forwards ran each prompt once (the test checks the case used it)
-    plain = batch_module._shared_prefix_forward
-
-    def counted(*args, **kwargs):
-        out = plain(*args, **kwargs)
-        shared_forwards.append(out is not None)
-        return out
-
-    batch_module._shared_prefix_forward = counted
-    try:
-        result = trainer.step(batch, keep_rows=True)
-    finally:
-        batch_module._shared_prefix_forward = plain
-    result.stats["shared_prefix_forwards"] = sum(shared_forwards)
+    result = trainer.step(batch, keep_rows=case != "skip_rows")  # kept rows are never left out
     inner = distributed.unwrap(trainer.model)
     # rows/valid: the real (unpadded) target positions; padded ones hold whatever a forward left there
-    out = {"rows/logprobs": result.row_logprobs, "rows/entropy": result.row_entropy,
-           "rows/valid": batch.attention_mask[:, 1:].cpu().to(torch.uint8)}
+    out = {"rows/valid": batch.attention_mask[:, 1:].cpu().to(torch.uint8)}
+    if result.row_logprobs is not None:
+        out.update({"rows/logprobs": result.row_logprobs, "rows/entropy": result.row_entropy})
     for k, p in inner.named_parameters():  # under FSDP2 each full_tensor() is a collective
         out[f"param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
         if p.requires_grad:  # (model.lora: the base weights are frozen)
@@ -126,7 +119,7 @@ def stalled_peer() -> None:
         return
     started = time.monotonic()
     try:
-        distributed.loss_scales(torch.ones(2, 3), "token-mean")
+        distributed.step_totals(torch.ones(2, 3), 1)
     except Exception as exc:  # noqa: BLE001 - the point is that it raises at all, and when
         print(f"collective failed after {time.monotonic() - started:.1f}s: {type(exc).__name__}: {exc}"[:500],
               flush=True)

@@ -1,4 +1,5 @@
-"""Trajectories -> one padded training batch, and the learner's log-prob forward.
+"""Trajectories -> one padded training batch, and the learner's log-prob forward (padded, or packed
+without padding: :mod:`.packing`).
 
 Alignment: ``input_ids[B, T]`` holds the right-padded token sequences; every per-token tensor is
 ``[B, T-1]`` over TARGET positions: position ``j`` refers to token ``j + 1``, the one the logits at
@@ -15,11 +16,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...engine.kv import cache_arg, cache_of
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory
+from .packing import pack_rows, varlen_attention
 
-__all__ = ["TrainBatch", "collate", "compute_logprobs", "shared_prefix_plan"]
+__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows"]
 
 
 @dataclass
@@ -77,6 +78,23 @@ class TrainBatch:
         """Rows ``rows`` of every field (tensors share storage with this batch)."""
         return self._map(lambda t: t[rows], lambda xs: list(xs[rows]))
 
+    def take(self, index: list[int]) -> "TrainBatch":
+        """Rows ``index`` (copies), cut to the width of the longest of them (``T'`` tokens, ``T' - 1``
+        target positions): what a micro-batch runs. :func:`put_rows` puts its per-token results back."""
+        if not index:
+            raise ValueError("TrainBatch.take needs at least one row")
+        ix = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+        width = max(int(self.attention_mask.index_select(0, ix).sum(1).max()), 1)
+        full = self.input_ids.shape[1]
+
+        def cut(t: Tensor) -> Tensor:
+            t = t.index_select(0, ix)
+            if t.dim() == 2:
+                return t[:, :width] if t.shape[1] == full else t[:, : width - 1]
+            return t
+
+        return self._map(cut, lambda xs: [xs[i] for i in index])
+
     def split(self, k: int) -> list["TrainBatch"]:
         """``k`` mini-batches along B, sizes differing by at most one, order kept."""
         b = self.batch_size
@@ -89,6 +107,13 @@ class TrainBatch:
             out.append(self.select(slice(start, stop)))
             start = stop
         return out
+
+
+def put_rows(full: Tensor, index: list[int], part: Tensor) -> None:
+    """Write a micro-batch's per-token ``part[b, w]`` (rows ``index`` of :meth:`TrainBatch.take`)
+    into ``full[B, T-1]``, in place; positions past ``w`` are left as they are."""
+    ix = torch.tensor(index, dtype=torch.long, device=full.device)
+    full[ix, : part.shape[1]] = part.to(full.device, full.dtype)
 
 
 def _shifted(arr: np.ndarray | None, n: int, width: int, dtype: torch.dtype) -> Tensor:
@@ -153,29 +178,51 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     return batch if torch.device(device).type == "cpu" else batch.to(device)
 
 
-def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                     with_entropy: bool = False, entropy_grad: bool = True,
-                     shared_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Forward a Hugging Face causal LM over ``batch``; log-probs of the targets.
+@dataclass
+class Forward:
+    """One forward over a batch's rows: ``logprobs[B, T-1]`` (and ``entropy``) in the padded layout
+    (0 on positions past a row's end), and how many slots it ran: ``slots`` in all, ``real_tokens``
+    of them holding a token (a shared prompt counted once per bin), ``shared_rows`` rows that read a
+    prompt another row's forward computed."""
 
-    Returns ``(logprobs[B, T-1], entropy[B, T-1] or None)`` from ``logits[:, :-1] / temperature``
-    and targets ``input_ids[:, 1:]``. Grad flows if enabled by the caller (``torch.no_grad()`` for
-    the proximal/reference passes). Padded positions hold finite junk; mask them.
-    ``entropy_grad=False`` computes the entropy without a graph (for logging: no memory is kept for
-    a backward pass through it).
+    logprobs: Tensor
+    entropy: Tensor | None
+    slots: int
+    real_tokens: int
+    shared_rows: int = 0
 
-    ``shared_prefix``: rows that start with the same tokens up to their first trained token (the
-    completions of one prompt) run that prefix once (:func:`shared_prefix_plan`); the same values
-    as the full forward up to float rounding, on fewer tokens. Used when it saves at least a fifth of
-    the padded tokens and the model returns a key/value cache; otherwise the plain forward.
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.real_tokens / max(self.slots, 1)
+
+
+def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
+                 entropy_grad: bool = True, packing: bool = False, shared_prefix: bool = False,
+                 width: int | None = None) -> Forward:
+    """Forward a Hugging Face causal LM over ``batch``: the log-probs of the targets
+    (``logits[:, :-1] / temperature`` against ``input_ids[:, 1:]``), and with ``with_entropy`` the
+    entropies. Grad flows if enabled by the caller (``torch.no_grad()`` for the proximal/reference
+    passes); ``entropy_grad=False`` computes the entropy without a graph (for logging).
+
+    ``packing``: the rows packed into bins of ``width`` slots (:mod:`.packing`), so that the forward
+    and backward touch real tokens only; with ``shared_prefix`` the completions of one prompt read
+    one copy of it (the tokens before each row's first trained token). The same values as the
+    padded forward up to float rounding. Otherwise every row padded to the longest (the reference).
     """
-    plan = shared_prefix_plan(batch) if shared_prefix else None
-    if plan is not None:
-        out = _shared_prefix_forward(model, batch, plan, temperature, with_entropy, entropy_grad)
-        if out is not None:
-            return out
+    if packing:
+        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
+    logp, ent = _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
+    return Forward(logp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
+
+
+def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
+                     with_entropy: bool = False, entropy_grad: bool = True, packing: bool = False,
+                     shared_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(logprobs[B, T-1], entropy[B, T-1] or None)`` of :func:`forward_rows`. Positions past a
+    row's end hold finite junk (padded) or 0 (packed); mask them."""
+    out = forward_rows(model, batch, temperature, with_entropy, entropy_grad, packing, shared_prefix)
+    return out.logprobs, out.entropy
 
 
 def _targets(logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
@@ -190,90 +237,32 @@ def _targets(logits: Tensor, labels: Tensor, temperature: float, with_entropy: b
     return logprobs, entropy
 
 
-@dataclass
-class PrefixPlan:
-    """How :func:`compute_logprobs` splits a batch: ``G`` distinct prefixes (``prefix_ids[G, P]``,
-    right-padded, ``prefix_mask``), ``group[B]`` (each row's prefix), ``start[B]`` (each row's first
-    trained token: the prefix is tokens ``0 .. start-1``) and ``S`` (the longest suffix)."""
-
-    prefix_ids: Tensor
-    prefix_mask: Tensor
-    group: Tensor
-    start: Tensor
-    suffix_len: int
-
-
-def shared_prefix_plan(batch: TrainBatch, min_saving: float = 0.2) -> PrefixPlan | None:
-    """The prefix sharing plan for ``batch``, or None when every row has its own prefix, a row has
-    no trained token, or sharing saves less than ``min_saving`` of the padded tokens."""
-    ids, lengths = batch.input_ids, batch.attention_mask.sum(1)
+def first_trained(batch: TrainBatch) -> Tensor:
+    """``[B]`` the token index of each row's first trained token (its prompt is the tokens before);
+    0 for a row with none (it shares nothing)."""
     trained = batch.response_mask > 0
-    if batch.batch_size < 2 or not bool(trained.any(1).all()):
-        return None
-    start = trained.float().argmax(1) + 1  # token index of the first trained token (>= 1)
-    keys: dict[tuple[int, ...], int] = {}
-    group = [keys.setdefault(tuple(row[:k].tolist()), len(keys))
-             for row, k in zip(ids.cpu(), start.tolist())]
-    G, B, T = len(keys), *ids.shape
-    P, S = int(start.max()), int((lengths - start).max())
-    if G == B or G * P + B * S > (1 - min_saving) * B * T:
-        return None
-    prefix_ids = torch.zeros(G, P, dtype=torch.long)
-    prefix_mask = torch.zeros(G, P, dtype=torch.long)
-    for key, g in keys.items():
-        prefix_ids[g, : len(key)] = torch.tensor(key, dtype=torch.long)
-        prefix_mask[g, : len(key)] = 1
-    dev = ids.device
-    return PrefixPlan(prefix_ids.to(dev), prefix_mask.to(dev), torch.tensor(group, device=dev), start, S)
+    return torch.where(trained.any(1), trained.float().argmax(1) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
 
 
-def _shared_prefix_forward(model, batch: TrainBatch, plan: PrefixPlan, temperature: float, with_entropy: bool,
-                           entropy_grad: bool) -> tuple[Tensor, Tensor | None] | None:
-    """The prefixes once (keeping their key/value cache), then every row's suffix attending to its
-    group's cache (repeated per row: the gradient flows back into the prefix pass). Target position
-    ``j`` (predicting token ``j + 1``) takes its logits from the prefix pass while ``j < start - 1``
-    and from the suffix pass after. None when the model gives no full cache (gradient
-    checkpointing, sliding-window layers): the caller runs the plain forward."""
-    from transformers import DynamicCache
+def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
+                    shared_prefix: bool, width: int | None) -> Forward:
+    """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
+    target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
+    the vocabulary's softmax) and lands back at ``[b, j]``."""
+    varlen = varlen_attention(model)
+    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
+                       starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention,
+                use_cache=False)
+    R, W = packed.shape
+    logits = out.logits.reshape(R * W, -1)
+    index = packed.token_index
+    valid = index[:, 1:] >= 0  # target j (token j + 1) exists
+    lp, ent = _targets(logits[index[:, :-1][valid]], batch.input_ids[:, 1:][valid], temperature, with_entropy,
+                       entropy_grad)
+    shape = valid.shape
 
-    ids, group, start, S = batch.input_ids, plan.group, plan.start, plan.suffix_len
-    B, T = ids.shape
-    P = plan.prefix_ids.shape[1]
-    # two forwards, one backward: under DDP and FSDP2 too (each parameter's gradient hook fires once,
-    # with both passes' contributions summed; tests/unit/learner/test_distributed_learner.py)
-    pre = model(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, use_cache=True)
-    cache = cache_of(pre)
-    layers = getattr(cache, "layers", None)
-    if not layers or any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != P for layer in layers):
-        return None
-    rows = DynamicCache()
-    for i, layer in enumerate(layers):
-        rows.update(layer.keys.index_select(0, group), layer.values.index_select(0, group), i)
-    steps = torch.arange(S, device=ids.device)
-    lengths = batch.attention_mask.sum(1)
-    suffix_mask = (steps[None] < (lengths - start)[:, None]).long()
-    index = (start[:, None] + steps[None]).clamp(max=T - 1)  # token index of each suffix slot
-    suffix_ids = ids.gather(1, index) * suffix_mask
-    mask = torch.cat([plan.prefix_mask.index_select(0, group), suffix_mask], 1)
-    suf = model(input_ids=suffix_ids, attention_mask=mask, position_ids=start[:, None] + steps[None],
-                **cache_arg(model, rows), use_cache=False)
-    # suffix targets: token start + s for s in 0..S-1, predicted by the prefix's last logits (s = 0)
-    # and the suffix logits at s - 1
-    last = pre.logits.index_select(0, group)[torch.arange(B, device=ids.device), start - 1]
-    lp_s, ent_s = _targets(torch.cat([last[:, None], suf.logits[:, :-1]], 1), ids.gather(1, index),
-                           temperature, with_entropy, entropy_grad)
-    lp_p, ent_p = _targets(pre.logits[:, :-1], plan.prefix_ids[:, 1:], temperature, with_entropy, entropy_grad)
-    j = torch.arange(T - 1, device=ids.device)[None].expand(B, -1)
-    in_prefix = j < (start - 1)[:, None]
-    from_prefix = j.clamp(max=max(P - 2, 0))
-    from_suffix = (j - (start - 1)[:, None]).clamp(min=0, max=S - 1)
+    def place(values: Tensor | None) -> Tensor | None:
+        return None if values is None else values.new_zeros(shape).masked_scatter(valid, values)
 
-    def place(prefix_part: Tensor | None, suffix_part: Tensor | None) -> Tensor | None:
-        if prefix_part is None:
-            return None
-        if P < 2:  # every prefix is one token: no prefix targets
-            return suffix_part.gather(1, from_suffix)
-        return torch.where(in_prefix, prefix_part.index_select(0, group).gather(1, from_prefix),
-                           suffix_part.gather(1, from_suffix))
-
-    return place(lp_p, lp_s), place(ent_p, ent_s)
+    return Forward(place(lp), place(ent), R * W, packed.slots_used, packed.shared_rows)

@@ -8,18 +8,21 @@ Promised here (``asyncrl.learner.training.ranks`` runs the learner's ranks on to
 - :func:`wrap` puts a model under DistributedDataParallel (gradients averaged over ranks) or FSDP2
   (``fully_shard`` on every decoder layer and on the root, over a 1-D device mesh).
 - :func:`shard_rows` gives each rank its contiguous share of a batch's rows.
-- :func:`loss_scales`: DDP and FSDP2 *average* gradients over the ``W`` ranks, so each rank's loss,
-  normalised over its own rows, is multiplied by a factor that makes the average equal the
+- :func:`step_totals`: DDP and FSDP2 *average* gradients over the ``W`` ranks, so each rank's loss
+  (each micro-batch's), normalised over its own rows, is multiplied by a factor
+  (:func:`asyncrl.learner.training.micro_batches.loss_scales`) that makes the average equal the
   one-process gradient of the whole batch, for every ``loss_agg_mode`` of
-  :func:`asyncrl.objectives.losses.agg_loss` (token-mean: ``W * n_local / N_global`` tokens;
+  :func:`asyncrl.objectives.aggregation.agg_loss` (token-mean: ``W * n_local / N_global`` tokens;
   seq-mean modes: the same with non-empty rows; seq-mean-token-sum-norm: ``W``, its divisor being
-  a constant).
+  a constant); the global ``N`` and the number of micro-batches every rank runs come from here.
+  :func:`gradient_sync` holds the gradients' reduction back until the last micro-batch.
 - :func:`full_state_dict`: the full, unsharded parameters on every rank, on the CPU (for
   publishing weights and for checkpoints); :func:`reduce_stats` and :func:`gather_rows` combine
   per-rank metrics and per-row tensors. Metrics cross ranks as msgpack bytes, never pickle.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -183,30 +186,42 @@ def shard_rows(n_rows: int, rank: int, world: int) -> slice:
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
-def loss_scales(mask: torch.Tensor, agg_mode: str) -> tuple[float, float]:
-    """``(policy_scale, token_scale)`` for this rank's losses over its rows' ``mask[b, T]``.
+def step_totals(mask: torch.Tensor, parts: int) -> tuple["Totals", int]:
+    """The mini-batch's normalisers over every rank's rows (``mask[b, T]``: this rank's), and the
+    most micro-batches (``parts``: this rank's) any rank runs, which every rank must run (a rank
+    with fewer runs empty ones: under FSDP2 each forward is a collective). One process: its own.
+    Two all-reduces of a few numbers."""
+    from .micro_batches import Totals
 
-    ``policy_scale`` multiplies the policy loss aggregated by ``agg_mode``; ``token_scale`` a
-    token-mean term (KL, entropy). With gradients averaged over ``W`` ranks, a token-mean loss
-    ``S_r / n_r`` scaled by ``W n_r / N`` contributes ``S_r / N``: the ranks sum to the global mean.
-    1.0 for both without a process group. One all-reduce of two numbers."""
-    from ...objectives.aggregation import LOSS_AGG_MODES
-    if agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"distributed.loss_scales: loss_agg_mode {agg_mode!r} unknown; "
-                         f"expected one of {', '.join(LOSS_AGG_MODES)}")
+    local = Totals.of(mask)
     if not active():
-        return 1.0, 1.0
-    m = mask.detach().double()
-    local = torch.stack([m.sum(), (m.sum(-1) > 0).sum().double()]).to(_device())
-    total = local.clone()
-    dist.all_reduce(total)
-    w = dist.get_world_size()
-    token_scale = w * float(local[0]) / max(float(total[0]), 1.0)
-    if agg_mode == "token-mean":
-        return token_scale, token_scale
-    if agg_mode == "seq-mean-token-sum-norm":
-        return float(w), token_scale
-    return w * float(local[1]) / max(float(total[1]), 1.0), token_scale
+        return local, parts
+    dev = _device()
+    sums = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=dev)
+    dist.all_reduce(sums)
+    most = torch.tensor([parts], dtype=torch.long, device=dev)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return Totals(float(sums[0]), float(sums[1]), dist.get_world_size()), int(most)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Within: backward passes accumulate gradients without reducing them over ranks unless
+    ``sync`` (the last micro-batch's): DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``.
+    One process, or ``sync``: nothing changes."""
+    if sync or not active():
+        yield
+    elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def all_true(flag: bool) -> bool:
@@ -233,31 +248,16 @@ def _all_gather_bytes(payload: bytes) -> list[bytes]:
 
 
 def reduce_stats(stats: dict[str, float], weight: float, mean_keys: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Combine each rank's metrics into the whole batch's (the same dict on every rank).
-
-    A key's value over the ranks that report it: the maximum for ``*_max``, the minimum for
-    ``*_min``, the sum for ``*tokens`` (counts), the plain mean for ``mean_keys`` (figures already
-    on the global scale, e.g. a scaled loss), else the mean weighted by each rank's ``weight``
-    (its loss tokens: exact for token means). Without a process group, ``stats`` unchanged."""
+    """Combine each rank's metrics into the whole batch's (the same dict on every rank), by
+    :func:`micro_batches.combine_stats` with each rank's ``weight`` (its loss tokens) and the plain
+    mean for ``mean_keys`` (figures already on the global scale, e.g. a scaled loss). Without a
+    process group, ``stats`` unchanged."""
     if not active():
         return stats
+    from .micro_batches import combine_stats
+
     parts = [msgpack.unpackb(b) for b in _all_gather_bytes(msgpack.packb({"w": float(weight), "s": stats}))]
-    out: dict[str, float] = {}
-    for key in sorted({k for p in parts for k in p["s"]}):
-        vals = [(p["s"][key], p["w"]) for p in parts if key in p["s"]]
-        xs = [v for v, _ in vals]
-        if key.endswith("_max"):
-            out[key] = max(xs)
-        elif key.endswith("_min"):
-            out[key] = min(xs)
-        elif key.endswith("tokens"):
-            out[key] = sum(xs)
-        elif key in mean_keys:
-            out[key] = sum(xs) / len(xs)
-        else:
-            total = sum(w for _, w in vals)
-            out[key] = sum(v * w for v, w in vals) / total if total > 0 else sum(xs) / len(xs)
-    return out
+    return combine_stats([(p["s"], p["w"]) for p in parts], sum_keys=frozenset(), mean_keys=mean_keys)
 
 
 def gather_rows(local: torch.Tensor) -> torch.Tensor:

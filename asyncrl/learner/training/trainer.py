@@ -7,13 +7,21 @@ chosen off-policy correction (``train.off_policy_correction``; by default
 
 Over several processes (``distributed='ddp'`` or ``'fsdp2'``, issue 15) every rank is given the same
 collated batch, takes its rows of each mini-batch (:func:`distributed.shard_rows`) and scales its
-losses (:func:`distributed.loss_scales`) so that the gradient averaged over ranks is the one-process
-gradient of the whole mini-batch; metrics are combined over ranks (:func:`distributed.reduce_stats`).
+losses (:func:`micro_batches.loss_scales` with :func:`distributed.step_totals`) so that the gradient
+averaged over ranks is the one-process gradient of the whole mini-batch; metrics are combined over
+ranks (:func:`distributed.reduce_stats`).
+
+Each mini-batch goes through the model in micro-batches of at most ``train.micro_batch_tokens``
+tokens, packed without padding (``train.packing``, :mod:`.packing`), the rows that carry no
+gradient left out (``train.skip_zero_advantage``), the gradients accumulated and the loss
+normalised over the whole mini-batch (:mod:`.micro_batches`): one optimizer step per mini-batch, the
+same update as one padded pass over all its rows.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -27,7 +35,8 @@ from ...objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
 from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
-from .batch import TrainBatch, collate, compute_logprobs
+from .batch import Forward, TrainBatch, collate, forward_rows, put_rows
+from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
 
 
 @dataclass
@@ -75,9 +84,11 @@ class PolicyTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
-        # one forward of each shared prompt (batch.compute_logprobs), in a learner group too: each
-        # rank plans over its own rows
-        self.shared_prefix = train_cfg.shared_prefix
+        # the forward's layout (batch.forward_rows): packed, a prompt once per bin, in a learner group
+        # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
+        self.packing, self.shared_prefix = train_cfg.packing, train_cfg.shared_prefix
+        self.micro_tokens = train_cfg.micro_batch_tokens
+        self.side_terms = train_cfg.kl_coef > 0 or train_cfg.entropy_coef > 0  # they read every row
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
@@ -99,8 +110,8 @@ class PolicyTrainer:
         result = TrainStepResult({})
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
-                logp0, ent0 = compute_logprobs(self.model, batch, self.temperature, with_entropy=keep_rows,
-                                              shared_prefix=self.shared_prefix)
+                logp0, ent0 = self._chunked_logprobs(self.model, batch, with_entropy=keep_rows,
+                                                     skip=not keep_rows and self._may_skip())
             if self.cfg.recompute_proximal:
                 batch.old_logprobs = logp0
             if keep_rows:
@@ -160,66 +171,139 @@ class PolicyTrainer:
                                   exp_mask=mb.exp_mask if has_exp else None)
         return inputs, stats
 
+    def _may_skip(self) -> bool:
+        """Rows that carry no gradient may be left out: no KL or entropy term reads them."""
+        return self.cfg.skip_zero_advantage and not self.side_terms
+
+    def _forward(self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True) -> Forward:
+        """:func:`forward_rows` in this trainer's layout; with shared prompts, bins up to four times
+        the longest row (within the token budget), so that a prompt's completions share more bins."""
+        width = None
+        if self.packing and self.shared_prefix:
+            longest = int(batch.attention_mask.sum(1).max())
+            width = max(longest, min(4 * longest, self.micro_tokens))
+        return forward_rows(model, batch, self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                            packing=self.packing, shared_prefix=self.shared_prefix, width=width)
+
+    @torch.no_grad()
+    def _chunked_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False,
+                          skip: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of every row, ``[B, T-1]``, in micro-batches of the token budget
+        and without a graph; ``skip``: rows that carry no gradient are not run (their values stay 0)."""
+        logp = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
+        ent = torch.zeros_like(logp) if with_entropy else None
+        for index in plan_micro_batches(batch, self.micro_tokens, self.packing, skip).micro_batches:
+            out = self._forward(model, batch.take(index), with_entropy=with_entropy)
+            put_rows(logp, index, out.logprobs)
+            if ent is not None:
+                put_rows(ent, index, out.entropy)
+        return logp, ent
+
     @torch.no_grad()
     def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs for the KL term: the frozen copy, or (``model.lora``) the
         policy itself with its adapters disabled, which is the base model."""
         if self.ref_model is not None:
-            return compute_logprobs(self.ref_model, mb, self.temperature, shared_prefix=self.shared_prefix)[0]
+            return self._forward(self.ref_model, mb).logprobs
         with dist_learner.unwrap(self.model).disable_adapter():
-            return compute_logprobs(self.model, mb, self.temperature, shared_prefix=self.shared_prefix)[0]
+            return self._forward(self.model, mb).logprobs
 
     def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: TrainStepResult | None,
                         version: int | None) -> dict[str, float]:
+        """One optimizer step on mini-batch ``mb`` (this rank's rows): its micro-batches forward and
+        backward with the gradients accumulated, then clipping and AdamW. ``rows``: fill in the
+        per-row log-probs and entropies (every row is then run)."""
         cfg = self.cfg
-        want_entropy = cfg.entropy_coef > 0
-        # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
-        logp, entropy = compute_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                         entropy_grad=want_entropy, shared_prefix=self.shared_prefix)
-        mismatch = mismatch_stats(logp.detach(), mb, version) if version is not None else {}
-        if rows is not None:  # single pass: this forward is under the weights before the update
-            rows.row_logprobs, rows.row_entropy = logp.detach().cpu(), entropy.detach().cpu()
-        if cfg.recompute_proximal and single_pass:
-            mb.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
-        inputs, stats = self._loss_inputs(mb, logp)
-        stats.update(mismatch)
-        # over ranks, factors making the averaged gradient the global one; 1.0 (exact) in one process
-        pg_scale, tok_scale = 1.0, 1.0
-        if self.distributed != "none":
-            pg_scale, tok_scale = dist_learner.loss_scales(mb.response_mask, self.loss_cfg.loss_agg_mode)
-        loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
-        loss = loss * pg_scale
-        stats.update(loss_stats)
-        # the KL and entropy terms: a token mean, or the policy loss's own aggregation (train.side_terms_agg)
-        side_mode = self.loss_cfg.loss_agg_mode if cfg.side_terms_agg == "loss_agg_mode" else "token-mean"
-        side_scale = pg_scale if side_mode != "token-mean" else tok_scale
-        if self.ref_model is not None or self.ref_is_base:
-            ref_logp = self._ref_logprobs(mb)
-            kl = kl_penalty(logp, ref_logp, cfg.kl_type)
-            kl_val = masked_mean(kl, mb.response_mask)
-            loss = loss + cfg.kl_coef * agg_loss(kl, mb.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
-            stats["kl"] = kl_val.item()
-        ent = masked_mean(entropy, mb.response_mask)
-        if want_entropy:
-            loss = loss - cfg.entropy_coef * agg_loss(entropy, mb.response_mask, side_mode,
-                                                      norm=self.loss_cfg.agg_norm) * side_scale
-        stats["entropy"] = ent.item()
+        plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=rows is None and self._may_skip())
+        totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
+        if rows is not None:
+            rows.row_logprobs = torch.zeros(mb.response_mask.shape)
+            rows.row_entropy = torch.zeros(mb.response_mask.shape)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], cfg.max_grad_norm)
+        parts, fwd = [], {"slots": 0, "real": 0, "shared": 0}
+        loss_sum, started = 0.0, time.perf_counter()
+        for i in range(n_parts):
+            real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
+            index = plan.micro_batches[i] if real else [0]
+            micro = mb.take(index)
+            with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
+                out, loss, stats = self._micro_step(micro, totals, single_pass, version if real else None)
+                (loss if real else loss * 0.0).backward()
+            if not real:
+                continue
+            loss_sum += float(loss.detach())
+            parts.append((stats, float(micro.response_mask.sum())))
+            fwd["slots"] += out.slots
+            fwd["real"] += out.real_tokens
+            fwd["shared"] += out.shared_rows
+            if rows is not None:
+                put_rows(rows.row_logprobs, index, out.logprobs.detach().cpu())
+                put_rows(rows.row_entropy, index, out.entropy.detach().cpu())
+        elapsed = time.perf_counter() - started
+        stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
+        stats.update(self._apply_update(loss_sum))
+        stats.update(self._layout_stats(plan, fwd, elapsed))
+        if self.distributed != "none":  # a scaled loss averages to the global one over ranks
+            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
+                                              mean_keys=frozenset({"loss", "pg_loss"}))
+        return stats
+
+    @staticmethod
+    def _layout_stats(plan: MicroPlan, fwd: dict[str, int], elapsed: float) -> dict[str, float]:
+        return {"learner/rows_skipped": float(len(plan.skipped)), "learner/micro_batches": float(len(plan.micro_batches)),
+                "learner/forward_tokens": float(fwd["real"]), "learner/shared_prompt_rows": float(fwd["shared"]),
+                "learner/padding_share": 1.0 - fwd["real"] / fwd["slots"] if fwd["slots"] else 0.0,
+                "learner/tokens_per_s": fwd["real"] / elapsed if elapsed > 0 and fwd["real"] else 0.0}
+
+    def _apply_update(self, loss: float) -> dict[str, float]:
+        """Clip the accumulated gradients and take the AdamW step, unless the loss or the gradient
+        norm is not finite on some rank. A parameter no micro-batch reached (every row left out)
+        gets a zero gradient, as the pass over every row would have given it."""
+        params = self.optimizer.param_groups[0]["params"]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
-        finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
+        finite = bool(torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
         if self.distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
             finite = dist_learner.all_true(finite)
         if finite:
             self.optimizer.step()
         else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
             self.optimizer.zero_grad(set_to_none=True)
-        stats.update(loss=loss.item(), grad_norm=float(grad_norm), skipped_nonfinite=float(not finite))
-        if self.distributed != "none":  # a scaled loss averages to the global one over ranks
-            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()), mean_keys=frozenset({"loss"}))
-        return stats
+        return {"loss": loss, "grad_norm": float(grad_norm), "skipped_nonfinite": float(not finite)}
+
+    def _micro_step(self, micro: TrainBatch, totals: Totals, single_pass: bool,
+                    version: int | None) -> tuple[Forward, torch.Tensor, dict[str, float]]:
+        """Forward one micro-batch and its loss, scaled to its share of the mini-batch's normalisers."""
+        cfg = self.cfg
+        want_entropy = cfg.entropy_coef > 0
+        # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
+        out = self._forward(self.model, micro, with_entropy=True, entropy_grad=want_entropy)
+        logp, entropy = out.logprobs, out.entropy
+        mismatch = mismatch_stats(logp.detach(), micro, version) if version is not None else {}
+        if cfg.recompute_proximal and single_pass:
+            micro.old_logprobs = logp.detach()  # the proximal policy is the current one: no extra forward
+        inputs, stats = self._loss_inputs(micro, logp)
+        stats.update(mismatch)
+        pg_scale, tok_scale = loss_scales(micro.response_mask, self.loss_cfg.loss_agg_mode, totals)
+        loss, loss_stats = self.policy_loss(inputs, self.loss_cfg)
+        loss = loss * pg_scale
+        stats.update(loss_stats, pg_loss=loss_stats.get("pg_loss", 0.0) * pg_scale)
+        # the KL and entropy terms: a token mean, or the policy loss's own aggregation (train.side_terms_agg)
+        side_mode = self.loss_cfg.loss_agg_mode if cfg.side_terms_agg == "loss_agg_mode" else "token-mean"
+        side_scale = pg_scale if side_mode != "token-mean" else tok_scale
+        if self.ref_model is not None or self.ref_is_base:
+            kl = kl_penalty(logp, self._ref_logprobs(micro), cfg.kl_type)
+            loss = loss + cfg.kl_coef * agg_loss(kl, micro.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
+            stats["kl"] = masked_mean(kl, micro.response_mask).item()
+        if want_entropy:
+            loss = loss - cfg.entropy_coef * agg_loss(entropy, micro.response_mask, side_mode,
+                                                      norm=self.loss_cfg.agg_norm) * side_scale
+        stats["entropy"] = masked_mean(entropy, micro.response_mask).item()
+        return out, loss, stats
 
 
 def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int) -> dict[str, float]:

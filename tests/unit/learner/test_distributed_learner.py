@@ -2,7 +2,9 @@
 
 The tiny embedded model, a collated batch of 5 rows (shares of 3 and 2 rows with different token
 counts), every ``loss_agg_mode``, a two-mini-batch step and a batch whose rows share their group's
-prompt (the shared-prefix forward on each rank), LoRA adapters (issue 32), KL and entropy terms on, gradient
+prompt (one copy of it per bin of the packed forward on each rank), the padded forward, micro-batches
+of a token budget with the gradients reduced once after the last (a rank with fewer running an empty
+one) and rows left out for carrying no gradient (issue 44), LoRA adapters (issue 32), KL and entropy terms on, gradient
 clipping off: the gradients averaged over ranks, the parameters after the AdamW step, the gathered
 full state dict and the per-row log-probs (``keep_rows``) all match a one-process step within 1e-5;
 the metrics combined over ranks match too.
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.learner.training import distributed
+from asyncrl.learner.training.micro_batches import Totals, loss_scales
 
 from tests.conftest import ROOT, kill_tree, subprocess_env
 from tests.dist_step_worker import CASES, one_step
@@ -81,10 +84,16 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
                 diff = float((a - b).abs().max())
                 assert diff <= 1e-5, f"{mode} {case} {k}: max abs difference {diff}"
             # metrics combined over ranks: the scaled loss's mean, token-weighted means, the global norm
-            for key in ("loss", "grad_norm", "entropy", "kl"):
+            for key in ("loss", "grad_norm", "entropy", "kl", "pg_loss", "learner/forward_tokens"):
+                if key == "kl" and case == "skip_rows":  # no KL term there
+                    continue
                 assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), (mode, case, key)
-            if case == "shared_prefix":  # each prompt ran once on each rank's rows, as in one process
-                assert stats["shared_prefix_forwards"] > 0 and ref_stats["shared_prefix_forwards"] > 0, mode
+            if case == "shared_prefix":  # each prompt read once per bin on each rank's rows, as in one process
+                assert stats["learner/shared_prompt_rows"] > 0 and ref_stats["learner/shared_prompt_rows"] > 0, mode
+            if case == "micro_batches":  # several micro-batches, the gradients reduced once after the last
+                assert stats["learner/micro_batches"] > 1 and ref_stats["learner/micro_batches"] >= 4, mode
+            if case == "skip_rows":  # group b (rank 1's rows) left out: rank 1 ran an empty micro-batch
+                assert stats["learner/rows_skipped"] == ref_stats["learner/rows_skipped"] == 2, mode
         assert any(k.startswith("optim/") for k in ref), "the optimizer state was not compared"
         if case == "lora":  # issue 32: gradients and optimizer state for the adapters only, A's and B's
             trained = {k[len("grad/"):] for k in ref if k.startswith("grad/")}
@@ -155,8 +164,17 @@ def test_without_a_group_clear_errors_and_identity(monkeypatch):
     with pytest.raises(ValueError, match="mode 'zero3' unknown"):
         distributed.wrap(torch.nn.Linear(2, 2), "zero3")
     with pytest.raises(ValueError, match="loss_agg_mode 'sum' unknown"):
-        distributed.loss_scales(torch.ones(2, 3), "sum")
-    assert distributed.loss_scales(torch.ones(2, 3), "token-mean") == (1.0, 1.0)
+        loss_scales(torch.ones(2, 3), "sum", Totals(6.0, 2.0))
+    totals, parts = distributed.step_totals(torch.ones(2, 3), 4)  # one process: its own rows, its own count
+    assert (totals, parts) == (Totals(6.0, 2.0, 1), 4)
+    assert loss_scales(torch.ones(2, 3), "token-mean", totals) == (1.0, 1.0)
+    # a micro-batch's share: a third of the tokens, half the sequences
+    part = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert loss_scales(part, "token-mean", totals) == (pytest.approx(1 / 3), pytest.approx(1 / 3))
+    assert loss_scales(part, "seq-mean-token-mean", totals)[0] == pytest.approx(1 / 2)
+    assert loss_scales(part, "seq-mean-token-sum-norm", Totals(6.0, 2.0, 2))[0] == 2.0
+    with distributed.gradient_sync(torch.nn.Linear(2, 2), sync=False):  # no group: nothing to hold back
+        pass
 
 
 def test_a_stalled_rank_makes_the_others_fail_after_the_timeout_not_hang():
