@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory
-from .packing import pack_rows, varlen_attention
+from .packing import mask_for, pack_rows, varlen_attention
 
 __all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows"]
 
@@ -252,8 +252,9 @@ def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: 
     varlen = varlen_attention(model)
     packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
                        starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention,
-                use_cache=False)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                attention_mask=mask_for(model, packed.attention, dtype), use_cache=False)
     R, W = packed.shape
     logits = out.logits.reshape(R * W, -1)
     index = packed.token_index

@@ -11,8 +11,8 @@ same positions, and its log-probs are those of a padded forward up to float roun
 
 Two attention paths:
 
-- a block mask ``[R, 1, W, W]`` (bool, True = attend) given to the model as a ready 4D mask: any
-  attention implementation that takes one (``sdpa``, ``eager``: the CPU's), with shared prompts;
+- a block mask ``[R, 1, W, W]`` given to the model as a ready 4D mask (:func:`mask_for`: boolean for
+  ``sdpa``, additive for ``eager``): the CPU's attention, with shared prompts;
 - position ids alone (``attention_mask=None``): transformers finds the packed sequences from the
   position ids restarting at 0, which the variable-length kernels (``flash_attention_2/3``) run
   without a mask; one flat bin, no shared prompts (a suffix cannot see another segment there).
@@ -30,22 +30,37 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "pack_rows", "varlen_attention"]
+__all__ = ["PackedRows", "attention_kind", "mask_for", "pack_rows", "varlen_attention"]
 
 _VARLEN = ("flash_attention_2", "flash_attention_3", "flash")
+
+
+def attention_kind(model) -> str:
+    """The model's attention implementation (``config._attn_implementation``, through DDP's and
+    peft's wrappers): ``sdpa``, ``eager``, ``flash_attention_2``..., or "" when it says none."""
+    config = getattr(model, "config", None)
+    for _ in range(8):  # DDP's module, peft's base model
+        if config is not None or model is None:
+            break
+        model = getattr(model, "module", None) or getattr(model, "base_model", None)
+        config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", "") or "")
 
 
 def varlen_attention(model) -> bool:
     """Whether the model's attention runs packed sequences from position ids alone (a flash
     variable-length kernel), so that no mask is built."""
-    config = getattr(model, "config", None)
-    for _ in range(8):  # DDP's module, peft's base model
-        if config is not None:
-            break
-        model = getattr(model, "module", None) or getattr(model, "base_model", None)
-        config = getattr(model, "config", None)
-    impl = str(getattr(config, "_attn_implementation", "") or "")
+    impl = attention_kind(model)
     return any(name in impl for name in _VARLEN)
+
+
+def mask_for(model, attention: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The block mask as the model's attention takes a ready 4D mask: boolean (True = attend) for
+    SDPA, additive (0, or the dtype's minimum where a slot may not attend) for eager attention and
+    any other implementation that adds the mask to its scores."""
+    if attention is None or attention_kind(model) == "sdpa":
+        return attention
+    return torch.zeros(attention.shape, dtype=dtype, device=attention.device).masked_fill(~attention, torch.finfo(dtype).min)
 
 
 @dataclass

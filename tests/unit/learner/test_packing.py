@@ -24,10 +24,12 @@ from asyncrl.types import Trajectory
 VOCAB = 40
 
 
-def _model(seed: int = 0) -> LlamaForCausalLM:
+def _model(seed: int = 0, attention: str = "sdpa") -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-    return LlamaForCausalLM(embedded_llama_config(cfg, VOCAB)).float()
+    llama = embedded_llama_config(cfg, VOCAB)
+    llama._attn_implementation = attention
+    return LlamaForCausalLM(llama).float()
 
 
 def _traj(prompt, response, group, mask=None, reward=0.0, **kw) -> Trajectory:
@@ -102,13 +104,15 @@ def test_the_packed_layout_puts_every_row_where_it_says():
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_packed_forward_equals_the_padded_one(shared, temperature):
+@pytest.mark.parametrize("temperature,attention", [(1.0, "sdpa"), (0.7, "sdpa"), (1.0, "eager")])
+def test_the_packed_forward_equals_the_padded_one(shared, temperature, attention):
+    """SDPA takes the block mask as booleans, eager attention as an additive mask."""
     batch = _batch()
     valid = batch.attention_mask[:, 1:].bool()  # every real target position, prompt ones included
     results = {}
     for packing in (False, True):
-        model = _model()
+        model = _model(attention=attention)
+        assert model.config._attn_implementation == attention
         out = forward_rows(model, batch, temperature, with_entropy=True, packing=packing, shared_prefix=shared)
         loss = -(out.logprobs * batch.advantages).sum() - 0.01 * (out.entropy * batch.response_mask).sum()
         loss.backward()
