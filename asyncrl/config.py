@@ -286,7 +286,8 @@ class TrainConfig(_Base):
     skip_zero_advantage: bool = Field(True, description=(
         "Rows that carry no gradient (advantage 0 on every token, or no trained token) are not forwarded "
         "when no KL or entropy term needs them and their log-probs are not kept (experience replay): the "
-        "same update, less work (learner/rows_skipped). Their tokens still count in the loss's normaliser."))
+        "same update, less work (learner/rows_skipped). Their tokens still count in the loss's normaliser. A "
+        "mini-batch with no such row still runs its first micro-batch, for its entropy and mismatch metrics."))
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = Field("token-mean", description="Loss aggregation.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")

@@ -12,7 +12,8 @@ carries ``W`` and ``N`` counts every rank's rows (:func:`asyncrl.learner.trainin
 A row whose advantage is 0 on every token (a GRPO group with equal rewards) or that has no trained
 token contributes exactly 0 to a policy loss and its gradient; when no KL or entropy term reads
 it and its log-probs are not wanted, it is not forwarded at all (``skip_zero_advantage``). Its
-tokens stay in ``N``, so the update is the one with it included.
+tokens stay in ``N``, so the update is the one with it included. A mini-batch in which no row carries
+a gradient still runs its first micro-batch, for the step's metrics.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def plan_micro_batches(batch: TrainBatch, budget: int, packing: bool, skip: bool
     """Cut ``batch``'s rows into micro-batches of at most ``budget`` tokens, in batch order (a
     prompt's completions stay together for the shared prompt): with ``packing`` a micro-batch
     counts its rows' tokens, without it its padded slots (rows x the longest). A row over the budget
-    goes alone. ``skip``: rows that carry no gradient (:func:`carries_gradient`) are left out; if
-    that leaves none, the plan is empty."""
+    goes alone. ``skip``: rows that carry no gradient (:func:`carries_gradient`) are left out; when
+    no row carries one, the first micro-batch still runs (its loss and gradient are 0), so that the
+    step still reports its entropy and train/inference mismatch."""
+    if skip and not bool(carries_gradient(batch).any()):
+        first = plan_micro_batches(batch, budget, packing, skip=False).micro_batches[:1]
+        ran = set(first[0]) if first else set()
+        return MicroPlan(first, [b for b in range(batch.batch_size) if b not in ran])
     lengths = batch.attention_mask.sum(1).tolist()
     keep = carries_gradient(batch).tolist() if skip else [True] * batch.batch_size
     rows = [b for b in range(batch.batch_size) if keep[b]]

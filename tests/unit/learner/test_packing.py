@@ -194,8 +194,9 @@ def test_rows_that_carry_no_gradient_are_left_out_and_the_step_is_the_same():
     assert _trained([], lambda: _batch(True), keep_rows=True)[2].stats["learner/rows_skipped"] == 0
 
 
-def test_a_batch_with_no_gradient_at_all_still_takes_adams_step():
-    """Every row left out: AdamW still moves the weights by its momentum, as with every row run."""
+def test_a_batch_with_no_gradient_at_all_still_takes_adams_step_and_reports_its_metrics():
+    """No row carries a gradient: the first micro-batch runs anyway (loss 0), so the step has its
+    entropy and mismatch metrics, and AdamW moves the weights by its momentum as with every row run."""
     def batches(i):
         batch = _batch()
         if i == 1:
@@ -203,8 +204,11 @@ def test_a_batch_with_no_gradient_at_all_still_takes_adams_step():
         return batch
 
     kept = _trained(["train.skip_zero_advantage=false"], batches, steps=2)
-    left = _trained(["train.skip_zero_advantage=true"], batches, steps=2)
-    assert left[2].stats["learner/rows_skipped"] == 10 and left[2].stats["learner/forward_tokens"] == 0
+    left = _trained(["train.skip_zero_advantage=true", "train.micro_batch_tokens=40"], batches, steps=2)
+    stats = left[2].stats
+    assert stats["learner/micro_batches"] == 1 and 0 < stats["learner/rows_skipped"] < 10  # the first one ran
+    assert "entropy" in stats and "mismatch/logprob_abs_diff_mean" in stats  # rows 0-2 end with version-1 tokens
+    assert stats["loss"] == 0.0
     for k in kept[0]:
         assert float((kept[0][k] - left[0][k]).abs().max()) <= 1e-6, k
 
