@@ -62,7 +62,7 @@ CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
          # issue 44: micro-batches of a token budget (rank 0 runs 3, rank 1 runs 2 and one empty one), and rows
          # left out (group b's equal rewards: one process leaves them out; rank 1, which has no other rows, runs
          # them with a zero gradient for its metrics)
-         "micro_batches": ["train.micro_batch_tokens=12"],
+         **{f"micro_{agg}": [f"train.loss_agg_mode={agg}", "train.micro_batch_tokens=12"] for agg in LOSS_AGG_MODES},
          "skip_rows": ["train.kl_coef=0", "train.entropy_coef=0", "train.skip_zero_advantage=true"],
          "lora": ["model.lora.rank=4"]}  # adapters only (issue 32), B drawn non-zero so that A has gradients too
 
