@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...objectives.aggregation import LOSS_AGG_MODES
 from .batch import TrainBatch
 
 __all__ = ["MicroPlan", "Totals", "combine_stats", "loss_scales", "plan_micro_batches"]
@@ -47,7 +48,6 @@ def loss_scales(mask: torch.Tensor, agg_mode: str, totals: Totals) -> tuple[floa
     ``mask[b, T]``: the policy loss aggregated by ``agg_mode`` over the part, times ``policy_scale``,
     summed over the parts (and averaged over ``totals.world`` ranks), is the whole's; ``token_scale``
     does the same for a token-mean term (KL, entropy)."""
-    from ...objectives.aggregation import LOSS_AGG_MODES
     if agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_scales: loss_agg_mode {agg_mode!r} unknown; expected one of {', '.join(LOSS_AGG_MODES)}")
     part = Totals.of(mask)
@@ -80,12 +80,12 @@ def plan_micro_batches(batch: TrainBatch, budget: int, packing: bool, skip: bool
     goes alone. ``skip``: rows that carry no gradient (:func:`carries_gradient`) are left out; when
     no row carries one, the first micro-batch still runs (its loss and gradient are 0), so that the
     step still reports its entropy and train/inference mismatch."""
-    if skip and not bool(carries_gradient(batch).any()):
+    keep = carries_gradient(batch).tolist() if skip else [True] * batch.batch_size
+    if skip and not any(keep):
         first = plan_micro_batches(batch, budget, packing, skip=False).micro_batches[:1]
         ran = set(first[0]) if first else set()
         return MicroPlan(first, [b for b in range(batch.batch_size) if b not in ran])
     lengths = batch.attention_mask.sum(1).tolist()
-    keep = carries_gradient(batch).tolist() if skip else [True] * batch.batch_size
     rows = [b for b in range(batch.batch_size) if keep[b]]
     out: list[list[int]] = []
     current: list[int] = []

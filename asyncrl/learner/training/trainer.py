@@ -212,7 +212,6 @@ class PolicyTrainer:
         """One optimizer step on mini-batch ``mb`` (this rank's rows): its micro-batches forward and
         backward with the gradients accumulated, then clipping and AdamW. ``rows``: fill in the
         per-row log-probs and entropies (every row is then run)."""
-        cfg = self.cfg
         plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=rows is None and self._may_skip())
         totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
         if rows is not None:
@@ -256,8 +255,8 @@ class PolicyTrainer:
 
     def _apply_update(self, loss: float) -> dict[str, float]:
         """Clip the accumulated gradients and take the AdamW step, unless the loss or the gradient
-        norm is not finite on some rank. A parameter no micro-batch reached (every row left out)
-        gets a zero gradient, as the pass over every row would have given it."""
+        norm is not finite on some rank. A parameter that got no gradient gets a zero one, so that
+        AdamW's momentum moves it as in a pass that reached it with a zero gradient."""
         params = self.optimizer.param_groups[0]["params"]
         for p in params:
             if p.grad is None:
