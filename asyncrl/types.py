@@ -167,6 +167,23 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
         return self.loss_mask if self.is_replay else None
 
 
+def training_rows(trajectories) -> dict[str, list]:
+    """The per-token arrays a batch of trajectories is trained on, one entry per trajectory (in one
+    call, so collating a batch does not come back here once per row): ``token_ids``, ``loss_mask``,
+    ``behavior_logprobs``, ``off_policy`` (:attr:`Trajectory.off_policy_mask`, None: all on-policy),
+    ``versions`` (:meth:`Trajectory.versions_per_token`) and ``recorded_logprobs`` (None: absent)."""
+    rows: dict[str, list] = {k: [] for k in ("token_ids", "loss_mask", "behavior_logprobs", "off_policy",
+                                             "versions", "recorded_logprobs")}
+    for t in trajectories:
+        rows["token_ids"].append(t.token_ids)
+        rows["loss_mask"].append(t.loss_mask)
+        rows["behavior_logprobs"].append(t.behavior_logprobs)
+        rows["off_policy"].append(t.off_policy_mask)
+        rows["versions"].append(t.versions_per_token())
+        rows["recorded_logprobs"].append(t.recorded_logprobs)
+    return rows
+
+
 SUMMARY_FIELDS = ("id", "text", "reward", "scores", "sample_type", "group_id", "policy_version", "is_replay",
                   "advantage")
 """The Trajectory fields a logged trajectory keeps (:meth:`Trajectory.summary`)."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
-from ...types import Trajectory
+from ...types import Trajectory, training_rows
 from .packing import mask_for, pack_rows, varlen_attention
 
 __all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows"]
@@ -137,24 +137,24 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     adv = torch.as_tensor(advantages, dtype=torch.float32).detach().reshape(-1).cpu()
     if adv.shape[0] != len(trajectories):
         raise ValueError(f"got {adv.shape[0]} advantages for {len(trajectories)} trajectories")
-    lengths = [len(t.token_ids) for t in trajectories]
+    cols = training_rows(trajectories)
+    lengths = [len(ids) for ids in cols["token_ids"]]
     T = max(lengths)
     W = max(T - 1, 0)
     B = len(trajectories)
     input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec", "recm", "ver")}
-    for i, (t, n) in enumerate(zip(trajectories, lengths)):
-        input_ids[i, :n] = torch.as_tensor(t.token_ids, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        input_ids[i, :n] = torch.as_tensor(cols["token_ids"][i], dtype=torch.long)
         attention_mask[i, :n] = 1
-        exp = t.off_policy_mask
-        rows["resp"].append(_shifted(t.loss_mask, n, W, torch.float32))
-        rows["behav"].append(_shifted(t.behavior_logprobs, n, W, torch.float32))
-        rows["exp"].append(_shifted(exp, n, W, torch.float32))
-        rows["ver"].append(_shifted(t.versions_per_token(), n, W, torch.long))
-        rec = _shifted(t.recorded_logprobs, n, W, torch.float32)
-        rows["recm"].append(torch.isfinite(rec).float() if t.recorded_logprobs is not None
-                            else torch.zeros(W))
+        rows["resp"].append(_shifted(cols["loss_mask"][i], n, W, torch.float32))
+        rows["behav"].append(_shifted(cols["behavior_logprobs"][i], n, W, torch.float32))
+        rows["exp"].append(_shifted(cols["off_policy"][i], n, W, torch.float32))
+        rows["ver"].append(_shifted(cols["versions"][i], n, W, torch.long))
+        recorded = cols["recorded_logprobs"][i]
+        rec = _shifted(recorded, n, W, torch.float32)
+        rows["recm"].append(torch.isfinite(rec).float() if recorded is not None else torch.zeros(W))
         rows["rec"].append(torch.nan_to_num(rec, nan=0.0, posinf=0.0, neginf=0.0))
     response_mask = torch.stack(rows["resp"])
     behavior = torch.stack(rows["behav"])
