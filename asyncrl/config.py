@@ -293,6 +293,34 @@ class TrainConfig(_Base):
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio <= 1 + clip_high (clip-higher).")
     dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
+    overlong_buffer: int = Field(0, ge=0, description=(
+        "DAPO's soft overlong punishment: the last this many tokens before overlong_max_len cost reward, "
+        "linearly from 0 to -overlong_penalty at the limit (docs/objectives.md); 0: off. The advantage "
+        "reads the shaped reward; reward_mean and the logs keep the environment's."))
+    overlong_penalty: float = Field(1.0, ge=0, description="overlong_buffer: the penalty at the length limit.")
+    overlong_max_len: int | None = Field(None, ge=1, description=(
+        "overlong_buffer: the length limit, in generated tokens. Null: sampling.max_new_tokens x env.max_turns."))
+    mask_truncated: bool = Field(False, description=(
+        "DAPO's overlong filtering: a response cut off at sampling.max_new_tokens (its last turn's finish "
+        "reason is 'length') is left out of the loss (its tokens out of the normaliser too); it still "
+        "counts in its group's advantages."))
+    behavior_clip: bool = Field(True, description=(
+        "A trust region around the behaviour policy that acts on stale data: a generated (not replayed) token "
+        "whose ratio against the policy that sampled it, pi_theta / pi_behaviour, is already past the clip "
+        "band [1 - clip_low, 1 + clip_high] on the side its advantage pushes (above for A > 0, below for A < 0) "
+        "gets no gradient, as plain PPO against the behaviour policy would give it (gspo: the sequence's "
+        "geometric-mean ratio against gspo_clip_*; cispo: its weight is the ratio against the behaviour policy, "
+        "clipped). With one optimizer step per batch decoupled PPO's proximal policy is the current one, so its "
+        "own clip never acts and only this one bounds the update (docs/objectives.md). False: the proximal "
+        "clip alone."))
+    gspo_clip_low: float = Field(3e-4, ge=0, description=(
+        "policy_loss=gspo: the sequence ratio >= 1 - gspo_clip_low (the GSPO paper's 3e-4)."))
+    gspo_clip_high: float = Field(4e-4, ge=0, description=(
+        "policy_loss=gspo: the sequence ratio <= 1 + gspo_clip_high (the GSPO paper's 4e-4)."))
+    cispo_clip_low: float = Field(1.0, ge=0, description=(
+        "policy_loss=cispo: the stop-gradient weight >= 1 - cispo_clip_low (1: no lower bound, as MiniMax-M1)."))
+    cispo_clip_high: float = Field(0.28, ge=0, description=(
+        "policy_loss=cispo: the stop-gradient weight <= 1 + cispo_clip_high."))
     recompute_proximal: bool = Field(True, description=(
         "Decoupled PPO: recompute the proximal policy's log-probs before the update and weight each "
         "token by a behaviour weight from rho = exp(logp_prox - logp_behavior) (off_policy_correction). "
@@ -378,6 +406,15 @@ class BufferConfig(_Base):
         "than max_staleness allows: keep (train every token, each corrected with its own behaviour "
         "log-prob), truncate (no loss on the too-old tokens), drop (drop the episode, as for a row made by "
         "one too-old version). An episode whose newest token is too old is dropped under all three."))
+    filter_groups: bool = Field(False, description=(
+        "Dynamic sampling (DAPO, Yu et al. 2025): an episode in which every group's rewards are equal (and no "
+        "trajectory carries an advantage of its own other than 0) is not trained on; the learner keeps "
+        "taking episodes until a batch holds train.batch_tasks informative ones. Dropped episodes were "
+        "acknowledged like any other (nothing lost, nothing trained twice) and free their credit; "
+        "dynamic_sampling/* metrics and a groups_filtered event per step count them."))
+    filter_groups_max_batches: int = Field(10, ge=1, description=(
+        "filter_groups: after this many batches' worth of dropped episodes (x train.batch_tasks) with no "
+        "step trained, the run stops with one line instead of waiting for ever (verl's max_num_gen_batches)."))
 
 
 class ReplayConfig(_Base):
@@ -520,6 +557,11 @@ class EvalConfig(_Base):
         "eval.hung_after do), the run stops with one line: the reward hangs."))
     hung_after: int = Field(8, ge=1, description=(
         "Consecutive timed-out calls at the start of an evaluation after which it is given up as hung."))
+    k: int = Field(0, ge=0, description=(
+        "Also draw k samples per held-out problem at the run's sampling settings (sampling.temperature, "
+        "top_p) and report pass@j (the unbiased estimator of Chen et al. 2021, j = 1, 2, 4, ... up to k, and k) "
+        "and avg@k (mean correctness over the k samples) beside the greedy accuracy; 0: off. The built-in "
+        "accuracy evaluation only (a workflow's own evaluate, RLCR's, reports its own figures)."))
 
 
 class LogConfig(_Base):
@@ -655,6 +697,8 @@ class Config(_Base):
                              f"environment's own), not {self.algorithm}")
         if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
+        if self.train.overlong_max_len is None:
+            self.train.overlong_max_len = self.sampling.max_new_tokens * self.env.max_turns
         rp = self.replay
         if rp.enabled and rp.isolate_replay_groups:  # each replayed trajectory is a group of one
             adv = self.train.advantage
@@ -669,6 +713,20 @@ class Config(_Base):
             raise ValueError(f"replay.offpolicy_trajectories_per_task ({rp.offpolicy_trajectories_per_task}) "
                              f"must be below sampling.n ({self.sampling.n}): a replay task keeps at least "
                              f"one fresh rollout")
+        return self
+
+    @model_validator(mode="after")
+    def _check_objectives(self) -> "Config":
+        """Combinations of a policy loss and a setting that have no meaning, refused in one line."""
+        loss = self.train.policy_loss
+        if loss in ("gspo", "cispo") and self.replay.enabled and self.replay.off_policy_reshape != "none":
+            raise ValueError(f"replay.off_policy_reshape={self.replay.off_policy_reshape} shapes PPO's per-token ratio; "
+                             f"train.policy_loss={loss} has its own weighting of replayed tokens: set "
+                             f"replay.off_policy_reshape=none or train.policy_loss=ppo")
+        if self.train.overlong_buffer and self.train.overlong_buffer >= (self.train.overlong_max_len or 0):
+            raise ValueError(f"train.overlong_buffer ({self.train.overlong_buffer}) must be below the length limit "
+                             f"train.overlong_max_len ({self.train.overlong_max_len}): the penalty ramps over the "
+                             f"last overlong_buffer tokens before it")
         return self
 
     @property

@@ -10,7 +10,8 @@ _GROUP_OF = {
     "reward": ("reward_mean", "reward_std", "reward_min", "reward_max"),
     "policy": ("loss", "pg_loss", "kl", "approx_kl", "entropy", "grad_norm", "lr", "clipfrac", "clipfrac_lower",
                "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max", "is_weight_mean", "is_weight_max",
-               "is_weight_capped_frac", "is_weight_masked_frac", "nonfinite_steps", "skipped_nonfinite"),
+               "is_weight_capped_frac", "is_weight_masked_frac", "behavior_clipfrac", "nonfinite_steps",
+               "skipped_nonfinite"),
     "rollout": ("response_length_mean", "response_length_max", "response_length_min", "batch_tokens",
                 "batch_trajectories"),
     "staleness": ("staleness_mean", "staleness_max", "dropped_stale"),
@@ -19,7 +20,8 @@ _GROUP_OF = {
 }
 GROUP_OF = {name: group for group, names in _GROUP_OF.items() for name in names}
 # The order groups are shown in: what a reader of an RL run looks at first
-GROUP_ORDER = ("reward", "eval", "score", "policy", "rollout", "groups", "staleness", "sync", "replay", "learner",
+GROUP_ORDER = ("reward", "eval", "score", "policy", "rollout", "groups", "dynamic_sampling", "staleness", "sync",
+               "replay", "learner",
                "throughput", "env")
 
 
@@ -40,7 +42,7 @@ def tag(name: str) -> str:
 # What a metric's value counts over: most are per step; these are totals since the learner started
 # (its process: a resume starts them again), and the eval metrics are per evaluation.
 CUMULATIVE = frozenset({"episodes_acked", "ingest_s", "dropped_stale", "bad_messages", "rejected_episodes",
-                        "nonfinite_steps"})
+                        "nonfinite_steps", "dynamic_sampling/dropped_total"})
 _UNITS = {"_s": "seconds", "_frac": "fraction", "_tokens": "tokens", "tokens": "tokens",
           "length_mean": "tokens", "length_max": "tokens", "length_min": "tokens", "lr": "learning rate"}
 

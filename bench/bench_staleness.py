@@ -60,6 +60,14 @@ CORRECTIONS: dict[str, list[str]] = {
     "seq_mis": ["train.off_policy_correction=seq_mis", "train.is_cap=3"],  # TRL's C = 3
     "icepop": ["train.off_policy_correction=icepop", "train.is_low=0.5"],
     "geo_mask": ["train.off_policy_correction=geo_mask", "train.is_cap=1.1"],  # length-normalised: near 1
+    "decoupled_noclip": ["train.behavior_clip=false"],  # the default before the behaviour clip (docs/objectives.md)
+    # the objectives menu (docs/objectives.md): estimators, losses, dynamic sampling, beside the default (grpo + ppo)
+    "grpo": [],
+    "rloo": ["train.advantage.estimator=rloo"],
+    "reinforce_pp": ["train.advantage.estimator=reinforce_pp"],
+    "gspo": ["train.policy_loss=gspo", "train.loss_agg_mode=seq-mean-token-mean"],  # the paper's aggregation
+    "cispo": ["train.policy_loss=cispo"],
+    "dynamic": ["buffer.filter_groups=true"],
 }
 
 

@@ -37,3 +37,15 @@ def hanging_reward(task: Task, response: str) -> float:
 
     threading.Event().wait()
     return 0.0
+
+
+def half_constant_reward(task: Task, response: str) -> float:
+    """0.5 whatever the reply for about half of the tasks (their groups carry no signal), else
+    ``short_reply_reward``: dynamic sampling has groups to drop and groups to keep."""
+    import zlib
+
+    return 0.5 if zlib.crc32(task.id.encode()) % 2 == 0 else short_reply_reward(task, response)
+
+
+def constant_reward(task: Task, response: str) -> float:
+    return 0.5

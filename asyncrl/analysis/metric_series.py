@@ -98,7 +98,8 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
     for store in runs.values():
         names.update(metric_columns(store.metrics))
         if not store.evals().empty:
-            names.update(f"eval/{c}" for c in ("accuracy", "reward_mean") if c in store.evals())
+            names.update(f"eval/{c}" for c in store.evals().columns  # accuracy beside pass@j and avg@k
+                         if c in ("accuracy", "reward_mean") or c.startswith(("pass@", "avg@")))
     axes = {}
     for run, store in runs.items():  # x -> wall time and samples, by interpolation over the logged steps
         ax = run_axes(store)

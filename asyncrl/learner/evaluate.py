@@ -34,6 +34,29 @@ def _hung_methods(env, before: dict, at_least: int) -> list[tuple[str, int]]:
     return out
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``, computed as a
+    product so that large ``n`` does not overflow."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def pass_ks(k: int) -> list[int]:
+    """The j of pass@j reported for ``k`` samples: 1, 2, 4, ... below k, and k."""
+    out, j = [], 1
+    while j < k:
+        out.append(j)
+        j *= 2
+    return out + [k]
+
+
 class Evaluator:
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg
@@ -113,4 +136,22 @@ class Evaluator:
                           for t in trajs[:self.cfg.log.eval_samples] if t.group_id in tasks]
         if failures:
             out["failure_examples"] = failures[:3]
+        if self.cfg.eval.k:
+            out.update(self._pass_at_k(engine))
+        return out
+
+    def _pass_at_k(self, engine) -> dict:
+        """pass@j and avg@k over ``eval.k`` samples per held-out problem at the run's sampling settings."""
+        k, s = self.cfg.eval.k, self.cfg.sampling
+        sampling = SamplingConfig(n=k, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                  stop=s.stop)
+        convs = start_conversations(self.tokenizer, self.env, self.tasks, k, group_ids=[t.id for t in self.tasks])
+        run_conversations(engine, self.tokenizer, self.env, convs, sampling, self.cfg.env.max_turns,
+                          seed=self.cfg.seed + 1)
+        trajs, failures = scored_trajectories(convs, self.env, 0)
+        correct = {t.id: 0 for t in self.tasks}  # a failed reward counts as wrong
+        for t in trajs:
+            correct[t.group_id] += t.reward >= 1.0
+        out = {f"pass@{j}": sum(pass_at_k(k, c, j) for c in correct.values()) / len(correct) for j in pass_ks(k)}
+        out[f"avg@{k}"] = sum(correct.values()) / (k * len(correct))
         return out

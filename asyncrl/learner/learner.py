@@ -21,6 +21,7 @@ import torch
 from ..config import Config, cpu_threads
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
+from ..objectives.advantages import informative
 from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
 from ..rollout.workflow import workflow_class
 from ..sync import make_publisher
@@ -40,6 +41,12 @@ from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
 from .ingest.staleness import StalenessPolicy
 from .training.ranks import Ranks
+
+
+def _informative_episode(episode: Episode) -> bool:
+    """Dynamic sampling (``buffer.filter_groups``): an episode is trained on when one of its groups has
+    different rewards (:func:`asyncrl.objectives.advantages.informative`)."""
+    return informative(episode.trajectories)
 
 
 class Learner:
@@ -91,6 +98,7 @@ class Learner:
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop = False
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
+        self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
                                                            self.peers.validator)
@@ -174,9 +182,10 @@ class Learner:
         while self.version < cfg.train.total_steps and not self._stop:
             t0 = time.time()
             self.pump(timeout_ms=50)
-            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, self.staleness)
+            episodes = self.buffer.take(cfg.train.batch_tasks, self.version, self.staleness, keep=self._keep)
             if episodes is None:
                 t_wait += time.time() - t0
+                self._check_filtered()
                 continue
             stats = self.train_on(episodes, wait_s=t_wait)
             t_wait = 0.0
@@ -210,6 +219,30 @@ class Learner:
         if self.peers.stop_reason and not self._stop:
             self._stop, self._stop_reason = True, self.peers.stop_reason
         self.grant()
+
+    def _check_filtered(self) -> None:
+        """Dynamic sampling: stop the run, in one line, once more episodes than the bound were dropped
+        since the last step (no informative group comes)."""
+        limit = self.cfg.buffer.filter_groups_max_batches * self.cfg.train.batch_tasks
+        if self._keep is None or len(self.buffer.filtered) <= limit or self._stop:
+            return
+        self._stop = True
+        self._stop_reason = (
+            f"dynamic sampling (buffer.filter_groups) dropped {len(self.buffer.filtered)} episodes in a row whose "
+            f"groups all had equal rewards, more than buffer.filter_groups_max_batches="
+            f"{self.cfg.buffer.filter_groups_max_batches} x train.batch_tasks={self.cfg.train.batch_tasks}: no "
+            f"informative group to train on (the tasks are all solved or all failed, or the reward is constant)")
+
+    def _filtered_metrics(self, batch_episodes: int) -> dict:
+        """Dynamic sampling's metrics for a step, and its ``groups_filtered`` event."""
+        if self._keep is None:
+            return {}
+        ids = self.buffer.take_filtered()
+        if ids:
+            self.log.event("groups_filtered", self.version, episode_ids=ids, count=len(ids))
+        return {"dynamic_sampling/dropped": len(ids),
+                "dynamic_sampling/dropped_share": len(ids) / max(len(ids) + batch_episodes, 1),
+                "dynamic_sampling/dropped_total": self.buffer.filtered_total}
 
     def grant(self) -> None:
         cfg = self.cfg
@@ -267,7 +300,8 @@ class Learner:
                    "bad_messages": self.bad_messages,
                    "rejected_episodes": self.peers.rejected_episodes,
                    "nonfinite_steps": self.telemetry.nonfinite_steps,
-                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics()}
+                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics(),
+                   **self._filtered_metrics(len(episodes)), **(self.trainer.shaping_stats if batch is not None else {})}
         metrics.update(self.evaluate())
         return self.telemetry.step(self.version, episodes, staleness, tokens, metrics, advantages)
 

@@ -9,6 +9,7 @@ trajectory's typed ``advantage_scale`` (e.g. Absolute Zero's proposer weight) mu
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from typing import Callable, Sequence, get_args
 
@@ -27,6 +28,24 @@ SINGLETON_RULES = get_args(_ADV["singleton"].annotation)
 STD_ESTIMATORS = get_args(_ADV["std"].annotation)
 # ``train.advantage`` settings an estimator takes as keyword arguments when they differ from their defaults
 _OPTIONS = ("singleton", "std")
+
+
+def _groups(group_ids: Sequence[str]) -> list[list[int]]:
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    return list(members.values())
+
+
+def _checked(rewards: Tensor, group_ids: Sequence[str], singleton: str) -> tuple[Tensor, torch.dtype]:
+    """``rewards`` as float64 and the dtype to return, after checking shapes and the singleton rule."""
+    if singleton not in SINGLETON_RULES:
+        raise ValueError(f"unknown singleton rule {singleton!r}; valid: {', '.join(SINGLETON_RULES)}")
+    rewards = torch.as_tensor(rewards).detach()
+    if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} "
+                         f"and {len(group_ids)} group ids")
+    return rewards.to(torch.float64), rewards.dtype if rewards.is_floating_point() else torch.float32
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -50,22 +69,12 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_s
         whose rewards are all equal gets exactly 0 (in float32 the mean of eight rewards of 0.7 is
         off by ~6e-8, which ``/ (std + 1e-6)`` would turn into advantages of ~0.06).
     """
-    if singleton not in SINGLETON_RULES:
-        raise ValueError(f"unknown singleton rule {singleton!r}; valid: {', '.join(SINGLETON_RULES)}")
     if std not in STD_ESTIMATORS:
         raise ValueError(f"unknown std estimator {std!r}; valid: {', '.join(STD_ESTIMATORS)}")
-    rewards = torch.as_tensor(rewards).detach()
-    if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
-        raise ValueError(f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} "
-                         f"and {len(group_ids)} group ids")
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    r64 = rewards.to(torch.float64)
-    members: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
+    r64, out_dtype = _checked(rewards, group_ids, singleton)
     adv = torch.zeros_like(r64)
-    for idx in members.values():
-        ix = torch.tensor(idx, device=rewards.device)
+    for idx in _groups(group_ids):
+        ix = torch.tensor(idx, device=r64.device)
         r = r64[ix]
         if len(idx) < 2:
             if singleton == "verl":  # verl: mean 0, std 1 for a group of one
@@ -80,6 +89,93 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_s
     return adv.to(out_dtype)
 
 
+@ADV_ESTIMATORS.register("rloo")
+def compute_rloo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = _ADV["norm_by_std"].default,
+                            singleton: str = _ADV["singleton"].default, **_: object) -> Tensor:
+    """RLOO: each trajectory's baseline is the mean of the other rewards of its group (Kool et al.
+    2019; Ahmadian et al. 2024), ``A_i = R_i - (sum_g R - R_i) / (n - 1) = n / (n - 1) (R_i - mean_g)``;
+    never divided by a std (``norm_by_std`` does not apply). A group of one: ``"zero"`` gives 0 (no other
+    sample to compare with), ``"verl"`` gives ``A = R`` (verl's ``compute_rloo_outcome_advantage``).
+    A group of equal rewards gets exactly 0. Computed in float64; ``[N]`` in the rewards' dtype."""
+    r64, out_dtype = _checked(rewards, group_ids, singleton)
+    adv = torch.zeros_like(r64)
+    for idx in _groups(group_ids):
+        ix = torch.tensor(idx, device=r64.device)
+        r = r64[ix]
+        n = len(idx)
+        if n < 2:
+            if singleton == "verl":
+                adv[ix] = r
+            continue
+        if bool((r == r[0]).all()):
+            continue
+        adv[ix] = r - (r.sum() - r) / (n - 1)
+    return adv.to(out_dtype)
+
+
+def _whiten(scores: Tensor, lengths: Sequence[float] | None, norm_by_std: bool) -> Tensor:
+    """verl's ``masked_whiten`` of a per-trajectory score spread on its generated tokens: the batch's
+    token-weighted mean ``mu = sum(n_i s_i) / sum(n_i)`` subtracted and, with ``norm_by_std``, the
+    result times ``1 / sqrt(var + 1e-8)`` with ``var`` the token-weighted variance with Bessel's
+    correction (``sum(n_i (s_i - mu)^2) / (sum(n_i) - 1)``). ``lengths`` None: every trajectory one
+    token. A batch of at most one token gets zeros (its variance is undefined)."""
+    w = torch.ones_like(scores) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64)
+    if w.shape != scores.shape:
+        raise ValueError(f"got {w.shape[0]} lengths for {scores.shape[0]} rewards")
+    total = float(w.sum())
+    if total <= 1.0:
+        return torch.zeros_like(scores)
+    mu = (w * scores).sum() / total
+    centred = scores - mu
+    if not norm_by_std:
+        return centred
+    var = (w * centred ** 2).sum() / (total - 1.0)
+    return centred * torch.rsqrt(var + 1e-8)
+
+
+@ADV_ESTIMATORS.register("reinforce_pp")
+def compute_reinforce_pp_advantages(rewards: Tensor, group_ids: Sequence[str],
+                                    norm_by_std: bool = _ADV["norm_by_std"].default,
+                                    singleton: str = _ADV["singleton"].default,
+                                    lengths: Sequence[float] | None = None, **_: object) -> Tensor:
+    """REINFORCE++ (Hu et al. 2025) on an outcome reward: no group baseline; the batch's rewards
+    whitened over all its generated tokens (:func:`_whiten`, verl's
+    ``compute_reinforce_plus_plus_outcome_advantage`` with ``gamma = 1``), so every trajectory of
+    the batch is compared with every other. ``lengths``: generated tokens per trajectory (the
+    learner passes them). Groups are ignored; ``norm_by_std`` false only centres."""
+    r64, out_dtype = _checked(rewards, group_ids, singleton)
+    return _whiten(r64, lengths, norm_by_std).to(out_dtype)
+
+
+@ADV_ESTIMATORS.register("reinforce_pp_baseline")
+def compute_reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Sequence[str],
+                                             norm_by_std: bool = _ADV["norm_by_std"].default,
+                                             singleton: str = _ADV["singleton"].default,
+                                             lengths: Sequence[float] | None = None, **_: object) -> Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025): the group's mean reward subtracted (a group of one:
+    ``"zero"`` gives it score 0, ``"verl"`` keeps ``R`` as verl does), then whitened over the whole
+    batch's generated tokens (:func:`_whiten`; verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``). Unlike GRPO the scale is the batch's,
+    and a group of equal rewards ends at ``-mu / sigma``, not exactly 0."""
+    r64, out_dtype = _checked(rewards, group_ids, singleton)
+    scores = torch.zeros_like(r64)
+    for idx in _groups(group_ids):
+        ix = torch.tensor(idx, device=r64.device)
+        r = r64[ix]
+        if len(idx) < 2:
+            if singleton == "verl":
+                scores[ix] = r
+            continue
+        scores[ix] = r - r.mean()
+    return _whiten(scores, lengths, norm_by_std).to(out_dtype)
+
+
+def takes_lengths(estimator: Callable[..., Tensor]) -> bool:
+    """Whether an estimator accepts ``lengths`` (generated tokens per trajectory) as a keyword."""
+    params = inspect.signature(estimator).parameters.values()
+    return any(p.name == "lengths" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def estimator_options(adv_cfg) -> dict:
     """The ``train.advantage`` settings beyond ``norm_by_std`` (``singleton``, ``std``) that differ
     from their defaults, as keyword arguments: an estimator registered without them keeps working
@@ -88,15 +184,37 @@ def estimator_options(adv_cfg) -> dict:
     return {k: v for k, d in defaults.items() if (v := getattr(adv_cfg, k, d)) != d}
 
 
-def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None) -> Tensor:
+def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None,
+                          shaping: Tensor | None = None) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
     that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. Each is then multiplied by
     its ``advantage_scale``. ``estimator``: ``train.advantage.estimator`` already looked up (the trainer
-    does so once)."""
+    does so once). ``shaping``: ``[N]`` added to the rewards first (:mod:`.shaping`)."""
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    if shaping is not None:
+        rewards = rewards + shaping.to(torch.float64)
     estimator = estimator or ADV_ESTIMATORS.get(adv_cfg.estimator)
-    adv = estimator(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std, **estimator_options(adv_cfg))
+    options = estimator_options(adv_cfg)
+    if takes_lengths(estimator):
+        options["lengths"] = [t.num_generated for t in trajs]
+    adv = estimator(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std, **options)
     own = torch.tensor([t.advantage if t.advantage is not None else 0.0 for t in trajs], dtype=torch.float32)
     has_own = torch.tensor([t.advantage is not None for t in trajs])
     scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
     return (torch.where(has_own, own.double(), adv.double()) * scale.double()).float()
+
+
+def informative(trajs: Sequence[Trajectory]) -> bool:
+    """Dynamic sampling's rule (DAPO; ``buffer.filter_groups``): whether trajectories carry a learning
+    signal. True when one of them has an advantage of its own other than 0 (RLCR), or a group
+    (``group_id``) of the rest holds two different rewards; a group of equal rewards, or of one,
+    gives GRPO and RLOO nothing to learn from."""
+    rewards: dict[str, set[float]] = defaultdict(set)
+    for t in trajs:
+        if t.advantage is not None:
+            if t.advantage != 0.0:
+                return True
+            continue
+        rewards[t.group_id].add(float(t.reward))
+    return any(len(r) > 1 for r in rewards.values())
+

@@ -7,6 +7,8 @@ Shapes as in :mod:`asyncrl.objectives`; references: verl's ``core_algos``, AReaL
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, get_args
 
@@ -50,7 +52,10 @@ class PolicyLossInputs:
     - ``advantages``; ``mask``: the response mask;
     - ``behavior_weight``: detached weight (:func:`behavior_importance_weight`) multiplying every
       token's loss, replayed tokens included; None means 1;
-    - ``exp_mask``: 1 on replayed (off-policy) tokens (experience replay); None: none.
+    - ``exp_mask``: 1 on replayed (off-policy) tokens (experience replay); None: none;
+    - ``behavior_log_ratio``: detached ``log(pi_old / pi_behaviour)`` per token (decoupled PPO's
+      ``log rho``; 0 on replayed tokens), for the trust region around the behaviour policy
+      (``LossConfig.behavior_clip``); None: ``old`` is the behaviour policy.
     """
 
     logprobs: Tensor
@@ -59,6 +64,7 @@ class PolicyLossInputs:
     mask: Tensor
     behavior_weight: Tensor | None = None
     exp_mask: Tensor | None = None
+    behavior_log_ratio: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,9 @@ class LossConfig:
     off-policy data come from a teacher without log-probs); we have recorded ones.
     ``agg_norm``: the constant divisor of ``seq-mean-token-sum-norm`` (``train.loss_scale_norm``,
     verl's ``loss_scale_factor``), required in that mode (``asyncrl.config.Config`` always sets it).
+    ``behavior_clip``: the trust region around the behaviour policy (``train.behavior_clip``; it acts
+    where the inputs carry ``behavior_log_ratio``). ``gspo_clip_*`` and ``cispo_clip_*``: the bands of
+    those losses.
     """
 
     clip_low: float = _TRAIN["clip_low"].default
@@ -82,6 +91,11 @@ class LossConfig:
     agg_norm: float | None = None
     off_clip_high: float | None = None
     off_policy_reshape: str | None = None
+    behavior_clip: bool = _TRAIN["behavior_clip"].default
+    gspo_clip_low: float = _TRAIN["gspo_clip_low"].default
+    gspo_clip_high: float = _TRAIN["gspo_clip_high"].default
+    cispo_clip_low: float = _TRAIN["cispo_clip_low"].default
+    cispo_clip_high: float = _TRAIN["cispo_clip_high"].default
 
     def __post_init__(self) -> None:
         if self.off_policy_reshape not in (None, *OFF_POLICY_RESHAPES):
@@ -97,6 +111,9 @@ class LossConfig:
         replay = replay_cfg if replay_cfg is not None and replay_cfg.enabled else None
         return cls(clip_low=train_cfg.clip_low, clip_high=train_cfg.clip_high, dual_clip_c=train_cfg.dual_clip_c,
                    loss_agg_mode=train_cfg.loss_agg_mode, agg_norm=train_cfg.loss_scale_norm,
+                   behavior_clip=train_cfg.behavior_clip, gspo_clip_low=train_cfg.gspo_clip_low,
+                   gspo_clip_high=train_cfg.gspo_clip_high, cispo_clip_low=train_cfg.cispo_clip_low,
+                   cispo_clip_high=train_cfg.cispo_clip_high,
                    off_clip_high=replay.off_cliprange_high if replay else None,
                    off_policy_reshape=None if replay is None or replay.off_policy_reshape == "none"
                    else replay.off_policy_reshape)
@@ -131,20 +148,121 @@ def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tens
         tok_loss = on_loss * weight
     else:
         tok_loss, clipped, dual, stats = _with_replayed_tokens(inputs, cfg, ratio, (on_loss, clipped, dual), weight, mask)
+    blocked = _behavior_blocked(inputs, cfg, log_ratio, cfg.clip_low, cfg.clip_high)
+    tok_loss = _without_gradient(tok_loss, blocked)
 
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
         dual_frac = float(masked_mean(dual.to(mask.dtype), mask))
-        stats.update(
-            pg_loss=float(loss),
-            clipfrac=float(masked_mean(clipped.to(mask.dtype), mask)),
-            dual_clip_frac=dual_frac,
-            clipfrac_lower=dual_frac,
-            ratio_mean=_stat(ratio, mask, "mean"),
-            ratio_min=_stat(ratio, mask, "min"),
-            ratio_max=_stat(ratio, mask, "max"),
-            approx_kl=float(masked_mean(-log_ratio, mask)),
-        )
+        stats.update(_ratio_stats(loss, ratio, log_ratio, clipped, mask, blocked), dual_clip_frac=dual_frac,
+                     clipfrac_lower=dual_frac)
+    return loss, stats
+
+
+def _ratio_stats(loss: Tensor, ratio: Tensor, log_ratio: Tensor, clipped: Tensor, mask: Tensor,
+                 blocked: Tensor | None) -> dict[str, float]:
+    """The statistics every policy loss reports (token means over ``mask``)."""
+    out = dict(pg_loss=float(loss), clipfrac=float(masked_mean(clipped.to(mask.dtype), mask)),
+               ratio_mean=_stat(ratio, mask, "mean"), ratio_min=_stat(ratio, mask, "min"),
+               ratio_max=_stat(ratio, mask, "max"), approx_kl=float(masked_mean(-log_ratio, mask)))
+    if blocked is not None:
+        out["behavior_clipfrac"] = float(masked_mean(blocked.to(mask.dtype), mask))
+    return out
+
+
+def _behavior_blocked(inputs: PolicyLossInputs, cfg: LossConfig, log_ratio: Tensor, low: float,
+                      high: float) -> Tensor | None:
+    """``[B, T]`` bool: the generated, non-replayed tokens whose ratio against the behaviour policy
+    (``exp(log_ratio + behavior_log_ratio)``; ``log_ratio`` per token or per sequence) is past
+    ``[1 - low, 1 + high]`` on the side their advantage pushes; None when the trust region is off or
+    the inputs carry no behaviour log-ratio (the old policy is the behaviour one)."""
+    if not cfg.behavior_clip or inputs.behavior_log_ratio is None:
+        return None
+    with torch.no_grad():
+        log_b = log_ratio.detach() + inputs.behavior_log_ratio.to(log_ratio.dtype)
+        adv = inputs.advantages
+        out = ((adv > 0) & (log_b > math.log1p(high))) | ((adv < 0) & (log_b < _log1m(low)))
+        if inputs.exp_mask is not None:
+            out = out & (inputs.exp_mask == 0)
+        return out & (inputs.mask > 0)
+
+
+def _log1m(x: float) -> float:
+    """``log(1 - x)``; -inf for ``x >= 1`` (no lower bound)."""
+    return math.log1p(-x) if x < 1.0 else -math.inf
+
+
+def _without_gradient(tok_loss: Tensor, blocked: Tensor | None) -> Tensor:
+    """``tok_loss`` with its value kept and its gradient removed where ``blocked``."""
+    return tok_loss if blocked is None else torch.where(blocked, tok_loss.detach(), tok_loss)
+
+
+def _seq_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """``[B, 1]``: each row's mean of ``log_ratio`` over its masked tokens (0 for an empty row)."""
+    return (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+@POLICY_LOSSES.register("gspo")
+def compute_gspo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per
+    sequence, the geometric mean of its tokens' ratios, ``s_i = exp(mean_t (logp_t - logp_old_t))``,
+    clipped per sequence to ``[1 - gspo_clip_low, 1 + gspo_clip_high]``:
+    ``L_t = max(-A s_i, -A clip(s_i))`` with ``s_i``'s value on every token and its gradient through
+    each token's own ``logp_t`` (``s_i = sg(s_i) exp(logp_t - sg(logp_t))``, verl's
+    ``compute_policy_loss_gspo``); times the behaviour weight, aggregated by ``loss_agg_mode`` (the
+    paper's is ``seq-mean-token-mean``). ``dual_clip_c`` does not apply. With the trust region on, a
+    sequence whose geometric-mean ratio against the behaviour policy is past the band on its
+    advantage's side gets no gradient."""
+    logprobs, advantages = inputs.logprobs, inputs.advantages
+    mask = inputs.mask.to(logprobs.dtype)
+    log_ratio = (logprobs - inputs.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq = _seq_log_ratio(log_ratio.detach(), mask)
+    log_s = (logprobs - logprobs.detach() + seq).clamp(max=10.0)
+    s = torch.exp(log_s)
+    pg1 = -advantages * s
+    pg2 = -advantages * s.clamp(1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high)
+    weight = 1.0 if inputs.behavior_weight is None else inputs.behavior_weight.detach().to(logprobs.dtype)
+    tok_loss = torch.maximum(pg1, pg2) * weight
+    seq_b = None
+    if inputs.behavior_log_ratio is not None:  # the sequence's mean log rho, on every token of it
+        seq_b = _seq_log_ratio(inputs.behavior_log_ratio.to(logprobs.dtype), mask).expand_as(log_s)
+    blocked = None if seq_b is None else _behavior_blocked(
+        dataclasses.replace(inputs, behavior_log_ratio=seq_b), cfg, seq.expand_as(log_s), cfg.gspo_clip_low,
+        cfg.gspo_clip_high)
+    tok_loss = _without_gradient(tok_loss, blocked)
+    loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
+    with torch.no_grad():
+        stats = _ratio_stats(loss, s.detach(), log_ratio, pg2 > pg1, mask, blocked)
+        stats.update(dual_clip_frac=0.0, clipfrac_lower=0.0)
+    return loss, stats
+
+
+@POLICY_LOSSES.register("cispo")
+def compute_cispo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): no token loses its gradient; the importance weight is clipped and
+    detached, ``L_t = -sg(clip(r_t, 1 - cispo_clip_low, 1 + cispo_clip_high)) A_t logp_t`` with
+    ``r_t = exp(logp_t - logp_old_t)``, aggregated by ``loss_agg_mode``. Without the trust region it is
+    also multiplied by the behaviour weight (the correction's); with it (``behavior_clip`` and a
+    behaviour log-ratio) ``r_t`` is taken against the behaviour policy, ``exp(logp_t - logp_old_t +
+    log rho_t)``, and its clipped value is the token's whole weight (the correction's would count
+    the staleness twice). ``clipfrac``: tokens whose weight was clipped. ``dual_clip_c`` does not apply."""
+    logprobs, advantages = inputs.logprobs, inputs.advantages
+    mask = inputs.mask.to(logprobs.dtype)
+    log_ratio = (logprobs - inputs.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    against_behavior = cfg.behavior_clip and inputs.behavior_log_ratio is not None
+    log_w = log_ratio.detach()
+    if against_behavior:
+        log_w = (log_w + inputs.behavior_log_ratio.to(log_w.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    r = torch.exp(log_w)
+    w = r.clamp(max(1.0 - cfg.cispo_clip_low, 0.0), 1.0 + cfg.cispo_clip_high)
+    if inputs.behavior_weight is not None and not against_behavior:
+        w = w * inputs.behavior_weight.detach().to(w.dtype)
+    tok_loss = -advantages * w * logprobs
+    loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
+    with torch.no_grad():
+        stats = _ratio_stats(loss, torch.exp(log_ratio), log_ratio, r != r.clamp(
+            max(1.0 - cfg.cispo_clip_low, 0.0), 1.0 + cfg.cispo_clip_high), mask, None)
+        stats.update(dual_clip_frac=0.0, clipfrac_lower=0.0)
     return loss, stats
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from ...rundir.layout import cut_file, fsync_path, wal_segment, wal_segments
@@ -63,6 +64,9 @@ class EpisodeQueue:
         self.episodes: OrderedDict[str, tuple[Episode, list]] = OrderedDict()
         self.seen: set[str] = set()
         self.dropped_stale = 0
+        self.filtered: list[str] = []  # ids of episodes the keep rule dropped since the learner last took them
+        self.filtered_total = 0
+        self._kept: set[str] = set()  # ids the keep rule has passed
         self._fd: int | None = None
         self._wal_size = 0
         self._wal_path: Path | None = None
@@ -115,18 +119,36 @@ class EpisodeQueue:
             self._dirty = False
 
     # -- reading --------------------------------------------------------------------------------
-    def take(self, count: int, version: int, staleness: StalenessPolicy) -> list[Episode] | None:
+    def take(self, count: int, version: int, staleness: StalenessPolicy,
+             keep: Callable[[Episode], bool] | None = None) -> list[Episode] | None:
         """``count`` episodes within the staleness bound, oldest first, or None if fewer are available.
-        Episodes that ``staleness`` finds too old are dropped (counted in ``dropped_stale``)."""
+        Episodes that ``staleness`` finds too old are dropped (counted in ``dropped_stale``), and so are
+        those ``keep`` rejects (dynamic sampling; each judged once, their ids in ``filtered``)."""
         for eid in [k for k, (ep, _) in self.episodes.items() if staleness.too_old(ep, version)]:
             del self.episodes[eid]
             self.dropped_stale += 1
+        if keep is not None:
+            for eid, (ep, _) in list(self.episodes.items()):
+                if eid in self._kept:
+                    continue
+                if keep(ep):
+                    self._kept.add(eid)
+                else:
+                    del self.episodes[eid]
+                    self.filtered.append(eid)
+                    self.filtered_total += 1
         if len(self.episodes) < count:
             return None
         ordered = sorted(self.episodes.items(), key=lambda kv: kv[1][0].policy_version)[:count]
         for eid, _ in ordered:
             del self.episodes[eid]
+            self._kept.discard(eid)
         return [ep for _, (ep, _) in ordered]
+
+    def take_filtered(self) -> list[str]:
+        """The ids of the episodes dropped by ``take``'s keep rule since the last call."""
+        out, self.filtered = self.filtered, []
+        return out
 
     def save(self, path: Path) -> None:
         """Write the unconsumed episodes to ``path`` (same record format as the WAL) and fsync it."""

@@ -32,6 +32,7 @@ from ...objectives.aggregation import agg_loss, masked_mean
 from ...objectives.corrections import CorrectionConfig, behavior_weights
 from ...objectives.logprobs import kl_penalty
 from ...objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
+from ...objectives.shaping import LengthShaping
 from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
@@ -88,15 +89,29 @@ class PolicyTrainer:
         # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
         self.packing, self.shared_prefix = train_cfg.packing, train_cfg.shared_prefix
         self.micro_tokens = train_cfg.micro_batch_tokens
+        self.shaping = LengthShaping.from_config(train_cfg)
+        self.shaping_stats: dict[str, float] = {}  # the last batch's (make_batch)
         self.side_terms = train_cfg.kl_coef > 0 or train_cfg.entropy_coef > 0  # they read every row
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(trainable, train_cfg, fused=distributed != "fsdp2")
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
+        """The episodes' trajectories collated with their advantages (length shaping applied)."""
         trajs = [t for ep in episodes for t in ep.trajectories]
-        adv = trajectory_advantages(trajs, self.cfg.advantage, self.estimator)
-        return collate(trajs, adv, self.pad_id, device=self.cfg.device)
+        penalties = self.shaping.penalties(trajs)
+        adv = trajectory_advantages(trajs, self.cfg.advantage, self.estimator, shaping=penalties)
+        batch = collate(trajs, adv, self.pad_id, device=self.cfg.device)
+        dropped = self.shaping.dropped_rows(trajs)
+        if dropped:  # overlong filtering: out of the loss and its normaliser
+            batch.response_mask[dropped] = 0.0
+            batch.advantages[dropped] = 0.0
+        self.shaping_stats = {}
+        if penalties is not None:
+            self.shaping_stats["overlong/penalty_mean"] = float(penalties.mean())
+        if self.shaping.mask_truncated:
+            self.shaping_stats["overlong/truncated_share"] = len(dropped) / max(len(trajs), 1)
+        return batch
 
     def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
         """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps). A mini-batch whose loss
@@ -141,11 +156,13 @@ class PolicyTrainer:
         """The policy loss's inputs for a mini-batch: the proximal (decoupled PPO) or behaviour
         policy as old, recorded log-probs on replayed tokens, the staleness weight."""
         cfg = self.cfg
-        weight, bw = None, None
+        weight, bw, log_rho = None, None, None
         if cfg.recompute_proximal:  # the off-policy correction over generated, non-replayed tokens
-            bw = behavior_weights(mb.old_logprobs, mb.behavior_logprobs, mb.response_mask * (1 - mb.exp_mask),
-                                  self.correction)
+            fresh = mb.response_mask * (1 - mb.exp_mask)
+            bw = behavior_weights(mb.old_logprobs, mb.behavior_logprobs, fresh, self.correction)
             weight = bw.weight
+            if self.loss_cfg.behavior_clip:  # the trust region around the behaviour policy reads log rho
+                log_rho = torch.where(fresh > 0, mb.old_logprobs - mb.behavior_logprobs, torch.zeros((), dtype=weight.dtype))
         else:
             mb.old_logprobs = mb.behavior_logprobs
         old, stats = mb.old_logprobs, {}
@@ -167,7 +184,7 @@ class PolicyTrainer:
                          is_weight_capped_frac=bw.capped[on].float().mean().item(),
                          is_weight_masked_frac=bw.masked[on].float().mean().item())
         inputs = PolicyLossInputs(logp, old, mb.advantages, mb.response_mask, behavior_weight=weight,
-                                  exp_mask=mb.exp_mask if has_exp else None)
+                                  exp_mask=mb.exp_mask if has_exp else None, behavior_log_ratio=log_rho)
         return inputs, stats
 
     def _may_skip(self) -> bool:

@@ -1,0 +1,56 @@
+"""The objectives menu in real runs (learner and actor processes over loopback ZeroMQ): dynamic
+sampling drops the groups with equal rewards, counts and acknowledges each, and never trains one;
+its bound stops a run in which no group is informative; pass@k and avg@k come with the evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import SMALL_RUN, read_jsonl, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts_for_every_drop(tmp_path, tiny_overrides):
+    steps = 6
+    res = run_cli("run", *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}", "name=ds", f"train.total_steps={steps}",
+                  "env.reward=tests.plugins_for_tests:half_constant_reward", "buffer.filter_groups=true",
+                  "train.advantage.estimator=rloo", "train.policy_loss=gspo", "train.overlong_buffer=2",
+                  "eval.k=4", "eval.size=6", timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run = tmp_path / "ds"
+    metrics = read_jsonl(run / "metrics.jsonl")
+    events = read_jsonl(run / "events.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["batch_trajectories"] == 4 * 4 for m in metrics)  # always full: 4 informative groups of 4
+    trained = [e for e in events if e["kind"] == "episode"]
+    assert len(trained) == 4 * steps
+    for e in trained:  # every trained episode has a group with two different rewards
+        assert len({t["reward"] for t in e["trajectories"]}) > 1, e["trajectories"]
+    filtered = [i for e in events if e["kind"] == "groups_filtered" for i in e["episode_ids"]]
+    assert filtered, "half the tasks have a constant reward: some groups must have been dropped"
+    assert len(filtered) == len(set(filtered)) and not set(filtered) & {e["episode_id"] for e in trained}
+    last = metrics[-1]
+    assert last["dynamic_sampling/dropped_total"] == len(filtered) == sum(m["dynamic_sampling/dropped"] for m in metrics)
+    # every acknowledged episode is trained, dropped by dynamic sampling, dropped as stale, or still waiting
+    assert last["episodes_acked"] == 4 * steps + len(filtered) + last["dropped_stale"] + last["buffer_size"]
+    assert all(0 <= m["dynamic_sampling/dropped_share"] < 1 for m in metrics)
+    assert all(m["overlong/penalty_mean"] <= 0 for m in metrics) and "behavior_clipfrac" in last
+    evals = [e for e in events if e["kind"] == "eval"]
+    for e in evals:  # pass@j for j = 1, 2, 4 and avg@4 beside the greedy accuracy
+        assert {"accuracy", "pass@1", "pass@2", "pass@4", "avg@4"} <= set(e), sorted(e)
+        assert e["pass@1"] == pytest.approx(e["avg@4"]) and e["pass@1"] <= e["pass@2"] <= e["pass@4"] <= 1
+
+
+def test_dynamic_sampling_stops_in_one_line_when_no_group_is_informative(tmp_path, tiny_overrides):
+    res = run_cli("run", *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}", "name=flat", "train.total_steps=5",
+                  "env.reward=tests.plugins_for_tests:constant_reward", "buffer.filter_groups=true",
+                  "buffer.filter_groups_max_batches=2", timeout=600)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "dynamic sampling (buffer.filter_groups) dropped" in out and "no informative group" in out, out[-3000:]
+    stop = [e for e in read_jsonl(tmp_path / "flat" / "events.jsonl") if e["kind"] == "learner_stop"][-1]
+    assert "more than buffer.filter_groups_max_batches=2 x train.batch_tasks=4" in json.dumps(stop)
+    assert not (tmp_path / "flat" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "flat" / "metrics.jsonl")
