@@ -75,10 +75,12 @@ TEST_VENV ?= .venv-test
 test:
 	$(MAKE) --no-print-directory VENV=$(TEST_VENV) test-here
 
-# Two workers, one test file each at a time (a file's fixtures are built once): most tests wait on
-# the processes they start, so two files side by side keep both cores busy (CI: 612 s vs 800 s).
+# Three workers, one test file each at a time (a file's fixtures are built once): most tests wait on
+# the processes they start, so three files side by side keep both cores busy. The longest files
+# start first (tests/conftest.py: SLOW_FILES; xdist would otherwise order files by test count).
+TEST_WORKERS ?= 3
 test-here: setup vllm browser bwrap slurm
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests alone, in the demo's .venv: no apt installs, no vLLM, no second environment, a few
 # minutes. Leaves out the end-to-end tests (marked slow) and those that need vLLM or bubblewrap.
