@@ -159,6 +159,10 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
             row[name] = _num(float(y[-1])) if len(y) else None
         _, acc = _series(store, "eval/accuracy")
         row["eval/accuracy best"] = _num(float(np.max(acc))) if len(acc) else None
+        evals = store.evals()
+        for c in [c for c in evals.columns if c.startswith(("pass@", "avg@"))]:  # eval.k: beside the greedy accuracy
+            _, y = _series(store, f"eval/{c}")
+            row[f"eval/{c}"] = _num(float(y[-1])) if len(y) else None
         rows.append(row)
         configs[run] = {k: v for k, v in flat_keys(store.config or {}).items() if k not in ("name", "run_root")}
     df = pd.DataFrame(rows)

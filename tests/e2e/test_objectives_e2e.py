@@ -42,6 +42,15 @@ def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts
     for e in evals:  # pass@j for j = 1, 2, 4 and avg@4 beside the greedy accuracy
         assert {"accuracy", "pass@1", "pass@2", "pass@4", "avg@4"} <= set(e), sorted(e)
         assert e["pass@1"] == pytest.approx(e["avg@4"]) and e["pass@1"] <= e["pass@2"] <= e["pass@4"] <= 1
+    from asyncrl.analysis.metric_series import chart_data, runs_table
+    from asyncrl.analysis.store import load_run
+
+    store = load_run(run)  # the dashboard's runs table and eval charts show them beside the greedy accuracy
+    row = runs_table({"ds": store}).iloc[0]
+    assert row["eval/pass@4"] == pytest.approx(evals[-1]["pass@4"]) and "eval/accuracy" in row
+    charts = {c["metric"] for g in chart_data({"ds": store})["groups"] for c in g["charts"]}
+    flat = {f["metric"] for g in chart_data({"ds": store})["groups"] for f in g.get("flat", [])}
+    assert {"eval/pass@1", "eval/avg@4"} <= charts | flat
 
 
 def test_dynamic_sampling_stops_in_one_line_when_no_group_is_informative(tmp_path, tiny_overrides):

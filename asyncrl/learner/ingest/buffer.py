@@ -126,6 +126,7 @@ class EpisodeQueue:
         those ``keep`` rejects (dynamic sampling; each judged once, their ids in ``filtered``)."""
         for eid in [k for k, (ep, _) in self.episodes.items() if staleness.too_old(ep, version)]:
             del self.episodes[eid]
+            self._kept.discard(eid)
             self.dropped_stale += 1
         if keep is not None:
             for eid, (ep, _) in list(self.episodes.items()):
