@@ -57,6 +57,13 @@ def pass_ks(k: int) -> list[int]:
     return out + [k]
 
 
+def sample_scores(correct: list[int], k: int) -> dict[str, float]:
+    """``pass@j`` (:func:`pass_ks`) and ``avg@k`` over problems with ``correct[i]`` of ``k`` samples right."""
+    out = {f"pass@{j}": sum(pass_at_k(k, c, j) for c in correct) / len(correct) for j in pass_ks(k)}
+    out[f"avg@{k}"] = sum(correct) / (k * len(correct))
+    return out
+
+
 class Evaluator:
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg
@@ -152,6 +159,4 @@ class Evaluator:
         correct = {t.id: 0 for t in self.tasks}  # a failed reward counts as wrong
         for t in trajs:
             correct[t.group_id] += t.reward >= 1.0
-        out = {f"pass@{j}": sum(pass_at_k(k, c, j) for c in correct.values()) / len(correct) for j in pass_ks(k)}
-        out[f"avg@{k}"] = sum(correct.values()) / (k * len(correct))
-        return out
+        return sample_scores(list(correct.values()), k)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.learner.evaluate import pass_at_k, pass_ks
+from asyncrl.learner.evaluate import pass_at_k, pass_ks, sample_scores
 from asyncrl.objectives.advantages import ADV_ESTIMATORS, informative, trajectory_advantages
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES, agg_loss
 from asyncrl.objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
@@ -301,3 +301,12 @@ def test_pass_at_k_against_its_closed_form_and_avg_at_k():
     assert pass_ks(8) == [1, 2, 4, 8] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(1) == [1]
     with pytest.raises(ValueError, match="pass@k needs"):
         pass_at_k(4, 5, 1)
+
+
+def test_avg_at_k_is_the_direct_mean_and_pass_at_k_the_share_of_problems_solved_once():
+    right = np.random.default_rng(0).random((40, 8)) < np.linspace(0.0, 0.9, 40)[:, None]  # 40 problems x 8 samples
+    scores = sample_scores(right.sum(1).tolist(), 8)
+    assert scores["avg@8"] == approx(float(right.mean()))
+    assert scores["pass@1"] == approx(float(right.mean()))  # pass@1's unbiased estimate is the mean correctness
+    assert scores["pass@8"] == approx(float(right.any(1).mean()))  # with j = n: solved by at least one sample
+    assert scores["pass@1"] <= scores["pass@2"] <= scores["pass@4"] <= scores["pass@8"]
