@@ -48,6 +48,21 @@ def _checked(rewards: Tensor, group_ids: Sequence[str], singleton: str) -> tuple
     return rewards.to(torch.float64), rewards.dtype if rewards.is_floating_point() else torch.float32
 
 
+def _by_group(r64: Tensor, group_ids: Sequence[str], singleton: str, lone: Callable[[Tensor], Tensor],
+              many: Callable[[Tensor], Tensor]) -> Tensor:
+    """Per group of ``group_ids``: ``many(r)`` for a group of two or more, ``lone(r)`` for a group of one
+    under ``singleton="verl"`` (0 under ``"zero"``)."""
+    out = torch.zeros_like(r64)
+    for idx in _groups(group_ids):
+        ix = torch.tensor(idx, device=r64.device)
+        r = r64[ix]
+        if len(idx) >= 2:
+            out[ix] = many(r)
+        elif singleton == "verl":
+            out[ix] = lone(r)
+    return out
+
+
 @ADV_ESTIMATORS.register("grpo")
 def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = _ADV["norm_by_std"].default,
                             eps: float = 1e-6, singleton: str = _ADV["singleton"].default,
@@ -72,21 +87,15 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_s
     if std not in STD_ESTIMATORS:
         raise ValueError(f"unknown std estimator {std!r}; valid: {', '.join(STD_ESTIMATORS)}")
     r64, out_dtype = _checked(rewards, group_ids, singleton)
-    adv = torch.zeros_like(r64)
-    for idx in _groups(group_ids):
-        ix = torch.tensor(idx, device=r64.device)
-        r = r64[ix]
-        if len(idx) < 2:
-            if singleton == "verl":  # verl: mean 0, std 1 for a group of one
-                adv[ix] = r / (1.0 + eps) if norm_by_std else r
-            continue
+
+    def many(r: Tensor) -> Tensor:
         if bool((r == r[0]).all()):
-            continue  # equal rewards: exactly 0, whatever the rounding of mean and std
+            return torch.zeros_like(r)  # equal rewards: exactly 0, whatever the rounding of mean and std
         a = r - r.mean()
-        if norm_by_std:
-            a = a / (r.std(unbiased=(std == "unbiased")) + eps)
-        adv[ix] = a
-    return adv.to(out_dtype)
+        return a / (r.std(unbiased=(std == "unbiased")) + eps) if norm_by_std else a
+
+    # verl: mean 0, std 1 for a group of one
+    return _by_group(r64, group_ids, singleton, lambda r: r / (1.0 + eps) if norm_by_std else r, many).to(out_dtype)
 
 
 @ADV_ESTIMATORS.register("rloo")
@@ -98,19 +107,13 @@ def compute_rloo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_s
     sample to compare with), ``"verl"`` gives ``A = R`` (verl's ``compute_rloo_outcome_advantage``).
     A group of equal rewards gets exactly 0. Computed in float64; ``[N]`` in the rewards' dtype."""
     r64, out_dtype = _checked(rewards, group_ids, singleton)
-    adv = torch.zeros_like(r64)
-    for idx in _groups(group_ids):
-        ix = torch.tensor(idx, device=r64.device)
-        r = r64[ix]
-        n = len(idx)
-        if n < 2:
-            if singleton == "verl":
-                adv[ix] = r
-            continue
+
+    def many(r: Tensor) -> Tensor:
         if bool((r == r[0]).all()):
-            continue
-        adv[ix] = r - (r.sum() - r) / (n - 1)
-    return adv.to(out_dtype)
+            return torch.zeros_like(r)
+        return r - (r.sum() - r) / (len(r) - 1)
+
+    return _by_group(r64, group_ids, singleton, lambda r: r, many).to(out_dtype)
 
 
 def _whiten(scores: Tensor, lengths: Sequence[float] | None, norm_by_std: bool) -> Tensor:
@@ -158,15 +161,7 @@ def compute_reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Sequenc
     ``compute_reinforce_plus_plus_baseline_outcome_advantage``). Unlike GRPO the scale is the batch's,
     and a group of equal rewards ends at ``-mu / sigma``, not exactly 0."""
     r64, out_dtype = _checked(rewards, group_ids, singleton)
-    scores = torch.zeros_like(r64)
-    for idx in _groups(group_ids):
-        ix = torch.tensor(idx, device=r64.device)
-        r = r64[ix]
-        if len(idx) < 2:
-            if singleton == "verl":
-                scores[ix] = r
-            continue
-        scores[ix] = r - r.mean()
+    scores = _by_group(r64, group_ids, singleton, lambda r: r, lambda r: r - r.mean())
     return _whiten(scores, lengths, norm_by_std).to(out_dtype)
 
 
