@@ -59,7 +59,7 @@ _QUICK = {
 }
 # the notebooks' default demos: settings that learn within minutes on two CPU cores (overrides, steps)
 _LEARNING = {
-    "grpo": (["eval.every=50", "eval.size=100", "log.sample_every=10"], 200),
+    "grpo": (["eval.every=25", "eval.size=100", "log.sample_every=10"], 100),
     "absolute_zero": (["eval.every=10", "eval.size=100", "log.sample_every=5"], 40),
     "rlcr": (["model.embedded.warmup_steps=300", "model.embedded.warmup_batch_size=32", "actor.tasks_per_batch=4",
               "train.batch_tasks=4", "eval.size=100", "eval.every=10", "algo.num_generations_answer=4",

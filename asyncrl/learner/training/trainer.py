@@ -99,10 +99,10 @@ class PolicyTrainer:
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
         """The episodes' trajectories collated with their advantages (length shaping applied)."""
         trajs = [t for ep in episodes for t in ep.trajectories]
-        penalties = self.shaping.penalties(trajs)
+        penalties = self.shaping.penalties(trajs) if self.shaping.buffer else None  # (off: not on the path)
         adv = trajectory_advantages(trajs, self.cfg.advantage, self.estimator, shaping=penalties)
         batch = collate(trajs, adv, self.pad_id, device=self.cfg.device)
-        dropped = self.shaping.dropped_rows(trajs)
+        dropped = self.shaping.dropped_rows(trajs) if self.shaping.mask_truncated else []
         if dropped:  # overlong filtering: out of the loss and its normaliser
             batch.response_mask[dropped] = 0.0
             batch.advantages[dropped] = 0.0

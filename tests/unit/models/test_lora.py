@@ -263,15 +263,16 @@ def test_a_lora_run_over_collective_sync_resumes_and_exports(tmp_path, tiny_over
 
 @pytest.mark.slow
 def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
-    """``configs/quickstart.yaml`` (the default embedded model) with ``model.lora`` on, 300 steps at the
-    README's higher learning rate (5e-4; 800 steps at 5e-5 learn as well, in 2.5 times as long): the batch
-    reward of the last 10% of steps is above the first 10%'s (a run measured 0.497 -> 0.622)."""
+    """``configs/quickstart.yaml`` (the default embedded model) with ``model.lora`` on, 150 steps at lr 1e-3
+    (adapters take a higher rate than full weights; the README's 800-step figures are at 5e-5 and 5e-4): the
+    batch reward of the last 10% of steps is above the first 10%'s (three seeds measured 0.438 -> 0.618,
+    0.372 -> 0.507, 0.336 -> 0.564)."""
     res = run_cli("run", "-c", "configs/quickstart.yaml", f"model.embedded.cache_dir={model_cache}", "model.lora.rank=16",
-                  "train.total_steps=300", "train.lr=5e-4", f"run_root={tmp_path}", "name=qs-lora", "eval.every=0",
+                  "train.total_steps=150", "train.lr=1e-3", f"run_root={tmp_path}", "name=qs-lora", "eval.every=0",
                   "checkpoint.every=0", "log.progress=false", timeout=1200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
-    assert summary["steps_trained"] == 300
+    assert summary["steps_trained"] == 150
     assert summary["reward_last_10pct"] > summary["reward_first_10pct"] + 0.03, summary
     published = [e for e in read_jsonl(tmp_path / "qs-lora" / "events.jsonl") if e["kind"] == "weights_published"]
     assert published[-1]["bytes"] == 4 * 16 * 4 * (4 * 2 * 128 + 2 * (128 + 512) + (512 + 128))  # adapters only
