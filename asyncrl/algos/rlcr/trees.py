@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...objectives.advantages import compute_grpo_advantages
+from ...objectives.advantages import ADV_ESTIMATORS
 from ...engine.base import Generation
 from ...envs.answer_checks import verify
 from ...envs.prompts import delta_tokens, render_tokens
@@ -127,29 +127,34 @@ def score_tree(tree: ConfidenceTree, verifier: str) -> None:
 
 
 def tree_advantages(acc: np.ndarray, conf: np.ndarray, norm_by_std: bool, lambda_ans: float = 1.0,
-                    lambda_conf: float = 1.0, std: str = "unbiased") -> tuple[np.ndarray, np.ndarray]:
+                    lambda_conf: float = 1.0, std: str = "unbiased",
+                    estimator: str = "grpo") -> tuple[np.ndarray, np.ndarray]:
     """Decoupled advantages of one tree.
 
     Args:
         acc: ``[G_a]`` acc_reward of the answers (one group: the prompt).
         conf: ``[G_a, G_c]`` conf_reward; row ``k`` is the group of answer ``k``'s confidences.
+        estimator: the ``ADV_ESTIMATORS`` entry (the run's ``train.advantage.estimator``) applied at
+            both levels, each level on its own (a batch-level estimator sees one level's rewards).
     Returns:
-        ``(adv_ans [G_a], adv_conf [G_a, G_c])``: GRPO advantages (``R - mean``, divided by the
-        group std + 1e-6 when ``norm_by_std``; ``std``: "unbiased" or "population") scaled by ``lambda_ans`` / ``lambda_conf``. Row
-        ``k`` of ``adv_conf`` depends on row ``k`` of ``conf`` only.
+        ``(adv_ans [G_a], adv_conf [G_a, G_c])``: with ``grpo``, ``R - mean``, divided by the group std +
+        1e-6 when ``norm_by_std`` (``std``: "unbiased" or "population"), scaled by ``lambda_ans`` /
+        ``lambda_conf``. Row ``k`` of ``adv_conf`` depends on row ``k`` of ``conf`` only (for the
+        per-group estimators).
     """
+    fn = ADV_ESTIMATORS.get(estimator)
     acc = np.asarray(acc, dtype=np.float64)
     conf = np.asarray(conf, dtype=np.float64).reshape(len(acc), -1)
-    adv_ans = compute_grpo_advantages(torch.as_tensor(acc), ["prompt"] * len(acc), norm_by_std=norm_by_std, std=std)
+    adv_ans = fn(torch.as_tensor(acc), ["prompt"] * len(acc), norm_by_std=norm_by_std, std=std)
     g_c = conf.shape[1]
     groups = [str(k) for k in range(len(acc)) for _ in range(g_c)]
-    adv_conf = compute_grpo_advantages(torch.as_tensor(conf.reshape(-1)), groups, norm_by_std=norm_by_std, std=std)
+    adv_conf = fn(torch.as_tensor(conf.reshape(-1)), groups, norm_by_std=norm_by_std, std=std)
     return lambda_ans * adv_ans.numpy(), lambda_conf * adv_conf.numpy().reshape(len(acc), g_c)
 
 
-def assign_advantages(tree: ConfidenceTree, algo: RLCRConfig) -> None:
+def assign_advantages(tree: ConfidenceTree, algo: RLCRConfig, estimator: str = "grpo") -> None:
     adv_ans, adv_conf = tree_advantages(tree.acc_rewards(), tree.conf_rewards(), algo.norm_by_std,
-                                        algo.lambda_ans, algo.lambda_conf, algo.std)
+                                        algo.lambda_ans, algo.lambda_conf, algo.std, estimator)
     for k, a in enumerate(tree.answers):
         a.advantage = float(adv_ans[k])
         for h, c in enumerate(a.confidences):

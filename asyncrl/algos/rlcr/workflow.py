@@ -43,7 +43,7 @@ class RLCRWorkflow(Workflow):
         episodes = []
         for tree in trees:
             score_tree(tree, self.algo.verifier)
-            assign_advantages(tree, self.algo)
+            assign_advantages(tree, self.algo, self.cfg.train.advantage.estimator)
             eid = new_id()
             trajs = tree_trajectories(tree, version, eid)
             episodes.append(Episode(trajectories=trajs, actor_id=ctx.actor_id, task=tree.task, id=eid,

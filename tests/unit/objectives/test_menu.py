@@ -310,3 +310,15 @@ def test_avg_at_k_is_the_direct_mean_and_pass_at_k_the_share_of_problems_solved_
     assert scores["pass@1"] == approx(float(right.mean()))  # pass@1's unbiased estimate is the mean correctness
     assert scores["pass@8"] == approx(float(right.any(1).mean()))  # with j = n: solved by at least one sample
     assert scores["pass@1"] <= scores["pass@2"] <= scores["pass@4"] <= scores["pass@8"]
+
+
+def test_rlcr_two_levels_take_the_runs_estimator():
+    from asyncrl.algos.rlcr.trees import tree_advantages
+
+    acc = np.array([1.0, 0.0, 1.0])
+    conf = np.array([[0.9, 0.5], [0.2, 0.7], [1.0, 1.0]])
+    ans, cf = tree_advantages(acc, conf, norm_by_std=False, estimator="rloo")
+    assert ans.tolist() == approx(ADV_ESTIMATORS.get("rloo")(t(acc), ["p"] * 3).tolist())
+    assert cf.reshape(-1).tolist() == approx(ADV_ESTIMATORS.get("rloo")(t(conf.reshape(-1)), ["0", "0", "1", "1", "2", "2"]).tolist())
+    grpo_ans, _ = tree_advantages(acc, conf, norm_by_std=False)
+    assert ans.tolist() != approx(grpo_ans.tolist())  # rloo's n / (n - 1) differs from grpo's R - mean
