@@ -7,7 +7,6 @@ Shapes as in :mod:`asyncrl.objectives`; references: verl's ``core_algos``, AReaL
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, get_args
@@ -170,16 +169,18 @@ def _ratio_stats(loss: Tensor, ratio: Tensor, log_ratio: Tensor, clipped: Tensor
     return out
 
 
-def _behavior_blocked(inputs: PolicyLossInputs, cfg: LossConfig, log_ratio: Tensor, low: float,
-                      high: float) -> Tensor | None:
+def _behavior_blocked(inputs: PolicyLossInputs, cfg: LossConfig, log_ratio: Tensor, low: float, high: float,
+                      per_row: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
     """``[B, T]`` bool: the generated, non-replayed tokens whose ratio against the behaviour policy
-    (``exp(log_ratio + behavior_log_ratio)``; ``log_ratio`` per token or per sequence) is past
-    ``[1 - low, 1 + high]`` on the side their advantage pushes; None when the trust region is off or
-    the inputs carry no behaviour log-ratio (the old policy is the behaviour one)."""
+    (``exp(log_ratio + behavior_log_ratio)``, the latter reduced by ``per_row`` first when given, e.g.
+    to a sequence mean) is past ``[1 - low, 1 + high]`` on the side their advantage pushes; None when
+    the trust region is off or the inputs carry no behaviour log-ratio (the old policy is the
+    behaviour one)."""
     if not cfg.behavior_clip or inputs.behavior_log_ratio is None:
         return None
     with torch.no_grad():
-        log_b = log_ratio.detach() + inputs.behavior_log_ratio.to(log_ratio.dtype)
+        log_rho = inputs.behavior_log_ratio.to(log_ratio.dtype)
+        log_b = log_ratio.detach() + (per_row(log_rho) if per_row is not None else log_rho)
         adv = inputs.advantages
         out = ((adv > 0) & (log_b > math.log1p(high))) | ((adv < 0) & (log_b < _log1m(low)))
         if inputs.exp_mask is not None:
@@ -223,12 +224,9 @@ def compute_gspo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor
     pg2 = -advantages * s.clamp(1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high)
     weight = 1.0 if inputs.behavior_weight is None else inputs.behavior_weight.detach().to(logprobs.dtype)
     tok_loss = torch.maximum(pg1, pg2) * weight
-    seq_b = None
-    if inputs.behavior_log_ratio is not None:  # the sequence's mean log rho, on every token of it
-        seq_b = _seq_log_ratio(inputs.behavior_log_ratio.to(logprobs.dtype), mask).expand_as(log_s)
-    blocked = None if seq_b is None else _behavior_blocked(
-        dataclasses.replace(inputs, behavior_log_ratio=seq_b), cfg, seq.expand_as(log_s), cfg.gspo_clip_low,
-        cfg.gspo_clip_high)
+    # the sequence's mean log rho, on every token of it
+    blocked = _behavior_blocked(inputs, cfg, seq.expand_as(log_s), cfg.gspo_clip_low, cfg.gspo_clip_high,
+                                per_row=lambda log_rho: _seq_log_ratio(log_rho, mask).expand_as(log_s))
     tok_loss = _without_gradient(tok_loss, blocked)
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
@@ -255,13 +253,13 @@ def compute_cispo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tenso
         log_w = (log_w + inputs.behavior_log_ratio.to(log_w.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     r = torch.exp(log_w)
     w = r.clamp(max(1.0 - cfg.cispo_clip_low, 0.0), 1.0 + cfg.cispo_clip_high)
+    clipped = r != w
     if inputs.behavior_weight is not None and not against_behavior:
         w = w * inputs.behavior_weight.detach().to(w.dtype)
     tok_loss = -advantages * w * logprobs
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
-        stats = _ratio_stats(loss, torch.exp(log_ratio), log_ratio, r != r.clamp(
-            max(1.0 - cfg.cispo_clip_low, 0.0), 1.0 + cfg.cispo_clip_high), mask, None)
+        stats = _ratio_stats(loss, torch.exp(log_ratio), log_ratio, clipped, mask, None)
         stats.update(dual_clip_frac=0.0, clipfrac_lower=0.0)
     return loss, stats
 
