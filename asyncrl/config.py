@@ -256,6 +256,32 @@ class AdvantageConfig(_Base):
         "isolate_replay_groups relies on (docs/replay.md)."))
     std: Literal["unbiased", "population"] = Field("unbiased", description=(
         "Group std for norm_by_std: 'unbiased' (n - 1, verl) or 'population' (n)."))
+    gamma: float = Field(1.0, ge=0, le=1, description=(
+        "estimator gae: the discount per generated token (1: none, verl's default)."))
+    lam: float = Field(1.0, ge=0, le=1, description=(
+        "estimator gae: GAE's lambda for the policy's advantages (1: Monte Carlo return minus the value; 0: "
+        "the one-step TD error). With norm_by_std the advantages are whitened over the batch's trained tokens."))
+
+
+class CriticConfig(_Base):
+    """The value model of ``train.advantage.estimator: gae`` (docs/objectives.md, "PPO with a critic")."""
+
+    path: str | None = Field(None, description=(
+        "A causal LM to start the critic from (its architecture, a scalar head in place of its output layer); "
+        "null: a copy of the policy's initial weights. With model.lora the critic is the same base with adapters "
+        "of its own and the head."))
+    lr: float | None = Field(None, gt=0, description="The critic's AdamW learning rate (null: train.lr).")
+    weight_decay: float = Field(0.0, ge=0, description="The critic's AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="The critic's gradient clipping norm.")
+    cliprange_value: float | None = Field(0.5, gt=0, description=(
+        "Value clipping: the loss takes the larger of (V - R)^2 and (clip(V, V_old +- c) - R)^2, V_old the "
+        "critic's values before the step (verl's default 0.5); null: no clipping."))
+    lam: float | None = Field(None, ge=0, le=1, description=(
+        "GAE's lambda for the critic's return targets, apart from the policy's (VAPO's decoupled GAE, which "
+        "uses 1.0 here); null: train.advantage.lam."))
+    warmup_steps: int = Field(0, ge=0, description=(
+        "The first k learner steps train the critic only; the policy is not updated (VC-PPO's value "
+        "pretraining). The policy version still advances with each step."))
 
 
 class TrainConfig(_Base):
@@ -660,6 +686,8 @@ class Config(_Base):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine.")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="Rollout actors.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Learner.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description=(
+        "The value model of train.advantage.estimator: gae (read only then)."))
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description=(
         "Experience replay of successful trajectories (ExGRPO; docs/replay.md); off by default."))
@@ -723,6 +751,10 @@ class Config(_Base):
             raise ValueError(f"replay.off_policy_reshape={self.replay.off_policy_reshape} shapes PPO's per-token ratio; "
                              f"train.policy_loss={loss} has its own weighting of replayed tokens: set "
                              f"replay.off_policy_reshape=none or train.policy_loss=ppo")
+        if self.train.advantage.estimator == "gae" and self.algorithm == "rlcr":
+            raise ValueError("train.advantage.estimator=gae needs rows whose reward is the trajectory's own; RLCR's "
+                             "rows carry advantages of their tree's two levels (algorithm rlcr): use grpo, rloo or "
+                             "reinforce_pp_baseline with it")
         if self.train.overlong_buffer and self.train.overlong_buffer >= (self.train.overlong_max_len or 0):
             raise ValueError(f"train.overlong_buffer ({self.train.overlong_buffer}) must be below the length limit "
                              f"train.overlong_max_len ({self.train.overlong_max_len}): the penalty ramps over the "

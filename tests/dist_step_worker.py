@@ -64,7 +64,14 @@ CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
          # them with a zero gradient for its metrics)
          **{f"micro_{agg}": [f"train.loss_agg_mode={agg}", "train.micro_batch_tokens=12"] for agg in LOSS_AGG_MODES},
          "skip_rows": ["train.kl_coef=0", "train.entropy_coef=0", "train.skip_zero_advantage=true"],
-         "lora": ["model.lora.rank=4"]}  # adapters only (issue 32), B drawn non-zero so that A has gradients too
+         "lora": ["model.lora.rank=4"],  # adapters only (issue 32), B drawn non-zero so that A has gradients too
+         # issue 46: PPO with a critic (values of every row on every rank, GAE, the clipped value loss and the
+         # critic's own AdamW step on each rank's rows, over two mini-batches); its head drawn non-zero
+         "gae": ["train.advantage.estimator=gae", "train.advantage.lam=0.9", "train.advantage.gamma=0.99",
+                 "critic.lam=1.0", "critic.lr=1e-4", "critic.cliprange_value=0.2", "critic.max_grad_norm=1e6",
+                 "train.mini_batches=2"],
+         "gae_lora": ["train.advantage.estimator=gae", "model.lora.rank=4", "critic.lr=1e-3",
+                      "critic.max_grad_norm=1e6"]}
 
 
 def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -90,10 +97,20 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode)
+    trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode, critic_cfg=cfg.critic, model_cfg=cfg.model)
+    if trainer.critic is not None:  # a head that is not zero, so that its body gets gradients too
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in distributed.unwrap(trainer.critic.model).named_parameters():
+                if "lm_head" in name:
+                    full = torch.randn(tuple(p.shape), generator=gen) * 0.5
+                    if hasattr(p, "full_tensor"):  # FSDP2: this rank's shard of it
+                        from torch.distributed.tensor import distribute_tensor
+                        full = distribute_tensor(full, p.device_mesh, p.placements)
+                    p.copy_(full)
     rows = trajectories(len(tok), shared_prompts=case == "shared_prefix", equal_b=case == "skip_rows")
     batch = trainer.make_batch([type("E", (), {"trajectories": rows})()])
-    result = trainer.step(batch, keep_rows=case != "skip_rows")  # kept rows are never left out
+    result = trainer.step(batch, keep_rows=case != "skip_rows", version=0)  # kept rows are never left out
     inner = distributed.unwrap(trainer.model)
     # rows/valid: the real (unpadded) target positions; padded ones hold whatever a forward left there
     out = {"rows/valid": batch.attention_mask[:, 1:].cpu().to(torch.uint8)}
@@ -107,6 +124,16 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     # the optimizer state as a checkpoint saves it (by parameter name, gathered from the shards)
     for name, entry in distributed.optimizer_state(trainer.model, trainer.optimizer).get("state", {}).items():
         out.update({f"optim/{name}/{key}": torch.as_tensor(v).detach().cpu() for key, v in entry.items()})
+    if trainer.critic is not None:  # the critic's parameters, gradients and optimizer state; the advantages
+        out["rows/advantages"] = batch.advantages.detach().cpu()
+        out["rows/returns"] = batch.returns.detach().cpu()
+        for k, p in distributed.unwrap(trainer.critic.model).named_parameters():
+            out[f"critic_param/{k}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            if p.requires_grad:
+                out[f"critic_grad/{k}"] = distributed.full_grad(p)
+        state = distributed.optimizer_state(trainer.critic.model, trainer.critic.optimizer)
+        for name, entry in state.get("state", {}).items():
+            out.update({f"optim/critic/{name}/{key}": torch.as_tensor(v).detach().cpu() for key, v in entry.items()})
     return out, result.stats
 
 

@@ -133,6 +133,39 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return state
 
 
+CRITIC = "critic"  # a checkpoint's critic (estimator gae): model.safetensors (what trains) and optimizer.pt
+
+
+def write_critic(directory: Path, states: tuple[dict, dict]) -> None:
+    """The critic's trainable state and optimizer state into ``directory/critic/`` (a checkpoint being built)."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights, optim = states
+    (directory / CRITIC).mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / CRITIC / "model.safetensors"))
+    torch.save(optim, directory / CRITIC / "optimizer.pt")  # local file, never sent over the wire
+
+
+def read_critic(path: Path, critic) -> tuple[dict, dict] | None:
+    """A checkpoint's critic states, checked against ``critic`` (its trainable parameters' names);
+    None when the checkpoint has no critic (a run that did not use one: the critic starts afresh).
+    Any failure raises CheckpointError naming the file."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .training.distributed import unwrap
+
+    if not (path / CRITIC).is_dir():
+        return None
+    weights = _load(path / CRITIC / "model.safetensors", load_file)
+    expected = {n for n, p in unwrap(critic).named_parameters() if p.requires_grad}
+    if set(weights) != expected:
+        raise CheckpointError(f"{path / CRITIC / 'model.safetensors'} does not match this run's critic: missing "
+                              f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
+    return weights, _load(path / CRITIC / "optimizer.pt", lambda f: torch.load(f, weights_only=True))
+
+
 def _load(f: Path, reader):
     try:
         return reader(f)

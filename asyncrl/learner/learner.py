@@ -30,7 +30,7 @@ from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir
 from .ingest.buffer import EpisodeQueue
 from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
-from .checkpoint import save_checkpoint
+from .checkpoint import save_checkpoint, write_critic
 from .evaluate import EvaluationHung, Evaluator
 from .ingest.net import LearnerNet, Limits
 from .ingest.peers import Peers
@@ -100,8 +100,9 @@ class Learner:
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
-        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
-                                                           self.peers.validator)
+        self.version, state, report = self.start.restore(
+            self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator,
+            critic=self.trainer.critic.model if self.trainer.critic is not None else None)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
             self.evaluator.history = [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
@@ -271,9 +272,10 @@ class Learner:
         batch = self.trainer.make_batch(episodes) if has_rows else None
         truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
-        advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
                   if batch else None)
+        # (after the step: with a critic, the step fills the advantages in)
+        advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         stats = result.stats if result is not None else {}
         if stats.get("skipped_nonfinite"):
             self.telemetry.nonfinite(self.version + 1, stats)
@@ -352,15 +354,19 @@ class Learner:
             self._last_tick = time.monotonic()
             self.peers.pump(0, self.version)
 
-    def _save_hooks(self, directory: Path) -> None:
-        for hook in self.hooks:
-            hook.save(directory)
-
     def checkpoint(self) -> Path:
+        states = self.ranks.checkpoint_states()
+        critic = self.ranks.critic_checkpoint()  # (estimator gae; in a group, gathered with the policy's)
+
+        def write_extra(directory: Path) -> None:
+            for hook in self.hooks:
+                hook.save(directory)
+            if critic is not None:
+                write_critic(directory, critic)
+
         path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
                                self.buffer, {"rewards_per_step": self.rewards_per_step},
-                               keep=self.cfg.checkpoint.keep,
-                               write_extra=self._save_hooks, states=self.ranks.checkpoint_states())
+                               keep=self.cfg.checkpoint.keep, write_extra=write_extra, states=states)
         self.buffer.open_wal(self.version)
         # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
         # checkpoint damaged can fall back to an older one without losing acknowledged episodes

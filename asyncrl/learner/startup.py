@@ -15,7 +15,7 @@ from typing import Any
 
 from ..rundir.claim import RunLock, StartPlan, discard_metrics_after, plan_start, prepare, write_snapshot
 from ..rundir.layout import CheckpointError, clean_partial, quarantine_checkpoint, read_addresses
-from .checkpoint import read_checkpoint
+from .checkpoint import read_checkpoint, read_critic
 
 
 _ANY_VERSION = 1 << 62
@@ -72,18 +72,24 @@ class Startup:
         """The addresses a resumed learner binds again (so that waiting actors reconnect)."""
         return read_addresses(self.run_dir) if self.plan.mode == "resume" else None
 
-    def restore(self, model, load, hooks, buffer, validator=None) -> tuple[int, dict, Any]:
+    def restore(self, model, load, hooks, buffer, validator=None, critic=None) -> tuple[int, dict, Any]:
         """Load the plan's checkpoint (if any): its states, checked against the one-process
         ``model``, go to ``load(model_state, optimizer_state)`` (``Ranks.load``: every learner
-        rank's model and optimizer), its files to ``hooks``; rebuild ``buffer`` from it and the WAL.
+        rank's model and optimizer; with a ``critic``, its states too when the checkpoint has them), its files to ``hooks``; rebuild ``buffer`` from it and the WAL.
         Every restored record is checked as on receipt by ``validator`` (``EpisodeValidator``: what
         fails is quarantined, never trained). Returns ``(version, checkpoint state, restore report)``."""
         ckpt = self.plan.checkpoint
         state = {}
         if ckpt is not None:
             weights, optim_state, state = read_checkpoint(ckpt, model)
+            extra = {}
+            if critic is not None:
+                extra["critic"] = read_critic(ckpt, critic)
+                if extra["critic"] is None:
+                    self.note("critic_fresh", f"checkpoint {ckpt.name} has no critic (that run used none): the "
+                              f"critic starts from its initial weights", checkpoint=str(ckpt))
             try:
-                load(weights, optim_state)
+                load(weights, optim_state, **extra)
             except (RuntimeError, ValueError, KeyError) as e:
                 raise CheckpointError(f"checkpoint {ckpt} cannot be loaded into the model: {str(e)[:300]}") from e
         version = int(state.get("version", self.plan.step))

@@ -165,6 +165,23 @@ def compute_reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Sequenc
     return _whiten(scores, lengths, norm_by_std).to(out_dtype)
 
 
+@ADV_ESTIMATORS.register("gae")
+def compute_gae_row_advantages(rewards: Tensor, group_ids: Sequence[str], **_: object) -> Tensor:
+    """GAE (``train.advantage.estimator: gae``) is per token, from the learner's critic
+    (:func:`asyncrl.objectives.values.gae`, run by :mod:`asyncrl.learner.training.critic`), not one
+    scalar per trajectory: called as a trajectory estimator it refuses, in one line."""
+    raise ValueError("train.advantage.estimator=gae is computed per token by the learner's critic, not per "
+                     "trajectory (a workflow that normalises on the actor, e.g. RLCR, cannot use it)")
+
+
+compute_gae_row_advantages.per_token = True  # trajectory_advantages: the learner fills the advantages in
+
+
+def per_token(estimator: Callable[..., Tensor]) -> bool:
+    """Whether an estimator works per token on the learner (GAE) rather than per trajectory."""
+    return bool(getattr(estimator, "per_token", False))
+
+
 def takes_lengths(estimator: Callable[..., Tensor]) -> bool:
     """Whether an estimator accepts ``lengths`` (generated tokens per trajectory) as a keyword."""
     params = inspect.signature(estimator).parameters.values()
@@ -183,19 +200,23 @@ def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[
                           shaping: Tensor | None = None) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
     that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. Each is then multiplied by
-    its ``advantage_scale``. ``estimator``: ``train.advantage.estimator`` already looked up (the trainer
+    its ``advantage_scale``; an estimator that works per token on the learner (GAE: :func:`per_token`)
+    gives each trajectory its ``advantage_scale`` alone, which multiplies its per-token advantages
+    there. ``estimator``: ``train.advantage.estimator`` already looked up (the trainer
     does so once). ``shaping``: ``[N]`` added to the rewards first (:mod:`.shaping`)."""
+    estimator = estimator or ADV_ESTIMATORS.get(adv_cfg.estimator)
+    scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
+    if per_token(estimator):  # (GAE) each row's scale, which the critic multiplies into its per-token advantages
+        return scale
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     if shaping is not None:
         rewards = rewards + shaping.to(torch.float64)
-    estimator = estimator or ADV_ESTIMATORS.get(adv_cfg.estimator)
     options = estimator_options(adv_cfg)
     if takes_lengths(estimator):
         options["lengths"] = [t.num_generated for t in trajs]
     adv = estimator(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std, **options)
     own = torch.tensor([t.advantage if t.advantage is not None else 0.0 for t in trajs], dtype=torch.float32)
     has_own = torch.tensor([t.advantage is not None for t in trajs])
-    scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
     return (torch.where(has_own, own.double(), adv.double()) * scale.double()).float()
 
 

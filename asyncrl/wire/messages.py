@@ -221,9 +221,11 @@ class GroupStart(Body):
 
 
 class GroupLoad(Body):
-    """Receive a checkpoint's model and optimizer state from rank 0 (each rank its shards)."""
+    """Receive a checkpoint's model and optimizer state from rank 0 (each rank its shards); with
+    ``critic``, then the critic's (``train.advantage.estimator: gae``)."""
 
     KIND = "group.load"
+    critic: bool = False
 
 
 class GroupStep(Body):

@@ -20,7 +20,7 @@ from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
 from .packing import mask_for, pack_rows, varlen_attention
 
-__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows"]
+__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "value_rows"]
 
 
 @dataclass
@@ -40,6 +40,8 @@ class TrainBatch:
     row_advantages: Tensor  # float [B], each trajectory's advantage (what ``advantages`` spreads on its tokens)
     policy_versions: Tensor  # long [B], each row's oldest generated token's version
     token_versions: Tensor  # long [B, T-1], the policy version of each target token (its row's where none recorded)
+    old_values: Tensor  # float [B, T-1], the critic's values before the step (estimator gae; else 0)
+    returns: Tensor  # float [B, T-1], the critic's return targets (estimator gae; else 0)
     sample_types: list[str]
     group_ids: list[str]
 
@@ -172,6 +174,8 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
         row_advantages=adv.clone(),
         policy_versions=torch.tensor([int(t.policy_version) for t in trajectories], dtype=torch.long),
         token_versions=torch.stack(rows["ver"]),
+        old_values=torch.zeros_like(response_mask),
+        returns=torch.zeros_like(response_mask),
         sample_types=[t.sample_type for t in trajectories],
         group_ids=[t.group_id for t in trajectories],
     )
@@ -214,6 +218,25 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logp, ent = _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
     return Forward(logp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
+
+
+def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False) -> Tensor:
+    """``[B, T-1]``: a critic's value of the state before each target token, i.e. its scalar head at
+    the position whose logits would predict the token (``asyncrl.models.value``: a causal LM whose
+    output layer is the head). ``packing``: the rows packed into bins as :func:`forward_rows` does
+    (no shared prompts); the same values as the padded forward up to float rounding. 0 past a row's end."""
+    if not packing:
+        out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        return out.logits[:, :-1, 0].float() * batch.attention_mask[:, 1:]
+    varlen = varlen_attention(critic)
+    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), varlen=varlen)
+    dtype = next((p.dtype for p in critic.parameters() if p.is_floating_point()), torch.float32)
+    out = critic(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                 attention_mask=mask_for(critic, packed.attention, dtype), use_cache=False)
+    R, W = packed.shape
+    flat = out.logits.reshape(R * W).float()
+    valid = packed.token_index[:, 1:] >= 0
+    return flat.new_zeros(valid.shape).masked_scatter(valid, flat[packed.token_index[:, :-1][valid]])
 
 
 def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,

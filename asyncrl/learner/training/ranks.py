@@ -10,11 +10,12 @@ what rank 0 announces on the control channel (:class:`asyncrl.learner.training.d
 bucket packed by :mod:`asyncrl.wire.tensors`):
 
 - ``GroupStart``: build the model and the trainer (the wrap is itself a collective);
-- ``GroupLoad``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards);
+- ``GroupLoad``: receive a checkpoint's model and optimizer state from rank 0 (each rank its shards),
+  and the critic's (``train.advantage.estimator: gae``) when it says so;
 - ``GroupStep``: the collated batch; every rank trains on its rows of each mini-batch
   (:class:`asyncrl.learner.training.trainer.PolicyTrainer`), gradients combined over the ranks;
 - ``GroupState``: join the gathering of the full parameters (FSDP2: for publishing and evaluation);
-- ``GroupCheckpoint``: join the gathering of the full model and optimizer states, which rank 0
+- ``GroupCheckpoint``: join the gathering of the full model and optimizer states (and the critic's), which rank 0
   writes in the one-process format (so either kind of run resumes the other's checkpoints);
 - ``GroupStop``: exit 0.
 
@@ -49,7 +50,27 @@ def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy | 
     return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
                          loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
                          use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode,
-                         staleness=staleness or StalenessPolicy.from_config(cfg))
+                         staleness=staleness or StalenessPolicy.from_config(cfg),
+                         critic_cfg=cfg.critic, model_cfg=cfg.model, seed=cfg.seed)
+
+
+def critic_states(trainer: PolicyTrainer) -> tuple[dict, dict] | None:
+    """The critic's full ``(trainable state, optimizer state by name)`` (a collective in a group:
+    rank 0 receives them, the others empty dicts); None without a critic."""
+    if trainer.critic is None:
+        return None
+    from ...models.value import trainable_state
+
+    model = trainer.critic.model
+    full = dist_learner.full_state_dict(model)
+    return (trainable_state(dist_learner.unwrap(model), full) if full else {},
+            dist_learner.optimizer_state(model, trainer.critic.optimizer))
+
+
+def load_critic(trainer: PolicyTrainer, states: tuple[dict, dict] | None) -> None:
+    """A checkpoint's critic states into the critic (a collective in a group: rank 0 passes them)."""
+    weights, optim = states if states is not None else ({}, {})
+    dist_learner.load_states(trainer.critic.model, trainer.critic.optimizer, dict(weights), optim)
 
 
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
@@ -74,6 +95,7 @@ class Ranks:
         self.control, self.mode = control, mode
         self.trainer: PolicyTrainer | None = None
         self.plain: torch.nn.Module | None = None
+        self._critic_states: tuple[dict, dict] | None = None  # gathered with the policy's (a group)
 
     @property
     def world(self) -> int:
@@ -94,12 +116,16 @@ class Ranks:
         self.trainer = make_trainer(cfg, model, tokenizer, self.mode, staleness)
         return self.trainer
 
-    def load(self, weights: dict, optim_state: dict) -> None:
-        """A checkpoint's full model and optimizer state into every rank's model and optimizer."""
-        self._say(GroupLoad())
+    def load(self, weights: dict, optim_state: dict, critic: tuple[dict, dict] | None = None) -> None:
+        """A checkpoint's full model and optimizer state into every rank's model and optimizer; ``critic``:
+        its critic's states, for a run with a critic (none: the critic starts afresh)."""
+        with_critic = critic is not None and self.trainer.critic is not None
+        self._say(GroupLoad(critic=with_critic))
         if self.mode == "fsdp2":  # first: loading into the shards turns the dict's tensors into DTensors
             self.plain.load_state_dict(weights, strict=False)
         dist_learner.load_states(self.trainer.model, self.trainer.optimizer, dict(weights), optim_state)
+        if with_critic:
+            load_critic(self.trainer, critic)
 
     def step(self, batch: TrainBatch, keep_rows: bool, version: int) -> TrainStepResult:
         if self.control is not None:
@@ -123,7 +149,17 @@ class Ranks:
             return None
         self._say(GroupCheckpoint())
         model_state = dist_learner.full_state_dict(self.trainer.model)
-        return model_state, dist_learner.optimizer_state(self.trainer.model, self.trainer.optimizer)
+        states = model_state, dist_learner.optimizer_state(self.trainer.model, self.trainer.optimizer)
+        self._critic_states = critic_states(self.trainer)
+        return states
+
+    def critic_checkpoint(self) -> tuple[dict, dict] | None:
+        """The critic's states for the checkpoint being written (after :meth:`checkpoint_states`);
+        None without a critic."""
+        if self.control is None:
+            return critic_states(self.trainer)
+        states, self._critic_states = self._critic_states, None
+        return states
 
     def stop(self) -> None:
         """Release the other ranks (they exit 0). Never raises: it is called on the way out."""
@@ -169,6 +205,8 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
                 raise RuntimeError(f"rank 0 sent {body.KIND!r} before 'group.start'")
             elif isinstance(body, GroupLoad):
                 dist_learner.load_states(trainer.model, trainer.optimizer, {}, {})
+                if body.critic:
+                    load_critic(trainer, None)
             elif isinstance(body, GroupStep):
                 batch = batch_from(body, tensors, cfg.train.device)
                 trainer.step(batch, keep_rows=body.keep_rows, version=body.version)
@@ -178,6 +216,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
             elif isinstance(body, GroupCheckpoint):
                 dist_learner.full_state_dict(trainer.model)
                 dist_learner.optimizer_state(trainer.model, trainer.optimizer)
+                critic_states(trainer)
             else:
                 raise RuntimeError(f"rank 0 sent an unknown operation {body.KIND!r}")
     except WireError as e:  # (rank 0 runs the same code: a version mismatch between the ranks' installs)

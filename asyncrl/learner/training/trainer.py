@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...objectives.advantages import ADV_ESTIMATORS, trajectory_advantages
+from ...config import CriticConfig, ModelConfig
+from ...objectives.advantages import ADV_ESTIMATORS, per_token, trajectory_advantages
 from ...objectives.aggregation import agg_loss, masked_mean
 from ...objectives.corrections import CorrectionConfig, behavior_weights
 from ...objectives.logprobs import kl_penalty
@@ -37,6 +38,7 @@ from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows
+from .critic import Critic, apply_update
 from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
 
 
@@ -62,7 +64,7 @@ class PolicyTrainer:
 
     def __init__(self, model, tokenizer, train_cfg, temperature: float, loss_cfg: LossConfig | None = None,
                  use_recorded_logprobs: bool = True, distributed: str = "none",
-                 staleness: StalenessPolicy | None = None):
+                 staleness: StalenessPolicy | None = None, critic_cfg=None, model_cfg=None, seed: int = 0):
         if distributed != "none" and not dist_learner.active():
             raise RuntimeError(f"PolicyTrainer: distributed={distributed!r} needs a process group of more than "
                                "one rank; call asyncrl.learner.training.distributed.init_from_env first, or use 'none'")
@@ -84,6 +86,11 @@ class PolicyTrainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        self._hold_policy = False  # this step trains the critic only (critic.warmup_steps)
+        self.critic: Critic | None = None  # estimator gae: the value model, copied before any sharding
+        if per_token(self.estimator):
+            self.critic = Critic(model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed,
+                                 distributed)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
         # the forward's layout (batch.forward_rows): packed, a prompt once per bin, in a learner group
         # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
@@ -102,6 +109,8 @@ class PolicyTrainer:
         penalties = self.shaping.penalties(trajs) if self.shaping.buffer else None  # (off: not on the path)
         adv = trajectory_advantages(trajs, self.cfg.advantage, self.estimator, shaping=penalties)
         batch = collate(trajs, adv, self.pad_id, device=self.cfg.device)
+        if penalties is not None:  # (GAE reads the shaped reward; the other estimators have applied it)
+            batch.rewards = batch.rewards + penalties.to(batch.rewards)
         dropped = self.shaping.dropped_rows(trajs) if self.shaping.mask_truncated else []
         if dropped:  # overlong filtering: out of the loss and its normaliser
             batch.response_mask[dropped] = 0.0
@@ -122,6 +131,12 @@ class PolicyTrainer:
         self.model.train()
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
         result = TrainStepResult({})
+        critic_stats: dict[str, float] = {}
+        self._hold_policy = False
+        if self.critic is not None:  # per-token advantages and the critic's targets, from its current values
+            critic_stats = self.critic.prepare(batch)
+            self._hold_policy = version is not None and version < self.critic.cfg.warmup_steps
+            critic_stats["critic/warmup"] = float(self._hold_policy)
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
                 logp0, ent0 = self._chunked_logprobs(self.model, batch, with_entropy=keep_rows,
@@ -148,6 +163,7 @@ class PolicyTrainer:
             result.row_logprobs = dist_learner.gather_rows(result.row_logprobs)
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         result.stats = {k: v / counts[k] for k, v in sums.items()}
+        result.stats.update(critic_stats)
         if version is not None:
             result.stats.update(token_lag_stats(batch, version, max_staleness=None if self.staleness is None else self.staleness.max_staleness))
         return result
@@ -256,11 +272,14 @@ class PolicyTrainer:
                 put_rows(rows.row_entropy, index, out.entropy.detach().cpu())
         elapsed = time.perf_counter() - started
         stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
-        stats.update(self._apply_update(loss_sum))
+        stats.update(apply_update(self.optimizer, loss_sum, self.cfg.max_grad_norm, self.distributed,
+                                  apply=not self._hold_policy))
         stats.update(self._layout_stats(plan, fwd, elapsed))
         if self.distributed != "none":  # a scaled loss averages to the global one over ranks
             stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
                                               mean_keys=frozenset({"loss", "pg_loss"}))
+        if self.critic is not None:  # (its own collectives: every rank, after the policy's)
+            stats.update(self.critic.train_on(mb))
         return stats
 
     @staticmethod
@@ -269,26 +288,6 @@ class PolicyTrainer:
                 "learner/forward_tokens": float(fwd["real"]), "learner/shared_prompt_rows": float(fwd["shared"]),
                 "learner/padding_share": 1.0 - fwd["real"] / fwd["slots"] if fwd["slots"] else 0.0,
                 "learner/tokens_per_s": fwd["real"] / elapsed if elapsed > 0 and fwd["real"] else 0.0}
-
-    def _apply_update(self, loss: float) -> dict[str, float]:
-        """Clip the accumulated gradients and take the AdamW step, unless the loss or the gradient
-        norm is not finite on some rank. A parameter that got no gradient gets a zero one, so that
-        AdamW's momentum moves it as in a pass that reached it with a zero gradient."""
-        params = self.optimizer.param_groups[0]["params"]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
-            grad_norm = grad_norm.full_tensor()
-        finite = bool(torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
-        if self.distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
-            finite = dist_learner.all_true(finite)
-        if finite:
-            self.optimizer.step()
-        else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
-            self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": float(grad_norm), "skipped_nonfinite": float(not finite)}
 
     def _micro_step(self, micro: TrainBatch, totals: Totals, single_pass: bool,
                     version: int | None) -> tuple[Forward, torch.Tensor, dict[str, float]]:

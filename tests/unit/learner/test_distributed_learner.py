@@ -4,7 +4,8 @@ The tiny embedded model, a collated batch of 5 rows (shares of 3 and 2 rows with
 counts), every ``loss_agg_mode``, a two-mini-batch step and a batch whose rows share their group's
 prompt (one copy of it per bin of the packed forward on each rank), the padded forward, micro-batches
 of a token budget with the gradients reduced once after the last (a rank with fewer running an empty
-one) and rows left out for carrying no gradient (issue 44), LoRA adapters (issue 32), KL and entropy terms on, gradient
+one) and rows left out for carrying no gradient (issue 44), LoRA adapters (issue 32), PPO with a critic (issue 46:
+values, GAE, the clipped value loss and the critic's own step, full and LoRA), KL and entropy terms on, gradient
 clipping off: the gradients averaged over ranks, the parameters after the AdamW step, the gathered
 full state dict and the per-row log-probs (``keep_rows``) all match a one-process step within 1e-5;
 the metrics combined over ranks match too.
@@ -89,6 +90,10 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
                 if case == "skip_rows" and key in ("kl", "entropy", "learner/forward_tokens"):
                     continue
                 assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), (mode, case, key)
+            if case.startswith("gae"):  # issue 46: the critic's metrics, combined over ranks
+                for key in ("critic/value_loss", "critic/grad_norm", "critic/clipfrac", "critic/explained_variance",
+                            "critic/value_mean", "critic/return_mean"):
+                    assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-6), (mode, case, key)
             if case == "shared_prefix":  # each prompt read once per bin on each rank's rows, as in one process
                 assert stats["learner/shared_prompt_rows"] > 0 and ref_stats["learner/shared_prompt_rows"] > 0, mode
             if case.startswith("micro_"):  # several micro-batches, the gradients reduced once after the last
@@ -101,6 +106,11 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
             whole, _ = one_step(tiny_overrides, "none", case[len("micro_"):])
             for k in (k for k in ref if k.startswith("grad/")):
                 assert float((ref[k] - whole[k]).abs().max()) <= 1e-5, (case, k)
+        if case.startswith("gae"):  # the critic trained (every trainable tensor of it moved), its head too
+            grads = {k: v for k, v in ref.items() if k.startswith("critic_grad/")}
+            assert grads and min(float(v.abs().max()) for v in grads.values()) > 0, case
+            assert any("lm_head" in k for k in grads) and any(k.startswith("optim/critic/") for k in ref), case
+            assert ref_stats["critic/clipfrac"] > 0 or case == "gae_lora", ref_stats
         if case == "lora":  # issue 32: gradients and optimizer state for the adapters only, A's and B's
             trained = {k[len("grad/"):] for k in ref if k.startswith("grad/")}
             optimized = {k[len("optim/"):].rsplit("/", 1)[0] for k in ref if k.startswith("optim/")}

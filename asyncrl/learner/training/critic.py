@@ -1,0 +1,134 @@
+"""The learner's critic (``train.advantage.estimator: gae``): values, GAE, and the value model's own step.
+
+Promised here (:class:`asyncrl.learner.training.trainer.PolicyTrainer` holds one when the estimator
+is ``gae``):
+
+- The critic (:func:`asyncrl.models.value.build_critic`) lives on the learner only: actors never
+  need it. :meth:`Critic.prepare` runs it, without a graph, over every row of a batch before the
+  step, so stale and replayed rows get the current critic's values; it places each row's reward
+  (with length shaping) on its last trained token, computes GAE with ``train.advantage.gamma`` and
+  ``lam`` for the policy's advantages (whitened over the batch's trained tokens with
+  ``train.advantage.norm_by_std``, times the row's ``advantage_scale``) and with ``critic.lam`` for
+  the critic's return targets (VAPO's decoupled GAE; the same pass when it is unset).
+- :meth:`Critic.train_on` takes one optimizer step of the critic on a mini-batch (this rank's rows):
+  the clipped value loss (``critic.cliprange_value``) token-mean over the whole mini-batch, in
+  micro-batches of the token budget with the gradients accumulated, its own AdamW (``critic.lr``)
+  and gradient clipping; a non-finite loss or gradient norm is not applied.
+- Under DDP or FSDP2 the critic is wrapped like the policy; every rank computes the values of the
+  whole batch (the same numbers), then trains on its rows, with losses scaled as the policy's
+  (:func:`asyncrl.learner.training.micro_batches.loss_scales`).
+- Metrics (``critic/*``): ``value_loss``, ``clipfrac``, ``grad_norm``, ``explained_variance``
+  (of the values before the step against the return targets), ``value_mean``, ``return_mean``,
+  ``advantage_raw_mean`` (GAE's before whitening), ``warmup`` (1 while only the critic trains).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.value import build_critic
+from ...objectives.aggregation import masked_mean
+from ...objectives.values import explained_variance, gae, masked_whiten, token_rewards, value_loss
+from . import distributed as dist_learner
+from .batch import TrainBatch, put_rows, value_rows
+from .micro_batches import loss_scales, plan_micro_batches
+
+__all__ = ["Critic", "apply_update"]
+
+
+class Critic:
+    """The value model, its optimizer and its settings (``cfg.critic``, ``cfg.train.advantage``)."""
+
+    def __init__(self, policy, critic_cfg, train_cfg, model_cfg, seed: int, distributed: str = "none"):
+        from .trainer import adamw
+
+        self.cfg, self.adv = critic_cfg, train_cfg.advantage
+        self.distributed = distributed
+        self.micro_tokens, self.packing = train_cfg.micro_batch_tokens, train_cfg.packing
+        self.return_lam = critic_cfg.lam if critic_cfg.lam is not None else self.adv.lam
+        critic = build_critic(policy, critic_cfg, model_cfg, seed, device=train_cfg.device)
+        self.model = dist_learner.wrap(critic, distributed)
+        opt_cfg = train_cfg.model_copy(update={"lr": critic_cfg.lr or train_cfg.lr,
+                                               "weight_decay": critic_cfg.weight_decay})
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], opt_cfg,
+                               fused=distributed != "fsdp2")
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T-1]`` the critic's values on every row, in micro-batches of the token budget."""
+        out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
+        for index in plan_micro_batches(batch, self.micro_tokens, self.packing, skip=False).micro_batches:
+            put_rows(out, index, value_rows(self.model, batch.take(index), self.packing))
+        return out
+
+    def prepare(self, batch: TrainBatch) -> dict[str, float]:
+        """Fill in ``batch``'s ``old_values``, ``returns``, per-token ``advantages`` and ``row_advantages``
+        (each row's mean over its trained tokens). On entry ``batch.advantages`` holds each row's
+        ``advantage_scale`` on its trained tokens and ``batch.rewards`` the shaped rewards."""
+        mask = batch.response_mask
+        values = self.values(batch) * mask
+        rewards = token_rewards(batch.rewards, mask)
+        adv, returns = gae(rewards, values, mask, self.adv.gamma, self.adv.lam)
+        if self.return_lam != self.adv.lam:
+            _, returns = gae(rewards, values, mask, self.adv.gamma, self.return_lam)
+        raw_mean = float(masked_mean(adv, mask))
+        if self.adv.norm_by_std:
+            adv = masked_whiten(adv, mask)
+        batch.advantages = adv * batch.advantages * mask  # (the scale, on trained tokens)
+        batch.old_values, batch.returns = values, returns
+        n = mask.sum(1)
+        batch.row_advantages = torch.where(n > 0, batch.advantages.sum(1) / n.clamp(min=1), 0.0)
+        return {"critic/value_mean": float(masked_mean(values, mask)),
+                "critic/return_mean": float(masked_mean(returns, mask)),
+                "critic/explained_variance": explained_variance(values, returns, mask),
+                "critic/advantage_raw_mean": raw_mean}
+
+    def train_on(self, mb: TrainBatch) -> dict[str, float]:
+        """One optimizer step of the critic on mini-batch ``mb`` (this rank's rows)."""
+        plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=False)
+        totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, clip_sum, tokens = 0.0, 0.0, 0.0
+        for i in range(n_parts):
+            real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
+            micro = mb.take(plan.micro_batches[i] if real else [0])
+            with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
+                v = value_rows(self.model, micro, self.packing)
+                loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
+                                            self.cfg.cliprange_value)
+                scale, _ = loss_scales(micro.response_mask, "token-mean", totals)
+                (loss * (scale if real else 0.0)).backward()
+            if real:
+                n = float(micro.response_mask.sum())
+                loss_sum += float(loss.detach()) * scale
+                clip_sum, tokens = clip_sum + float(clipfrac) * n, tokens + n
+        update = apply_update(self.optimizer, loss_sum, self.cfg.max_grad_norm, self.distributed)
+        stats = {"critic/value_loss": loss_sum, "critic/clipfrac": clip_sum / tokens if tokens else 0.0,
+                 "critic/grad_norm": update["grad_norm"], "critic/skipped_nonfinite": update["skipped_nonfinite"]}
+        if self.distributed != "none":
+            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
+                                              mean_keys=frozenset({"critic/value_loss"}))
+        return stats
+
+
+def apply_update(optimizer: torch.optim.Optimizer, loss: float, max_norm: float, distributed: str,
+                 apply: bool = True) -> dict[str, float]:
+    """Clip the accumulated gradients of ``optimizer``'s parameters and take its step, unless the loss
+    or the gradient norm is not finite on some rank, or not ``apply`` (the gradients are then
+    dropped: ``critic.warmup_steps`` holds the policy). A parameter that got no gradient gets a zero
+    one, so that AdamW's momentum moves it as in a pass that reached it with a zero gradient."""
+    params = optimizer.param_groups[0]["params"]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+        grad_norm = grad_norm.full_tensor()
+    finite = bool(torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
+    if distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
+        finite = dist_learner.all_true(finite)
+    if finite and apply:
+        optimizer.step()
+    else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
+        optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": float(grad_norm), "skipped_nonfinite": float(not finite)}
