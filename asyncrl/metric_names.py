@@ -20,7 +20,7 @@ _GROUP_OF = {
 }
 GROUP_OF = {name: group for group, names in _GROUP_OF.items() for name in names}
 # The order groups are shown in: what a reader of an RL run looks at first
-GROUP_ORDER = ("reward", "eval", "score", "policy", "rollout", "groups", "dynamic_sampling", "staleness", "sync",
+GROUP_ORDER = ("reward", "eval", "score", "policy", "critic", "rollout", "groups", "dynamic_sampling", "staleness", "sync",
                "replay", "learner",
                "throughput", "env")
 

@@ -68,6 +68,9 @@ CORRECTIONS: dict[str, list[str]] = {
     "gspo": ["train.policy_loss=gspo", "train.loss_agg_mode=seq-mean-token-mean"],  # the paper's aggregation
     "cispo": ["train.policy_loss=cispo"],
     "dynamic": ["buffer.filter_groups=true"],
+    # PPO with a critic (issue 46; docs/objectives.md): GAE with the defaults (gamma 1, lam 1: each token's
+    # advantage is R - V(s_t), whitened), the critic 10x the policy's learning rate and 10 steps of value warm-up
+    "gae": ["train.advantage.estimator=gae", "critic.lr=5e-4", "critic.warmup_steps=10"],
 }
 
 

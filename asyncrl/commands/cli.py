@@ -256,7 +256,12 @@ def cmd_keys(args) -> int:
 def cmd_export(args) -> int:
     from ..models.lora import export_run
 
-    done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
+    done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step,
+                      critic=args.critic)
+    if args.critic:
+        print(f"asyncrl export: the critic of {done.checkpoint} -> {done.out} (a Hugging Face token-classification "
+              f"model with one label, the value: AutoModelForTokenClassification.from_pretrained({str(done.out)!r}))")
+        return 0
     how = (", LoRA adapters merged into the base model" if done.merged else
            ", full weights copied (the run trained no adapters: --merge had nothing to merge)" if args.merge else "")
     print(f"asyncrl export: {done.checkpoint} -> {done.out} (a Hugging Face model directory{how}: "
@@ -348,6 +353,9 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--merge", action="store_true", help="merge LoRA adapters (model.lora) into the base model")
     p.add_argument("--out", help="output directory (default <run>/export/step_<N>)")
     p.add_argument("--step", type=int, help="this checkpoint (default: the newest intact one)")
+    p.add_argument("--critic", action="store_true", help=(
+        "export the run's critic (train.advantage.estimator gae) instead, as a token-classification model "
+        "with one label (default --out: <run>/export/step_<N>_critic)"))
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     add_ui_arguments(p)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..sync.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
 from ..models.lora import adapter_state, is_lora, read_adapters, settings_of
-from ..rundir.layout import (MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
+from ..rundir.layout import (CRITIC, MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
                       fsync_path, list_checkpoints, replace_dir)
 
 def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
@@ -131,9 +131,6 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into the model: {str(e)[:300]}") from e
     return state
-
-
-CRITIC = "critic"  # a checkpoint's critic (estimator gae): model.safetensors (what trains) and optimizer.pt
 
 
 def write_critic(directory: Path, states: tuple[dict, dict]) -> None:

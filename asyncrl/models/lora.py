@@ -112,12 +112,15 @@ class Exported(NamedTuple):
     merged: bool  # LoRA adapters were merged (False: a full-weight checkpoint, copied)
 
 
-def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None) -> Exported:
+def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None,
+               critic: bool = False) -> Exported:
     """``asyncrl export``: the newest intact checkpoint of ``run_dir`` (or ``step_<step>``) as a plain
     Hugging Face model directory, ``out`` (default ``<run>/export/step_<N>``). A LoRA checkpoint needs
     ``merge``: its adapters are merged into the base model its ``adapter_config.json`` names (or,
     when that directory is gone, the run's own ``model`` config resolves it again, rebuilding the
-    embedded model). The files are written with the usual mode (0644 under the common umask), even
+    embedded model). ``critic``: the run's critic instead (``train.advantage.estimator: gae``), as a
+    token-classification model with one label, adapters merged (:func:`asyncrl.models.value.export_run_critic`).
+    The files are written with the usual mode (0644 under the common umask), even
     those copied from a checkpoint's private ones. A problem: ConfigError, one line."""
     import shutil
 
@@ -135,9 +138,13 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
         problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
         if problem:
             raise ConfigError(f"{ckpt}: cannot export it: {problem}")
-    out = Path(out) if out is not None else run_dir / "export" / ckpt.name
+    out = Path(out) if out is not None else run_dir / "export" / (ckpt.name + ("_critic" if critic else ""))
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; give another --out or remove it")
+    if critic:
+        from .value import export_run_critic
+
+        return Exported(ckpt, _usual_modes(export_run_critic(run_dir, ckpt, out)), merged=False)
     model_dir = ckpt / "model"
     if not (model_dir / ADAPTER_CONFIG).exists():  # full weights: already a Hugging Face model
         shutil.copytree(model_dir, out, dirs_exist_ok=True)

@@ -89,3 +89,35 @@ def export_critic(critic, out: Path) -> Path:
                          f"unexpected {unexpected[:5]}")
     classifier.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def export_run_critic(run_dir: Path, ckpt: Path, out: Path) -> Path:
+    """``asyncrl export --critic``: checkpoint ``ckpt``'s critic rebuilt as the run built it (its config
+    in ``run_dir``: ``critic.path``'s model or the policy's initial weights, adapters under
+    ``model.lora``), its trained weights loaded, written to ``out`` by :func:`export_critic` with the
+    policy's tokenizer. A checkpoint without a critic: ConfigError, one line."""
+    from safetensors.torch import load_file
+
+    from ..config import ConfigError, load_config
+    from ..rollout.workflow import workflow_class
+    from ..rundir.layout import CONFIG, CRITIC
+    from .loading import load_model, load_tokenizer, resolve_model_path
+    from .lora import with_adapters
+
+    if not (ckpt / CRITIC / "model.safetensors").exists():
+        raise ConfigError(f"{ckpt} has no critic: the run did not train one (train.advantage.estimator gae)")
+    cfg = load_config(str(run_dir / CONFIG), [])
+    path = resolve_model_path(cfg.model, cfg.seed, progress=False,
+                              warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+    policy = with_adapters(load_model(path, cfg.model.dtype), cfg.model, cfg.seed, base=path)
+    critic = build_critic(policy, cfg.critic, cfg.model, cfg.seed)
+    weights = load_file(str(ckpt / CRITIC / "model.safetensors"))
+    expected = set(trainable_state(critic))
+    if set(weights) != expected:
+        raise ConfigError(f"{ckpt / CRITIC}: its tensors do not match the critic the run's config builds (missing "
+                          f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})")
+    critic.load_state_dict(weights, strict=False)
+    out.mkdir(parents=True, exist_ok=True)
+    export_critic(critic, out)
+    load_tokenizer(path).save_pretrained(out)
+    return out

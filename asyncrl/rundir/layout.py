@@ -44,6 +44,7 @@ CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
 QUARANTINE = "quarantine"
 MANIFEST = "manifest.json"
+CRITIC = "critic"  # a checkpoint's critic (train.advantage.estimator gae): model.safetensors, optimizer.pt
 MANIFEST_FORMAT = 1
 
 # What a run leaves in its directory (removed by --overwrite), and what marks a folder as a run.
