@@ -256,12 +256,16 @@ def cmd_keys(args) -> int:
 def cmd_export(args) -> int:
     from ..models.lora import export_run
 
-    done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step,
-                      critic=args.critic)
     if args.critic:
-        print(f"asyncrl export: the critic of {done.checkpoint} -> {done.out} (a Hugging Face token-classification "
-              f"model with one label, the value: AutoModelForTokenClassification.from_pretrained({str(done.out)!r}))")
+        from ..models.value import export_run_critic
+        from ..rollout.workflow import workflow_class
+
+        ckpt, out = export_run_critic(Path(args.run), Path(args.out) if args.out else None, step=args.step,
+                                      formats_of=lambda algorithm: workflow_class(algorithm).warmstart_formats)
+        print(f"asyncrl export: the critic of {ckpt} -> {out} (a Hugging Face token-classification model with one "
+              f"label, the value: AutoModelForTokenClassification.from_pretrained({str(out)!r}))")
         return 0
+    done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
     how = (", LoRA adapters merged into the base model" if done.merged else
            ", full weights copied (the run trained no adapters: --merge had nothing to merge)" if args.merge else "")
     print(f"asyncrl export: {done.checkpoint} -> {done.out} (a Hugging Face model directory{how}: "

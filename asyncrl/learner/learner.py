@@ -100,9 +100,8 @@ class Learner:
         self._stop_reason: str | None = None  # set by a stop the user asked for in the config
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
-        self.version, state, report = self.start.restore(
-            self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator,
-            critic=self.trainer.critic.model if self.trainer.critic is not None else None)
+        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
+                                                           self.peers.validator, critic=self.trainer.critic_model)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
             self.evaluator.history = [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}

@@ -112,23 +112,40 @@ class Exported(NamedTuple):
     merged: bool  # LoRA adapters were merged (False: a full-weight checkpoint, copied)
 
 
-def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None,
-               critic: bool = False) -> Exported:
+def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step: int | None = None) -> Exported:
     """``asyncrl export``: the newest intact checkpoint of ``run_dir`` (or ``step_<step>``) as a plain
     Hugging Face model directory, ``out`` (default ``<run>/export/step_<N>``). A LoRA checkpoint needs
     ``merge``: its adapters are merged into the base model its ``adapter_config.json`` names (or,
     when that directory is gone, the run's own ``model`` config resolves it again, rebuilding the
-    embedded model). ``critic``: the run's critic instead (``train.advantage.estimator: gae``), as a
-    token-classification model with one label, adapters merged (:func:`asyncrl.models.value.export_run_critic`).
-    The files are written with the usual mode (0644 under the common umask), even
+    embedded model). The files are written with the usual mode (0644 under the common umask), even
     those copied from a checkpoint's private ones. A problem: ConfigError, one line."""
     import shutil
 
     from ..config import load_config
-    from ..rundir.layout import CONFIG, checkpoint_dir, select_checkpoint, verify_checkpoint
+    from ..rundir.layout import CONFIG
     from .loading import resolve_model_path
 
     run_dir = Path(run_dir)
+    ckpt, out = export_paths(run_dir, out, step)
+    model_dir = ckpt / "model"
+    if not (model_dir / ADAPTER_CONFIG).exists():  # full weights: already a Hugging Face model
+        shutil.copytree(model_dir, out, dirs_exist_ok=True)
+        return Exported(ckpt, usual_modes(out), merged=False)
+    if not merge:
+        raise ConfigError(f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model "
+                          f"with --merge")
+    base = json.loads((model_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        cfg = load_config(str(run_dir / CONFIG), [])
+        base = resolve_model_path(cfg.model, cfg.seed)
+    return Exported(ckpt, usual_modes(export_merged(model_dir, Path(base), out)), merged=True)
+
+
+def export_paths(run_dir: Path, out: Path | None, step: int | None, suffix: str = "") -> tuple[Path, Path]:
+    """``(checkpoint, out)`` for an export: the newest intact checkpoint (or ``step_<step>``, checked),
+    and ``out`` or ``<run>/export/<checkpoint name><suffix>``, which must be empty. ConfigError otherwise."""
+    from ..rundir.layout import checkpoint_dir, select_checkpoint, verify_checkpoint
+
     if step is None:
         ckpt, _ = select_checkpoint(run_dir)
         if ckpt is None:
@@ -138,28 +155,13 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
         problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
         if problem:
             raise ConfigError(f"{ckpt}: cannot export it: {problem}")
-    out = Path(out) if out is not None else run_dir / "export" / (ckpt.name + ("_critic" if critic else ""))
+    out = Path(out) if out is not None else run_dir / "export" / (ckpt.name + suffix)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; give another --out or remove it")
-    if critic:
-        from .value import export_run_critic
-
-        return Exported(ckpt, _usual_modes(export_run_critic(run_dir, ckpt, out)), merged=False)
-    model_dir = ckpt / "model"
-    if not (model_dir / ADAPTER_CONFIG).exists():  # full weights: already a Hugging Face model
-        shutil.copytree(model_dir, out, dirs_exist_ok=True)
-        return Exported(ckpt, _usual_modes(out), merged=False)
-    if not merge:
-        raise ConfigError(f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model "
-                          f"with --merge")
-    base = json.loads((model_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").exists():
-        cfg = load_config(str(run_dir / CONFIG), [])
-        base = resolve_model_path(cfg.model, cfg.seed)
-    return Exported(ckpt, _usual_modes(export_merged(model_dir, Path(base), out)), merged=True)
+    return ckpt, out
 
 
-def _usual_modes(out: Path) -> Path:
+def usual_modes(out: Path) -> Path:
     """Every file in ``out`` with the mode a new file gets here (a checkpoint's weights are written
     private, 0600; an exported model is meant to be shared like any other model directory)."""
     umask = os.umask(0)

@@ -91,24 +91,29 @@ def export_critic(critic, out: Path) -> Path:
     return out
 
 
-def export_run_critic(run_dir: Path, ckpt: Path, out: Path) -> Path:
-    """``asyncrl export --critic``: checkpoint ``ckpt``'s critic rebuilt as the run built it (its config
-    in ``run_dir``: ``critic.path``'s model or the policy's initial weights, adapters under
-    ``model.lora``), its trained weights loaded, written to ``out`` by :func:`export_critic` with the
-    policy's tokenizer. A checkpoint without a critic: ConfigError, one line."""
+def export_run_critic(run_dir: Path, out: Path | None = None, step: int | None = None,
+                      formats_of=None) -> tuple[Path, Path]:
+    """``asyncrl export --critic``: the critic of the newest intact checkpoint of ``run_dir`` (or
+    ``step_<step>``) rebuilt as the run built it (its config: ``critic.path``'s model or the policy's
+    initial weights, adapters under ``model.lora``), its trained weights loaded, written to ``out``
+    (default ``<run>/export/step_<N>_critic``) by :func:`export_critic` with the policy's tokenizer.
+    ``formats_of(algorithm)``: the workflow's warm-start formats, with which the embedded policy was
+    built (``asyncrl.rollout.workflow``'s; none: the built-in ones). Returns ``(checkpoint, out)``. A
+    checkpoint without a critic: ConfigError, one line."""
     from safetensors.torch import load_file
 
     from ..config import ConfigError, load_config
-    from ..rollout.workflow import workflow_class
     from ..rundir.layout import CONFIG, CRITIC
     from .loading import load_model, load_tokenizer, resolve_model_path
-    from .lora import with_adapters
+    from .lora import export_paths, usual_modes, with_adapters
 
+    run_dir = Path(run_dir)
+    ckpt, out = export_paths(run_dir, out, step, suffix="_critic")
     if not (ckpt / CRITIC / "model.safetensors").exists():
         raise ConfigError(f"{ckpt} has no critic: the run did not train one (train.advantage.estimator gae)")
     cfg = load_config(str(run_dir / CONFIG), [])
     path = resolve_model_path(cfg.model, cfg.seed, progress=False,
-                              warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+                              warmstart_formats=formats_of(cfg.algorithm) if formats_of else None)
     policy = with_adapters(load_model(path, cfg.model.dtype), cfg.model, cfg.seed, base=path)
     critic = build_critic(policy, cfg.critic, cfg.model, cfg.seed)
     weights = load_file(str(ckpt / CRITIC / "model.safetensors"))
@@ -120,4 +125,4 @@ def export_run_critic(run_dir: Path, ckpt: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     export_critic(critic, out)
     load_tokenizer(path).save_pretrained(out)
-    return out
+    return ckpt, usual_modes(out)

@@ -32,16 +32,15 @@ from ...objectives.values import explained_variance, gae, masked_whiten, token_r
 from . import distributed as dist_learner
 from .batch import TrainBatch, put_rows, value_rows
 from .micro_batches import loss_scales, plan_micro_batches
+from .optim import adamw, apply_update
 
-__all__ = ["Critic", "apply_update"]
+__all__ = ["Critic"]
 
 
 class Critic:
     """The value model, its optimizer and its settings (``cfg.critic``, ``cfg.train.advantage``)."""
 
     def __init__(self, policy, critic_cfg, train_cfg, model_cfg, seed: int, distributed: str = "none"):
-        from .trainer import adamw
-
         self.cfg, self.adv = critic_cfg, train_cfg.advantage
         self.distributed = distributed
         self.micro_tokens, self.packing = train_cfg.micro_batch_tokens, train_cfg.packing
@@ -109,26 +108,3 @@ class Critic:
             stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
                                               mean_keys=frozenset({"critic/value_loss"}))
         return stats
-
-
-def apply_update(optimizer: torch.optim.Optimizer, loss: float, max_norm: float, distributed: str,
-                 apply: bool = True) -> dict[str, float]:
-    """Clip the accumulated gradients of ``optimizer``'s parameters and take its step, unless the loss
-    or the gradient norm is not finite on some rank, or not ``apply`` (the gradients are then
-    dropped: ``critic.warmup_steps`` holds the policy). A parameter that got no gradient gets a zero
-    one, so that AdamW's momentum moves it as in a pass that reached it with a zero gradient."""
-    params = optimizer.param_groups[0]["params"]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
-        grad_norm = grad_norm.full_tensor()
-    finite = bool(torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
-    if distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
-        finite = dist_learner.all_true(finite)
-    if finite and apply:
-        optimizer.step()
-    else:  # never apply a NaN/inf update: the weights and the optimizer state stay as they were
-        optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": float(grad_norm), "skipped_nonfinite": float(not finite)}

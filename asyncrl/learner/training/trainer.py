@@ -38,7 +38,8 @@ from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows
-from .critic import Critic, apply_update
+from .critic import Critic
+from .optim import adamw, apply_update
 from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
 
 
@@ -102,6 +103,11 @@ class PolicyTrainer:
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(trainable, train_cfg, fused=distributed != "fsdp2")
+
+    @property
+    def critic_model(self) -> torch.nn.Module | None:
+        """The critic's (wrapped) model, or None without one."""
+        return self.critic.model if self.critic is not None else None
 
     def make_batch(self, episodes: list[Episode]) -> TrainBatch:
         """The episodes' trajectories collated with their advantages (length shaping applied)."""
@@ -318,20 +324,6 @@ class PolicyTrainer:
                                                       norm=self.loss_cfg.agg_norm) * side_scale
         stats["entropy"] = masked_mean(entropy, micro.response_mask).item()
         return out, loss, stats
-
-
-def adamw(params: list[torch.nn.Parameter], train_cfg, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``train.lr``, ``betas`` and ``weight_decay``: torch's fused kernel
-    where it takes the parameters (``fused``: CPU and CUDA floating-point tensors; about 5x faster
-    than the per-tensor loop on the CPU, 10 of a 65 ms step for the 4.2M model), else the loop
-    (FSDP2's sharded parameters)."""
-    kwargs = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay)
-    if fused:
-        try:
-            return torch.optim.AdamW(params, fused=True, **kwargs)
-        except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not take
-            pass
-    return torch.optim.AdamW(params, **kwargs)
 
 
 def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int) -> dict[str, float]:

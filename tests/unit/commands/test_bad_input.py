@@ -78,7 +78,7 @@ def test_a_missing_task_file_and_a_too_long_prompt_are_one_line(tmp_path):
     (["algo.foo=1"], "algorithm grpo takes no algo.* settings, got algo.foo"),
     (["-c", "configs/rlcr.yaml", "algo.lamda_conf=1"], "unknown key 'algo.lamda_conf'"),
     (["train.policy_loss=ppo2"], "'train.policy_loss': unknown policy loss 'ppo2'; valid names: cispo, gspo, ppo"),
-    (["train.advantage.estimator=gae"], "'train.advantage.estimator': unknown advantage estimator 'gae'; valid names: grpo, reinforce_pp, reinforce_pp_baseline, rloo"),
+    (["train.advantage.estimator=vtrace"], "'train.advantage.estimator': unknown advantage estimator 'vtrace'; valid names: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"),
 ], ids=["reward-attr", "env-module", "algorithm", "grpo-algo-key", "rlcr-algo-key", "loss-name", "estimator-name"])
 def test_config_mistakes_are_caught_before_the_model_is_built(tmp_path, args, expected):
     t0 = time.time()
