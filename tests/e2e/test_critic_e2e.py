@@ -36,6 +36,12 @@ def test_the_quick_start_with_a_critic_learns_resumes_and_exports_its_critic(tmp
     # the critic learns the values: its loss over the last 10 steps is below the first 10's
     first, last = (sum(m["critic/value_loss"] for m in part) / 10 for part in (metrics[:10], metrics[-10:]))
     assert last < first, (first, last)
+    from asyncrl.analysis.metric_series import chart_data
+    from asyncrl.analysis.store import load_run
+
+    groups = {g["name"]: g for g in chart_data({"gae": load_run(run)})["groups"]}  # the UI's critic section
+    shown = {c["metric"] for c in groups["critic"]["charts"]} | {f["metric"] for f in groups["critic"].get("flat", [])}
+    assert {"critic/value_loss", "critic/explained_variance"} <= shown, sorted(shown)
     ckpt = checkpoint_dir(run, 40)
     assert (ckpt / "critic" / "model.safetensors").exists() and (ckpt / "critic" / "optimizer.pt").exists()
 

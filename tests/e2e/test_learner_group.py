@@ -1,7 +1,7 @@
 """Issue 15 end to end: the learner as a group of 2 processes (rank 0 owns the sockets, buffer, WAL
 and checkpoints; rank 1 trains with it) with an actor over loopback.
 
-One run, three learner lives: an FSDP2 group whose rank 0 is killed with SIGKILL (rank 1 notices and
+One run, three learner lives (PPO with a critic: the critic's shards saved and loaded with the policy's): an FSDP2 group whose rank 0 is killed with SIGKILL (rank 1 notices and
 exits on its own), one process resuming the group's checkpoint (killed with SIGKILL), an FSDP2 group
 again resuming the one-process checkpoint and finishing. Versions advance, the actor applies the published weights, nothing acknowledged is lost,
 no episode is trained twice and step numbers continue. ``asyncrl run --learner-procs 2`` (DDP)
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 def test_group_killed_and_resumed_across_one_and_two_processes(tmp_path, tiny_overrides):
     total = 12
     overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=3",
-                 "train.distributed=fsdp2", "buffer.max_staleness=1000", "buffer.capacity=12"]
+                 "train.distributed=fsdp2", "buffer.max_staleness=1000", "buffer.capacity=12",
+                 "train.advantage.estimator=gae"]  # with a critic (issue 46): gathered, saved and loaded with the policy
     acked: set[str] = set()
     with ResumableRun(tmp_path, "group", overrides) as run:
         run.start_learner(procs=2)
@@ -68,6 +69,9 @@ def test_group_killed_and_resumed_across_one_and_two_processes(tmp_path, tiny_ov
     metrics = run.metrics()
     assert [m["step"] for m in metrics] == list(range(1, total + 1)), "step numbers repeated or missing"
     assert all(m["grad_norm"] > 0 for m in metrics), "a step of the group trained nothing"
+    # the critic trained in every life and came back from each checkpoint (the group's and the one process's)
+    assert all(m["critic/grad_norm"] > 0 for m in metrics)
+    assert not [e for e in events if e["kind"] == "critic_fresh"]
     # the actor generated with the weights the group published: its version follows the learner's
     held = [m["sync/actor_version_min"] for m in metrics if "sync/actor_version_min" in m]
     assert held and max(held) >= total - 2, held

@@ -20,7 +20,7 @@ from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
 from .packing import mask_for, pack_rows, varlen_attention
 
-__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "value_rows"]
+__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "shared_width", "value_rows"]
 
 
 @dataclass
@@ -220,16 +220,25 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     return Forward(logp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
 
 
-def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False) -> Tensor:
+def shared_width(batch: TrainBatch, budget: int) -> int:
+    """The bin width for packing with shared prompts: up to four times the longest row (within the
+    token budget ``budget``), so that a prompt's completions share more bins."""
+    longest = int(batch.attention_mask.sum(1).max())
+    return max(longest, min(4 * longest, budget))
+
+
+def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False, shared_prefix: bool = False,
+               width: int | None = None) -> Tensor:
     """``[B, T-1]``: a critic's value of the state before each target token, i.e. its scalar head at
     the position whose logits would predict the token (``asyncrl.models.value``: a causal LM whose
-    output layer is the head). ``packing``: the rows packed into bins as :func:`forward_rows` does
-    (no shared prompts); the same values as the padded forward up to float rounding. 0 past a row's end."""
+    output layer is the head). ``packing``, ``shared_prefix``, ``width``: the rows packed into bins as
+    :func:`forward_rows` does; the same values as the padded forward up to float rounding. 0 past a row's end."""
     if not packing:
         out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return out.logits[:, :-1, 0].float() * batch.attention_mask[:, 1:]
     varlen = varlen_attention(critic)
-    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), varlen=varlen)
+    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
+                       starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
     dtype = next((p.dtype for p in critic.parameters() if p.is_floating_point()), torch.float32)
     out = critic(input_ids=packed.input_ids, position_ids=packed.position_ids,
                  attention_mask=mask_for(critic, packed.attention, dtype), use_cache=False)

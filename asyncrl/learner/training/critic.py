@@ -30,7 +30,7 @@ from ...models.value import build_critic
 from ...objectives.aggregation import masked_mean
 from ...objectives.values import explained_variance, gae, masked_whiten, token_rewards, value_loss
 from . import distributed as dist_learner
-from .batch import TrainBatch, put_rows, value_rows
+from .batch import TrainBatch, put_rows, shared_width, value_rows
 from .micro_batches import loss_scales, plan_micro_batches
 from .optim import adamw, apply_update
 
@@ -44,6 +44,7 @@ class Critic:
         self.cfg, self.adv = critic_cfg, train_cfg.advantage
         self.distributed = distributed
         self.micro_tokens, self.packing = train_cfg.micro_batch_tokens, train_cfg.packing
+        self.shared_prefix = train_cfg.packing and train_cfg.shared_prefix  # a prompt read once per bin, as the policy
         self.return_lam = critic_cfg.lam if critic_cfg.lam is not None else self.adv.lam
         critic = build_critic(policy, critic_cfg, model_cfg, seed, device=train_cfg.device)
         self.model = dist_learner.wrap(critic, distributed)
@@ -57,8 +58,12 @@ class Critic:
         """``[B, T-1]`` the critic's values on every row, in micro-batches of the token budget."""
         out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
         for index in plan_micro_batches(batch, self.micro_tokens, self.packing, skip=False).micro_batches:
-            put_rows(out, index, value_rows(self.model, batch.take(index), self.packing))
+            put_rows(out, index, self._values(batch.take(index)))
         return out
+
+    def _values(self, micro: TrainBatch) -> torch.Tensor:
+        width = shared_width(micro, self.micro_tokens) if self.shared_prefix else None
+        return value_rows(self.model, micro, self.packing, self.shared_prefix, width)
 
     def prepare(self, batch: TrainBatch) -> dict[str, float]:
         """Fill in ``batch``'s ``old_values``, ``returns``, per-token ``advantages`` and ``row_advantages``
@@ -92,7 +97,7 @@ class Critic:
             real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
             micro = mb.take(plan.micro_batches[i] if real else [0])
             with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
-                v = value_rows(self.model, micro, self.packing)
+                v = self._values(micro)
                 loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
                                             self.cfg.cliprange_value)
                 scale, _ = loss_scales(micro.response_mask, "token-mean", totals)

@@ -16,6 +16,11 @@ tokens, packed without padding (``train.packing``, :mod:`.packing`), the rows th
 gradient left out (``train.skip_zero_advantage``), the gradients accumulated and the loss
 normalised over the whole mini-batch (:mod:`.micro_batches`): one optimizer step per mini-batch, the
 same update as one padded pass over all its rows.
+
+With ``train.advantage.estimator: gae`` the trainer holds a critic (:mod:`.critic`): at the start of
+each step it computes every row's values and puts GAE's per-token advantages into the batch, and
+each mini-batch's policy step is followed by the critic's own (``critic.warmup_steps``: the critic's
+alone).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ...objectives.shaping import LengthShaping
 from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
-from .batch import Forward, TrainBatch, collate, forward_rows, put_rows
+from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
 from .critic import Critic
 from .optim import adamw, apply_update
 from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
@@ -216,10 +221,7 @@ class PolicyTrainer:
     def _forward(self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True) -> Forward:
         """:func:`forward_rows` in this trainer's layout; with shared prompts, bins up to four times
         the longest row (within the token budget), so that a prompt's completions share more bins."""
-        width = None
-        if self.packing and self.shared_prefix:
-            longest = int(batch.attention_mask.sum(1).max())
-            width = max(longest, min(4 * longest, self.micro_tokens))
+        width = shared_width(batch, self.micro_tokens) if self.packing and self.shared_prefix else None
         return forward_rows(model, batch, self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
                             packing=self.packing, shared_prefix=self.shared_prefix, width=width)
 
