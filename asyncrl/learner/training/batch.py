@@ -236,12 +236,7 @@ def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False
     if not packing:
         out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return out.logits[:, :-1, 0].float() * batch.attention_mask[:, 1:]
-    varlen = varlen_attention(critic)
-    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
-                       starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
-    dtype = next((p.dtype for p in critic.parameters() if p.is_floating_point()), torch.float32)
-    out = critic(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                 attention_mask=mask_for(critic, packed.attention, dtype), use_cache=False)
+    packed, out = _run_packed(critic, batch, shared_prefix, width)
     R, W = packed.shape
     flat = out.logits.reshape(R * W).float()
     valid = packed.token_index[:, 1:] >= 0
@@ -276,17 +271,24 @@ def first_trained(batch: TrainBatch) -> Tensor:
     return torch.where(trained.any(1), trained.float().argmax(1) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
 
 
-def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
-                    shared_prefix: bool, width: int | None) -> Forward:
-    """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
-    target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
-    the vocabulary's softmax) and lands back at ``[b, j]``."""
+def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None):
+    """``(packed rows, the model's output on them)``: the rows packed into bins of ``width`` slots
+    (:mod:`.packing`; with ``shared_prefix`` a prompt once per bin, unless the attention is varlen)."""
     varlen = varlen_attention(model)
     packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
                        starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                 attention_mask=mask_for(model, packed.attention, dtype), use_cache=False)
+    return packed, out
+
+
+def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
+                    shared_prefix: bool, width: int | None) -> Forward:
+    """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
+    target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
+    the vocabulary's softmax) and lands back at ``[b, j]``."""
+    packed, out = _run_packed(model, batch, shared_prefix, width)
     R, W = packed.shape
     logits = out.logits.reshape(R * W, -1)
     index = packed.token_index

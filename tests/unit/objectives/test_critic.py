@@ -168,26 +168,33 @@ def _trainer(tiny_overrides, *extra):
     return PolicyTrainer(model, tok, cfg.train, 1.0, critic_cfg=cfg.critic, model_cfg=cfg.model), tok
 
 
-def _batch(trainer, tok):
+def _batch(trainer, tok, shared_prompts=False):
     from tests.dist_step_worker import trajectories
 
-    return trainer.make_batch([type("E", (), {"trajectories": trajectories(len(tok))})()])
+    rows = trajectories(len(tok), shared_prompts=shared_prompts)
+    return trainer.make_batch([type("E", (), {"trajectories": rows})()])
 
 
 def test_the_critic_values_are_the_same_packed_and_padded_and_zero_at_the_start(tiny_overrides):
     from asyncrl.learner.training.batch import value_rows
 
+    from asyncrl.learner.training.batch import shared_width
+
     trainer, tok = _trainer(tiny_overrides)
-    batch = _batch(trainer, tok)
+    batch = _batch(trainer, tok, shared_prompts=True)  # each group's rows start with the same prompt
     assert float(trainer.critic.values(batch).abs().max()) == 0.0  # the head starts at zero
     with torch.no_grad():
         for p in trainer.critic.model.lm_head.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
         padded = value_rows(trainer.critic.model, batch, packing=False)
         packed = value_rows(trainer.critic.model, batch, packing=True)
+        shared = value_rows(trainer.critic.model, batch, packing=True, shared_prefix=True,
+                            width=shared_width(batch, 4096))  # a prompt read once per bin
+        used = trainer.critic.values(batch)  # the learner's: shared prompts, micro-batches of the budget
     valid = batch.attention_mask[:, 1:].float()
     assert float(padded.abs().max()) > 0.01
-    assert torch.allclose(padded * valid, packed * valid, atol=1e-5)
+    for other in (packed, shared, used):
+        assert torch.allclose(padded * valid, other * valid, atol=1e-5)
     # the critic is the policy's body: the same hidden states under a different head
     assert trainer.critic.model.lm_head.out_features == 1 and trainer.critic.model.config.tie_word_embeddings is False
 
