@@ -61,16 +61,33 @@ class Critic:
             put_rows(out, index, self._values(batch.take(index)))
         return out
 
+    def _targets(self, micro: TrainBatch, values: torch.Tensor) -> None:
+        """``micro``'s ``old_values`` and ``returns`` (GAE per row with ``critic.lam``) from ``values``."""
+        mask = micro.response_mask
+        micro.old_values = values * mask
+        _, micro.returns = gae(token_rewards(micro.rewards, mask), micro.old_values, mask, self.adv.gamma,
+                               self.return_lam)
+
     def _values(self, micro: TrainBatch) -> torch.Tensor:
         width = shared_width(micro, self.micro_tokens) if self.shared_prefix else None
         return value_rows(self.model, micro, self.packing, self.shared_prefix, width)
 
-    def prepare(self, batch: TrainBatch) -> dict[str, float]:
+    def prepare(self, batch: TrainBatch, train: bool = False) -> dict[str, float]:
         """Fill in ``batch``'s ``old_values``, ``returns``, per-token ``advantages`` and ``row_advantages``
         (each row's mean over its trained tokens). On entry ``batch.advantages`` holds each row's
-        ``advantage_scale`` on its trained tokens and ``batch.rewards`` the shaped rewards."""
+        ``advantage_scale`` on its trained tokens and ``batch.rewards`` the shaped rewards.
+
+        ``train`` (one process, one pass over the batch): also take the critic's step on the whole
+        batch, from the same forward: the values before the step are that forward's own, so the
+        forward without a graph is not needed (the same update as :meth:`train_on` after it)."""
         mask = batch.response_mask
-        values = self.values(batch) * mask
+        stats: dict[str, float] = {}
+        if train:
+            values = torch.zeros(mask.shape, device=mask.device)
+            stats = self.train_on(batch, values_out=values)
+        else:
+            values = self.values(batch)
+        values = values * mask
         rewards = token_rewards(batch.rewards, mask)
         adv, returns = gae(rewards, values, mask, self.adv.gamma, self.adv.lam)
         if self.return_lam != self.adv.lam:
@@ -82,13 +99,15 @@ class Critic:
         batch.old_values, batch.returns = values, returns
         n = mask.sum(1)
         batch.row_advantages = torch.where(n > 0, batch.advantages.sum(1) / n.clamp(min=1), 0.0)
-        return {"critic/value_mean": float(masked_mean(values, mask)),
+        return {**stats, "critic/value_mean": float(masked_mean(values, mask)),
                 "critic/return_mean": float(masked_mean(returns, mask)),
                 "critic/explained_variance": explained_variance(values, returns, mask),
                 "critic/advantage_raw_mean": raw_mean}
 
-    def train_on(self, mb: TrainBatch) -> dict[str, float]:
-        """One optimizer step of the critic on mini-batch ``mb`` (this rank's rows)."""
+    def train_on(self, mb: TrainBatch, values_out: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step of the critic on mini-batch ``mb`` (this rank's rows). ``values_out``
+        (:meth:`prepare` with ``train``): ``mb`` has no targets yet; each micro-batch's forward gives
+        its values before the step (written there) and its rows' return targets."""
         plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=False)
         totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
         self.optimizer.zero_grad(set_to_none=True)
@@ -98,6 +117,9 @@ class Critic:
             micro = mb.take(plan.micro_batches[i] if real else [0])
             with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
                 v = self._values(micro)
+                if values_out is not None:
+                    self._targets(micro, v.detach())
+                    put_rows(values_out, plan.micro_batches[i], micro.old_values)
                 loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
                                             self.cfg.cliprange_value)
                 scale, _ = loss_scales(micro.response_mask, "token-mean", totals)

@@ -93,6 +93,7 @@ class PolicyTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self._hold_policy = False  # this step trains the critic only (critic.warmup_steps)
+        self._critic_fused = False  # this step's critic stepped in Critic.prepare
         self.critic: Critic | None = None  # estimator gae: the value model, copied before any sharding
         if per_token(self.estimator):
             self.critic = Critic(model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed,
@@ -144,8 +145,10 @@ class PolicyTrainer:
         result = TrainStepResult({})
         critic_stats: dict[str, float] = {}
         self._hold_policy = False
+        # one process, one pass: the critic steps on the whole batch in the forward that gives its values
+        self._critic_fused = single_pass and self.distributed == "none"
         if self.critic is not None:  # per-token advantages and the critic's targets, from its current values
-            critic_stats = self.critic.prepare(batch)
+            critic_stats = self.critic.prepare(batch, train=self._critic_fused)
             self._hold_policy = version is not None and version < self.critic.cfg.warmup_steps
             critic_stats["critic/warmup"] = float(self._hold_policy)
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
@@ -286,7 +289,7 @@ class PolicyTrainer:
         if self.distributed != "none":  # a scaled loss averages to the global one over ranks
             stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
                                               mean_keys=frozenset({"loss", "pg_loss"}))
-        if self.critic is not None:  # (its own collectives: every rank, after the policy's)
+        if self.critic is not None and not self._critic_fused:  # (its own collectives: every rank, after the policy's)
             stats.update(self.critic.train_on(mb))
         return stats
 

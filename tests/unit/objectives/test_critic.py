@@ -248,3 +248,25 @@ def test_a_critic_checkpoint_restores_weights_and_optimizer_exactly(tiny_overrid
     other, _ = _trainer(tiny_overrides, *([] if lora else ["model.lora.rank=4"]))
     with pytest.raises(CheckpointError, match="critic/model.safetensors does not match this run's critic"):
         read_critic(tmp_path, other.critic.model)
+
+
+def test_the_one_pass_critic_step_equals_values_then_a_step(tiny_overrides):
+    """One process, one pass over the batch: the critic steps inside ``prepare`` from the forward that
+    gives its values (no forward without a graph first); the same update, targets and advantages as
+    computing the values first and stepping after."""
+    a, tok = _trainer(tiny_overrides, "critic.lam=0.9", "train.advantage.lam=0.7", "train.advantage.gamma=0.95")
+    b, _ = _trainer(tiny_overrides, "critic.lam=0.9", "train.advantage.lam=0.7", "train.advantage.gamma=0.95")
+    with torch.no_grad():
+        for critic in (a.critic, b.critic):
+            for p in critic.model.lm_head.parameters():
+                p.copy_(torch.linspace(-0.5, 0.5, p.numel()).reshape(p.shape))
+    ba, bb = _batch(a, tok), _batch(b, tok)
+    fused = a.critic.prepare(ba, train=True)
+    b.critic.prepare(bb)
+    apart = b.critic.train_on(bb)
+    for key in ("advantages", "returns", "old_values", "row_advantages"):
+        assert torch.allclose(getattr(ba, key), getattr(bb, key), atol=1e-6), key
+    assert fused["critic/value_loss"] == pytest.approx(apart["critic/value_loss"], rel=1e-6)
+    for (n, p), (_, q) in zip(a.critic.model.named_parameters(), b.critic.model.named_parameters()):
+        assert torch.allclose(p, q, atol=1e-7), n
+    assert fused["critic/grad_norm"] > 0
