@@ -10,6 +10,9 @@ is ``gae``):
   ``lam`` for the policy's advantages (whitened over the batch's trained tokens with
   ``train.advantage.norm_by_std``, times the row's ``advantage_scale``) and with ``critic.lam`` for
   the critic's return targets (VAPO's decoupled GAE; the same pass when it is unset).
+- In one process with one pass over the batch (``ppo_epochs`` and ``mini_batches`` 1), :meth:`Critic.prepare`
+  also takes the critic's step, from the same forward that gives the values: the values before the
+  step are that forward's own, so no forward without a graph is run (the same update).
 - :meth:`Critic.train_on` takes one optimizer step of the critic on a mini-batch (this rank's rows):
   the clipped value loss (``critic.cliprange_value``) token-mean over the whole mini-batch, in
   micro-batches of the token budget with the gradients accumulated, its own AdamW (``critic.lr``)
