@@ -12,7 +12,12 @@ measured window, ack latency p50/p99 (push -> ack), and the share of the learner
 ingesting (decode, validate, WAL, ack: its ``ingest_s`` metric). The simulated actors do not
 subscribe to weights (at scale that is the per-node relay's job, bench/bench_ray.py).
 
-    .venv/bin/python bench/bench_actors.py [--actors 256] [--seconds 60]
+    .venv/bin/python bench/bench_actors.py [--actors 256 1000] [--seconds 60]
+
+Until 2026-11-27 the simulator made its sockets in one context with libzmq's default cap of 1,023
+sockets: at 1,000 actors (2,000 sockets before any episode) it failed after about 500, and the
+cleanup's ``Context.term`` then waited for ever on the sockets it had made (the learner saw half
+the actors go silent and drop). It now raises the cap and destroys the context.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from asyncrl.analysis.jsonl import quiet_records  # noqa: E402
 from asyncrl.types import Episode, Trajectory  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_episode  # noqa: E402
-from asyncrl.wire.messages import Hello, Status  # noqa: E402
+from asyncrl.wire.messages import Hello, Status, Subscribe  # noqa: E402
 
 
 def _episode(actor: str, n: int, version: int, rng) -> list:
@@ -64,6 +69,27 @@ class SimActor:
         self.credits = self.version = self.sent = 0
         self.pending: dict[str, float] = {}
         self.control.send_multipart(encode("hello", Hello(actor_id=self.id, capacity=capacity, pid=os.getpid())))
+        self.weights = None  # with --relays: a subscription to its host's relay
+        self.weights_version, self.weights_in = -1, 0
+
+    def subscribe(self, ctx, relay: str) -> None:
+        """Take weights from ``relay`` (an ``asyncrl relay``'s ipc address), as an actor started with
+        ``--weights-address`` does: ``subscribe`` with the version held, again after each version."""
+        self.weights = ctx.socket(zmq.DEALER)
+        self.weights.setsockopt(zmq.IDENTITY, self.identity + b":w")
+        self.weights.setsockopt(zmq.LINGER, 0)
+        self.weights.connect(relay)
+        self.ask_weights()
+
+    def ask_weights(self) -> None:
+        self.weights.send_multipart(encode("subscribe", Subscribe(actor_id=self.id, have=self.weights_version)),
+                                    zmq.NOBLOCK)
+
+    def on_weights(self, frames) -> None:
+        """A version from the relay (ipc: its header only; the tensors stay in the relay's shared memory)."""
+        self.weights_version = decode(frames, kinds=("weights",)).body.version
+        self.weights_in += 1
+        self.ask_weights()
 
     def status(self) -> None:
         self.hb.send_multipart(encode("status", Status(actor_id=self.id, identity=self.identity.decode(),
@@ -72,7 +98,23 @@ class SimActor:
                                zmq.NOBLOCK)
 
 
-def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
+def start_relays(k: int, weights: str, env: dict, workdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """``k`` ``asyncrl relay`` processes subscribed to the learner's ``weights`` address; their ipc addresses."""
+    procs, addresses = [], []
+    for i in range(k):
+        p = subprocess.Popen([sys.executable, "-m", "asyncrl", "relay", "-c", "configs/quickstart.yaml",
+                              "--learner-weights", weights, "--relay-id", f"r{i}", "--sock-dir",
+                              str(workdir / f"relay-{i}")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        line = p.stdout.readline()
+        if not line.startswith("relay listening on "):
+            raise RuntimeError(f"relay {i} did not start: {line!r}")
+        addresses.append(line.split("relay listening on ", 1)[1].strip())
+    return procs, addresses
+
+
+def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path, relays: int = 0) -> dict:
     name = f"n{n_actors}"
     run_dir = workdir / name
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -82,7 +124,9 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
                                 f"wire.max_actors={max(n_actors * 2, 16)}", "wire.lease_s=30", "--overwrite"],
                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * n_actors + 64)  # up to four sockets an actor; libzmq default cap: 1,023
     actors: list[SimActor] = []
+    relay_procs: list[subprocess.Popen] = []
     try:
         deadline = time.time() + 300
         while not (run_dir / "addresses.json").exists():
@@ -90,13 +134,20 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
                 raise RuntimeError("the learner did not start")
             time.sleep(0.2)
         addrs = json.loads((run_dir / "addresses.json").read_text())
-        actors = [SimActor(ctx, i, addrs["control"], capacity=4) for i in range(n_actors)]
+        relay_procs, relay_addrs = start_relays(relays, addrs["weights"], env, run_dir) if relays else ([], [])
+        for i in range(n_actors):  # (appended one by one: a failure part way still closes those made)
+            actors.append(SimActor(ctx, i, addrs["control"], capacity=4))
+            if relay_addrs:  # actors spread over the relays as over hosts, each host's relay serving its actors
+                actors[-1].subscribe(ctx, relay_addrs[i % len(relay_addrs)])
         poller = zmq.Poller()
-        by_sock = {}
+        by_sock, weights_socks = {}, set()
         for a in actors:
-            poller.register(a.control, zmq.POLLIN)
-            poller.register(a.hb, zmq.POLLIN)
-            by_sock[a.control], by_sock[a.hb] = a, a
+            for sock in (a.control, a.hb, a.weights):
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+                    by_sock[sock] = a
+            if a.weights is not None:
+                weights_socks.add(a.weights)
         rng = np.random.default_rng(0)
         msgs_in = msgs_out = episodes = 0
         latencies: list[float] = []
@@ -119,6 +170,9 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
                     except zmq.Again:
                         break
                     msgs_in += 1
+                    if sock in weights_socks:
+                        a.on_weights(frames)
+                        continue
                     msg = decode(frames)
                     if msg.kind == "welcome" and a.push is None:
                         a.push = ctx.socket(zmq.PUSH)
@@ -144,27 +198,41 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path) -> dict:
                     episodes += 1 if window is not None else 0
                     msgs_out += 1
             if window is None and time.time() - t_start >= warmup:
-                window = (time.time(), _steps(run_dir), _cpu(learner.pid), _rss(learner.pid), _ingest(run_dir))
+                window = (time.time(), _steps(run_dir), _cpu(learner.pid), _rss(learner.pid), _ingest(run_dir),
+                          _sync(run_dir), sum(a.weights_in for a in actors), _cpu(os.getpid()),
+                          sum(_cpu(p.pid) for p in relay_procs))
                 msgs_in = msgs_out = 0
         t1, steps1, cpu1, rss1, ingest1 = time.time(), _steps(run_dir), _cpu(learner.pid), _rss(learner.pid), _ingest(run_dir)
-        t0, steps0, cpu0, rss0, ingest0 = window
+        t0, steps0, cpu0, rss0, ingest0, (sent0, version0), weights0, sim0, relay0 = window
+        sim1, relay1 = _cpu(os.getpid()), sum(_cpu(p.pid) for p in relay_procs)
+        tick = os.sysconf("SC_CLK_TCK")
+        sent1, version1 = _sync(run_dir)
+        behind = [m for m in _lines(run_dir)[-1:] if m]
         wall = t1 - t0
         lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
         return {"actors": n_actors, "steps_per_s": (steps1 - steps0) / wall, "control_msgs_per_s": (msgs_in + msgs_out) / wall,
-                "episodes_per_s": episodes / wall, "learner_cpu": (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK") / wall,
+                "episodes_per_s": episodes / wall, "learner_cpu": (cpu1 - cpu0) / tick / wall,
+                # what else shares the machine's cores: this simulator, and the relays
+                "simulator_cpu": (sim1 - sim0) / tick / wall, "relays_cpu": (relay1 - relay0) / tick / wall,
                 "rss_mb_start": rss0 / 1e6, "rss_mb_end": rss1 / 1e6, "ack_ms_p50": float(np.percentile(lat, 50)),
-                "ack_ms_p99": float(np.percentile(lat, 99)), "ingest_share": (ingest1 - ingest0) / wall}
+                "ack_ms_p99": float(np.percentile(lat, 99)), "ingest_share": (ingest1 - ingest0) / wall,
+                # with relays: each version reaches the actors through them; the learner sends it once per relay
+                "relays": relays, "weights_per_actor_per_s": (sum(a.weights_in for a in actors) - weights0) / wall / n_actors,
+                "learner_sends_per_version": (sent1 - sent0) / max(version1 - version0, 1) / _weights_bytes(run_dir),
+                "actors_on_version_ge_newest_minus_2": (sum(a.weights_version >= behind[0]["version"] - 2 for a in actors)
+                                                        / n_actors if relays and behind else None)}
     finally:
-        for a in actors:
-            for s in (a.control, a.hb, a.push):
-                if s is not None:
-                    s.close(0)
-        ctx.term()
+        for p in relay_procs:
+            p.terminate()
+        ctx.destroy(linger=0)  # every socket of the context closed, then the context (term alone waits for
+        # any socket left open, e.g. one made before a failure: it hung here with 1,000 actors)
         learner.terminate()
-        try:
-            learner.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            learner.kill()
+        for p in [learner, *relay_procs]:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _lines(run_dir: Path) -> list[dict]:
@@ -181,6 +249,20 @@ def _ingest(run_dir: Path) -> float:
     return m[-1].get("ingest_s", 0.0) if m else 0.0
 
 
+def _sync(run_dir: Path) -> tuple[float, int]:
+    """(the learner's weight bytes sent so far, its version), from its last metrics line."""
+    m = _lines(run_dir)
+    return (m[-1].get("sync/bytes_sent", 0.0), m[-1]["version"]) if m else (0.0, 0)
+
+
+def _weights_bytes(run_dir: Path) -> float:
+    """The bytes of one version's tensors (its ``weights_published`` event)."""
+    for e in reversed(quiet_records(run_dir / "events.jsonl")):
+        if e.get("kind") == "weights_published":
+            return float(e["bytes"])
+    return float("nan")
+
+
 def _cpu(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
@@ -195,23 +277,31 @@ def _rss(pid: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--actors", type=int, default=256)
+    ap.add_argument("--actors", type=int, nargs="+", default=[256, 1000],
+                    help="actor counts to measure beside the one-actor baseline")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between an actor's status messages")
+    ap.add_argument("--relays", type=int, default=0, help=(
+        "weight relays (asyncrl relay processes, as one per host) that the simulated actors subscribe to, "
+        "spread evenly; 0: no weight subscriptions"))
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for n in (1, a.actors):
-            rows.append(run(n, a.seconds, a.heartbeat, Path(d)))
+        for n in (1, *a.actors):
+            rows.append(run(n, a.seconds, a.heartbeat, Path(d), relays=min(a.relays, n)))
             print(json.dumps(rows[-1]), flush=True)
-    one, many = rows
+    one = rows[0]
     print(f"\n{'actors':>7} {'steps/s':>8} {'ctl msg/s':>10} {'episodes/s':>11} {'CPU':>5} {'RSS MB start->end':>18} "
-          f"{'ack p50/p99 ms':>15} {'ingest':>7}")
+          f"{'ack p50/p99 ms':>15} {'ingest':>7} {'relays':>6} {'sends/version':>13} {'versions/actor/s':>16} "
+          f"{'sim+relay CPU':>13}")
     for r in rows:
         print(f"{r['actors']:7d} {r['steps_per_s']:8.2f} {r['control_msgs_per_s']:10.0f} {r['episodes_per_s']:11.1f} "
               f"{r['learner_cpu']:5.2f} {r['rss_mb_start']:8.0f} -> {r['rss_mb_end']:6.0f} "
-              f"{r['ack_ms_p50']:7.1f}/{r['ack_ms_p99']:<7.1f} {100 * r['ingest_share']:6.1f}%")
-    print(f"\nsteps/s with {a.actors} actors / with 1: {many['steps_per_s'] / one['steps_per_s']:.2f}x")
+              f"{r['ack_ms_p50']:7.1f}/{r['ack_ms_p99']:<7.1f} {100 * r['ingest_share']:6.1f}% {r['relays']:6d} "
+              f"{r['learner_sends_per_version']:13.2f} {r['weights_per_actor_per_s']:16.2f} "
+              f"{r['simulator_cpu']:6.2f}+{r['relays_cpu']:<6.2f}")
+    for many in rows[1:]:
+        print(f"steps/s with {many['actors']} actors / with 1: {many['steps_per_s'] / one['steps_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
