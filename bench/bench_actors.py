@@ -207,7 +207,7 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path, relays: 
         sim1, relay1 = _cpu(os.getpid()), sum(_cpu(p.pid) for p in relay_procs)
         tick = os.sysconf("SC_CLK_TCK")
         sent1, version1 = _sync(run_dir)
-        behind = [m for m in _lines(run_dir)[-1:] if m]
+        newest = _lines(run_dir)[-1:]  # the learner's last metrics line (its version)
         wall = t1 - t0
         lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
         return {"actors": n_actors, "steps_per_s": (steps1 - steps0) / wall, "control_msgs_per_s": (msgs_in + msgs_out) / wall,
@@ -219,8 +219,8 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path, relays: 
                 # with relays: each version reaches the actors through them; the learner sends it once per relay
                 "relays": relays, "weights_per_actor_per_s": (sum(a.weights_in for a in actors) - weights0) / wall / n_actors,
                 "learner_sends_per_version": (sent1 - sent0) / max(version1 - version0, 1) / _weights_bytes(run_dir),
-                "actors_on_version_ge_newest_minus_2": (sum(a.weights_version >= behind[0]["version"] - 2 for a in actors)
-                                                        / n_actors if relays and behind else None)}
+                "actors_on_version_ge_newest_minus_2": (sum(a.weights_version >= newest[0]["version"] - 2 for a in actors)
+                                                        / n_actors if relays and newest else None)}
     finally:
         for p in relay_procs:
             p.terminate()

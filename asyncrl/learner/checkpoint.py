@@ -151,12 +151,13 @@ def read_critic(path: Path, critic) -> tuple[dict, dict] | None:
     import torch
     from safetensors.torch import load_file
 
+    from ..models.value import trainable_names
     from .training.distributed import unwrap
 
     if not (path / CRITIC).is_dir():
         return None
     weights = _load(path / CRITIC / "model.safetensors", load_file)
-    expected = {n for n, p in unwrap(critic).named_parameters() if p.requires_grad}
+    expected = trainable_names(unwrap(critic))
     if set(weights) != expected:
         raise CheckpointError(f"{path / CRITIC / 'model.safetensors'} does not match this run's critic: missing "
                               f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")

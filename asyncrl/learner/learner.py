@@ -354,8 +354,7 @@ class Learner:
             self.peers.pump(0, self.version)
 
     def checkpoint(self) -> Path:
-        states = self.ranks.checkpoint_states()
-        critic = self.ranks.critic_checkpoint()  # (estimator gae; in a group, gathered with the policy's)
+        states, critic = self.ranks.checkpoint_states()  # (critic: estimator gae)
 
         def write_extra(directory: Path) -> None:
             for hook in self.hooks:

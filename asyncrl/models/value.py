@@ -62,10 +62,15 @@ def build_critic(policy, critic_cfg, model_cfg, seed: int, device: str = "cpu") 
     return critic
 
 
+def trainable_names(model) -> set[str]:
+    """The names of ``model``'s parameters that train: what a critic checkpoint holds (the whole
+    model, or with ``model.lora`` its adapters and head; the frozen base is the policy's)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 def trainable_state(model, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The entries of ``state`` (default: ``model``'s) that train: what a critic checkpoint holds (the
-    whole model, or with ``model.lora`` its adapters and head; the frozen base is the policy's)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    """The entries of ``state`` (default: ``model``'s) that train (:func:`trainable_names`)."""
+    names = trainable_names(model)
     state = model.state_dict() if state is None else state
     return {k: v.detach().cpu() for k, v in state.items() if k in names}
 
@@ -117,7 +122,7 @@ def export_run_critic(run_dir: Path, out: Path | None = None, step: int | None =
     policy = with_adapters(load_model(path, cfg.model.dtype), cfg.model, cfg.seed, base=path)
     critic = build_critic(policy, cfg.critic, cfg.model, cfg.seed)
     weights = load_file(str(ckpt / CRITIC / "model.safetensors"))
-    expected = set(trainable_state(critic))
+    expected = trainable_names(critic)
     if set(weights) != expected:
         raise ConfigError(f"{ckpt / CRITIC}: its tensors do not match the critic the run's config builds (missing "
                           f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})")

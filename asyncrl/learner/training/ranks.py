@@ -95,7 +95,6 @@ class Ranks:
         self.control, self.mode = control, mode
         self.trainer: PolicyTrainer | None = None
         self.plain: torch.nn.Module | None = None
-        self._critic_states: tuple[dict, dict] | None = None  # gathered with the policy's (a group)
 
     @property
     def world(self) -> int:
@@ -142,24 +141,17 @@ class Ranks:
             for name, p in self.plain.named_parameters():
                 p.copy_(full[name])
 
-    def checkpoint_states(self) -> tuple[dict, dict] | None:
-        """The full ``(model state, optimizer state)`` gathered from the group (rank 0's); None in
-        one process (the checkpoint takes them from the model and optimizer itself)."""
+    def checkpoint_states(self) -> tuple[tuple[dict, dict] | None, tuple[dict, dict] | None]:
+        """``(policy, critic)`` states for a checkpoint: the policy's full ``(model state, optimizer
+        state)`` gathered from the group (rank 0's; None in one process, where the checkpoint takes
+        them from the model and optimizer itself), and the critic's (:func:`critic_states`; None
+        without a critic)."""
         if self.control is None:
-            return None
+            return None, critic_states(self.trainer)
         self._say(GroupCheckpoint())
         model_state = dist_learner.full_state_dict(self.trainer.model)
         states = model_state, dist_learner.optimizer_state(self.trainer.model, self.trainer.optimizer)
-        self._critic_states = critic_states(self.trainer)
-        return states
-
-    def critic_checkpoint(self) -> tuple[dict, dict] | None:
-        """The critic's states for the checkpoint being written (after :meth:`checkpoint_states`);
-        None without a critic."""
-        if self.control is None:
-            return critic_states(self.trainer)
-        states, self._critic_states = self._critic_states, None
-        return states
+        return states, critic_states(self.trainer)
 
     def stop(self) -> None:
         """Release the other ranks (they exit 0). Never raises: it is called on the way out."""
