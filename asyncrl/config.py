@@ -668,6 +668,10 @@ class LaunchConfig(_Base):
     learner: Resources = Field(default_factory=Resources, description="Each learner process's resources.")
     actor: Resources = Field(default_factory=Resources, description="Each actor's resources.")
     spread_actors: bool = Field(False, description="Spread actors over nodes (Ray SPREAD) instead of packing them.")
+    start: Literal["fork", "exec"] = Field("fork", description=(
+        "How the local scheduler (and SLURM's first node) starts the learner, the actors on its machine and the UI: "
+        "fork: from the launcher once it has imported torch and transformers, so no process imports them again "
+        "(about 5 s of CPU each); exec: a fresh python -m asyncrl each."))
     ray: RayLaunchConfig = Field(default_factory=RayLaunchConfig, description="Ray settings.")
     slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, description="SLURM settings.")
 

@@ -33,6 +33,7 @@ from ..rundir import layout
 
 from ..config import Config
 from ..lifecycle import child_env
+from . import fork
 
 STOP_GRACE_S = 30.0
 WAIT_REPORT_S = 60.0
@@ -117,13 +118,16 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
     stop.install()
     procs: list[subprocess.Popen] = []
     training_over = False
+    forking = cfg.launch.start == "fork"
     try:
-        learner, *ranks = start_learner_group(_cli("learn", *base), learner_procs, env, run_dir)
+        if forking:
+            fork.preload()
+        learner, *ranks = start_learner_group(["learn", *base], learner_procs, env, run_dir, forking)
         procs += [learner, *ranks]
         addrs = wait_for_addresses(addr_file, learner, stop=stop, report_s=WAIT_REPORT_S)
-        actors = [_start_actor(run_dir, base, addrs, i, env, place_actor) for i in range(cfg.actor.num)]
+        actors = [_start_actor(run_dir, base, addrs, i, env, place_actor, forking) for i in range(cfg.actor.num)]
         procs += actors
-        ui_proc = _start_ui(cfg, run_dir, addrs, env) if ui else None
+        ui_proc = _start_ui(cfg, run_dir, addrs, env, forking) if ui else None
         procs += [ui_proc] if ui_proc is not None else []
         print(f"[asyncrl] learner at {addrs['control']}, {cfg.actor.num} actor(s); logs in {run_dir}", flush=True)
         code = _supervise(learner, actors, run_dir, stop, ranks)
@@ -169,45 +173,48 @@ def resume_command() -> str:
     return this_command(lambda a: a == "--resume" or a.startswith("checkpoint.resume=")) + " --resume"
 
 
-def start_learner_group(command: list[str], n: int, env: dict, run_dir: Path) -> list[subprocess.Popen]:
+def start_learner_group(args: list[str], n: int, env: dict, run_dir: Path, forking: bool = False) -> list[subprocess.Popen]:
     """``n`` learner processes of one group (``asyncrl.learner.training.ranks``), as ``torchrun`` would start
     them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port), and
     ASYNCRL_STORE_SECRET, with which rank 0 serves the group's rendezvous store (bound to loopback
     alone, answering only that secret: ``asyncrl.learner.training.distributed``).
     Rank 0 prints to this terminal; rank i > 0 to ``<run>/learner-rank<i>.log``. One process: no
-    group variables at all."""
+    group variables at all. ``args``: the command after ``asyncrl``; ``forking``: see
+    :mod:`asyncrl.schedulers.fork`."""
     if n < 1:
         raise ValueError(f"--learner-procs {n}: expected at least 1 learner process")
     if n == 1:
-        return [subprocess.Popen(command, env=env)]
+        return [fork.start(args, env, fork=forking)]
     group = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(free_port()), "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
     procs = []
     for rank in range(n):
         rank_env = {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         if rank == 0:
-            procs.append(subprocess.Popen(command, env=rank_env))
+            procs.append(fork.start(args, rank_env, fork=forking))
             continue
         with open(layout.learner_rank_log(run_dir, rank), "a") as log:
-            procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(fork.start(args, rank_env, log, fork=forking))
     return procs
 
 
-def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict, place=None) -> subprocess.Popen:
-    argv = _cli("serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}", "--index", str(i))
-    if place is not None:
-        argv, env = place(i, argv, env)
+def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict, place=None,
+                 forking: bool = False) -> subprocess.Popen:
+    args = ["serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}", "--index", str(i)]
     with open(layout.actor_log(run_dir, i), "a") as log:  # the child keeps its own descriptor
+        if place is None:
+            return fork.start(args, env, log, fork=forking)
+        argv, env = place(i, _cli(*args), env)  # (on another node: a command, never a fork)
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict) -> subprocess.Popen:
+def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict, forking: bool = False) -> subprocess.Popen:
     port = free_port()
     args = ["ui", "--run", str(run_dir), "--connect", addrs["events"], "--port", str(port)]
     if cfg.wire.curve_dir:
         args += ["--curve-dir", cfg.wire.curve_dir]
     token = secrets.token_urlsafe(24)  # the UI's login on loopback (app/token_gate.py), in its environment
-    proc = subprocess.Popen(_cli(*args), env={**env, UI_TOKEN_ENV: token})
+    proc = fork.start(args, {**env, UI_TOKEN_ENV: token}, fork=forking)
     proc.url = f"http://127.0.0.1:{port}/?token={token}"
     print(f"[asyncrl] UI at {proc.url} (starting; it keeps serving after the training ends, until "
           f"Ctrl-C)", flush=True)
