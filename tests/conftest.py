@@ -31,6 +31,7 @@ SLOW_FILES = {
     "tests/e2e/test_lifecycle.py": 89, "tests/e2e/test_examples.py": 84, "tests/e2e/test_objectives_e2e.py": 60,
     "tests/unit/commands/test_console.py": 55, "tests/e2e/test_learner_group.py": 53, "tests/e2e/test_slurm.py": 51,
     "tests/e2e/test_pipeline.py": 44, "tests/unit/envs/test_agent_env.py": 43, "tests/e2e/test_trackers.py": 38,
+    "tests/e2e/test_critic_e2e.py": 82,
 }
 
 
@@ -64,7 +65,13 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """Where the session's embedded models are built: one folder for all xdist workers of this run (a
+    build is renamed into place under a file lock, so a second worker waits and reuses it:
+    asyncrl.models.tiny), or the session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -75,8 +75,9 @@ class ForkedProcess:
     :class:`subprocess.Popen`'s interface the schedulers use (``pid``, ``returncode``, ``poll``,
     ``wait``, ``send_signal``, ``terminate``, ``kill``)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], stdout=None, target=None):
-        """``target(args) -> exit code`` is what the child runs (``asyncrl``'s own ``main``)."""
+    def __init__(self, args: list[str], env: dict[str, str], stdout, target):
+        """``target(args) -> exit code`` is what the child runs: the ``main`` of the ``asyncrl`` command
+    this process runs."""
         self.args = ["asyncrl", *args]
         self.returncode: int | None = None
         for stream in (sys.stdout, sys.stderr):
@@ -124,8 +125,9 @@ def start(args: list[str], env: dict[str, str], stdout=None, fork: bool = True):
     """``asyncrl <args>`` as a child process: forked when ``fork`` and :func:`safe_to_fork`, else
     started with ``python -m asyncrl``. ``stdout``: an open file for its output (and its errors), or
     None for this process's own."""
-    if fork and safe_to_fork():
-        return ForkedProcess(args, env, stdout)
+    main = _running_command()
+    if fork and main is not None and safe_to_fork():
+        return ForkedProcess(args, env, stdout, target=main)
     argv = [sys.executable, "-m", "asyncrl", *args]
     if stdout is None:
         return subprocess.Popen(argv, env=env)
@@ -137,8 +139,6 @@ def _run_child(args: list[str], env: dict[str, str], out_fd: int | None, target)
     try:
         gc.freeze()  # the launcher's objects are never collected here (none closes a descriptor)
         _as_new_process(args, env, out_fd)
-        if target is None:
-            from ..commands.cli import main as target
         code = target(args)
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -179,6 +179,12 @@ def _as_new_process(args: list[str], env: dict[str, str], out_fd: int | None) ->
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     _set_name(f"asyncrl-{args[0]}" if args else "asyncrl")
+
+
+def _running_command():
+    """The ``asyncrl`` command's ``main``, when this process has loaded it (it runs the command); else
+    None, and processes are started with exec."""
+    return getattr(sys.modules.get("asyncrl.commands.cli"), "main", None)
 
 
 def _close_on_exec_descriptors() -> None:
