@@ -191,14 +191,52 @@ def kill_tree(proc: subprocess.Popen, known: set[int] | None = None) -> None:
         pass
 
 
-def start_cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
+_ZYGOTE = None
+
+
+def _zygote():
+    """This test process's zygote (tests/zygote.py), started on first use, closed at the session's end."""
+    global _ZYGOTE
+    if _ZYGOTE is None:
+        import atexit
+        import tempfile
+
+        from tests.zygote import Zygote
+
+        status = Path(tempfile.mkdtemp(prefix="asyncrl-zygote-"))
+        _ZYGOTE = Zygote(status, subprocess_env())
+        atexit.register(_close_zygote)
+    return _ZYGOTE
+
+
+def _close_zygote() -> None:
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        import shutil
+
+        _ZYGOTE.close()
+        shutil.rmtree(_ZYGOTE.status_dir, ignore_errors=True)
+        _ZYGOTE = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _close_zygote()
+
+
+def start_cli(*args: str, log: Path | None = None, env: dict | None = None, **kw) -> subprocess.Popen:
     """``asyncrl ARGS`` in its own session (so :func:`kill_tree` reaches all of it); output to
-    ``log`` or a pipe (text)."""
+    ``log`` or a pipe (text). ``asyncrl learn`` and ``serve`` with a log are forked from a preloaded
+    zygote (tests/zygote.py: no 5 s of imports each), as ``asyncrl run`` forks its children."""
+    env = env or subprocess_env()
+    if log is not None and args and args[0] in ("learn", "serve") and not kw:
+        proc = _zygote().start(list(args), env, log)
+        if proc is not None:
+            return proc
     if log is not None:
         with open(log, "w") as fh:
-            return subprocess.Popen(cli(*args), env=subprocess_env(), stdout=fh, stderr=subprocess.STDOUT,
+            return subprocess.Popen(cli(*args), env=env, stdout=fh, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True, **kw)
-    return subprocess.Popen(cli(*args), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cli(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kw)
 
 
@@ -439,10 +477,8 @@ class ResumableRun:
         group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for rank in range(procs):
             name = f"learner{self.lives}.log" if rank == 0 else f"learner{self.lives}-rank{rank}.log"
-            with open(self.logs / name, "w") as fh:
-                proc = subprocess.Popen(cli(*args), stdout=fh, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True,
-                                        env={**subprocess_env(), **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            proc = start_cli(*args, log=self.logs / name,
+                             env={**subprocess_env(), **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             self.procs.append(proc)
             self.group.append(proc)
         self.learner = self.group[0]
