@@ -90,6 +90,8 @@ def descriptors(d: Path) -> dict:
            "shared": str(d / "launcher-inheritable"), "child_handler": (d / "child-handler-ran").exists(),
            "launcher_handler": (d / "launcher-handler-ran").exists()}
     (d / "launcher-handler-ran").unlink(missing_ok=True)  # (this process's own exit writes it again)
+    private.close()
+    shared.close()
     return out
 
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from asyncrl.schedulers.fork import ProcessHandle
 
-class ZygoteChild:
-    """The test's handle on a process the zygote forked: the part of :class:`subprocess.Popen` the
-    tests use."""
+
+class ZygoteChild(ProcessHandle):
+    """The test's handle on a process the zygote forked: its exit code comes from the status file."""
 
     def __init__(self, pid: int, status_dir: Path, args: list[str]):
         self.pid, self.args, self.returncode = pid, ["asyncrl", *args], None
@@ -35,27 +34,6 @@ class ZygoteChild:
         if self.returncode is None and self._status.exists():
             self.returncode = int(self._status.read_text())
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:

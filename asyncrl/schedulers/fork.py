@@ -70,16 +70,48 @@ def _native_threads() -> int:
         return 0
 
 
-class ForkedProcess:
-    """A child forked from this process that runs ``asyncrl <args>``, with the part of
-    :class:`subprocess.Popen`'s interface the schedulers use (``pid``, ``returncode``, ``poll``,
-    ``wait``, ``send_signal``, ``terminate``, ``kill``)."""
+class ProcessHandle:
+    """The part of :class:`subprocess.Popen`'s interface the schedulers use (``pid``, ``returncode``,
+    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``), for a process this one did not
+    start with Popen; subclasses say how ``poll`` learns its exit code."""
+
+    pid: int
+    args: list[str]
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # (never signal a pid that has been reaped and may be reused)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # (ended since: poll() will say how)
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(ProcessHandle):
+    """A child forked from this process that runs ``asyncrl <args>``."""
 
     def __init__(self, args: list[str], env: dict[str, str], stdout, target):
         """``target(args) -> exit code`` is what the child runs: the ``main`` of the ``asyncrl`` command
-    this process runs."""
+        this process runs. ``stdout``: an open file for its output and errors, or None for ours."""
         self.args = ["asyncrl", *args]
-        self.returncode: int | None = None
+        self.returncode = None
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()  # nothing buffered is written twice
@@ -101,24 +133,6 @@ class ForkedProcess:
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # (never signal a pid that has been reaped and may be reused)
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def start(args: list[str], env: dict[str, str], stdout=None, fork: bool = True):

@@ -7,7 +7,6 @@ launcher makes them (``tests/fork_cases.py``); each child runs a small function 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
