@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -199,7 +200,6 @@ def _zygote():
     global _ZYGOTE
     if _ZYGOTE is None:
         import atexit
-        import tempfile
 
         from tests.zygote import Zygote
 
@@ -242,8 +242,21 @@ def start_cli(*args: str, log: Path | None = None, env: dict | None = None, **kw
 
 def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
     """Like ``subprocess.run(cli(*args), capture_output=True, text=True, timeout=...)``, but in its
-    own session, and the whole process tree is killed when it times out or the test fails."""
-    proc = subprocess.Popen(cli(*args), env=kw.pop("env", None) or subprocess_env(), stdout=subprocess.PIPE,
+    own session, and the whole process tree is killed when it times out or the test fails. Forked
+    from the preloaded zygote (tests/zygote.py) unless ``kw`` asks for more than an environment."""
+    env = kw.pop("env", None) or subprocess_env()
+    if not kw:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-run-cli-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            forked = _zygote().start(list(args), env, out, stderr=err)
+            if forked is not None:
+                try:
+                    forked.wait(timeout=timeout)
+                    return subprocess.CompletedProcess(cli(*args), forked.returncode, out.read_text(errors="replace"),
+                                                       err.read_text(errors="replace"))
+                finally:
+                    kill_tree(forked)
+    proc = subprocess.Popen(cli(*args), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
     try:
         out, err = proc.communicate(timeout=timeout)

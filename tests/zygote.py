@@ -1,10 +1,10 @@
-"""A preloaded process that forks ``asyncrl learn`` / ``asyncrl serve`` for the tests, as ``asyncrl
-run`` forks its own children (:mod:`asyncrl.schedulers.fork`): the tests that start learners and
+"""A preloaded process that forks the ``asyncrl`` commands the tests start, as ``asyncrl
+run`` forks its own children (:mod:`asyncrl.schedulers.fork`): ``conftest.run_cli`` and the tests that start learners and
 actors by hand (``conftest.start_cli`` with a log file, ``ResumableRun``) would otherwise pay about
 5 s of CPU importing torch and transformers for every process.
 
 ``python -m tests.zygote STATUS_DIR``: imports what the commands need, then reads one JSON request a
-line on stdin (``{"args": [...], "env": {...}, "log": path}``) and answers one line, ``{"pid": N}``
+line on stdin (``{"args": [...], "env": {...}, "log": path, "stderr": path or null}``) and answers one line, ``{"pid": N}``
 (``null``: it could not fork safely; the caller starts the process with exec instead). Each child
 is in a session of its own (so ``kill_tree`` reaches it as before), reads /dev/null, and writes to
 its log. The zygote reaps its children and writes each exit code to ``STATUS_DIR/<pid>``, which
@@ -13,6 +13,7 @@ its log. The zygote reaps its children and writes each exit code to ``STATUS_DIR
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -45,10 +46,12 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def start(self, args: list[str], env: dict, log: Path) -> ZygoteChild | None:
+    def start(self, args: list[str], env: dict, log: Path, stderr: Path | None = None) -> ZygoteChild | None:
+        """``asyncrl <args>`` writing to ``log`` (and its errors to ``stderr`` when given, else to ``log``)."""
         if self.proc.poll() is not None:
             return None
-        self.proc.stdin.write(json.dumps({"args": list(args), "env": env, "log": str(log)}) + "\n")
+        req = {"args": list(args), "env": env, "log": str(log), "stderr": str(stderr) if stderr else None}
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         pid = json.loads(line)["pid"] if line else None
@@ -69,11 +72,13 @@ def _serve(status_dir: Path) -> None:
 
     fork.preload()
 
-    def child(args):
+    def child(stderr: str | None, args: list[str]) -> int:
         os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        for path, fd, flags in ((os.devnull, 0, os.O_RDONLY), (stderr, 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            if path:
+                opened = os.open(path, flags, 0o644)
+                os.dup2(opened, fd)
+                os.close(opened)
         return main(args)
 
     requests = sys.stdin
@@ -89,7 +94,7 @@ def _serve(status_dir: Path) -> None:
         pid = None
         if fork.safe_to_fork():
             with open(req["log"], "w") as log:
-                pid = fork.ForkedProcess(req["args"], req["env"], log, target=child).pid
+                pid = fork.ForkedProcess(req["args"], req["env"], log, target=functools.partial(child, req["stderr"])).pid
             (status_dir / str(pid)).unlink(missing_ok=True)  # (a status left by an earlier process of this pid)
         sys.stdout.write(json.dumps({"pid": pid}) + "\n")
         sys.stdout.flush()
