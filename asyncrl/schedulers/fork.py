@@ -50,11 +50,13 @@ _threads_after_preload: int | None = None
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
-    """Import what the children will need, and count this process's threads then."""
+    """Import what the children will need, and count this process's threads then (the first time
+    only: a later call, say a second launch in one process, must not count pools started since)."""
     global _threads_after_preload
     for name in modules:
         importlib.import_module(name)
-    _threads_after_preload = _native_threads()
+    if _threads_after_preload is None:
+        _threads_after_preload = _native_threads()
 
 
 def safe_to_fork() -> bool:
@@ -135,6 +137,11 @@ class ForkedProcess(ProcessHandle):
         return self.returncode
 
 
+def command(args: list[str]) -> list[str]:
+    """``asyncrl <args>`` as a fresh process runs it: ``python -m asyncrl <args>``."""
+    return [sys.executable, "-m", "asyncrl", *args]
+
+
 def start(args: list[str], env: dict[str, str], stdout=None, fork: bool = True):
     """``asyncrl <args>`` as a child process: forked when ``fork`` and :func:`safe_to_fork`, else
     started with ``python -m asyncrl``. ``stdout``: an open file for its output (and its errors), or
@@ -142,7 +149,7 @@ def start(args: list[str], env: dict[str, str], stdout=None, fork: bool = True):
     main = _running_command()
     if fork and main is not None and safe_to_fork():
         return ForkedProcess(args, env, stdout, target=main)
-    argv = [sys.executable, "-m", "asyncrl", *args]
+    argv = command(args)
     if stdout is None:
         return subprocess.Popen(argv, env=env)
     return subprocess.Popen(argv, env=env, stdout=stdout, stderr=subprocess.STDOUT)

@@ -75,10 +75,6 @@ class StopSignals:
         return 128 + int(self.signum or signal.SIGINT)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl", *args]
-
-
 def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | None = None,
                        stop: StopSignals | None = None, report_s: float | None = None) -> dict:
     """The learner's addresses.json once written. Waits as long as the learner lives (or
@@ -204,7 +200,7 @@ def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict,
     with open(layout.actor_log(run_dir, i), "a") as log:  # the child keeps its own descriptor
         if place is None:
             return fork.start(args, env, log, fork=forking)
-        argv, env = place(i, _cli(*args), env)  # (on another node: a command, never a fork)
+        argv, env = place(i, fork.command(args), env)  # (on another node: a command, never a fork)
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
