@@ -520,6 +520,10 @@ class SyncConfig(_Base):
         "shared-memory segments (default: /dev/shm)."))
     keep: int = Field(3, ge=1, description="Filesystem sync: weight files kept.")
     every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+    cuda_ipc: bool = Field(True, description=(
+        "sync.type=ipc with the learner on a GPU: share each version as a CUDA IPC handle to GPU memory "
+        "(actors on the same host map it and copy on the GPU; no host copy). false: copy the weights to "
+        "the host segment as for a CPU learner (actors without CUDA)."))
 
 
 class WireConfig(_Base):

@@ -16,8 +16,12 @@ Segments are named ``asyncrl-w-<learner pid>-<token>-<generation>-<slot>``. The 
 its own on exit (``close``, also at interpreter exit); one killed before it could is swept by the
 next publisher on the host (segments whose learner pid is no longer alive).
 
-On CUDA the same protocol would carry CUDA IPC handles instead of a host segment; that path is
-not written yet (no GPU to test it on): GPU tensors are copied to the host segment.
+With the learner on a GPU (``sync.cuda_ipc``, on by default) the tensors never leave it: each slot
+is a GPU buffer that the learner shares once as a CUDA IPC handle (:class:`CudaHandle`, plain bytes
+and integers, no pickle), the host segment keeps only the header, and an actor maps the buffer
+once and copies each version out on the GPU, under the same seqlock (the learner waits for its
+copy kernels before it sets ``end``; an actor waits for its own before it checks ``begin``).
+torch's CUDA IPC reference counter keeps a buffer alive while an actor has it mapped.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from ..lifecycle import pid_alive
 from ..wire.codec import Message, encode
-from ..wire.messages import TensorSpec, Weights
+from ..wire.messages import CudaHandle, TensorSpec, Weights
 from ..wire.tensors import check_layout, pack, plan_layout, unpack
 from .base import Publisher, Receiver, WeightsError
 
@@ -113,22 +117,35 @@ class IpcPublisher(Publisher):
         self._prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._key: tuple | None = None
         self._slots: list[_Segment] = []
+        self._gpu: list[tuple[torch.Tensor, CudaHandle]] = []  # per slot, when the weights are on a GPU
         self._generation = 0
+        self.cuda_ipc = True if sync_cfg is None else bool(getattr(sync_cfg, "cuda_ipc", True))
         atexit.register(self.close)
 
     def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
         layout, size = plan_layout(state)
-        key = tuple((t.name, t.dtype, tuple(t.shape)) for t in layout)
-        if key != self._key:  # a new layout (the first version, or another model): new segments
+        device = _cuda_device(state) if self.cuda_ipc else None
+        key = (device, tuple((t.name, t.dtype, tuple(t.shape)) for t in layout))
+        if key != self._key:  # a new layout (the first version, another model or device): new segments
             self.close()
             self._generation += 1
-            self._slots = [_Segment(self.dir / f"{self._prefix}-{self._generation}-{i}", size) for i in (0, 1)]
+            host_bytes = 0 if device is not None else size
+            self._slots = [_Segment(self.dir / f"{self._prefix}-{self._generation}-{i}", host_bytes) for i in (0, 1)]
+            if device is not None:
+                self._gpu = [_share(torch.empty(max(size, 1), dtype=torch.uint8, device=device)) for _ in (0, 1)]
             self._key = key
         seg = self._slots[version % 2]
         seg.header[0], seg.header[1] = version, -1
-        pack(torch.from_numpy(seg.data), layout, state)
+        if device is None:
+            pack(torch.from_numpy(seg.data), layout, state)
+            cuda = None
+        else:
+            buf, cuda = self._gpu[version % 2]
+            with torch.cuda.device(device):
+                pack(buf, layout, state)
+                torch.cuda.current_stream().synchronize()  # the copies are done before `end` says so
         seg.header[1] = version
-        return encode("weights", Weights(version=int(version), segment=seg.name, layout=layout))
+        return encode("weights", Weights(version=int(version), segment=seg.name, layout=layout, cuda=cuda))
 
     @property
     def segment_paths(self) -> list[Path]:
@@ -138,8 +155,26 @@ class IpcPublisher(Publisher):
         """Unmap and remove this publisher's segments (idempotent)."""
         for seg in self._slots:
             seg.close(unlink=True)
-        self._slots = []
+        self._slots, self._gpu = [], []  # (torch frees a shared buffer once no actor has it mapped)
         self._key = None
+
+
+def _cuda_device(state: dict[str, torch.Tensor]) -> torch.device | None:
+    """The one CUDA device all of ``state`` lies on, or None (CPU tensors, or several devices)."""
+    devices = {t.device for t in state.values()}
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return None
+
+
+def _share(buf: torch.Tensor) -> tuple[torch.Tensor, CudaHandle]:
+    """``buf`` and the CUDA IPC handle that lets another process on this host map it."""
+    (device, handle, size, offset, ref_counter, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
+    return buf, CudaHandle(device=int(device), handle=bytes(handle), size=int(size), offset=int(offset),
+                           ref_counter=bytes(ref_counter), ref_counter_offset=int(ref_offset),
+                           event=bytes(event or b""), event_sync=bool(event_sync))
 
 
 class IpcReceiver(Receiver):
@@ -150,6 +185,7 @@ class IpcReceiver(Receiver):
         self.dir = Path(sync_cfg.dir) if sync_cfg is not None and sync_cfg.dir else default_dir()
         self._open: dict[str, _Segment] = {}
         self._buf: torch.Tensor | None = None
+        self._mapped: dict[str, torch.Tensor] = {}  # segment name -> the learner's GPU buffer, mapped
 
     def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
         body, version = msg.body, msg.body.version
@@ -158,18 +194,47 @@ class IpcReceiver(Receiver):
                                "use the same sync.type on both sides")
         seg = self._segment(body.segment)
         size = max((t.offset + t.nbytes for t in body.layout), default=0)
-        _check_layout(body.layout, seg.data.size)
+        src = None if body.cuda is None else self._map(body.segment, body.cuda)
+        _check_layout(body.layout, seg.data.size if src is None else src.numel())
         if not seg.header[0] == seg.header[1] == version:
             raise WeightsError(f"shared-memory segment {body.segment} holds version {int(seg.header[1])}, not "
                                f"{version} (overwritten by a newer one before this actor read it); the next follows")
-        if self._buf is None or self._buf.numel() < size:
-            self._buf = torch.empty(size, dtype=torch.uint8)
+        device = torch.device("cpu") if src is None else src.device
+        if self._buf is None or self._buf.numel() < size or self._buf.device != device:
+            self._buf = torch.empty(size, dtype=torch.uint8, device=device)
         buf = self._buf[:size]
-        np.copyto(buf.numpy(), seg.data[:size])
+        if src is None:
+            np.copyto(buf.numpy(), seg.data[:size])
+        else:
+            with torch.cuda.device(device):
+                buf.copy_(src[:size])
+                torch.cuda.current_stream().synchronize()  # copied before the header is checked again
         if seg.header[0] != version:
             raise WeightsError(f"version {version} in {body.segment} was overwritten while this actor copied it; "
                                f"the next follows")
         return version, unpack(buf, body.layout)
+
+    def _map(self, name: str, cuda: CudaHandle) -> torch.Tensor:
+        """The learner's GPU buffer behind segment ``name``, mapped once (uint8, on its device)."""
+        buf = self._mapped.get(name)
+        if buf is None:
+            if not torch.cuda.is_available() or cuda.device >= torch.cuda.device_count():
+                raise WeightsError(f"the learner shares its weights in the memory of CUDA device {cuda.device}, which "
+                                   f"this actor cannot see; set sync.cuda_ipc=false (host copies) or give the actor "
+                                   f"that GPU")
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    cuda.device, cuda.handle, cuda.size, cuda.offset, cuda.ref_counter, cuda.ref_counter_offset,
+                    cuda.event, cuda.event_sync)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise WeightsError(f"the CUDA IPC handle of {name} cannot be opened ({e}); ipc sync needs the "
+                                   f"learner on this host") from None
+            buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{cuda.device}").set_(
+                storage, 0, (storage.nbytes(),), (1,))
+            for old in [n for n in self._mapped if n.rsplit("-", 1)[0] != name.rsplit("-", 1)[0]]:
+                del self._mapped[old]  # another learner session or layout: unmapped (torch's counter drops)
+            self._mapped[name] = buf
+        return buf
 
     def _segment(self, name: str) -> _Segment:
         if not _NAME.match(name):
@@ -192,6 +257,8 @@ class IpcReceiver(Receiver):
         for seg in self._open.values():
             seg.close()
         self._open.clear()
+        self._mapped.clear()
+        self._buf = None
 
 
 def _check_layout(layout: list[TensorSpec], data_bytes: int) -> None:

@@ -194,15 +194,37 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True):
     nbytes: Count
 
 
+_Handle = Annotated[bytes, msgspec.Meta(max_length=256)]
+
+
+class CudaHandle(msgspec.Struct, forbid_unknown_fields=True):
+    """GPU memory the learner shares with actors on its host (ipc sync, learner on CUDA): the eight
+    values of torch's ``UntypedStorage._share_cuda_`` (a CUDA IPC memory handle, the allocation's
+    size and offset, torch's cross-process reference counter, and an IPC event), which an actor
+    passes to ``UntypedStorage._new_shared_cuda`` to map it (:mod:`asyncrl.sync.ipc`)."""
+
+    device: Count
+    handle: _Handle
+    size: Count
+    offset: Count
+    ref_counter: _Handle
+    ref_counter_offset: Count
+    event: _Handle
+    event_sync: bool
+
+
 class Weights(Body):
     """Tensor frames named by state-dict key (zmq sync), ``path`` to a safetensors file
-    (filesystem), or ``segment`` + ``layout``: a shared-memory segment on this host (ipc)."""
+    (filesystem), or ``segment`` + ``layout``: a shared-memory segment on this host (ipc), whose
+    tensors lie in the GPU memory of ``cuda`` when that is set (the segment then holds only the
+    version header)."""
 
     KIND = "weights"
     version: Count
     path: Name | None = None
     segment: Name | None = None
     layout: list[TensorSpec] | None = None
+    cuda: CudaHandle | None = None
     group: Name | None = None  # nccl/gloo: the learner's weight-sync store, host:port
     group_key: Name | None = None  # nccl/gloo: the secret every request to that store must carry
 
