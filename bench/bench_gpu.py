@@ -144,7 +144,7 @@ def _publish_series(model, n: int, cuda_ipc: bool, first_version: int, directory
     import torch
 
     from asyncrl.sync.ipc import IpcPublisher
-    from ipc_child import write_frames
+    from ipc_child import read_answer, write_frames
 
     state = {k: v.detach() for k, v in model.named_parameters()}
     publisher = IpcPublisher(SimpleNamespace(dir=directory, cuda_ipc=cuda_ipc))
@@ -162,7 +162,7 @@ def _publish_series(model, n: int, cuda_ipc: bool, first_version: int, directory
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             write_frames(child.stdin, publisher.frames(state, version))
-            answer = json.loads(child.stdout.readline())
+            answer = read_answer(child)
             latencies.append(time.perf_counter() - t0)
             if "error" in answer:
                 errors.append(answer["error"])

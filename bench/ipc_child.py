@@ -52,6 +52,15 @@ def read_frames(stream) -> list[bytes] | None:
     return frames
 
 
+def read_answer(child) -> dict:
+    """The next JSON line of the child process ``child`` (a Popen with pipes); RuntimeError naming
+    its exit code if it ended instead (a crash in native code prints no traceback)."""
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the receiving process ended (exit code {child.wait(timeout=60)}) without answering")
+    return json.loads(line)
+
+
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 

@@ -43,14 +43,15 @@ class _Batch:
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists. Returns ``ids`` long [B, P] and ``mask`` long [B, P] (1 = real token)."""
+    """Left-pad token lists. Returns ``ids`` long [B, P] and ``mask`` long [B, P] (1 = real token), on
+    the CPU (the engine moves them to its device)."""
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long, device="cpu")
         mask[i, width - len(p):] = 1
     return ids, mask
 
@@ -278,7 +279,7 @@ class HFEngine:
             targets = dict(self.model.state_dict(keep_vars=True))
             _check_weights(named_tensors, targets, set(self.state_dict_for_sync()))
             for name, tensor in named_tensors.items():
-                targets[name].data.copy_(torch.as_tensor(tensor).to(targets[name].device))
+                targets[name].data.copy_(torch.as_tensor(tensor, device=targets[name].device))
         self.version = int(version)
         if self._live and self.kv_on_update == "recompute":
             self._rebuild = True  # the next step recomputes the cache of the tokens so far

@@ -89,8 +89,9 @@ def _seq_log_rho(log_rho: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return (log_rho * mask).sum(-1, keepdim=True), mask.sum(-1, keepdim=True)
 
 
-def _none() -> Tensor:
-    return torch.zeros((), dtype=torch.bool)
+def _none(like: Tensor) -> Tensor:
+    """No token flagged: a boolean scalar on ``like``'s device (expanded to its shape by the caller)."""
+    return torch.zeros((), dtype=torch.bool, device=like.device)
 
 
 @OFF_POLICY_CORRECTIONS.register("decoupled")
@@ -119,7 +120,7 @@ def _seq_tis(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorWe
     seq, _ = _seq_log_rho(log_rho, mask)
     log_cap = math.log(cfg.cap)
     capped = (seq > log_cap).expand_as(log_rho)
-    return BehaviorWeight(torch.exp(seq.clamp(max=log_cap)).expand_as(log_rho), capped, _none().expand_as(capped))
+    return BehaviorWeight(torch.exp(seq.clamp(max=log_cap)).expand_as(log_rho), capped, _none(capped).expand_as(capped))
 
 
 @OFF_POLICY_CORRECTIONS.register("seq_mis")
@@ -129,7 +130,7 @@ def _seq_mis(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorWe
     seq, _ = _seq_log_rho(log_rho, mask)
     drop = (seq > math.log(cfg.cap)).expand_as(log_rho)
     w = torch.where(drop, torch.zeros_like(log_rho), torch.exp(seq.clamp(max=LOG_RATIO_CLAMP)).expand_as(log_rho))
-    return BehaviorWeight(w, _none().expand_as(drop), drop)
+    return BehaviorWeight(w, _none(drop).expand_as(drop), drop)
 
 
 @OFF_POLICY_CORRECTIONS.register("icepop")
@@ -140,7 +141,7 @@ def _icepop(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorWei
     gradient); set a (``is_low``) and C (``is_cap``) to the acceptance band you want."""
     rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     drop = (log_rho > math.log(cfg.cap)) | (log_rho < math.log(cfg.lower))
-    return BehaviorWeight(torch.where(drop, torch.zeros_like(rho), rho), _none().expand_as(drop), drop)
+    return BehaviorWeight(torch.where(drop, torch.zeros_like(rho), rho), _none(drop).expand_as(drop), drop)
 
 
 @OFF_POLICY_CORRECTIONS.register("geo_mask")
@@ -151,19 +152,19 @@ def _geo_mask(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorW
     seq, n = _seq_log_rho(log_rho, mask)
     mean = seq / n.clamp(min=1.0)
     drop = ((mean > math.log(cfg.cap)) | (mean < math.log(cfg.lower))).expand_as(log_rho)
-    return BehaviorWeight((~drop).to(log_rho.dtype), _none().expand_as(drop), drop)
+    return BehaviorWeight((~drop).to(log_rho.dtype), _none(drop).expand_as(drop), drop)
 
 
 def _token_truncate(log_rho: Tensor, cap: float) -> BehaviorWeight:
     capped = log_rho > math.log(cap)
     w = torch.exp(log_rho.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)
-    return BehaviorWeight(w, capped, _none().expand_as(capped))
+    return BehaviorWeight(w, capped, _none(capped).expand_as(capped))
 
 
 def _token_mask(log_rho: Tensor, log_cap: float) -> BehaviorWeight:
     drop = log_rho > log_cap
     w = torch.where(drop, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=LOG_RATIO_CLAMP)))
-    return BehaviorWeight(w, _none().expand_as(drop), drop)
+    return BehaviorWeight(w, _none(drop).expand_as(drop), drop)
 
 
 @torch.no_grad()
@@ -178,7 +179,7 @@ def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tens
     # off the mask log rho is 0 by `where`, not by a product: a masked position may hold -inf (-inf * 0 is NaN,
     # which a sequence sum would spread over the whole row)
     log_rho = torch.where(on, old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64),
-                          torch.zeros((), dtype=torch.float64))
+                          torch.zeros((), dtype=torch.float64, device=old_logprobs.device))
     out = cfg.fn(log_rho, m, cfg)
     return BehaviorWeight(out.weight.to(old_logprobs.dtype).contiguous(), out.capped.expand_as(on) & on,
                           out.masked.expand_as(on) & on)

@@ -223,6 +223,7 @@ class IpcReceiver(Receiver):
                                    f"this actor cannot see; set sync.cuda_ipc=false (host copies) or give the actor "
                                    f"that GPU")
             try:
+                torch.cuda.init()  # the caching allocator that maps IPC handles must exist first (else a crash)
                 storage = torch.UntypedStorage._new_shared_cuda(
                     cuda.device, cuda.handle, cuda.size, cuda.offset, cuda.ref_counter, cuda.ref_counter_offset,
                     cuda.event, cuda.event_sync)

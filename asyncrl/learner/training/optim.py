@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import distributed as dist_learner
@@ -36,7 +38,7 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: float, max_norm: float,
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
         grad_norm = grad_norm.full_tensor()
-    finite = bool(torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
+    finite = math.isfinite(float(loss)) and bool(torch.isfinite(grad_norm))
     if distributed != "none":  # every rank takes the same branch (one rank's loss may be the bad one)
         finite = dist_learner.all_true(finite)
     if finite and apply:

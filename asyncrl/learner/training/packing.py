@@ -182,7 +182,7 @@ def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, sh
     attention = None
     if not varlen:
         seg, parent = t[..., 2], t[..., 3]
-        causal = torch.ones(W, W, dtype=torch.bool).tril()
+        causal = torch.ones(W, W, dtype=torch.bool, device=t.device).tril()  # (built on the host, then moved)
         same = seg[:, :, None] == seg[:, None, :]
         reads_parent = parent[:, :, None] == seg[:, None, :]
         attention = ((same | reads_parent) & causal)[:, None].to(device)

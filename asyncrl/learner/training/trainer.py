@@ -192,7 +192,7 @@ class PolicyTrainer:
             bw = behavior_weights(mb.old_logprobs, mb.behavior_logprobs, fresh, self.correction)
             weight = bw.weight
             if self.loss_cfg.behavior_clip:  # the trust region around the behaviour policy reads log rho
-                log_rho = torch.where(fresh > 0, mb.old_logprobs - mb.behavior_logprobs, torch.zeros((), dtype=weight.dtype))
+                log_rho = torch.where(fresh > 0, mb.old_logprobs - mb.behavior_logprobs, torch.zeros((), dtype=weight.dtype, device=weight.device))
         else:
             mb.old_logprobs = mb.behavior_logprobs
         old, stats = mb.old_logprobs, {}
@@ -259,8 +259,8 @@ class PolicyTrainer:
         plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=rows is None and self._may_skip())
         totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
         if rows is not None:
-            rows.row_logprobs = torch.zeros(mb.response_mask.shape)
-            rows.row_entropy = torch.zeros(mb.response_mask.shape)
+            rows.row_logprobs = torch.zeros(mb.response_mask.shape, device="cpu")  # (filled from each micro-batch)
+            rows.row_entropy = torch.zeros(mb.response_mask.shape, device="cpu")
         self.optimizer.zero_grad(set_to_none=True)
         parts, fwd = [], {"slots": 0, "real": 0, "shared": 0}
         loss_sum, started = 0.0, time.perf_counter()

@@ -4,7 +4,6 @@ and a run with the learner and the HF engine on CUDA need a GPU (``gpu``)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from ipc_child import digest, write_frames  # noqa: E402
+from ipc_child import digest, read_answer, write_frames  # noqa: E402
 
 
 def _cfg(tmp_path, cuda_ipc=True):
@@ -94,7 +93,7 @@ def test_cuda_weights_reach_another_process_bit_exact_through_gpu_memory(tmp_pat
             assert body.cuda is not None and body.cuda.device == state["w"].device.index
             assert all(p.stat().st_size == HEADER_BYTES + 1 for p in pub.segment_paths)  # the header only
             write_frames(child.stdin, frames)
-            answer = json.loads(child.stdout.readline())
+            answer = read_answer(child)
             assert "error" not in answer, answer
             assert answer["version"] == v and answer["device"].startswith("cuda")
             assert answer["sha"] == {k: digest(t) for k, t in state.items()}, v
@@ -118,7 +117,7 @@ def test_a_torn_cuda_version_is_refused(tmp_path):
         pub.frames({"w": torch.ones(64, device="cuda")}, 2)
         pub.frames({"w": torch.full((64,), 3.0, device="cuda")}, 3)  # version 1's slot now holds 3
         write_frames(child.stdin, old)
-        assert "holds version 3, not 1" in json.loads(child.stdout.readline())["error"]
+        assert "holds version 3, not 1" in read_answer(child)["error"]
     finally:
         child.stdin.close()
         child.wait(timeout=120)
