@@ -155,13 +155,27 @@ def stalled_peer() -> None:
     print("collective returned without the other rank", flush=True)
 
 
+def assert_matches(got: dict, ref: dict, label: str, tol: float = 1e-5) -> None:
+    """Every tensor of a group's step (``got``) within ``tol`` of one process's (``ref``)."""
+    assert got.keys() == ref.keys(), (label, sorted(got.keys() ^ ref.keys()))
+    for k in ref:
+        a, b = got[k], ref[k]
+        if k.startswith("rows/"):  # padded positions hold junk that depends on the forward's shape
+            a, b = a * ref["rows/valid"], b * ref["rows/valid"]
+        diff = float((a - b).abs().max())
+        assert diff <= tol, f"{label} {k}: max abs difference {diff}"
+
+
 def main() -> None:
+    """Ranks from the environment; ``DIST_WORKER_CASES`` (comma-separated) limits the cases and
+    ``DIST_WORKER_CURVE`` gives the group store's CURVE keys (ranks on several hosts)."""
     if sys.argv[1] == "--stalled-peer":
         return stalled_peer()
     out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
-    rank, _ = distributed.init_from_env(timeout_s=60)
+    rank, _ = distributed.init_from_env(timeout_s=60, curve_dir=os.environ.get("DIST_WORKER_CURVE"))
+    cases = os.environ["DIST_WORKER_CASES"].split(",") if os.environ.get("DIST_WORKER_CASES") else list(CASES)
     for mode in ("ddp", "fsdp2"):
-        for case in CASES:
+        for case in cases:
             tensors, stats = one_step(overrides, mode, case)
             if rank == 0:
                 save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / f"{mode}_{case}.safetensors")

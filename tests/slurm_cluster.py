@@ -1,6 +1,11 @@
-"""A real one-node SLURM cluster for tests: Debian's slurm-wlm (slurmctld + slurmd) and munge,
-started as root from a private directory (their own key, socket, ports, state and logs; nothing in
-/etc is touched) and stopped with every process they started, also when a test fails."""
+"""A real SLURM cluster for tests: Debian's slurm-wlm (slurmctld + slurmd) and munge, started as
+root from a private directory (their own key, socket, ports, state and logs; nothing in /etc is
+touched) and stopped with every process they started, also when a test fails.
+
+One node on this machine's loopback by default. Given namespace hosts (``tests/netns.py``), a cluster
+across them: slurmctld on host 0 and one slurmd on each other host, node ``n<i>`` at host ``i``'s
+address, each with its own spool, pid file and log (``%n`` in slurm.conf); munge's socket is a file
+that every host sees. Commands (``run``) then run on host 0, the controller's."""
 
 from __future__ import annotations
 
@@ -34,13 +39,21 @@ def _bin(name: str) -> str:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, cpus: int | None = None):
+    def __init__(self, root: Path, cpus: int | None = None, hosts=None):
         self.root = root
+        self.hosts = hosts
         self.node = socket.gethostname().split(".")[0]
         self.cpus = cpus or os.cpu_count() or 1
         self.procs: list[subprocess.Popen] = []
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # (name, address, namespace host) of each slurmd; the controller's host and address
+        if hosts is None:
+            self.nodes = [(self.node, "127.0.0.1", None)]
+            self.ctl = (self.node, "127.0.0.1", None)
+        else:
+            self.nodes = [(f"n{i}", hosts.ips[i], i) for i in range(1, len(hosts.ips))]
+            self.ctl = (self.node, hosts.ips[0], 0)  # (slurmctld runs only where its name is the host's)
 
     def start(self, timeout_s: float = 60.0) -> "SlurmCluster":
         r = self.root
@@ -53,26 +66,42 @@ class SlurmCluster:
                      f"--pid-file={r / 'munged.pid'}", f"--log-file={r / 'munged.log'}", f"--seed-file={r / 'munged.seed'}"],
                     "munged.out")
         self._wait(lambda: (r / "munge.socket").exists(), "munged's socket", timeout_s)
+        spool = r / "spool" / "%n"
+        for name, _, _ in self.nodes:
+            (r / "spool" / name).mkdir(parents=True, exist_ok=True)
+        ctl_name, ctl_addr, ctl_host = self.ctl
         self.conf.write_text("\n".join([
-            "ClusterName=asyncrltest", f"SlurmctldHost={self.node}(127.0.0.1)", f"SlurmctldPort={_port()}",
+            "ClusterName=asyncrltest", f"SlurmctldHost={ctl_name}({ctl_addr})", f"SlurmctldPort={_port()}",
             f"SlurmdPort={_port()}", "AuthType=auth/munge", f"AuthInfo=socket={r / 'munge.socket'}", "CredType=cred/munge",
-            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd.log'}",
+            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={spool}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU", "MpiDefault=none", "ReturnToService=2", "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-            "CommunicationParameters=NoInAddrAny", "KillWait=60",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN",
+            # (on one machine, only the loopback address; across namespace hosts srun, which tells a step
+            # daemon the address to call back, listens on every interface of its own host: lo and eth0)
+            *(["CommunicationParameters=NoInAddrAny"] if self.hosts is None else []), "KillWait=60",
+            *[f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
+              for name, addr, _ in self.nodes],
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
-        self._spawn([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
-        self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), "-N", self.node], "slurmd.out")
-        self._wait(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T").stdout, "an idle node", timeout_s)
+        self._spawn([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out", ctl_host)
+        for name, _, host in self.nodes:
+            self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", host)
+
+        def all_idle() -> bool:
+            states = self.run("sinfo", "-h", "-N", "-o", "%T").stdout.split()
+            return len(states) == len(self.nodes) and all(s == "idle" for s in states)
+
+        self._wait(all_idle, f"{len(self.nodes)} idle node(s)", timeout_s)
         return self
 
-    def _spawn(self, argv: list[str], out: str) -> None:
+    def argv(self, argv: list[str], host: int | None) -> list[str]:
+        return argv if host is None or self.hosts is None else self.hosts.enter(host, argv)
+
+    def _spawn(self, argv: list[str], out: str, host: int | None = None) -> None:
         with open(self.root / out, "ab") as f:
-            self.procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+            self.procs.append(subprocess.Popen(self.argv(argv, host), stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                                start_new_session=True))
 
     def _wait(self, cond, what: str, timeout_s: float) -> None:
@@ -80,7 +109,7 @@ class SlurmCluster:
         while time.time() < deadline:
             if cond():
                 return
-            dead = [p.args[0] for p in self.procs if p.poll() is not None]
+            dead = [" ".join(p.args[:7]) for p in self.procs if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead} exited while waiting for {what}: {self.logs()}")
             time.sleep(0.3)
@@ -91,7 +120,9 @@ class SlurmCluster:
             self.root.glob("*.log")) if p.is_file())
 
     def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([_bin(argv[0]), *argv[1:]], capture_output=True, text=True, env=self.env, timeout=timeout)
+        """A SLURM command, on the controller's host."""
+        return subprocess.run(self.argv([_bin(argv[0]), *argv[1:]], self.ctl[2]), capture_output=True, text=True,
+                              env=self.env, timeout=timeout)
 
     def jobs(self) -> list[str]:
         return self.run("squeue", "-h", "-o", "%i").stdout.split()

@@ -110,7 +110,7 @@ def _learner_group(cfg):
         return Ranks(None, "none")
     if cfg.train.device == "cuda":  # one GPU per rank
         cfg.train.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    rank, _ = distributed.init_from_env(cfg.train.distributed_timeout_s)
+    rank, _ = distributed.init_from_env(cfg.train.distributed_timeout_s, curve_dir=cfg.wire.curve_dir)
     control = distributed.Control()
     if rank == 0:
         print(f"[learner] {world} learner processes ({mode}); rank 0 owns the sockets, buffer and checkpoints",

@@ -6,6 +6,7 @@ which stops every process cleanly (the learner checkpoints) and leaves nothing b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -100,6 +101,70 @@ def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_pat
     proc = _run([f"run_root={tmp_path}", "name=long", "actor.num=2", "train.total_steps=100000", "eval.size=20",
                  "checkpoint.every=100000"], env)
     job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    metrics = tmp_path / "long" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.logs()
+        time.sleep(1)
+    assert slurm.run("scancel", job).returncode == 0
+    slurm.wait_gone(job, 120)
+    out = (tmp_path / f"long.slurm-{job}.out").read_text()
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert "stop signal" in summary["stopped"], out[-2000:]
+    assert (tmp_path / "long" / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
+    deadline = time.time() + 60
+    while time.time() < deadline and (_asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) or stepds(slurm.root)):
+        time.sleep(0.5)
+    assert not _asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) and not stepds(slurm.root)
+
+
+@pytest.fixture
+def slurm_hosts(tmp_path_factory):
+    """slurmctld on namespace host 0 and a slurmd on each of hosts 1 and 2 (nodes n1, n2)."""
+    from tests import netns
+
+    why = missing() or netns.available()
+    if why:
+        pytest.fail(f"a real SLURM across namespace hosts is needed here ({why}); make test installs it")
+    with netns.Hosts(3) as hosts:
+        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-hosts"), cpus=os.cpu_count() or 1, hosts=hosts)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@pytest.mark.slow
+def test_across_hosts_the_actors_run_on_another_node_and_scancel_still_checkpoints(slurm_hosts, tmp_path):
+    slurm, hosts = slurm_hosts, slurm_hosts.hosts
+    env = {**subprocess_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    env.pop("SLURM_JOB_ID", None)
+
+    def submit(*args: str) -> str:  # from the controller's host (the only way to reach slurmctld's address)
+        proc = subprocess.run(hosts.enter(0, [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml",
+                                              "--scheduler", "slurm", "launch.slurm.nodes=2", "launch.slurm.bind=iface:eth0",
+                                              "actor.num=2", "eval.size=20", f"run_root={tmp_path}", *args]),
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+
+    # 1. a job over two nodes trains to the end: the learner on n1 (its own address, CURVE), the actors on n2
+    job = submit("name=multi", "train.total_steps=8")
+    assert slurm.wait_gone(job, 300) == "COMPLETED", slurm.logs()
+    out = (tmp_path / f"multi.slurm-{job}.out").read_text()
+    assert f"learner on n1 ({hosts.ips[1]}, CURVE keys), 2 actor(s) on n2" in out, out[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert summary["steps_trained"] == 8, out[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "multi" / "events.jsonl").read_text().splitlines()]
+    assert {e["actor_id"] for e in events if e.get("kind") == "episode"} == {"actor-0", "actor-1"}
+    # n2's slurmd launched the actors' steps of this job (and n1's the batch script with the learner)
+    n2 = (slurm.root / "slurmd-n2.log").read_text()
+    assert f"StepId={job}.0" in n2 and f"StepId={job}.1" in n2, n2[-2000:]
+    assert f"Launching batch job {job} " in (slurm.root / "slurmd-n1.log").read_text()
+
+    # 2. scancel mid-run: the learner on n1 checkpoints where it stopped, every process on both nodes ends
+    job = submit("name=long", "train.total_steps=100000", "checkpoint.every=100000")
     metrics = tmp_path / "long" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -68,11 +68,16 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
+def init_from_env(timeout_s: float = 60.0, curve_dir: str | None = None) -> tuple[int, int]:
     """Join the process group named by the launcher's environment; returns ``(rank, world_size)``.
 
     gloo on CPU, nccl (and ``cuda:LOCAL_RANK``) when CUDA is available. Every collective is bounded
-    by ``timeout_s``: a rank that died makes the others raise instead of waiting for ever."""
+    by ``timeout_s``: a rank that died makes the others raise instead of waiting for ever. gloo
+    connects the ranks over the interface that reaches MASTER_ADDR (``GLOO_SOCKET_IFNAME``, unless
+    set: ``lo`` for a group on one host, where gloo would otherwise take the interface the host name
+    resolves to). ``curve_dir``: with a non-loopback MASTER_ADDR, the CURVE keys of the group's store
+    (rank 0: the learner's server keys; the other ranks: a bundle made for them), see
+    :func:`_group_store`."""
     missing = [name for name in _ENV if name not in os.environ]
     if missing:
         raise RuntimeError(f"distributed.init_from_env: {', '.join(missing)} not set; start under torchrun "
@@ -84,8 +89,12 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
         if torch.cuda.is_available():
             backend = "nccl"
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            iface = route_interface(os.environ["MASTER_ADDR"])
+            if iface:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = _group_store(timeout_s)
+        store = _group_store(timeout_s, curve_dir)
         if store is None:  # torchrun / accelerate: their own rendezvous store (MASTER_ADDR:MASTER_PORT)
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -97,25 +106,61 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
 _STORE: list = []  # this process's rendezvous store objects, alive as long as the group
 
 
-def _group_store(timeout_s: float):
-    """With ``ASYNCRL_STORE_SECRET`` set (``asyncrl run --learner-procs`` sets it), the group meets
-    at an authenticated, bounded :class:`asyncrl.sync.rendezvous.StoreServer` that rank 0 binds on
-    MASTER_ADDR:MASTER_PORT alone (a plain ``TCPStore`` listens on every interface and takes anyone's
-    keys); without it, None: the launcher's own store."""
+def _group_store(timeout_s: float, curve_dir: str | None = None):
+    """With ``ASYNCRL_STORE_SECRET`` set (``asyncrl run --learner-procs`` sets it; ranks started by
+    hand on several hosts are given the same one), the group meets at an authenticated, bounded
+    :class:`asyncrl.sync.rendezvous.StoreServer` that rank 0 binds on MASTER_ADDR:MASTER_PORT alone
+    (a plain ``TCPStore`` listens on every interface and takes anyone's keys); without it, None: the
+    launcher's own store. A non-loopback MASTER_ADDR (ranks on several hosts) also needs CURVE:
+    rank 0 serves with the server keys in ``curve_dir`` (its ``wire.curve_dir``) and admits the keys
+    in their ``authorized/``; every other rank connects with the bundle in its own ``curve_dir``."""
     secret = os.environ.get("ASYNCRL_STORE_SECRET")
     if not secret:
         return None
     from ...sync.rendezvous import StoreClient, StoreServer
+    from ...wire.sockets import is_loopback
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if int(os.environ["RANK"]) == 0:
-        server = StoreServer(host, port, secret=secret)
+    rank = int(os.environ["RANK"])
+    if is_loopback(host):
+        curve_dir = None
+    elif not curve_dir:
+        raise RuntimeError(f"MASTER_ADDR={host} is not a loopback address: the learner group's store there is a CURVE "
+                           f"server, and rank {rank} has no keys; set wire.curve_dir (rank 0: the learner's server keys; "
+                           f"each other rank: a bundle made for it by `asyncrl keys`)")
+    if rank == 0:
+        server = StoreServer(host, port, secret=secret, curve_dir=curve_dir)
         _STORE.append(server)
         store = server.local(timeout_s)
     else:
-        store = StoreClient(host, port, secret, timeout_s=timeout_s)
+        store = StoreClient(host, port, secret, timeout_s=timeout_s, curve_dir=curve_dir)
     _STORE.append(store)
     return store
+
+
+def route_interface(address: str) -> str | None:
+    """The name of this host's network interface that holds the local address a connection to
+    ``address`` would leave from (``lo`` for a loopback one), or None where that cannot be told
+    (no route, or no IPv4 interface holds the address)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(address), 9))  # (UDP: nothing is sent)
+            local = probe.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+                if socket.inet_ntoa(raw[20:24]) == local:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def leave_group() -> None:
