@@ -82,6 +82,26 @@ def _asyncrl_left(run_dir: Path, slurm_conf: str) -> list[str]:
     return out
 
 
+def _scancel_checkpoints(slurm, tmp_path: Path, job: str, name: str) -> None:
+    """Once run ``name`` (job ``job``) has trained 3 steps, ``scancel``: SIGTERM is the run's Ctrl-C, the
+    learner checkpoints where it stopped, and every process of the job ends (step daemons too)."""
+    metrics = tmp_path / name / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.logs()
+        time.sleep(1)
+    assert slurm.run("scancel", job).returncode == 0
+    slurm.wait_gone(job, 120)
+    out = (tmp_path / f"{name}.slurm-{job}.out").read_text()
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert "stop signal" in summary["stopped"], out[-2000:]
+    assert (tmp_path / name / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
+    deadline = time.time() + 60
+    while time.time() < deadline and (_asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) or stepds(slurm.root)):
+        time.sleep(0.5)
+    assert not _asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) and not stepds(slurm.root)
+
+
 @pytest.mark.slow
 def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_path):
     env = {**subprocess_env(), **{k: v for k, v in slurm.env.items() if k == "SLURM_CONF"}}
@@ -101,21 +121,7 @@ def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_pat
     proc = _run([f"run_root={tmp_path}", "name=long", "actor.num=2", "train.total_steps=100000", "eval.size=20",
                  "checkpoint.every=100000"], env)
     job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
-    metrics = tmp_path / "long" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.logs()
-        time.sleep(1)
-    assert slurm.run("scancel", job).returncode == 0
-    slurm.wait_gone(job, 120)
-    out = (tmp_path / f"long.slurm-{job}.out").read_text()
-    summary = json.loads(out.strip().splitlines()[-1])["summary"]
-    assert "stop signal" in summary["stopped"], out[-2000:]
-    assert (tmp_path / "long" / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
-    deadline = time.time() + 60
-    while time.time() < deadline and (_asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) or stepds(slurm.root)):
-        time.sleep(0.5)
-    assert not _asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) and not stepds(slurm.root)
+    _scancel_checkpoints(slurm, tmp_path, job, "long")
 
 
 @pytest.fixture
@@ -165,18 +171,4 @@ def test_across_hosts_the_actors_run_on_another_node_and_scancel_still_checkpoin
 
     # 2. scancel mid-run: the learner on n1 checkpoints where it stopped, every process on both nodes ends
     job = submit("name=long", "train.total_steps=100000", "checkpoint.every=100000")
-    metrics = tmp_path / "long" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.logs()
-        time.sleep(1)
-    assert slurm.run("scancel", job).returncode == 0
-    slurm.wait_gone(job, 120)
-    out = (tmp_path / f"long.slurm-{job}.out").read_text()
-    summary = json.loads(out.strip().splitlines()[-1])["summary"]
-    assert "stop signal" in summary["stopped"], out[-2000:]
-    assert (tmp_path / "long" / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), out[-2000:]
-    deadline = time.time() + 60
-    while time.time() < deadline and (_asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) or stepds(slurm.root)):
-        time.sleep(0.5)
-    assert not _asyncrl_left(tmp_path, slurm.env["SLURM_CONF"]) and not stepds(slurm.root)
+    _scancel_checkpoints(slurm, tmp_path, job, "long")
