@@ -25,8 +25,8 @@ step() {
   tail -n 30 "$OUT/$name.log"
   echo "=== $name: rc $rc in $((SECONDS - t0)) s" | tee -a "$OUT/card.txt"
 }
-step ipc 150 python3 bench/bench_gpu.py ipc --json "$OUT/ipc.json"
-step packing 180 python3 bench/bench_gpu.py packing --json "$OUT/packing.json"
-step gputests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+step ipc 100 python3 bench/bench_gpu.py ipc --json "$OUT/ipc.json"
+step packing 120 python3 bench/bench_gpu.py packing --json "$OUT/packing.json"
+step gputests 110 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
   tests/unit/sync/test_sync_ipc_cuda.py tests/unit/engine/test_engine_vllm.py
-step quickstart 200 python3 bench/bench_gpu.py quickstart --steps 40 --json "$OUT/quickstart.json"
+step quickstart 130 python3 bench/bench_gpu.py quickstart --steps 30 --json "$OUT/quickstart.json"
