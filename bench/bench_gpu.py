@@ -104,8 +104,8 @@ def bench_packing(args) -> dict:
     print(f"packing: {card()}, {args.rows} rows/step, lengths median {statistics.median(lengths):.0f}, "
           f"max {max(lengths)}; {args.steps} timed steps after one warm-up", flush=True)
     results = {}
-    for variant in ("padded", "packed"):
-        cfg = load_config(None, [*VARIANTS[variant], f"train.device={device}"])
+    for variant in args.variants:
+        cfg = load_config(None, [*VARIANTS[variant], f"train.device={device}", *args.overrides])
         model = build_model(shape, device)
         trainer = PolicyTrainer(model, SimpleNamespace(pad_token_id=0), cfg.train, 1.0)
         if device == "cuda":
@@ -133,8 +133,9 @@ def bench_packing(args) -> dict:
         del trainer, model
         if device == "cuda":
             torch.cuda.empty_cache()
-    results["speedup"] = results["padded"]["step_s"] / results["packed"]["step_s"]
-    print(f"  packed/padded: {results['speedup']:.2f}x faster step", flush=True)
+    if {"padded", "packed"} <= set(results):
+        results["speedup"] = results["padded"]["step_s"] / results["packed"]["step_s"]
+        print(f"  packed/padded: {results['speedup']:.2f}x faster step", flush=True)
     return results
 
 
@@ -182,7 +183,7 @@ def _publish_series(model, n: int, cuda_ipc: bool, first_version: int, directory
                                      "p90": ms[int(0.9 * (len(ms) - 1))], "max": ms[-1]},
            "child_apply_ms_median": 1e3 * statistics.median(a["apply_s"] for a in ok) if ok else None,
            "child_device": ok[0]["device"] if ok else None}
-    if cuda and ok:
+    if cuda and ok and "allocated" in ok[0]:  # (the child's GPU memory: only where it received on the GPU)
         out["child_allocated_mib"] = {"first": ok[0]["allocated"] / 2**20, "last": ok[-1]["allocated"] / 2**20}
         out["device_free_mib"] = {"first": ok[0]["free"] / 2**20, "last": ok[-1]["free"] / 2**20}
         out["learner_allocated_mib"] = {"first": alloc_learner[0] / 2**20, "last": alloc_learner[-1] / 2**20}
@@ -261,6 +262,9 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--shape", choices=["qwen0.5b", "tiny"], default="qwen0.5b")
+    p.add_argument("--variants", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
+    p.add_argument("-o", dest="overrides", action="append", default=[],
+                   help="a config override for every variant (-o train.micro_batch_tokens=4096), repeatable")
     p = sub.add_parser("ipc")
     p.add_argument("--updates", type=int, default=100)
     p.add_argument("--host-updates", type=int, default=10)
