@@ -15,7 +15,7 @@ import torch
 from asyncrl.sync import WeightsError
 from asyncrl.sync.ipc import HEADER_BYTES, PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import WireError, decode, encode
-from asyncrl.wire.messages import CudaHandle, TensorSpec, Weights
+from asyncrl.wire.messages import CudaHandle, Weights
 
 from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 
