@@ -232,9 +232,7 @@ class IpcReceiver(Receiver):
                                    f"learner on this host") from None
             buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{cuda.device}").set_(
                 storage, 0, (storage.nbytes(),), (1,))
-            for old in [n for n in self._mapped if n.rsplit("-", 1)[0] != name.rsplit("-", 1)[0]]:
-                del self._mapped[old]  # another learner session or layout: unmapped (torch's counter drops)
-            self._mapped[name] = buf
+            self._mapped[name] = buf  # (unmapped with its segment, in _segment)
         return buf
 
     def _segment(self, name: str) -> _Segment:
@@ -251,6 +249,7 @@ class IpcReceiver(Receiver):
                 raise WeightsError(f"shared-memory segment {self.dir / name} cannot be opened: {e.strerror}") from None
             for old in [n for n in self._open if n.rsplit("-", 1)[0] != name.rsplit("-", 1)[0]]:
                 self._open.pop(old).close()  # another learner session or layout: its segments are done
+                self._mapped.pop(old, None)  # (and its GPU buffer unmapped: torch's counter drops)
             self._open[name] = seg
         return seg
 
