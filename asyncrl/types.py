@@ -101,6 +101,7 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
     sample_type: Name = "policy"
     group_id: Name = ""
     task_id: Name = ""
+    rollout_id: Name = ""  # rows of one rollout (an agent's unmerged calls) share it: one sample of their group
     is_replay: bool = False
     recorded_logprobs: Union[Annotated[np.ndarray, PerToken("float32")], None] = None  # for replay
     exp_mask: Union[Annotated[np.ndarray, PerToken("uint8")], None] = None  # replayed generated tokens (None: all 0)

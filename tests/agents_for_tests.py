@@ -102,3 +102,24 @@ async def openenv_add(task, client, model):
         reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": obs["question"]}])
         result = await env.step({"answer": reply.choices[0].message.content or ""})
         return {"reward": float(result.reward or 0.0), "openenv/steps": 1.0}
+
+
+async def three_separate_calls(task, client, model):
+    """Three chat calls that extend nothing (three rows of one rollout). Reward: how many of the three
+    completions have an even length, so that rollouts of one task differ."""
+    texts = []
+    for k in range(3):
+        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"{k}+{task.id}"}])
+        texts.append(reply.choices[0].message.content or "")
+    return {"reward": sum(len(t) % 2 == 0 for t in texts) / 3.0, "calls": 3.0}
+
+
+async def one_call(task, client, model):
+    """One chat call (for many sessions at once)."""
+    reply = await client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    return float(bool(reply.choices[0].model_extra["token_ids"]))
+
+
+def every_reply_calls_add(text):
+    """A tool parser for a random model: every completion is a call of ``add`` (its text the argument)."""
+    return None, [{"name": "add", "arguments": {"text": text}}]

@@ -16,8 +16,13 @@ What it records, per rollout (a :class:`Session`), is what the learner trains on
   into one trajectory (environment tokens ``loss_mask = 0``, generated tokens ``1``). A call that
   extends nothing starts a new trajectory (a :class:`Segment`).
 
-Requests are answered in batches: the rollout's thread (the one that owns the engine) waits until
-every running agent is blocked on a call (or a short linger passed) and generates them together.
+The server is uvicorn on an event loop thread of its own (:mod:`.endpoint_server`): HTTP/1.1 with
+keep-alive, ``/v1/chat/completions`` and ``/v1/completions`` (``stream: true`` as server-sent events in
+OpenAI's chunk format), ``/v1/responses`` (:mod:`.responses_api`) and ``/v1/models``. Requests are
+answered in batches: the rollout's thread (the one that owns the engine) waits until every running
+agent is blocked on a call (or a short linger passed) and generates them together. Answers carry the
+sampled ids (``token_ids``, ``prompt_token_ids``) and, when asked (``logprobs``), the engine's
+log-probs of them.
 
 Sampling: ``max_tokens``/``max_completion_tokens`` (capped at ``sampling.max_new_tokens``), ``stop``
 (added to ``sampling.stop``) and ``n`` are honoured; the run's ``sampling.temperature`` and ``top_p``
@@ -28,29 +33,35 @@ and tool calls are parsed from the completion by ``tool_parser`` (``hermes``: Qw
 
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "code"}}``), never a crash: malformed
 JSON, a missing field, an unknown model name, an unknown or finished session, a call past the
-session's call budget, a completion that did not come within ``request_timeout_s``.
+session's call budget, a completion that did not come within ``request_timeout_s``, more than
+``MAX_SESSIONS`` sessions open at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from ..config import ConfigError, SamplingConfig
 from ..engine.base import token_versions
+from . import responses_api
+from .endpoint_server import Server, decode_json, read_body, send_events, send_json
 from .prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
 MAX_BODY_BYTES = 8 << 20
-MAX_CONNECTIONS = 512  # open at once; more are answered 503 and closed (one thread each)
-READ_TIMEOUT_S = 30.0  # a connection that sends nothing for this long (idle, or a slow-loris) is closed
+MAX_CONNECTIONS = 4096  # open at once; more are answered 503 and closed
+READ_TIMEOUT_S = 30.0  # a connection that sends nothing for this long while not answered (idle, slow-loris) is closed
+MAX_SESSIONS = 4096  # rollouts open at once on one endpoint; more are refused (the rollout fails, in one line)
+MAX_RESPONSES = 64  # Responses API answers a session keeps for previous_response_id
 MAX_N = 16
 LINGER_S = 0.02  # a batch goes once no new call arrived for this long (or every agent is waiting)
 ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
@@ -59,9 +70,10 @@ ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
 class EndpointError(Exception):
     """An OpenAI-style error answer: HTTP ``status``, ``code`` and a one-line message."""
 
-    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error",
+                 close: bool = False):
         super().__init__(message)
-        self.status, self.code, self.kind = status, code, kind
+        self.status, self.code, self.kind, self.close = status, code, kind, close
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "code": self.code, "param": None}}
@@ -229,9 +241,36 @@ class Call:
     messages: list[dict] | None = None
     prompt_text: str | None = None
     tools: bool = False
+    kind: str = "chat"  # chat, completions or responses: the shape of the answer
+    stream: bool = False
+    logprobs: bool = False  # the answer carries the sampled tokens' log-probs
+    include_usage: bool = False  # a stream ends with a usage chunk (stream_options.include_usage)
+    body: dict = field(default_factory=dict)  # (responses: the request, echoed in the answer)
+    history: list | None = None  # (responses: the conversation asked, as chat messages)
+    waiter: tuple | None = None  # (event loop, future) of the HTTP handler awaiting it
     done: threading.Event = field(default_factory=threading.Event)
     generations: list = field(default_factory=list)
     error: EndpointError | None = None
+
+
+def finish_calls(calls: list[Call]) -> None:
+    """Mark ``calls`` done and wake their handlers: one wake-up per event loop, not one per call."""
+    loops: dict[Any, list] = {}
+    for c in calls:
+        c.done.set()
+        if c.waiter is not None:
+            loops.setdefault(c.waiter[0], []).append(c.waiter[1])
+    for loop, futures in loops.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, futures)
+        except RuntimeError:  # the loop is closed: the server has stopped
+            pass
+
+
+def _resolve(futures: list) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_result(None)
 
 
 class Session:
@@ -244,6 +283,7 @@ class Session:
         self.budget = budget  # most calls (None: no limit)
         self.calls = 0
         self.rejected: list[str] = []  # the errors answered, for the failure record
+        self.responses: OrderedDict[str, list[dict]] = OrderedDict()  # Responses API: id -> its conversation
         self.closed = False
         self.lock = threading.Lock()
 
@@ -290,10 +330,8 @@ class Endpoint:
         self.last_arrival = 0.0
         self._woken = False
         self.render_cache: dict[str, list[int]] = {}
-        self.server = _Server(("127.0.0.1", 0), _handler_for(self))
+        self.server = Server(_App(self), MAX_CONNECTIONS, READ_TIMEOUT_S)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="asyncrl-endpoint", daemon=True)
-        self.thread.start()
 
     def configure(self, sampling: SamplingConfig, eos_ids) -> None:
         """The sampling settings and EOS of the engine the next batch of rollouts uses."""
@@ -302,8 +340,12 @@ class Endpoint:
         self.eos_ids = set(int(e) for e in eos_ids or ())
 
     def open(self, budget: int | None) -> Session:
+        """A new session (one rollout); EndpointError past ``MAX_SESSIONS`` open at once."""
         s = Session(self, budget)
         with self.cond:
+            if len(self.sessions) >= MAX_SESSIONS:
+                raise EndpointError(503, "too_many_sessions", f"{MAX_SESSIONS} rollouts already hold a session on "
+                                                              f"this actor's endpoint; no more are opened")
             self.sessions[s.token] = s
         return s
 
@@ -315,11 +357,10 @@ class Endpoint:
             self.pending = [c for c in self.pending if c.session is not session]
         for c in left:
             c.error = EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
-            c.done.set()
+        finish_calls(left)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
     # -- the engine's side ----------------------------------------------------------------------
     def wake(self) -> None:
@@ -363,14 +404,14 @@ class Endpoint:
                 for c in group:
                     c.error = EndpointError(400, "generation_failed", f"the engine could not generate: "
                                                                       f"{type(e).__name__}: {str(e)[:300]}", "server_error")
-                    c.done.set()
+                finish_calls(group)
                 continue
             i = 0
             for c in group:
                 c.generations = gens[i:i + c.n]
                 i += c.n
                 self._record(c, engine.version)
-                c.done.set()
+            finish_calls(group)
 
     def _record(self, c: Call, version: int) -> None:
         """Extend the call's base segment (or start new ones) with each generation."""
@@ -432,33 +473,53 @@ class Endpoint:
             raise EndpointError(400, "episode_ended", "no such episode: it has ended, or the URL is wrong")
         return s
 
-    def submit(self, s: Session, body: dict, chat: bool) -> Call:
+    def submit(self, s: Session, body: dict, kind: str, waiter: tuple | None = None) -> Call:
+        """Queue the call of request ``body`` on route ``kind`` (``chat``, ``completions`` or
+        ``responses``) for the next batch; EndpointError on a request that cannot be answered.
+        ``waiter``: ``(event loop, future)`` resolved when the call is done."""
         model = body.get("model")
         if model != self.model_name:
             raise EndpointError(404, "model_not_found", f"the model {model!r} does not exist; this endpoint serves "
                                                         f"{self.model_name!r}")
-        n = 1 if body.get("n") is None else body["n"]
+        n = 1 if body.get("n") is None or kind == "responses" else body["n"]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise EndpointError(400, "invalid_n", f"'n' must be an integer from 1 to {MAX_N}, got {n!r}")
         cap = self.sampling.max_new_tokens
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or cap
+        max_tokens = (body.get("max_output_tokens") if kind == "responses" else
+                      body.get("max_completion_tokens", body.get("max_tokens"))) or cap
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise EndpointError(400, "invalid_max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-        stop = body.get("stop") or []
+        stop = (body.get("stop") if kind != "responses" else None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)) or len(stop) > 8:
             raise EndpointError(400, "invalid_stop", "'stop' must be a string or a list of at most 8 strings")
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise EndpointError(400, "invalid_tools", "'tools' must be a list")
+        if kind == "responses":
+            tools = responses_api.chat_tools(body.get("tools"), EndpointError)
+        else:
+            tools = body.get("tools") or None
+            if tools is not None and not isinstance(tools, list):
+                raise EndpointError(400, "invalid_tools", "'tools' must be a list")
+        opts = body.get("stream_options")
         with s.lock:
             if s.closed:
                 raise EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
             if s.budget is not None and s.calls >= s.budget:
                 raise EndpointError(400, "call_budget_spent", f"this episode has made its {s.budget} calls "
                                                               f"(env.max_turns); no more are answered")
-            call = self._chat_call(s, body, tools) if chat else self._text_call(s, body)
+            if kind == "responses":
+                history = self._responses_messages(s, body)
+                call = self._chat_call(s, history, tools)
+                call.body, call.history = body, history
+                call.logprobs = responses_api.LOGPROBS_INCLUDE in (body.get("include") or [])
+            elif kind == "chat":
+                call = self._chat_call(s, body.get("messages"), tools)
+                call.logprobs = bool(body.get("logprobs"))
+            else:
+                call = self._text_call(s, body)
+                call.logprobs = body.get("logprobs") not in (None, False)
             s.calls += 1
+        call.kind, call.stream, call.waiter = kind, bool(body.get("stream")), waiter
+        call.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
         call.max_tokens, call.n = min(max_tokens, cap), n
         call.stop = list(dict.fromkeys([*self.sampling.stop, *stop]))
         with self.cond:
@@ -467,8 +528,20 @@ class Endpoint:
             self.cond.notify_all()
         return call
 
-    def _chat_call(self, s: Session, body: dict, tools) -> Call:
-        messages = normalize_messages(body.get("messages"))
+    @staticmethod
+    def _responses_messages(s: Session, body: dict) -> list[dict]:
+        prev_id = body.get("previous_response_id")
+        previous = None
+        if prev_id is not None:
+            previous = s.responses.get(prev_id) if isinstance(prev_id, str) else None
+            if previous is None:
+                raise EndpointError(404, "previous_response_not_found", f"previous_response_id {str(prev_id)[:60]!r} "
+                                                                        f"is not a response of this episode (the last "
+                                                                        f"{MAX_RESPONSES} are kept)")
+        return responses_api.chat_messages(body, previous, EndpointError)
+
+    def _chat_call(self, s: Session, raw_messages: Any, tools) -> Call:
+        messages = normalize_messages(raw_messages)
         base = s.find_chat_base(messages)
         if base is None:
             ids = render_prompt(self.tokenizer, messages, tools, self.render_cache)
@@ -498,174 +571,173 @@ class Endpoint:
             ids = list(base.ids) + list(self.tokenizer(prompt[len(base.text):], add_special_tokens=False)["input_ids"])
         return Call(s, ids, 0, [], 1, False, base, len(base.ids) if base else 0, prompt_text=prompt)
 
-    def response(self, c: Call, chat: bool) -> dict:
-        gens = c.generations
-        usage = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": sum(len(g.token_ids) for g in gens)}
+    # -- answers --------------------------------------------------------------------------------
+    def _pieces(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    def _chat_logprobs(self, ids: list[int], lps: list[float]) -> dict:
+        return {"content": self._logprob_items(ids, lps), "refusal": None}
+
+    def _logprob_items(self, ids: list[int], lps: list[float]) -> list[dict]:
+        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(self._pieces(ids), lps)]
+
+    def _text_logprobs(self, ids: list[int], lps: list[float]) -> dict:
+        pieces = self._pieces(ids)
+        offsets, at = [], 0
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+    def _usage(self, c: Call) -> dict:
+        usage = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": sum(len(g.token_ids) for g in c.generations)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
+    def _chat_message(self, c: Call, g) -> tuple[dict, str]:
+        content, calls = self.parse_tools(g.text, c.tools)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return msg, g.finish_reason
+        msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                              "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}} for t in calls]
+        return msg, "tool_calls"
+
+    def response(self, c: Call) -> dict:
+        """The answer to a finished call, in its route's shape."""
+        if c.kind == "responses":
+            rid = f"resp_{uuid.uuid4().hex}"
+            resp, reply = responses_api.response_body(c, c.generations[0], self.parse_tools, self.model_name, c.body,
+                                                      self._logprob_items if c.logprobs else None, rid)
+            s = c.session
+            with s.lock:
+                s.responses[rid] = [*c.history, reply]
+                while len(s.responses) > MAX_RESPONSES:
+                    s.responses.popitem(last=False)
+            return resp
+        chat = c.kind == "chat"
         choices = []
-        for i, g in enumerate(gens):
-            choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason, "logprobs": None,
-                                      "token_ids": g.token_ids.tolist()}
+        for i, g in enumerate(c.generations):
+            ids, lps = g.token_ids.tolist(), g.logprobs.tolist()
+            choice: dict[str, Any] = {"index": i, "finish_reason": g.finish_reason, "logprobs": None, "token_ids": ids}
             if chat:
-                content, calls = self.parse_tools(g.text, c.tools)
-                msg: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                                          "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}}
-                                         for t in calls]
-                    choice["finish_reason"] = "tool_calls"
-                choice["message"] = msg
+                choice["message"], choice["finish_reason"] = self._chat_message(c, g)
+                if c.logprobs:
+                    choice["logprobs"] = self._chat_logprobs(ids, lps)
             else:
                 choice["text"] = g.text
+                if c.logprobs:
+                    choice["logprobs"] = self._text_logprobs(ids, lps)
             choices.append(choice)
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage, "prompt_token_ids": c.prompt_ids}
+                "model": self.model_name, "choices": choices, "usage": self._usage(c), "prompt_token_ids": c.prompt_ids}
+
+    def stream(self, c: Call) -> list[tuple[str | None, Any]]:
+        """The server-sent events of a finished call asked with ``stream: true``: OpenAI's chunks
+        (chat, completions; ``[DONE]`` last) or the Responses API's typed events. The completion is
+        generated whole before its events are sent."""
+        resp = self.response(c)
+        if c.kind == "responses":
+            return responses_api.stream_events(resp)
+        chat = c.kind == "chat"
+        head = {"id": resp["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": resp["created"], "model": self.model_name}
+        out: list[tuple[str | None, Any]] = []
+
+        def chunk(choice: dict, **extra) -> None:
+            out.append((None, {**head, "choices": [choice], **extra}))
+
+        for ch in resp["choices"]:
+            i, ids = ch["index"], ch["token_ids"]
+            if not chat:
+                chunk({"index": i, "text": ch["text"], "logprobs": ch["logprobs"], "finish_reason": None, "token_ids": ids},
+                      **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}))
+                chunk({"index": i, "text": "", "logprobs": None, "finish_reason": ch["finish_reason"]})
+                continue
+            msg = ch["message"]
+            chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                  **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}))
+            calls = msg.get("tool_calls") or []
+            tokens = {"logprobs": ch["logprobs"], "token_ids": ids}
+            if msg["content"] or not calls:  # the text, with the sampled ids (and log-probs when asked)
+                chunk({"index": i, "delta": {"content": msg["content"] or ""}, "finish_reason": None, **tokens})
+                tokens = {"logprobs": None}
+            for k, tc in enumerate(calls):
+                chunk({"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "logprobs": None, "finish_reason": None})
+            chunk({"index": i, "delta": {}, "finish_reason": ch["finish_reason"], **tokens})
+        if c.include_usage:
+            out.append((None, {**head, "choices": [], "usage": resp["usage"]}))
+        out.append((None, "[DONE]"))
+        return out
 
 
-class _Server(ThreadingHTTPServer):
-    """Loopback only; a listen backlog for a whole batch of agents connecting at once (the default
-    of 5 refused connections when 200 held-out rollouts opened theirs together). At most
-    ``MAX_CONNECTIONS`` connections are served at once (each holds a thread): one past it is answered
-    ``503`` and closed. A connection reset or timed out by its client is said in one line, the
-    first three and then every 100th (never a traceback)."""
+# ---- the HTTP side ----------------------------------------------------------------------------
 
-    request_queue_size = 1024
-    daemon_threads = True
+_ROUTES = {"chat/completions": "chat", "completions": "completions", "responses": "responses"}
 
-    def __init__(self, *args, **kwargs):
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._dropped = 0
-        self._dropped_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
 
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            self._say_dropped(f"more than {MAX_CONNECTIONS} connections at once; refused one")
+def _closing(status: int, code: str, message: str) -> EndpointError:
+    """An error about the request's framing: answered, then the connection is closed."""
+    return EndpointError(status, code, message, close=True)
+
+
+def _route(path: str) -> tuple[str, str]:
+    parts = path.strip("/").split("/")
+    if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
+        raise EndpointError(404, "not_found", f"unknown path {path[:80]!r}; use the base URL the rollout was "
+                                              f"given (.../s/<session>/v1)")
+    return parts[1], "/".join(parts[3:])
+
+
+class _App:
+    """The ASGI application of an endpoint (served by :class:`asyncrl.envs.endpoint_server.Server`)."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
             return
+        ep, session = self.endpoint, None
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request, client_address) -> None:
-        import sys
-        err = sys.exc_info()[1]
-        self._say_dropped(f"a connection ended early ({type(err).__name__}: {str(err)[:120]})")
-
-    def _say_dropped(self, what: str) -> None:
-        with self._dropped_lock:
-            self._dropped += 1
-            n = self._dropped
-        if n <= 3 or n % 100 == 0:
-            print(f"[endpoint] {what} ({n} so far)", flush=True)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """One HTTP connection to the endpoint (``endpoint``: set per server by :func:`_handler_for`)."""
-
-    endpoint: Endpoint
-    protocol_version = "HTTP/1.1"
-    server_version = "asyncrl-endpoint"
-    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
-    timeout = READ_TIMEOUT_S  # every read of the connection (an idle keep-alive or a slow-loris ends)
-
-    def log_message(self, *args) -> None:  # quiet: the actor's log is for the run
-        pass
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _route(self) -> tuple[str, str]:
-        parts = self.path.split("?", 1)[0].strip("/").split("/")
-        if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
-            raise EndpointError(404, "not_found", f"unknown path {self.path[:80]!r}; use the base URL the "
-                                                  f"rollout was given (.../s/<session>/v1)")
-        return parts[1], "/".join(parts[3:])
-
-    def _body(self) -> bytes:
-        """The request body: a valid ``Content-Length`` (no chunked bodies) of at most
-        ``MAX_BODY_BYTES``; otherwise the error, and the connection is closed after it."""
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self.close_connection = True
-            raise EndpointError(411, "length_required", "a POST needs a Content-Length header (chunked "
-                                                        "bodies are not taken)")
-        if not length.strip().isdigit():
-            self.close_connection = True
-            raise EndpointError(400, "invalid_content_length", f"Content-Length {length[:40]!r} is not a "
-                                                               f"non-negative integer")
-        size = int(length)
-        if size > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise EndpointError(413, "body_too_large", f"request body of {size:,} bytes; at most {MAX_BODY_BYTES:,}")
-        return self.rfile.read(size) if size else b""
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        try:
-            token, route = self._route()
-            self.endpoint.session(token)
-            if route != "models":
-                raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
-            self._send(200, {"object": "list", "data": [{"id": self.endpoint.model_name, "object": "model",
-                                                         "owned_by": "asyncrl"}]})
-        except EndpointError as e:
-            self._send(e.status, e.body())
-
-    def do_POST(self) -> None:  # noqa: N802
-        session = None
-        try:
-            raw = self._body()
-            token, route = self._route()
-            if route not in ("chat/completions", "completions"):
-                raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions and "
-                                                      f"/v1/completions")
-            session = self.endpoint.session(token)
+            token, route = _route(scope["path"])
+            if scope["method"] == "GET":
+                ep.session(token)
+                if route != "models":
+                    raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
+                return await send_json(send, 200, {"object": "list", "data": [
+                    {"id": ep.model_name, "object": "model", "owned_by": "asyncrl"}]})
+            if scope["method"] != "POST":
+                raise EndpointError(405, "method_not_allowed", f"{scope['method']} is not served; use POST or GET")
+            raw = await read_body(scope, receive, _closing, MAX_BODY_BYTES, READ_TIMEOUT_S)
+            kind = _ROUTES.get(route)
+            if kind is None:
+                raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions, "
+                                                      f"/v1/completions and /v1/responses")
+            session = ep.session(token)
+            body = decode_json(raw, EndpointError)
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            call = ep.submit(session, body, kind, (loop, done))
             try:
-                body = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise EndpointError(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
-            if not isinstance(body, dict):
-                raise EndpointError(400, "invalid_json", "the request body must be a JSON object")
-            if body.get("stream"):
-                raise EndpointError(400, "stream_unsupported", "'stream': true is not supported; the rollout "
-                                                               "needs the whole completion")
-            chat = route == "chat/completions"
-            call = self.endpoint.submit(session, body, chat)
-            if not call.done.wait(self.endpoint.request_timeout_s):
-                raise EndpointError(408, "timeout", f"no completion within {self.endpoint.request_timeout_s:g} s "
-                                                    f"(env.kwargs.request_timeout_s)", "server_error")
+                async with asyncio.timeout(ep.request_timeout_s):
+                    await done
+            except TimeoutError:
+                raise EndpointError(408, "timeout", f"no completion within {ep.request_timeout_s:g} s "
+                                                    f"(env.kwargs.request_timeout_s)", "server_error") from None
             if call.error is not None:
                 raise call.error
-            self._send(200, self.endpoint.response(call, chat))
+            if call.stream:
+                await send_events(send, ep.stream(call))
+            else:
+                await send_json(send, 200, ep.response(call))
         except EndpointError as e:
             if session is not None:
                 with session.lock:
                     session.rejected.append(f"{e.code}: {e}")
-            self._send(e.status, e.body())
+            await send_json(send, e.status, e.body(), close=e.close)
         except Exception as e:  # noqa: BLE001 - never a crash: an internal error is a 500 answer
-            self._send(500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
-                                          "server_error").body())
-
-
-def _handler_for(endpoint: Endpoint) -> type[_Handler]:
-    """The handler class of ``endpoint``'s server (the read timeout as the module says when it starts)."""
-    return type("Handler", (_Handler,), {"endpoint": endpoint, "timeout": READ_TIMEOUT_S})
-
+            await send_json(send, 500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
+                                                     "server_error").body())

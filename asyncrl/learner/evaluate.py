@@ -15,6 +15,7 @@ from ..engine.hf import HFEngine
 from ..rollout.workflow import get_workflow
 from ..envs.base import make_env
 from ..envs.tasks import eval_tasks
+from ..objectives.advantages import one_per_rollout
 from ..types import prompt_text
 
 
@@ -133,6 +134,7 @@ class Evaluator:
         run_conversations(engine, self.tokenizer, self.env, convs, self.sampling,
                           self.cfg.env.max_turns, seed=self.cfg.seed)
         trajs, failures = scored_trajectories(convs, self.env, 0)
+        trajs = one_per_rollout(trajs)  # an agent's unmerged calls are one answer
         rewards = [t.reward for t in trajs] + [0.0] * len(failures)  # a failed reward counts as wrong
         out = {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                "reward_mean": sum(rewards) / len(rewards), "size": len(rewards), "failures": len(failures)}
@@ -156,6 +158,7 @@ class Evaluator:
         run_conversations(engine, self.tokenizer, self.env, convs, sampling, self.cfg.env.max_turns,
                           seed=self.cfg.seed + 1)
         trajs, failures = scored_trajectories(convs, self.env, 0)
+        trajs = one_per_rollout(trajs)  # an agent's unmerged calls are one answer
         correct = {t.id: 0 for t in self.tasks}  # a failed reward counts as wrong
         for t in trajs:
             correct[t.group_id] += t.reward >= 1.0

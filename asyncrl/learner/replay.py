@@ -478,7 +478,7 @@ def _stored_copy(t: Trajectory, recorded: np.ndarray, entropy: float, version: i
         token_ids=np.array(t.token_ids), loss_mask=np.array(t.loss_mask),
         behavior_logprobs=np.array(t.behavior_logprobs), policy_version=t.policy_version,
         token_versions=None if t.token_versions is None else np.array(t.token_versions), reward=t.reward, scores=dict(t.scores), sample_type=t.sample_type, group_id=t.group_id,
-        task_id=t.task_id, recorded_logprobs=recorded, text=t.text,
+        task_id=t.task_id, rollout_id=t.rollout_id, recorded_logprobs=recorded, text=t.text,
         metadata={**t.metadata, "entropy": float(entropy), "recorded_version": int(version)}, id=t.id)
 
 
@@ -492,7 +492,8 @@ def make_replay_trajectory(stored: Trajectory, group_id: str) -> Trajectory:
     return Trajectory(
         token_ids=stored.token_ids, loss_mask=stored.loss_mask, behavior_logprobs=stored.behavior_logprobs,
         policy_version=stored.policy_version, token_versions=stored.token_versions, reward=stored.reward,
-        scores=dict(stored.scores), sample_type=stored.sample_type, group_id=group_id, task_id=stored.task_id, is_replay=True,
+        scores=dict(stored.scores), sample_type=stored.sample_type, group_id=group_id, task_id=stored.task_id,
+        rollout_id=stored.rollout_id, is_replay=True,
         recorded_logprobs=np.array(rec, dtype=np.float32), exp_mask=np.array(stored.loss_mask, dtype=np.uint8),
         text=stored.text, metadata={**stored.metadata, "replay_of": stored.id})
 

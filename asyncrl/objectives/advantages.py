@@ -196,6 +196,24 @@ def estimator_options(adv_cfg) -> dict:
     return {k: v for k, d in defaults.items() if (v := getattr(adv_cfg, k, d)) != d}
 
 
+def rollouts(trajs: Sequence[Trajectory]) -> list[int]:
+    """For each trajectory, the index of the rollout it belongs to (first appearance order): rows that
+    share a ``group_id`` and a non-empty ``rollout_id`` (an agent rollout's unmerged calls) are one
+    rollout, every other row is a rollout of its own."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for i, t in enumerate(trajs):
+        key = (t.group_id, t.rollout_id) if t.rollout_id else ("", f"#{i}")
+        out.append(seen.setdefault(key, len(seen)))
+    return out
+
+
+def one_per_rollout(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """The first row of each rollout (:func:`rollouts`): what counts a rollout once (evaluation)."""
+    seen: set[int] = set()
+    return [t for t, r in zip(trajs, rollouts(trajs)) if not (r in seen or seen.add(r))]
+
+
 def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None,
                           shaping: Tensor | None = None) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
@@ -203,7 +221,11 @@ def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[
     its ``advantage_scale``; an estimator that works per token on the learner (GAE: :func:`per_token`)
     gives each trajectory its ``advantage_scale`` alone, which multiplies its per-token advantages
     there. ``estimator``: ``train.advantage.estimator`` already looked up (the trainer
-    does so once). ``shaping``: ``[N]`` added to the rewards first (:mod:`.shaping`)."""
+    does so once). ``shaping``: ``[N]`` added to the rewards first (:mod:`.shaping`).
+
+    The estimator sees one sample per rollout (:func:`rollouts`): the rows of one rollout count
+    once in their group's baseline, with their mean (shaped) reward and, for the estimators that
+    weigh by length, their generated tokens together; each row gets its rollout's advantage."""
     estimator = estimator or ADV_ESTIMATORS.get(adv_cfg.estimator)
     scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
     if per_token(estimator):  # (GAE) each row's scale, which the critic multiplies into its per-token advantages
@@ -211,10 +233,25 @@ def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     if shaping is not None:
         rewards = rewards + shaping.to(torch.float64)
+    which = rollouts(trajs)
+    k = max(which, default=-1) + 1
+    index = torch.tensor(which, dtype=torch.long)
+    if k < len(trajs):  # some rollouts have several rows: one sample each
+        counts = torch.zeros(k, dtype=torch.float64).index_add_(0, index, torch.ones(len(trajs), dtype=torch.float64))
+        sample_rewards = torch.zeros(k, dtype=torch.float64).index_add_(0, index, rewards) / counts
+    else:
+        sample_rewards = rewards
+    first = {}
+    for i, r in enumerate(which):
+        first.setdefault(r, i)
+    group_ids = [trajs[first[r]].group_id for r in range(k)]
     options = estimator_options(adv_cfg)
     if takes_lengths(estimator):
-        options["lengths"] = [t.num_generated for t in trajs]
-    adv = estimator(rewards, [t.group_id for t in trajs], norm_by_std=adv_cfg.norm_by_std, **options)
+        lengths = [0.0] * k
+        for t, r in zip(trajs, which):
+            lengths[r] += t.num_generated
+        options["lengths"] = lengths
+    adv = estimator(sample_rewards, group_ids, norm_by_std=adv_cfg.norm_by_std, **options)[index]
     own = torch.tensor([t.advantage if t.advantage is not None else 0.0 for t in trajs], dtype=torch.float32)
     has_own = torch.tensor([t.advantage is not None for t in trajs])
     return (torch.where(has_own, own.double(), adv.double()) * scale.double()).float()

@@ -19,7 +19,7 @@ from ..envs.base import Environment
 from ..envs.guard import EnvFailure
 from ..envs.prompts import delta_tokens, render_tokens
 from ..engine.base import token_versions
-from ..types import Task, Trajectory, row_versions
+from ..types import Task, Trajectory, new_id, row_versions
 
 
 @dataclass
@@ -42,18 +42,23 @@ class Conversation:
     extra_rows: list = field(default_factory=list)  # more trajectories of this rollout (an agent's unmerged calls)
     versions: list[int] = field(default_factory=list)  # per token: the policy version that generated it, -1 if none
 
-    def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None) -> Trajectory:
+    def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None,
+                      rollout_id: str = "") -> Trajectory:
         return _trajectory(self, (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons,
-                                  self.turns, self.versions), version, scores, metadata)
+                                  self.turns, self.versions), version, scores, metadata, rollout_id)
 
     def trajectories(self, version: int, scores: dict[str, float]) -> list[Trajectory]:
-        """The conversation's trajectory, then those of ``extra_rows`` (same scores and group)."""
-        return [self.to_trajectory(version, scores)] + [_trajectory(self, row, version, scores, None)
-                                                         for row in self.extra_rows]
+        """The conversation's trajectory, then those of ``extra_rows`` (same scores and group). Rows of
+        one rollout share a ``rollout_id``, so that its group's baseline counts the rollout once."""
+        if not self.extra_rows:
+            return [self.to_trajectory(version, scores)]
+        rid = new_id()
+        return [self.to_trajectory(version, scores, rollout_id=rid)] + [
+            _trajectory(self, row, version, scores, None, rid) for row in self.extra_rows]
 
 
 def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, float],
-                metadata: dict[str, Any] | None) -> Trajectory:
+                metadata: dict[str, Any] | None, rollout_id: str = "") -> Trajectory:
     ids, mask, logprobs, texts, reasons, turns, versions = row
     if len(versions) != len(ids):  # no per-token versions recorded: all the rollout's version
         versions = [-1] * len(ids)
@@ -63,7 +68,7 @@ def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, 
         loss_mask=np.asarray(mask, dtype=np.uint8),
         behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
         policy_version=policy_version, token_versions=per_token, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
-        sample_type=conv.sample_type, group_id=conv.group_id, task_id=conv.task.id,
+        sample_type=conv.sample_type, group_id=conv.group_id, task_id=conv.task.id, rollout_id=rollout_id,
         text=texts[-1] if len(texts) == 1 else "\n".join(texts),
         metadata={"turns": turns, "finish_reasons": reasons, **(metadata or {})},
     )

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ...objectives.advantages import one_per_rollout
 from ...types import Episode
 
 SAME_REWARD_TOL = 1e-9
@@ -31,7 +32,7 @@ def batch_metrics(episodes: list[Episode]) -> dict[str, float]:
         out.update(response_length_mean=float(np.mean(lengths)), response_length_max=float(max(lengths)))
     fresh = [t for t in trajs if not t.is_replay]
     groups: dict[str, list[float]] = defaultdict(list)
-    for t in fresh:
+    for t in one_per_rollout(fresh):  # a rollout of several rows (an agent's) is one member
         groups[t.group_id].append(float(t.reward))
     sized = [r for g, r in groups.items() if g and len(r) >= 2]
     if sized:

@@ -1,0 +1,255 @@
+"""The endpoint's HTTP side: an ASGI application served by uvicorn on one event loop thread.
+
+One server per process (per :class:`asyncrl.envs.endpoint.Endpoint`), on loopback, HTTP/1.1 with
+keep-alive; httptools parses requests where it is installed (h11 otherwise). Routes, under each
+session's base URL ``/s/<secret>/v1``:
+
+- ``POST /chat/completions``, ``POST /completions``: OpenAI's shapes, ``stream: true`` as server-sent
+  events in OpenAI's chunk format (``stream_options.include_usage`` adds the usage chunk at the end);
+- ``POST /responses``: the Responses API (:mod:`asyncrl.envs.responses_api`), streamed as its typed
+  events with ``stream: true``;
+- ``GET /models``.
+
+A request's handler submits its call to the endpoint's queue and awaits it: the rollout's thread
+(which owns the engine) generates calls in batches and resolves them (one wake-up of this loop per
+batch). Nothing here blocks that thread: a slow client only slows its own connection.
+
+Limits (:mod:`asyncrl.envs.endpoint`'s constants, read when a server starts): a request body of at most ``MAX_BODY_BYTES``
+with a valid Content-Length (411/400/413 otherwise, and the connection closed); at most
+``MAX_CONNECTIONS`` connections at once (one past it is answered 503 and closed at once); a
+connection that sends nothing for ``READ_TIMEOUT_S`` while no request of it is being answered (an idle
+keep-alive, a slow-loris header or body) is closed; a call that gets no completion within
+``request_timeout_s`` is answered 408. A connection reset or closed by its client mid-request is said
+in one line, the first three and then every 100th (never a traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_CLOSE = [(b"connection", b"close")]
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+def _protocol_base():
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:  # httptools is not installed: uvicorn's pure-Python parser
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
+
+
+def _raise_fd_limit(want: int) -> None:
+    """Let the process hold ``want`` more descriptors (a thousand agents each hold a connection in
+    this process, and the server holds the other end): the soft limit up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
+
+
+class _Dropped:
+    """Counts connections refused or ended early; says so in one line, the first three and every 100th."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def say(self, what: str) -> None:
+        with self.lock:
+            self.count += 1
+            n = self.count
+        if n <= 3 or n % 100 == 0:
+            print(f"[endpoint] {what} ({n} so far)", flush=True)
+
+
+def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float):
+    base = _protocol_base()
+
+    class Protocol(base):  # type: ignore[misc, valid-type]
+        """uvicorn's HTTP protocol with a cap on connections and a read timeout."""
+
+        _refused = False
+        _timer = None
+
+        def connection_made(self, transport) -> None:  # noqa: D401
+            if len(self.connections) >= max_connections:
+                self._refused = True
+                try:
+                    transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                finally:
+                    transport.close()
+                dropped.say(f"more than {max_connections} connections at once; refused one")
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            self._arm()
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if self._refused:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+            cycle = self.cycle
+            if exc is not None or (cycle is not None and not cycle.response_complete):
+                why = f"{type(exc).__name__}: {str(exc)[:120]}" if exc is not None else "closed by the client"
+                dropped.say(f"a connection ended early ({why})")
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:  # bytes past a request being answered do not
+                cycle.keep_alive = False  # parse: that answer goes first, then the connection closes
+                return
+            super().send_400_response(msg)
+
+        def _arm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(read_timeout_s, self._idle)
+
+        def _idle(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and not cycle.more_body:
+                self._arm()  # a whole request is being answered: the wait is the engine's, not the client's
+                return
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+class Server:
+    """uvicorn on its own thread and event loop, bound to ``127.0.0.1`` on a free port."""
+
+    def __init__(self, app, max_connections: int, read_timeout_s: float) -> None:
+        import uvicorn
+
+        _raise_fd_limit(4 * max_connections + 1024)
+        self.dropped = _Dropped()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4096)  # a whole batch of agents connecting at once
+        self.server_address = self.sock.getsockname()
+        protocol = _make_protocol(self.dropped, max_connections, read_timeout_s)
+        config = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", log_config=None,
+                                log_level="critical", access_log=False, timeout_keep_alive=int(max(read_timeout_s, 1)),
+                                timeout_graceful_shutdown=1, server_header=False, date_header=False)
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        self.uvicorn = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, name="asyncrl-endpoint", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.uvicorn.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.uvicorn.started:
+            raise RuntimeError("the endpoint's HTTP server did not start")
+
+    @property
+    def _dropped(self) -> int:
+        return self.dropped.count
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.uvicorn.serve(sockets=[self.sock]))
+        finally:
+            self.loop.close()
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.uvicorn.force_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+# ---- the ASGI application ---------------------------------------------------------------------
+
+async def send_json(send, status: int, body: Any, close: bool = False) -> None:
+    data = _encode(body)
+    await send({"type": "http.response.start", "status": status,
+                "headers": _JSON + [(b"content-length", str(len(data)).encode())] + (_CLOSE if close else [])})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def send_events(send, events) -> None:
+    """Server-sent events: each of ``events`` is ``(event name or None, payload)``; a payload of
+    ``"[DONE]"`` is sent as is (chat and completions streams end so)."""
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+    parts = []
+    for name, payload in events:
+        data = payload.encode() if isinstance(payload, str) else _encode(payload)
+        parts.append((b"event: " + name.encode() + b"\n" if name else b"") + b"data: " + data + b"\n\n")
+    for i, part in enumerate(parts):
+        await send({"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1})
+    if not parts:
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def read_body(scope, receive, error, max_bytes: int, timeout_s: float) -> bytes:
+    """The request body: a valid ``Content-Length`` (no chunked bodies) of at most ``max_bytes``,
+    read within ``timeout_s``; otherwise ``error(status, code, message)`` (the connection is then
+    closed after the answer)."""
+    length = None
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            length = value
+            break
+    if length is None:
+        raise error(411, "length_required", "a POST needs a Content-Length header (chunked bodies are not taken)")
+    text = length.decode("latin-1").strip()
+    if not text.isdigit():
+        raise error(400, "invalid_content_length", f"Content-Length {text[:40]!r} is not a non-negative integer")
+    size = int(text)
+    if size > max_bytes:
+        raise error(413, "body_too_large", f"request body of {size:,} bytes; at most {max_bytes:,}")
+    chunks, got = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise error(400, "client_disconnected", "the client closed the connection mid-request")
+                chunk = msg.get("body", b"")
+                got += len(chunk)
+                if got > size:
+                    raise error(400, "invalid_content_length", "the body is longer than its Content-Length")
+                chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise error(408, "body_timeout", f"the request body did not arrive within {timeout_s:g} s") from None
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes, error) -> dict:
+    try:
+        body = _decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise error(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise error(400, "invalid_json", "the request body must be a JSON object")
+    return body
