@@ -6,7 +6,8 @@ an agent making one chat call per rollout with the ``openai`` client) against th
 
 KEY=VALUE overrides apply to both paths (e.g. ``sampling.max_new_tokens=64`` for longer completions).
 
-``--per-call`` prints where an endpoint call's time goes instead: the milliseconds per call of 64
+``--per-call`` prints where an endpoint call's time goes instead: the endpoint's own CPU per call
+(the process's CPU less the clients' and the engine's), then the milliseconds per call of 64
 concurrent rollouts with each kind of client (a bare socket, httpx, the openai client on threads,
 the async openai client) against the same endpoint and engine, one new token per call.
 
@@ -102,6 +103,10 @@ def main() -> None:
 
 
 def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
+    """Milliseconds per call by client kind, and the endpoint's own CPU per call: the process's CPU
+    time less what the clients' threads and the engine's ``generate`` spent (each measured with its
+    thread's CPU clock), over the bare-socket rounds. Works on any version of the endpoint that has
+    ``Endpoint(...)``, ``open``, ``wait_batch``, ``serve`` and ``close``."""
     import asyncio
     import json
     import socket
@@ -124,27 +129,56 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     engine = HFEngine(model, tok)
     ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=1), engine.eos_ids, None, 60)
     stop = threading.Event()
+    cpu = {"engine": 0.0, "clients": 0.0}
+    cpu_lock = threading.Lock()
 
     def serve():
         while not stop.is_set():
             calls = ep.wait_batch(concurrency, 0.1)
             if calls:
-                ep.serve(engine, calls, 0)
+                ep.serve(timed_engine, calls, 0)
 
-    threading.Thread(target=serve, daemon=True).start()
+    class TimedEngine:  # the engine, with the CPU its generate calls take counted apart
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def generate(self, *a, **kw):
+            t0 = time.thread_time()
+            try:
+                return engine.generate(*a, **kw)
+            finally:
+                cpu["engine"] += time.thread_time() - t0
+
+    timed_engine = TimedEngine()
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
     body = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}]}
     data = json.dumps(body).encode()
     pool = ThreadPoolExecutor(concurrency)
 
-    def bare():
+    local = threading.local()
+
+    def bare():  # one kept-alive connection per client thread, as a pooled HTTP client holds
+        t0 = time.thread_time()
         s = ep.open(None)
         head = (f"POST /s/{s.token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
-        with socket.create_connection(("127.0.0.1", ep.port)) as c:
-            c.sendall(head + data)
-            while c.recv(65536):
-                pass
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        c = getattr(local, "conn", None)
+        if c is None:
+            c = local.conn = socket.create_connection(("127.0.0.1", ep.port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.sendall(head + data)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += c.recv(65536)
+        header, _, rest = got.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(rest) < length:
+            rest += c.recv(65536)
         s.close()
+        with cpu_lock:
+            cpu["clients"] += time.thread_time() - t0
 
     sync_client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
     http = httpx.Client()
@@ -185,12 +219,32 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         engine.generate([render_tokens(tok, body["messages"])] * concurrency,
                         SamplingConfig(max_new_tokens=1))
     gen_ms = (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
+    list(pool.map(lambda _: bare(), range(concurrency)))  # warm
+    calls = 20 * rounds * concurrency
+    cpu.update(engine=0.0, clients=0.0)
+    server = getattr(getattr(ep, "server", None), "thread", None)  # the ASGI server's event loop thread
+    clocks = {"server": time.pthread_getcpuclockid(server.ident) if server is not None else None,
+              "serving": time.pthread_getcpuclockid(serving.ident)}
+    c0 = {k: time.clock_gettime(v) for k, v in clocks.items() if v is not None}
+    p0 = time.process_time()
+    for _ in range(20 * rounds):
+        list(pool.map(lambda _: bare(), range(concurrency)))
+    own = (time.process_time() - p0 - cpu["engine"] - cpu["clients"]) / calls * 1e3
+    used = {k: (time.clock_gettime(clocks[k]) - c0[k]) / calls * 1e3 for k in c0}
+    print(f"endpoint's own CPU per call (bare socket, kept-alive connections, {calls} calls, {concurrency} at once):\n"
+          f"  process CPU less the clients' and the engine's: {own:.3f} ms  [engine {cpu['engine'] / calls * 1e3:.3f} ms, "
+          f"clients {cpu['clients'] / calls * 1e3:.3f} ms per call]", flush=True)
+    if "server" in used:
+        print(f"  the server's event loop thread {used['server']:.3f} ms + the serving thread less the engine "
+              f"{used['serving'] - cpu['engine'] / calls * 1e3:.3f} ms = "
+              f"{used['server'] + used['serving'] - cpu['engine'] / calls * 1e3:.3f} ms", flush=True)
     print(f"ms per call, {concurrency} concurrent rollouts, one new token each (engine alone: {gen_ms:.2f} ms):")
     for name, fn in (("bare socket, threads", lambda: threaded(bare)), ("httpx, threads", lambda: threaded(with_httpx)),
                      ("openai client, threads", lambda: threaded(with_openai)),
                      ("openai async client, one event loop", lambda: asyncio.run(async_openai()))):
         print(f"  {name:<38} {fn():6.2f}", flush=True)
     stop.set()
+    ep.close()
 
 
 if __name__ == "__main__":

@@ -229,8 +229,9 @@ class Actor:
         # a per-task workflow rolls out each task on its own (its episode leaves as soon as it is done)
         size = 1 if self.workflow.per_task else self.cfg.actor.tasks_per_batch
         slots = self.cfg.actor.concurrent_batches * (self.cfg.actor.tasks_per_batch // size)
-        if getattr(self.env, "drives_generation", False):  # an agent's endpoint serves one rollout thread
-            size, slots = self.cfg.actor.tasks_per_batch, 1
+        if getattr(self.env, "drives_generation", False):  # agents: a batch per rollout thread, all of their
+            size = self.cfg.actor.tasks_per_batch  # calls on one endpoint, each thread generating what is queued
+            slots = self.cfg.actor.concurrent_batches
         pool = ThreadPoolExecutor(slots, thread_name_prefix=f"{self.actor_id}-rollout")
         stop_by = None
         try:

@@ -35,7 +35,7 @@ from ..config import ConfigError
 from .guard import EnvFailure, ScoresError, stopping, validate_scores
 from ..plugins import resolve_import
 from ..types import Task
-from .endpoint import Endpoint, Session, tool_parser as make_tool_parser
+from .endpoint import Endpoint, EndpointError, Session, tool_parser as make_tool_parser
 
 AGENT_ARGS = ("task", "client", "base_url", "api_key", "model")
 DEFAULT_MODEL_NAME = "policy"
@@ -92,6 +92,7 @@ class AgentEnv:
         self.parser = make_tool_parser(str(tool_parser))
         self.max_calls = int(max_turns)
         self._endpoint: Endpoint | None = None
+        self._endpoint_lock = threading.Lock()
 
     # the Environment protocol: reset gives the opening messages; the agent does the rest
     def reset(self, task: Task) -> list[dict[str, str]]:
@@ -104,13 +105,15 @@ class AgentEnv:
         raise RuntimeError("env.type=agent scores in the agent function; evaluate() is never called")
 
     def endpoint(self, tokenizer, engine, sampling) -> Endpoint:
-        if self._endpoint is None or self._endpoint.tokenizer is not tokenizer:
-            if self._endpoint is not None:
-                self._endpoint.close()
-            self._endpoint = Endpoint(tokenizer, self.model, sampling, engine.eos_ids, self.parser,
-                                      self.request_timeout_s)
-        self._endpoint.configure(sampling, engine.eos_ids)
-        return self._endpoint
+        """The process's endpoint (one server, shared by the rollout threads of ``inflight``)."""
+        with self._endpoint_lock:
+            if self._endpoint is None or self._endpoint.tokenizer is not tokenizer:
+                if self._endpoint is not None:
+                    self._endpoint.close()
+                self._endpoint = Endpoint(tokenizer, self.model, sampling, engine.eos_ids, self.parser,
+                                          self.request_timeout_s)
+            self._endpoint.configure(sampling, engine.eos_ids)
+            return self._endpoint
 
     def drive(self, engine, tokenizer, convs: list, sampling, seed: int | None, guard) -> list:
         """Run the agent once per conversation in ``convs`` (those not already failed) and fill each
@@ -123,7 +126,13 @@ class AgentEnv:
         for conv in live:
             if guard is not None:
                 guard.check_rate()
-            session = endpoint.open(self.max_calls)
+            try:
+                session = endpoint.open(self.max_calls)
+            except EndpointError as e:  # too many sessions open at once: this rollout fails, in one line
+                conv.failure, conv.done = f"env.agent {self.spec} (task {conv.task.id}): {e}", True
+                if guard is not None:
+                    guard.record(conv.failure)
+                continue
             fut = _RUNNER.start(self, conv.task, session)
             fut.add_done_callback(lambda _: endpoint.wake())  # the loop below recounts the agents still running
             runs.append((conv, session, fut, time.monotonic()))

@@ -45,15 +45,16 @@ import re
 import secrets
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
+
 from ..config import ConfigError, SamplingConfig
 from ..engine.base import token_versions
 from . import responses_api
-from .endpoint_server import Server, decode_json, read_body, send_events, send_json
+from .endpoint_server import Server, decode_json, fresh_id, read_body, send_events, send_json
 from .prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
@@ -190,12 +191,15 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+_sorted_json = msgspec.json.Encoder(order="sorted").encode
+
+
 def render_prompt(tokenizer, messages: list[dict], tools: list | None, cache: dict | None = None) -> list[int]:
     """Prompt ids of a new conversation (the run's prompt format; ``tools`` to the chat template).
     ``cache`` (bounded by the caller) keeps renders of repeated prompts: a group's ``n`` rollouts all
     open with the task's prompt, and the chat template costs more than the rest of a call."""
     if cache is not None:
-        key = json.dumps([messages, tools], sort_keys=True)
+        key = _sorted_json([messages, tools])
         ids = cache.get(key)
         if ids is None:
             if len(cache) >= 4096:
@@ -248,7 +252,7 @@ class Call:
     body: dict = field(default_factory=dict)  # (responses: the request, echoed in the answer)
     history: list | None = None  # (responses: the conversation asked, as chat messages)
     waiter: tuple | None = None  # (event loop, future) of the HTTP handler awaiting it
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
     generations: list = field(default_factory=list)
     error: EndpointError | None = None
 
@@ -257,7 +261,7 @@ def finish_calls(calls: list[Call]) -> None:
     """Mark ``calls`` done and wake their handlers: one wake-up per event loop, not one per call."""
     loops: dict[Any, list] = {}
     for c in calls:
-        c.done.set()
+        c.done = True
         if c.waiter is not None:
             loops.setdefault(c.waiter[0], []).append(c.waiter[1])
     for loop, futures in loops.items():
@@ -265,6 +269,11 @@ def finish_calls(calls: list[Call]) -> None:
             loop.call_soon_threadsafe(_resolve, futures)
         except RuntimeError:  # the loop is closed: the server has stopped
             pass
+
+
+def _expire(future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _resolve(futures: list) -> None:
@@ -600,14 +609,14 @@ class Endpoint:
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if not calls:
             return msg, g.finish_reason
-        msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+        msg["tool_calls"] = [{"id": fresh_id("call_"), "type": "function",
                               "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}} for t in calls]
         return msg, "tool_calls"
 
     def response(self, c: Call) -> dict:
         """The answer to a finished call, in its route's shape."""
         if c.kind == "responses":
-            rid = f"resp_{uuid.uuid4().hex}"
+            rid = fresh_id("resp_")
             resp, reply = responses_api.response_body(c, c.generations[0], self.parse_tools, self.model_name, c.body,
                                                       self._logprob_items if c.logprobs else None, rid)
             s = c.session
@@ -630,7 +639,7 @@ class Endpoint:
                 if c.logprobs:
                     choice["logprobs"] = self._text_logprobs(ids, lps)
             choices.append(choice)
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+        return {"id": fresh_id("chatcmpl-" if chat else "cmpl-"),
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": self._usage(c), "prompt_token_ids": c.prompt_ids}
 
@@ -721,12 +730,15 @@ class _App:
             loop = asyncio.get_running_loop()
             done = loop.create_future()
             call = ep.submit(session, body, kind, (loop, done))
+            timer = None if ep.request_timeout_s is None else loop.call_later(ep.request_timeout_s, _expire, done)
             try:
-                async with asyncio.timeout(ep.request_timeout_s):
-                    await done
+                await done
             except TimeoutError:
                 raise EndpointError(408, "timeout", f"no completion within {ep.request_timeout_s:g} s "
                                                     f"(env.kwargs.request_timeout_s)", "server_error") from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
             if call.error is not None:
                 raise call.error
             if call.stream:

@@ -26,8 +26,10 @@ in one line, the first three and then every 100th (never a traceback).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import resource
+import secrets
 import socket
 import threading
 import time
@@ -40,6 +42,14 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 _CLOSE = [(b"connection", b"close")]
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
+_ID_BASE = secrets.token_hex(6)
+_ID_COUNTER = itertools.count()
+
+
+def fresh_id(prefix: str) -> str:
+    """An id unique in this process (answers, tool calls): not a secret, so no random bytes per call
+    (``uuid4`` reads the OS's random source, which cost more than the rest of an answer's fields)."""
+    return f"{prefix}{_ID_BASE}{next(_ID_COUNTER):08x}"
 
 
 def _protocol_base():
@@ -78,6 +88,35 @@ class _Dropped:
             print(f"[endpoint] {what} ({n} so far)", flush=True)
 
 
+class _Coalesced:
+    """A transport whose writes within one turn of the event loop leave in one ``send``: uvicorn
+    writes a response's head and its body apart, and on loopback each send costs more than the
+    rest of a small call. Everything else is the real transport's."""
+
+    __slots__ = ("_t", "_loop", "_buf")
+
+    def __init__(self, transport, loop) -> None:
+        self._t, self._loop, self._buf = transport, loop, []
+
+    def write(self, data) -> None:
+        if not self._buf:
+            self._loop.call_soon(self._flush)
+        self._buf.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._buf:
+            data, self._buf = b"".join(self._buf), []
+            if not self._t.is_closing():
+                self._t.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._t.close()
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
 def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float):
     base = _protocol_base()
 
@@ -96,7 +135,7 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
                     transport.close()
                 dropped.say(f"more than {max_connections} connections at once; refused one")
                 return
-            super().connection_made(transport)
+            super().connection_made(_Coalesced(transport, self.loop))
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -154,7 +193,8 @@ class Server:
         protocol = _make_protocol(self.dropped, max_connections, read_timeout_s)
         config = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", log_config=None,
                                 log_level="critical", access_log=False, timeout_keep_alive=int(max(read_timeout_s, 1)),
-                                timeout_graceful_shutdown=1, server_header=False, date_header=False)
+                                timeout_graceful_shutdown=1, server_header=False, date_header=False,
+                                proxy_headers=False)
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
         self.uvicorn = uvicorn.Server(config)
@@ -226,7 +266,14 @@ async def read_body(scope, receive, error, max_bytes: int, timeout_s: float) -> 
     size = int(text)
     if size > max_bytes:
         raise error(413, "body_too_large", f"request body of {size:,} bytes; at most {max_bytes:,}")
-    chunks, got = [], 0
+    msg = await receive()  # (usually the whole body, already read with the head)
+    if msg["type"] == "http.request" and not msg.get("more_body", False) and len(msg.get("body", b"")) <= size:
+        return msg.get("body", b"")
+    if msg["type"] == "http.disconnect":
+        raise error(400, "client_disconnected", "the client closed the connection mid-request")
+    chunks, got = [msg.get("body", b"")], len(msg.get("body", b""))
+    if got > size:
+        raise error(400, "invalid_content_length", "the body is longer than its Content-Length")
     try:
         async with asyncio.timeout(timeout_s):
             while True:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, Callable
+
+from .endpoint_server import fresh_id
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -122,13 +123,13 @@ def response_body(call, gen, parse_tools: Callable, model: str, body: dict, logp
         part: dict[str, Any] = {"type": "output_text", "text": content or "", "annotations": []}
         if logprob_items is not None:
             part["logprobs"] = logprob_items(ids, gen.logprobs.tolist())
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "role": "assistant",
+        output.append({"type": "message", "id": fresh_id("msg_"), "role": "assistant",
                        "status": "completed", "content": [part]})
     tool_calls = []
     for c in calls:
-        call_id = f"call_{uuid.uuid4().hex[:12]}"
+        call_id = fresh_id("call_")
         args = json.dumps(c["arguments"])
-        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call_id,
+        output.append({"type": "function_call", "id": fresh_id("fc_"), "call_id": call_id,
                        "name": c["name"], "arguments": args, "status": "completed"})
         tool_calls.append({"id": call_id, "type": "function", "function": {"name": c["name"], "arguments": args}})
     incomplete = gen.finish_reason == "length"

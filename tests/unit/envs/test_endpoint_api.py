@@ -291,3 +291,49 @@ def test_agent_rollouts_of_three_rows_are_one_sample_each(random_engine, tok):
     assert any(v != 0 for v in expected.tolist()), "every group had equal rewards: the check proved nothing"
     stats = batch_metrics([Episode(trajectories=rows, actor_id="a")])
     assert stats["groups/count"] == 3.0  # three groups of four rollouts
+
+
+def test_agent_batches_share_the_continuous_engine(tok):
+    """actor.weight_update=inflight: two batches of agents, each on its own rollout thread, on one
+    endpoint and one continuous engine whose steps this thread runs: their calls share decode steps
+    and every rollout is answered."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncrl.engine.hf import HFEngine
+
+    torch.manual_seed(0)
+    engine = HFEngine(LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=256,
+                                                   tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                                                   eos_token_id=3)), tok)
+    engine.start_continuous()
+    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:three_separate_calls", "sampling.n=2",
+                             "sampling.temperature=3.0", "sampling.max_new_tokens=6", "env.max_turns=3"])
+    env = make_env(cfg.env)
+    results: dict[int, list] = {}
+
+    def batch(k):
+        tasks = [Task(id=f"b{k}t{i}", prompt=[{"role": "user", "content": "x"}], answer="") for i in range(3)]
+        results[k] = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(engine, tok, env, cfg, "a0", k))
+
+    threads = [threading.Thread(target=batch, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while engine.batcher.num_pending() < 12 and time.monotonic() < deadline:  # both batches' first calls queued
+        time.sleep(0.01)
+    widest = 0
+    try:
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            if engine.step():
+                widest = max(widest, len(engine._live))
+            else:
+                engine.batcher.wait_for_work(0.005)
+    finally:
+        engine.stop_continuous("test over")
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [0, 1] and widest == 12  # both batches' six rollouts in one decode step
+    for eps in results.values():
+        assert [f for ep in eps for f in ep.decision.get("failures", [])] == []
+        assert sum(len(ep.trajectories) for ep in eps) == 18  # 3 tasks x 2 rollouts x 3 calls
