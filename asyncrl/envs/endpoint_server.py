@@ -125,6 +125,7 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
 
         _refused = False
         _timer = None
+        _last = 0.0
 
         def connection_made(self, transport) -> None:  # noqa: D401
             if len(self.connections) >= max_connections:
@@ -162,17 +163,20 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
                 return
             super().send_400_response(msg)
 
-        def _arm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self.loop.call_later(read_timeout_s, self._idle)
+        def _arm(self) -> None:  # (one timer per connection, moved on only when it fires: no cancel per read)
+            self._last = self.loop.time()
+            if self._timer is None:
+                self._timer = self.loop.call_later(read_timeout_s, self._idle)
 
         def _idle(self) -> None:
+            self._timer = None
+            left = self._last + read_timeout_s - self.loop.time()
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                self._arm()  # a whole request is being answered: the wait is the engine's, not the client's
-                return
-            if not self.transport.is_closing():
+                left = read_timeout_s  # a whole request is being answered: the wait is the engine's, not the client's
+            if left > 0:
+                self._timer = self.loop.call_later(left, self._idle)
+            elif not self.transport.is_closing():
                 self.transport.close()
 
     return Protocol
