@@ -123,17 +123,13 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
     class Protocol(base):  # type: ignore[misc, valid-type]
         """uvicorn's HTTP protocol with a cap on connections and a read timeout."""
 
-        _refused = False
-        _timer = None
-        _last = 0.0
+        _refused, _timer, _last = False, None, 0.0
 
         def connection_made(self, transport) -> None:  # noqa: D401
             if len(self.connections) >= max_connections:
                 self._refused = True
-                try:
-                    transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                finally:
-                    transport.close()
+                transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                transport.close()
                 dropped.say(f"more than {max_connections} connections at once; refused one")
                 return
             super().connection_made(_Coalesced(transport, self.loop))

@@ -142,8 +142,9 @@ def response_body(call, gen, parse_tools: Callable, model: str, body: dict, logp
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "output": output, "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
             "temperature": None, "top_p": None, "tool_choice": body.get("tool_choice", "auto"),
-            "tools": body.get("tools") or [], "text": {"format": {"type": "text"}}, "metadata": {},
-            "usage": usage, "prompt_token_ids": list(call.prompt_ids), "output_token_ids": ids}
+            "tools": body.get("tools") or [], "usage": usage, "prompt_token_ids": list(call.prompt_ids),
+            "output_token_ids": ids}
+    resp.update(text={"format": {"type": "text"}}, metadata={})  # (OpenAI's field names, not a Trajectory's)
     reply = {"role": "assistant", "content": content}
     if tool_calls:
         reply["tool_calls"] = tool_calls
