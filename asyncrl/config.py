@@ -385,6 +385,12 @@ class TrainConfig(_Base):
         "process may use (its CPU affinity; at least 1), split over the group's processes; the other "
         "half is the actors' (actor.threads)."))
     device: str = Field("cpu", description="Learner torch device.")
+    deterministic: bool = Field(False, description=(
+        "Reproducible runs: torch's deterministic algorithms in the learner and the actors (and on CUDA the "
+        "cuBLAS workspace they need), actor.weight_update=batch (in-flight updates depend on timing), sampling "
+        "seeded per actor and batch (always so). Two synchronous runs (buffer.max_staleness=0, one actor) of "
+        "one config on one machine then give the same metrics (timings aside) and the same weights. An "
+        "asynchronous run's batches depend on timing: log.archive_episodes and asyncrl replay reproduce it."))
     distributed: Literal["none", "ddp", "fsdp2"] = Field("none", description=(
         "The training step over several processes (accelerate launch / torchrun; configs/accelerate/): "
         "'none' (one process), 'ddp' (DistributedDataParallel) or 'fsdp2' (fully_shard per decoder layer). "
@@ -619,6 +625,14 @@ class LogConfig(_Base):
         "install tensorboard / wandb / trackio): tensorboard writes <run>/tensorboard; wandb and "
         "trackio make a run named after this one in project log.project."))
     project: str = Field("asyncrl", min_length=1, description="Project name for the wandb and trackio trackers.")
+    archive_episodes: bool = Field(False, description=(
+        "Keep every trained step's episodes, in the batch and order they were trained in, compressed, under "
+        "<run>/archive (asyncrl.learner.archive): `asyncrl replay RUN` trains them again with no actors (with the "
+        "run's config: the same weights bit for bit on the same machine; with overrides: another loss, estimator "
+        "or correction on exactly the episodes the run saw)."))
+    archive_max_gb: float = Field(10.0, gt=0, description=(
+        "log.archive_episodes: the archive's size bound; past it the archive stops (one warning) and replays go "
+        "up to the last archived step."))
 
 
 class Resources(_Base):
@@ -728,6 +742,9 @@ class Config(_Base):
                     self.tasks.kwargs[k] = self.env.kwargs[k]
                 elif k in self.tasks.kwargs:
                     self.env.kwargs[k] = self.tasks.kwargs[k]
+        if self.train.deterministic and self.actor.weight_update != "batch":
+            raise ValueError("train.deterministic needs actor.weight_update=batch: with inflight, which tokens each "
+                             "version makes depends on timing")
         if self.env.type in ("agent", "verifiers") and self.algorithm != "grpo":
             raise ValueError(f"env.type={self.env.type} runs with algorithm grpo (its rollouts are the agent's or the "
                              f"environment's own), not {self.algorithm}")
@@ -911,6 +928,17 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def deterministic_torch(cfg: "Config") -> None:
+    """train.deterministic: torch's deterministic algorithms in this process (an operation without one
+    raises), and cuBLAS's workspace setting that CUDA needs for them (before CUDA starts)."""
+    if not cfg.train.deterministic:
+        return
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def cpu_threads(cfg: "Config", role: Literal["learner", "actor"]) -> int:

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..rollout.workflow import RolloutContext, get_workflow
-from ..config import Config, SyncConfig, cpu_threads
+from ..config import Config, SyncConfig, cpu_threads, deterministic_torch
 from ..envs.base import make_env
 from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
@@ -59,6 +59,7 @@ class Actor:
         self.actor_id = actor_id
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
         torch.set_num_threads(cpu_threads(cfg, "actor"))
+        deterministic_torch(cfg)
         torch.manual_seed(self.seed)
         self.workflow = get_workflow(cfg.algorithm, cfg)
         model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)

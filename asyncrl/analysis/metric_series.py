@@ -6,6 +6,8 @@ Pure functions of :class:`RunStore` objects; no UI code here."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,6 +143,18 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
 SUMMARY_METRICS = ("reward_mean", "eval/accuracy", "entropy", "staleness_mean", "samples_per_s", "tokens_per_s")
 
 
+def _json_in(store, name: str) -> dict | None:
+    """A JSON file of the run's directory (``replay.json`` of asyncrl replay, ``provenance.json``)."""
+    run_dir = getattr(store, "run_dir", None)
+    path = Path(run_dir) / name if run_dir is not None else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
     """One row per run: its state, steps, wall time and samples, the last value of the
     :data:`SUMMARY_METRICS` (the held-out accuracy: the last evaluation's), the best held-out accuracy,
@@ -159,6 +173,15 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
             row[name] = _num(float(y[-1])) if len(y) else None
         _, acc = _series(store, "eval/accuracy")
         row["eval/accuracy best"] = _num(float(np.max(acc))) if len(acc) else None
+        prov = _json_in(store, "provenance.json") or {}
+        if prov:  # what the run was made with (asyncrl.rundir.provenance)
+            commit = prov.get("commit")
+            row["commit"] = f"{commit[:10]}{' (dirty)' if prov.get('dirty') else ''}" if commit else "-"
+            for pkg in ("torch", "transformers"):
+                row[pkg] = (prov.get("packages") or {}).get(pkg, "-")
+        replay = _json_in(store, "replay.json")
+        if replay is not None:  # asyncrl replay: which run it trained again, and how
+            row["replay of"] = f"{Path(replay['source']).name} ({replay['label']})"
         evals = store.evals()
         for c in [c for c in evals.columns if c.startswith(("pass@", "avg@"))]:  # eval.k: beside the greedy accuracy
             _, y = _series(store, f"eval/{c}")

@@ -273,6 +273,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from .replay import replay
+
+    report = replay(Path(args.run), to=args.to, overrides=args.overrides, name=args.name, overwrite=args.overwrite)
+    checks = report["checkpoints"]
+    same = [c["step"] for c in checks if c["identical"]]
+    differ = [c for c in checks if not c["identical"]]
+    print(f"asyncrl replay ({report['label']}): {report['steps']} steps of {args.run} -> {report['out']}")
+    if not checks:
+        print("  no checkpoint of the run within the replayed steps to compare with")
+    elif not differ:
+        print(f"  weights identical bit for bit to the run's at every checkpoint: steps {same}")
+    else:
+        for c in differ:
+            print(f"  step {c['step']}: {len(c['differing'])} of {c['tensors']} tensors differ from the run's "
+                  f"(max |diff| {c['max_abs_diff']:.3g}; e.g. {c['differing'][:3]})")
+    return 0 if report["overrides"] or not differ else 1
+
+
 def cmd_ui(args) -> int:
     try:
         from app.main import main as ui_main
@@ -361,6 +380,13 @@ def _add_tool_commands(sub) -> None:
         "export the run's critic (train.advantage.estimator gae) instead, as a token-classification model "
         "with one label (default --out: <run>/export/step_<N>_critic)"))
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("replay", help="train a run's archived episodes again (log.archive_episodes), no actors")
+    p.add_argument("run", help="the run directory (runs/<name>)")
+    p.add_argument("--to", type=int, help="replay up to this step (default: every archived step)")
+    p.add_argument("--name", help="the replay's directory name beside the run (default <run>-replay or <run>-whatif)")
+    p.add_argument("--overwrite", action="store_true", help="replace that directory if it exists")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (another loss, estimator, ...)")
+    p.set_defaults(fn=cmd_replay)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     add_ui_arguments(p)
     p.set_defaults(fn=cmd_ui)

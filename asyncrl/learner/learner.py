@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -18,7 +19,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ..config import Config, cpu_threads
+from ..config import Config, cpu_threads, deterministic_torch
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
 from ..objectives.advantages import informative
@@ -30,6 +31,8 @@ from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir
 from .ingest.buffer import EpisodeQueue
 from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
+from ..rundir import provenance
+from .archive import EpisodeArchive
 from .checkpoint import save_checkpoint, write_critic
 from .evaluate import EvaluationHung, Evaluator
 from .ingest.net import LearnerNet, Limits
@@ -62,6 +65,7 @@ class Learner:
         self.ranks = ranks or Ranks(None, "none")
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cpu_threads(cfg, "learner"))
+        deterministic_torch(cfg)
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         if cfg.model.lora is not None:
@@ -108,6 +112,16 @@ class Learner:
                                       for e in read_jsonl(self.run_dir / EVENTS)
                                       if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
         self.start.flush(self.log, self.version, len(self.buffer), report)
+        for change in provenance.record(self.run_dir, resumed=self.start.plan.mode == "resume"):
+            message = f"this run was made with another setup: {change} (provenance.json)"
+            print(f"[learner] warning: {message}", file=sys.stderr, flush=True)
+            self.log.event("warning", self.version, source="provenance", message=message)
+        self.archive = (EpisodeArchive(self.run_dir, cfg.log.archive_max_gb, self.version,
+                                       {"seed": cfg.seed, "threads": torch.get_num_threads(),
+                                        "distributed": cfg.train.distributed, "torch": torch.__version__},
+                                       warn=lambda m: self.log.event("warning", self.version,
+                                                                     source="log.archive_episodes", message=m))
+                        if cfg.log.archive_episodes else None)
         self.buffer.open_wal(self.version)
         (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
 
@@ -268,11 +282,13 @@ class Learner:
         for hook in self.hooks:  # e.g. replay tasks get their k stored trajectories
             hook.before_batch(episodes, self.version)
         has_rows = any(ep.trajectories for ep in episodes)  # a filter (Absolute Zero) may drop all
+        keep_rows = any(h.needs_rows for h in self.hooks)
+        if self.archive is not None:  # what this step trains, in its order (asyncrl replay)
+            self.archive.write(self.version, episodes, keep_rows)
         batch = self.trainer.make_batch(episodes) if has_rows else None
         truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
-        result = (self.ranks.step(batch, keep_rows=any(h.needs_rows for h in self.hooks), version=self.version)
-                  if batch else None)
+        result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
         # (after the step: with a critic, the step fills the advantages in)
         advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         stats = result.stats if result is not None else {}

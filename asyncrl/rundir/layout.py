@@ -49,7 +49,7 @@ MANIFEST_FORMAT = 1
 
 # What a run leaves in its directory (removed by --overwrite), and what marks a folder as a run.
 RUN_FILES = (CHECKPOINTS, BUFFER, WEIGHTS, METRICS, METRICS_DISCARDED, EVENTS, CONFIG, "config.resume-*.yaml",
-             ADDRESSES, "actor-*.log", PID_FILE, STOP_REASON)
+             ADDRESSES, "actor-*.log", PID_FILE, STOP_REASON, "provenance.json", "archive")
 RUN_MARKERS = (METRICS, EVENTS, CONFIG, ADDRESSES, PID_FILE)
 
 _CHUNK = 1 << 22

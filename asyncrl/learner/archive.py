@@ -1,0 +1,155 @@
+"""The episode archive (``log.archive_episodes``): every trained step's episodes, in the batch and
+order they were trained in, so that ``asyncrl replay`` can train them again with no actors.
+
+``<run>/archive/step_<version>.arc``: one checksummed record (:mod:`asyncrl.rundir.record_file`) per
+learner step, holding a JSON head (``step``, ``keep_rows``, each episode's frame count) and the
+episodes' wire frames (:func:`asyncrl.wire.codec.encode_episode`), each zlib-compressed. The episodes
+are the ones the trainer collated, after the learner hooks (experience replay's stored
+trajectories included), so a replay needs neither the hooks nor the buffer. ``archive/meta.json``
+holds what a bit-exact replay must match: the learner's torch threads and the run's seed.
+
+Bounded by ``log.archive_max_gb``: past it the archive stops (one warning event) and a replay can
+go up to the last archived step. A resumed run deletes the steps at and after the checkpoint it
+resumes from (it trains them again). Reading is strict: a damaged record or a missing step is an
+:class:`ArchiveError` naming the file, never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+
+import msgspec
+
+from ..config import ConfigError
+from ..rundir.record_file import RecordError, read_frame_records, write_frames
+from ..types import Episode
+from ..wire.codec import WireError, decode, decode_episode, encode_episode
+
+ARCHIVE = "archive"
+META = "meta.json"
+_STEP = re.compile(r"^step_(\d+)\.arc$")
+
+
+class ArchiveError(ConfigError):
+    """An archive that cannot be replayed: missing, damaged or incomplete (the message says where)."""
+
+
+def archive_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / ARCHIVE
+
+
+def step_file(run_dir: Path, step: int) -> Path:
+    return archive_dir(run_dir) / f"step_{step:08d}.arc"
+
+
+def archived_steps(run_dir: Path) -> list[int]:
+    d = archive_dir(run_dir)
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _STEP.match(p.name)))
+
+
+class EpisodeArchive:
+    """The writer: :meth:`write` once per learner step."""
+
+    def __init__(self, run_dir: Path, max_gb: float, from_step: int, meta: dict, warn) -> None:
+        self.run_dir, self.max_bytes, self.warn = Path(run_dir), int(max_gb * (1 << 30)), warn
+        d = archive_dir(run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for step in archived_steps(run_dir):  # a resume trains these steps again
+            if step >= from_step:
+                step_file(run_dir, step).unlink()
+        self.bytes = sum(p.stat().st_size for p in d.glob("step_*.arc"))
+        self.stopped = False
+        old = d / META
+        if old.exists():
+            meta = {**json.loads(old.read_text()), "resumed_at": [*json.loads(old.read_text()).get("resumed_at", []),
+                                                                  from_step]}
+        (d / META).write_text(json.dumps(meta, indent=1))
+
+    def write(self, step: int, episodes: list[Episode], keep_rows: bool) -> None:
+        if self.stopped:
+            return
+        frames = [[bytes(memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")) for f in encode_episode(ep)]
+                  for ep in episodes]
+        head = {"step": step, "keep_rows": keep_rows, "frames": [len(f) for f in frames]}
+        body = [json.dumps(head).encode()] + [zlib.compress(f, 1) for ep in frames for f in ep]
+        size = sum(len(b) for b in body)
+        if self.bytes + size > self.max_bytes:
+            self.stopped = True
+            self.warn(f"log.archive_episodes: the archive reached log.archive_max_gb "
+                      f"({self.max_bytes / (1 << 30):g} GiB) at step {step}; steps from {step} on are not archived "
+                      f"(asyncrl replay goes up to step {step})")
+            return
+        path = step_file(self.run_dir, step)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            write_frames(f, body)
+        tmp.replace(path)
+        self.bytes += size
+
+
+def verify_steps(run_dir: Path, steps) -> None:
+    """Check every record of ``steps`` (checksums only) before a replay starts: ArchiveError at the first
+    damaged or missing one."""
+    for step in steps:
+        path = step_file(run_dir, step)
+        if not path.exists():
+            raise ArchiveError(f"{path}: missing; the archive has no record of step {step}")
+        try:
+            for _ in read_frame_records(path, strict=True):
+                pass
+        except RecordError as e:
+            raise ArchiveError(f"damaged archive record: {e}") from None
+
+
+def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
+    """The episodes trained at ``step`` (in order) and whether that step kept per-row outputs."""
+    path = step_file(run_dir, step)
+    if not path.exists():
+        raise ArchiveError(f"{path}: missing; the archive has no record of step {step} (archived: "
+                           f"{_ranges(archived_steps(run_dir)) or 'none'})")
+    try:
+        records = list(read_frame_records(path, strict=True))
+    except RecordError as e:
+        raise ArchiveError(f"damaged archive record: {e}") from None
+    if len(records) != 1:
+        raise ArchiveError(f"{path}: {len(records)} records, expected 1")
+    body = records[0]
+    try:
+        head = json.loads(body[0])
+        counts, out, i = head["frames"], [], 1
+        if int(head["step"]) != step or sum(counts) != len(body) - 1:
+            raise ValueError(f"head {head} does not match the file (step {step}, {len(body) - 1} frames)")
+        for n in counts:
+            msg = decode([zlib.decompress(f) for f in body[i:i + n]], kinds=("episode",))
+            out.append(decode_episode(msg, copy=True))
+            i += n
+    except (ValueError, KeyError, TypeError, zlib.error, WireError, msgspec.DecodeError) as e:
+        raise ArchiveError(f"{path}: damaged archive record ({type(e).__name__}: {e})") from None
+    return out, bool(head.get("keep_rows", False))
+
+
+def read_meta(run_dir: Path) -> dict:
+    path = archive_dir(run_dir) / META
+    if not path.exists():
+        raise ArchiveError(f"{run_dir} has no episode archive ({path} is missing): the run was made without "
+                           f"log.archive_episodes=true, so there is nothing to replay")
+    return json.loads(path.read_text())
+
+
+def _ranges(steps: list[int]) -> str:
+    if not steps:
+        return ""
+    out, start, prev = [], steps[0], steps[0]
+    for s in steps[1:] + [None]:
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if s is not None:
+            start = prev = s
+    return ", ".join(out)
