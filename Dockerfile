@@ -7,6 +7,7 @@ FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends make bubblewrap && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/asyncrl
 COPY pyproject.toml Makefile README.md ./
+COPY requirements ./requirements
 COPY asyncrl ./asyncrl
 COPY app ./app
 COPY configs ./configs

