@@ -66,3 +66,7 @@ def test_what_a_readme_command_reads_is_a_run_made_before_it():
                 assert name in made, f"{line}: no earlier command makes runs/{name}"
                 if flag == "--merge":
                     assert "model.lora" in made[name], f"{line}: runs/{name} trains no LoRA adapters"
+        if len(words) > 2 and words[1:2] == ["replay"]:  # asyncrl replay runs/X: an archived run made before
+            name = words[2].removeprefix("runs/")
+            assert name in made, f"{line}: no earlier command makes runs/{name}"
+            assert "log.archive_episodes=true" in made[name], f"{line}: runs/{name} keeps no episode archive"
