@@ -65,7 +65,6 @@ class Learner:
         self.ranks = ranks or Ranks(None, "none")
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cpu_threads(cfg, "learner"))
-        deterministic_torch(cfg)
         self.run_dir = cfg.run_dir
         check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
         if cfg.model.lora is not None:
@@ -100,8 +99,7 @@ class Learner:
         self.heldout = _describe_heldout(cfg)
         for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
-        self._stop = False
-        self._stop_reason: str | None = None  # set by a stop the user asked for in the config
+        self._stop, self._stop_reason = False, None  # (the reason: a stop the user asked for in the config)
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
@@ -112,18 +110,26 @@ class Learner:
                                       for e in read_jsonl(self.run_dir / EVENTS)
                                       if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
         self.start.flush(self.log, self.version, len(self.buffer), report)
+        self.archive = self._reproducibility()
+        self.buffer.open_wal(self.version)
+        (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
+
+    def _reproducibility(self) -> EpisodeArchive | None:
+        """``train.deterministic``'s torch settings; record the run's provenance (on a resume: warn of each
+        difference); open the episode archive when ``log.archive_episodes`` asks for it."""
+        cfg = self.cfg
+        deterministic_torch(cfg)  # (before the first step and the first evaluation)
         for change in provenance.record(self.run_dir, resumed=self.start.plan.mode == "resume"):
             message = f"this run was made with another setup: {change} (provenance.json)"
             print(f"[learner] warning: {message}", file=sys.stderr, flush=True)
             self.log.event("warning", self.version, source="provenance", message=message)
-        self.archive = (EpisodeArchive(self.run_dir, cfg.log.archive_max_gb, self.version,
-                                       {"seed": cfg.seed, "threads": torch.get_num_threads(),
-                                        "distributed": cfg.train.distributed, "torch": torch.__version__},
-                                       warn=lambda m: self.log.event("warning", self.version,
-                                                                     source="log.archive_episodes", message=m))
-                        if cfg.log.archive_episodes else None)
-        self.buffer.open_wal(self.version)
-        (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
+        if not cfg.log.archive_episodes:
+            return None
+        meta = {"seed": cfg.seed, "threads": torch.get_num_threads(), "distributed": cfg.train.distributed,
+                "torch": torch.__version__}
+        return EpisodeArchive(self.run_dir, cfg.log.archive_max_gb, self.version, meta,
+                              warn=lambda m: self.log.event("warning", self.version, source="log.archive_episodes",
+                                                            message=m))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _on_bad_message(self, channel: str, error: Exception) -> None:
