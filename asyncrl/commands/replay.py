@@ -50,7 +50,7 @@ def _plan(run: Path, to: int | None, overrides: list[str], name: str | None, ove
                           f"replay trains in one process, which does not reproduce a group's reductions bit for bit")
     if not (run / CONFIG).exists():
         raise ConfigError(f"{run / CONFIG} is missing: not a run directory")
-    cfg = load_config(run / CONFIG, [o for o in overrides] + ["log.archive_episodes=false"])
+    cfg = load_config(run / CONFIG, [*overrides, "log.archive_episodes=false"])
     steps = archived_steps(run)
     end = (max(steps) + 1 if steps else 0) if to is None else to
     missing = sorted(set(range(end)) - set(steps))

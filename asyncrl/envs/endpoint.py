@@ -252,16 +252,14 @@ class Call:
     body: dict = field(default_factory=dict)  # (responses: the request, echoed in the answer)
     history: list | None = None  # (responses: the conversation asked, as chat messages)
     waiter: tuple | None = None  # (event loop, future) of the HTTP handler awaiting it
-    done: bool = False
     generations: list = field(default_factory=list)
     error: EndpointError | None = None
 
 
 def finish_calls(calls: list[Call]) -> None:
-    """Mark ``calls`` done and wake their handlers: one wake-up per event loop, not one per call."""
+    """Wake the handlers of finished ``calls``: one wake-up per event loop, not one per call."""
     loops: dict[Any, list] = {}
     for c in calls:
-        c.done = True
         if c.waiter is not None:
             loops.setdefault(c.waiter[0], []).append(c.waiter[1])
     for loop, futures in loops.items():

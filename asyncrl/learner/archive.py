@@ -64,19 +64,17 @@ class EpisodeArchive:
                 step_file(run_dir, step).unlink()
         self.bytes = sum(p.stat().st_size for p in d.glob("step_*.arc"))
         self.stopped = False
-        old = d / META
-        if old.exists():
-            meta = {**json.loads(old.read_text()), "resumed_at": [*json.loads(old.read_text()).get("resumed_at", []),
-                                                                  from_step]}
+        if (d / META).exists():  # a resumed run: the first start's meta, and where it resumed
+            old = json.loads((d / META).read_text())
+            meta = {**old, "resumed_at": [*old.get("resumed_at", []), from_step]}
         (d / META).write_text(json.dumps(meta, indent=1))
 
     def write(self, step: int, episodes: list[Episode], keep_rows: bool) -> None:
         if self.stopped:
             return
-        frames = [[bytes(memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")) for f in encode_episode(ep)]
-                  for ep in episodes]
+        frames = [encode_episode(ep) for ep in episodes]
         head = {"step": step, "keep_rows": keep_rows, "frames": [len(f) for f in frames]}
-        body = [json.dumps(head).encode()] + [zlib.compress(f, 1) for ep in frames for f in ep]
+        body = [json.dumps(head).encode()] + [zlib.compress(memoryview(f).cast("B"), 1) for ep in frames for f in ep]
         size = sum(len(b) for b in body)
         if self.bytes + size > self.max_bytes:
             self.stopped = True
@@ -92,22 +90,8 @@ class EpisodeArchive:
         self.bytes += size
 
 
-def verify_steps(run_dir: Path, steps) -> None:
-    """Check every record of ``steps`` (checksums only) before a replay starts: ArchiveError at the first
-    damaged or missing one."""
-    for step in steps:
-        path = step_file(run_dir, step)
-        if not path.exists():
-            raise ArchiveError(f"{path}: missing; the archive has no record of step {step}")
-        try:
-            for _ in read_frame_records(path, strict=True):
-                pass
-        except RecordError as e:
-            raise ArchiveError(f"damaged archive record: {e}") from None
-
-
-def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
-    """The episodes trained at ``step`` (in order) and whether that step kept per-row outputs."""
+def _record(run_dir: Path, step: int) -> tuple[Path, list[bytes]]:
+    """Step ``step``'s one record (its checksum checked): ArchiveError if missing or damaged."""
     path = step_file(run_dir, step)
     if not path.exists():
         raise ArchiveError(f"{path}: missing; the archive has no record of step {step} (archived: "
@@ -118,7 +102,19 @@ def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
         raise ArchiveError(f"damaged archive record: {e}") from None
     if len(records) != 1:
         raise ArchiveError(f"{path}: {len(records)} records, expected 1")
-    body = records[0]
+    return path, records[0]
+
+
+def verify_steps(run_dir: Path, steps) -> None:
+    """Check every record of ``steps`` (checksums only) before a replay starts: ArchiveError at the first
+    damaged or missing one."""
+    for step in steps:
+        _record(run_dir, step)
+
+
+def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
+    """The episodes trained at ``step`` (in order) and whether that step kept per-row outputs."""
+    path, body = _record(run_dir, step)
     try:
         head = json.loads(body[0])
         counts, out, i = head["frames"], [], 1

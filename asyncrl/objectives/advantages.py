@@ -210,8 +210,11 @@ def rollouts(trajs: Sequence[Trajectory]) -> list[int]:
 
 def one_per_rollout(trajs: Sequence[Trajectory]) -> list[Trajectory]:
     """The first row of each rollout (:func:`rollouts`): what counts a rollout once (evaluation)."""
-    seen: set[int] = set()
-    return [t for t, r in zip(trajs, rollouts(trajs)) if not (r in seen or seen.add(r))]
+    out: list[Trajectory] = []
+    for t, r in zip(trajs, rollouts(trajs)):
+        if r == len(out):  # (rollouts are numbered in the order they first appear)
+            out.append(t)
+    return out
 
 
 def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None,
@@ -241,10 +244,10 @@ def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[
         sample_rewards = torch.zeros(k, dtype=torch.float64).index_add_(0, index, rewards) / counts
     else:
         sample_rewards = rewards
-    first = {}
-    for i, r in enumerate(which):
-        first.setdefault(r, i)
-    group_ids = [trajs[first[r]].group_id for r in range(k)]
+    group_ids: list[str] = []  # each rollout's group (rollouts are numbered in the order they first appear)
+    for t, r in zip(trajs, which):
+        if r == len(group_ids):
+            group_ids.append(t.group_id)
     options = estimator_options(adv_cfg)
     if takes_lengths(estimator):
         lengths = [0.0] * k
