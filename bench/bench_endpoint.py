@@ -55,6 +55,7 @@ def main() -> None:
     from asyncrl.config import load_config
     from asyncrl.engine.hf import HFEngine
     from asyncrl.envs.base import make_env
+    from asyncrl.lifecycle import freeze_startup_heap
     from asyncrl.envs.tasks import task_stream
     from asyncrl.models.loading import load_policy
     from asyncrl.rollout.workflow import RolloutContext, get_workflow
@@ -66,6 +67,7 @@ def main() -> None:
                                           "env.agent=bench.bench_endpoint:answer_agent_async"])
     model, tok, _ = load_policy(direct_cfg.model, seed=direct_cfg.seed, prompt_format=direct_cfg.tasks.prompt_format)
     engine = HFEngine(model, tok)
+    freeze_startup_heap()  # as asyncrl serve does once its engine is built
     paths = {name: (get_workflow("grpo", cfg), make_env(cfg.env), cfg) for name, cfg in
              (("direct", direct_cfg), ("endpoint", agent_cfg), ("async", async_cfg))}
     stream = task_stream(direct_cfg.tasks, 0)

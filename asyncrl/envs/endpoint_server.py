@@ -152,6 +152,18 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
                 dropped.say(f"a connection ended early ({why})")
             super().connection_lost(exc)
 
+        if hasattr(base, "_start_asgi_task"):
+            def on_response_complete(self) -> None:
+                """uvicorn's (httptools), less its keep-alive timer, set and cancelled at every request:
+                this protocol's read timer already closes a connection idle for ``read_timeout_s``."""
+                self.server_state.total_requests += 1
+                if self.transport.is_closing():
+                    return
+                self.flow.resume_reading()
+                if self.pipeline:
+                    cycle, app = self.pipeline.pop()
+                    self._start_asgi_task(cycle, app)
+
         def send_400_response(self, msg: str) -> None:
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:  # bytes past a request being answered do not
