@@ -123,3 +123,22 @@ async def one_call(task, client, model):
 def every_reply_calls_add(text):
     """A tool parser for a random model: every completion is a call of ``add`` (its text the argument)."""
     return None, [{"name": "add", "arguments": {"text": text}}]
+
+
+def _client_record(task, client, reply) -> dict:
+    return {"task": task.id, "http_client": id(client._client), "base_url": str(client.base_url),
+            "ids": reply.choices[0].model_extra["token_ids"]}
+
+
+def says_its_client(task, client, model):
+    """One chat call; logs which HTTP client (connection pool) the rollout was lent."""
+    reply = client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    _log(_client_record(task, client, reply))
+    return 1.0
+
+
+async def says_its_client_async(task, client, model):
+    """``says_its_client`` with the async client."""
+    reply = await client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
+    _log(_client_record(task, client, reply))
+    return 1.0

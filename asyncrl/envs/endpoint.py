@@ -364,7 +364,8 @@ class Endpoint:
         self._waiting: dict[int, int] = {}  # thread -> the calls its wait_batch waits for
         self.generate_s = 0.0  # the last batch's generation time (Endpoint.linger)
         self.render_cache: dict[str, list[int]] = {}
-        self.server = Server(_App(self), MAX_CONNECTIONS, READ_TIMEOUT_S)
+        self.app = _App(self)
+        self.server = Server(self.app, MAX_CONNECTIONS, READ_TIMEOUT_S)
         self.port = self.server.server_address[1]
 
     def configure(self, sampling: SamplingConfig, eos_ids) -> None:
