@@ -9,7 +9,8 @@ KEY=VALUE overrides apply to both paths (e.g. ``sampling.max_new_tokens=64`` for
 ``--per-call`` prints where an endpoint call's time goes instead: the endpoint's own CPU per call
 (the process's CPU less the clients' and the engine's), then the milliseconds per call of 64
 concurrent rollouts with each kind of client (a bare socket, httpx, the openai client on threads,
-the async openai client) against the same endpoint and engine, one new token per call.
+the async openai client, one shared by all rollouts, then one each as ``env.type=agent`` lends them)
+against the same endpoint and engine, one new token per call.
 
 Rounds alternate the two paths (direct first, then endpoint) on the same warm engine; each prints
 its completions/s, and the summary gives the median of the per-round ratios (noisy machine: compare
@@ -195,6 +196,18 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         sync_client.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
         s.close()
 
+    from asyncrl.envs.agent import _ClientPool
+
+    lent = _ClientPool()  # what env.type=agent lends each running rollout: a client of its own
+
+    def with_lent_openai():
+        c = getattr(local, "lent", None)
+        if c is None:
+            c = local.lent = lent.lease((False, 60.0))
+        s = ep.open(None)
+        c.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
+        s.close()
+
     def threaded(fn):
         list(pool.map(lambda _: fn(), range(concurrency)))  # warm
         t0 = time.perf_counter()
@@ -202,18 +215,19 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
             list(pool.map(lambda _: fn(), range(concurrency)))
         return (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
 
-    async def async_openai():
-        client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
+    async def async_openai(each: bool):
+        shared = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
+        clients = [lent.lease((True, 60.0)) if each else shared for _ in range(concurrency)]
 
-        async def one():
+        async def one(client):
             s = ep.open(None)
             await client.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
             s.close()
 
-        await asyncio.gather(*[one() for _ in range(concurrency)])
+        await asyncio.gather(*[one(c) for c in clients])
         t0 = time.perf_counter()
         for _ in range(rounds):
-            await asyncio.gather(*[one() for _ in range(concurrency)])
+            await asyncio.gather(*[one(c) for c in clients])
         return (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
 
     t0 = time.perf_counter()
@@ -243,7 +257,9 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     print(f"ms per call, {concurrency} concurrent rollouts, one new token each (engine alone: {gen_ms:.2f} ms):")
     for name, fn in (("bare socket, threads", lambda: threaded(bare)), ("httpx, threads", lambda: threaded(with_httpx)),
                      ("openai client, threads", lambda: threaded(with_openai)),
-                     ("openai async client, one event loop", lambda: asyncio.run(async_openai()))):
+                     ("openai async client, one event loop", lambda: asyncio.run(async_openai(False))),
+                     ("openai client each (as lent), threads", lambda: threaded(with_lent_openai)),
+                     ("openai async client each (as lent)", lambda: asyncio.run(async_openai(True)))):
         print(f"  {name:<38} {fn():6.2f}", flush=True)
     stop.set()
     ep.close()

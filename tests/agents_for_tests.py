@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import threading
-import time
 import zlib
 
 import httpx
@@ -60,9 +59,14 @@ def raises(task, client, model):
     raise RuntimeError("the agent broke on purpose")
 
 
+RELEASE_HUNG = threading.Event()  # set by the test once it has seen the rollouts fail
+
+
 def hangs(task, client, model):
+    """Calls, then never returns while the test watches (its thread is the agent pool's, which the
+    interpreter joins at exit: released by the test, or after an hour)."""
     client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
-    time.sleep(3600)
+    RELEASE_HUNG.wait(3600)
 
 
 async def hangs_async(task, client, model):

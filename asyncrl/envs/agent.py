@@ -237,35 +237,34 @@ class _AgentRunner:
 
 
 class _ClientPool:
-    """``openai`` clients lent to rollouts, one rollout at a time each, so each rollout has a connection
-    pool of its own. One client shared by every rollout is far slower: httpcore matches each request
-    against every connection of its pool (checking each socket), so 64 rollouts calling at once cost
-    their clients 7.6 ms a call on threads and 23 ms with ``AsyncOpenAI``, against 3.9 and 4.2 ms with a
-    client each (``bench/bench_endpoint.py --per-call``). A client is made once (0.3 ms, its TLS context
-    shared: a fresh one loads the CA store, ~40 ms) and lent again after; at most ``keep`` wait."""
+    """``openai`` clients lent to rollouts, one rollout at a time each, so that each rollout has a
+    connection pool of its own; they speak HTTP through :mod:`asyncrl.envs.loopback_http`. One client
+    shared by every rollout is far slower: httpcore matches each request against every connection of
+    its pool (checking each socket), so 64 rollouts calling at once cost their clients 7.6 ms a call
+    on threads and 23 ms with ``AsyncOpenAI``, against 3.9 and 4.2 ms with a client each
+    (``bench/bench_endpoint.py --per-call``). A client is made once (no TLS context: a default client
+    loads the CA store, ~40 ms) and lent again after; at most ``keep`` wait."""
 
     def __init__(self, keep: int = 1024) -> None:
         self.keep = keep
         self.free: dict[tuple, list[Any]] = {}
         self.lock = threading.Lock()
-        self._tls = None
 
     def lease(self, key: tuple) -> Any:
         with self.lock:
             free = self.free.get(key)
             if free:
                 return free.pop()
-            if self._tls is None:
-                import ssl
-
-                self._tls = ssl.create_default_context()
         import openai
 
+        from .loopback_http import AsyncLoopbackTransport, LoopbackTransport
+
         is_async, timeout = key
-        cls, http = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient) if is_async else
-                     (openai.OpenAI, openai.DefaultHttpxClient))
+        cls, http, transport = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient, AsyncLoopbackTransport)
+                                if is_async else (openai.OpenAI, openai.DefaultHttpxClient, LoopbackTransport))
+        # trust_env=False: no proxy from the environment for a loopback endpoint
         return cls(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=timeout + 5,
-                   http_client=http(verify=self._tls))
+                   http_client=http(transport=transport(), trust_env=False))
 
     async def give_back(self, key: tuple, client: Any) -> None:
         with self.lock:

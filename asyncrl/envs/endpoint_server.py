@@ -117,13 +117,27 @@ class _Coalesced:
         return getattr(self._t, name)
 
 
+def _response_complete_without_timer(self) -> None:
+    """uvicorn's ``on_response_complete`` (httptools), less its keep-alive timer, which it set and
+    cancelled at every request: the protocol's read timer already closes a connection idle for
+    ``read_timeout_s``."""
+    self.server_state.total_requests += 1
+    if self.transport.is_closing():
+        return
+    self.flow.resume_reading()
+    if self.pipeline:
+        cycle, app = self.pipeline.pop()
+        self._start_asgi_task(cycle, app)
+
+
 def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float):
     base = _protocol_base()
+    complete = _response_complete_without_timer if hasattr(base, "_start_asgi_task") else base.on_response_complete
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         """uvicorn's HTTP protocol with a cap on connections and a read timeout."""
 
-        _refused, _timer, _last = False, None, 0.0
+        _refused, _timer, _last, on_response_complete = False, None, 0.0, complete
 
         def connection_made(self, transport) -> None:  # noqa: D401
             if len(self.connections) >= max_connections:
@@ -151,18 +165,6 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
                 why = f"{type(exc).__name__}: {str(exc)[:120]}" if exc is not None else "closed by the client"
                 dropped.say(f"a connection ended early ({why})")
             super().connection_lost(exc)
-
-        if hasattr(base, "_start_asgi_task"):
-            def on_response_complete(self) -> None:
-                """uvicorn's (httptools), less its keep-alive timer, set and cancelled at every request:
-                this protocol's read timer already closes a connection idle for ``read_timeout_s``."""
-                self.server_state.total_requests += 1
-                if self.transport.is_closing():
-                    return
-                self.flow.resume_reading()
-                if self.pipeline:
-                    cycle, app = self.pipeline.pop()
-                    self._start_asgi_task(cycle, app)
 
         def send_400_response(self, msg: str) -> None:
             cycle = self.cycle

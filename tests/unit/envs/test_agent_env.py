@@ -103,8 +103,14 @@ def test_text_completions_route(random_engine, tok):
     ("returns_text", "returned 'great'"),
 ])
 def test_a_failing_agent_is_a_recorded_failure(random_engine, tok, agent, reason):
-    episodes, env = _rollout(random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
-                             tasks=_tasks(2))
+    from tests import agents_for_tests
+
+    agents_for_tests.RELEASE_HUNG.clear()
+    try:
+        episodes, env = _rollout(random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
+                                 tasks=_tasks(2))
+    finally:
+        agents_for_tests.RELEASE_HUNG.set()  # (a hung agent thread would hold the interpreter's exit)
     for ep in episodes:
         assert ep.trajectories == [] and ep.metrics["env/failures"] == 2.0
         assert all(reason in f for f in ep.decision["failures"]), ep.decision["failures"]
