@@ -240,9 +240,9 @@ class _ClientPool:
     """``openai`` clients lent to rollouts, one rollout at a time each, so that each rollout has a
     connection pool of its own; they speak HTTP through :mod:`asyncrl.envs.loopback_http`. One client
     shared by every rollout is far slower: httpcore matches each request against every connection of
-    its pool (checking each socket), so 64 rollouts calling at once cost their clients 7.6 ms a call
-    on threads and 23 ms with ``AsyncOpenAI``, against 3.9 and 4.2 ms with a client each
-    (``bench/bench_endpoint.py --per-call``). A client is made once (no TLS context: a default client
+    its pool (checking each socket): with 64 rollouts calling at once, ``bench/bench_endpoint.py
+    --per-call`` measured 8.2-10.3 ms a call on threads and 30 ms with ``AsyncOpenAI``, against
+    3.9-5.3 and 3.6-4.6 ms with a client each. A client is made once (no TLS context: a default client
     loads the CA store, ~40 ms) and lent again after; at most ``keep`` wait."""
 
     def __init__(self, keep: int = 1024) -> None:

@@ -2,10 +2,10 @@
 HTTP/1.1 over kept-alive plain-TCP connections to the actor's own endpoint on loopback, parsed by
 httptools (the parser the endpoint's server uses), for httpx's ``Client`` and ``AsyncClient``.
 
-Why not httpx's default transport: every agent call pays it twice, once for the request and once
-for the answer, in the actor's own process, where the engine waits for the calls of a whole batch.
-httpcore's connection pool and h11 cost about 0.9 ms of the ~4 ms a lent client spent per call
-(``bench/bench_endpoint.py``); this transport does the same work in about a tenth of that.
+Why not httpx's default transport: every agent call pays it, in the actor's own process, where the
+engine waits for the calls of a whole batch. Measured one call at a time against the endpoint, an
+``httpx.Client`` spent 1.9 ms of CPU a call with its default transport (httpcore, h11) and 1.3 ms
+with this one, the ``openai`` client 4.1-4.3 ms and 3.4-3.6 ms.
 
 What it does: ``http://`` only (the endpoint never serves TLS; anything else raises
 ``httpx.UnsupportedProtocol``); the request body read whole and sent with its ``Content-Length``;
