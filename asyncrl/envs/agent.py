@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import queue
 import threading
 import time
 from typing import Any
@@ -202,7 +203,7 @@ class _AgentRunner:
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="asyncrl-agent")
+        self.pool = _DaemonThreads(256, "asyncrl-agent")
         self.clients = _ClientPool()
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
@@ -234,6 +235,41 @@ class _AgentRunner:
         finally:
             if client is not None:
                 await self.clients.give_back(key, client)
+
+
+class _DaemonThreads(concurrent.futures.Executor):
+    """The threads plain agent functions run on: up to ``limit``, made when none is idle, kept for
+    the next agents. Daemon threads, unlike a ``ThreadPoolExecutor``'s, which the interpreter joins at
+    exit: an agent that never returns (its rollout already failed for it) must not hold the actor's
+    exit for ever, as the guard's abandoned calls do not (:mod:`asyncrl.envs.guard`)."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit, self.name = limit, name
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+        self.lock = threading.Lock()
+        self.threads = 0
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args, kwargs))
+        if not self.idle.acquire(blocking=False):
+            with self.lock:
+                if self.threads < self.limit:
+                    self.threads += 1
+                    threading.Thread(target=self._work, name=f"{self.name}_{self.threads}", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args, kwargs = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - the agent's own exception, for its rollout
+                    future.set_exception(e)
+            del future, fn, args, kwargs
+            self.idle.release()
 
 
 class _ClientPool:

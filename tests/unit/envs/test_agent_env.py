@@ -120,6 +120,42 @@ def test_a_failing_agent_is_a_recorded_failure(random_engine, tok, agent, reason
     assert len(ok[0].trajectories) == 1
 
 
+_HUNG_AGENT_PROCESS = """
+import sys
+from asyncrl.config import load_config
+from asyncrl.engine.hf import HFEngine
+from asyncrl.envs.base import make_env
+from asyncrl.models.loading import load_policy
+from asyncrl.rollout.workflow import RolloutContext, get_workflow
+from asyncrl.types import Task
+
+cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:hangs", "env.call_timeout_s=2",
+                         "sampling.n=2", "sampling.max_new_tokens=4"])
+model, tok, _ = load_policy(cfg.model, seed=0, prompt_format=cfg.tasks.prompt_format)
+tasks = [Task(id="t0", prompt=[{"role": "user", "content": "1+1="}], answer="2")]
+episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(HFEngine(model, tok), tok, make_env(cfg.env),
+                                                                   cfg, "a0", 1))
+print("failures", episodes[0].metrics["env/failures"], flush=True)
+"""
+
+
+def test_a_hung_agent_does_not_hold_the_process_exit():
+    """A plain agent function that never returns runs on a thread the interpreter does not join at
+    exit (a ThreadPoolExecutor's were: an actor with a hung agent never exited)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_AGENT_PROCESS], env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=300)  # the agents sleep for an hour
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0 and "failures 2.0" in out, out[-2000:]
+
+
 def test_agent_config_errors_are_one_line():
     with pytest.raises(ConfigError, match="needs env.agent"):
         load_config(None, ["env.type=agent"])
