@@ -424,8 +424,8 @@ class Endpoint:
                     if now >= deadline:
                         return []
                     wait = deadline - now
-                    if self.pending:
-                        wait = min(wait, linger - (now - self.last_arrival) + 1e-3)
+                    if self.pending:  # (at most LINGER_S: calls that came meanwhile shorten the linger)
+                        wait = min(wait, linger - (now - self.last_arrival) + 1e-3, LINGER_S)
                     self.cond.wait(max(wait, 1e-3))
             finally:
                 del self._waiting[me]
@@ -580,7 +580,7 @@ class Endpoint:
             self.pending.append(call)
             self.last_arrival = time.monotonic()
             # a waiting wait_batch wakes for the first call (its linger starts) and for the one that
-            # completes a batch; between them it wakes when its linger would have run out anyway
+            # completes a batch; between them it looks again every LINGER_S at most
             if len(self.pending) == 1 or len(self.pending) >= min(self._waiting.values(), default=0):
                 self.cond.notify_all()
         return call
