@@ -28,34 +28,6 @@ from tests.agents_for_tests import every_reply_calls_add
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
 
-@pytest.fixture
-def serving(random_engine, tok):
-    """An endpoint whose calls the engine answers on a thread of its own (as a rollout thread does)."""
-    made = []
-
-    def make(parser=None, max_new_tokens=6):
-        ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=max_new_tokens, temperature=3.0),
-                      random_engine.eos_ids, parser, request_timeout_s=60)
-        stop = threading.Event()
-
-        def loop():
-            while not stop.is_set():
-                calls = ep.wait_batch(1, timeout=0.05)
-                if calls:
-                    ep.serve(random_engine, calls, seed=None)
-
-        t = threading.Thread(target=loop, daemon=True)
-        t.start()
-        made.append((ep, stop, t))
-        return ep
-
-    yield make
-    for ep, stop, t in made:
-        stop.set()
-        t.join(10)
-        ep.close()
-
-
 def _client(session) -> openai.OpenAI:
     return openai.OpenAI(base_url=session.base_url, api_key=session.token, max_retries=0, timeout=60)
 

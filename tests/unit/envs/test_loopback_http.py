@@ -13,8 +13,6 @@ import time
 import httpx
 import pytest
 
-from asyncrl.config import SamplingConfig
-from asyncrl.envs.endpoint import Endpoint
 from asyncrl.envs.loopback_http import AsyncLoopbackTransport, LoopbackTransport
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
@@ -23,26 +21,11 @@ MESSAGES = [{"role": "user", "content": "1+1="}]
 
 
 @pytest.fixture
-def endpoint(random_engine, tok, monkeypatch):
+def endpoint(serving, monkeypatch):
     import asyncrl.envs.endpoint as endpoint_mod
 
     monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)  # idle connections closed after 1 s
-    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=6, temperature=3.0), random_engine.eos_ids, None,
-                  request_timeout_s=60)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            calls = ep.wait_batch(1, timeout=0.05)
-            if calls:
-                ep.serve(random_engine, calls, seed=None)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    yield ep
-    stop.set()
-    t.join(10)
-    ep.close()
+    return serving(max_new_tokens=6)
 
 
 def _wait_closed_by_server(sock_ready, what: str) -> None:
