@@ -68,7 +68,7 @@ def main() -> None:
                                           "env.agent=bench.bench_endpoint:answer_agent_async"])
     model, tok, _ = load_policy(direct_cfg.model, seed=direct_cfg.seed, prompt_format=direct_cfg.tasks.prompt_format)
     engine = HFEngine(model, tok)
-    freeze_startup_heap()  # the model and libraries out of the collector's walks (as asyncrl learn does)
+    freeze_startup_heap()  # the model and libraries out of the collector's walks (as asyncrl serve does)
     paths = {name: (get_workflow("grpo", cfg), make_env(cfg.env), cfg) for name, cfg in
              (("direct", direct_cfg), ("endpoint", agent_cfg), ("async", async_cfg))}
     stream = task_stream(direct_cfg.tasks, 0)

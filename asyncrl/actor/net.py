@@ -57,9 +57,8 @@ class ActorNet:
         self.learner_weights: str | None = None  # the learner's weights address (from its welcome)
         self.on_credit, self.on_welcome = on_credit, on_welcome
         self.ctx = zmq.Context.instance()
-        self.control = self._socket(zmq.DEALER, control_address)
-        self._auth_monitor = (self.control.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-                              if wire_cfg.curve_dir else None)
+        self.control, self._auth_monitor = self._monitored(
+            zmq.DEALER, control_address, zmq.EVENT_HANDSHAKE_FAILED_AUTH if wire_cfg.curve_dir else None)
         self._refused_said = False
         self.episodes: zmq.Socket | None = None
         self.weights: zmq.Socket | None = None
@@ -73,6 +72,14 @@ class ActorNet:
         self.asked_weights_at = 0.0
 
     def _socket(self, kind, address: str, curve: bool = True) -> zmq.Socket:
+        return self._monitored(kind, address, None, curve)[0]
+
+    def _monitored(self, kind, address: str, events: int | None, curve: bool = True):
+        """A socket connected to ``address``, and a monitor of its ``events`` (None: none), attached
+        before it connects: libzmq tells a monitor only what happens after the monitor is attached,
+        and it says a CURVE refusal once (it does not try again), so a monitor attached after
+        ``connect`` missed the refusal whenever the handshake was quicker than this thread (CI, under
+        load: a refused actor waited on without a word)."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 2000)
         if kind == zmq.DEALER:
@@ -81,13 +88,23 @@ class ActorNet:
             sock.setsockopt(zmq.SNDHWM, self.wire_cfg.hwm)
         if self.wire_cfg.curve_dir and curve:
             apply_curve_client(sock, self.wire_cfg.curve_dir, self.actor_id)
+        monitor = sock.get_monitor_socket(events) if events is not None else None
         connect(sock, address)
-        return sock
+        return sock, monitor
 
     # -- control --------------------------------------------------------------------------------
-    def hello(self, capacity: int, version: int, pid: int) -> None:
-        send_frames(self.control, encode("hello", Hello(actor_id=self.actor_id, capacity=capacity,
-                                                        version=max(version, -1), pid=pid)))
+    def hello(self, capacity: int, version: int, pid: int) -> bool:
+        """Say hello to the learner; False when it could not be queued (the learner refused this
+        actor's key, so the connection is gone, or a thousand hellos wait for a learner that is down).
+        Never waits: a blocking send here held a refused actor for ever, before it could say why.
+        The actor says hello again every second until it is welcomed."""
+        try:
+            send_frames(self.control, encode("hello", Hello(actor_id=self.actor_id, capacity=capacity,
+                                                            version=max(version, -1), pid=pid)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._check_refused()
+            return False
+        return True
 
     def poll(self, timeout_ms: int) -> None:
         """Handle every control message that has arrived (waiting up to ``timeout_ms`` for one)."""
@@ -147,8 +164,8 @@ class ActorNet:
                 if self.weights_address is None:
                     self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
                 else:  # the relay's private ipc socket (this user only): no CURVE
-                    self.weights = self._socket(zmq.DEALER, self.weights_address, curve=False)
-                    self._relay_monitor = self.weights.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                    self.weights, self._relay_monitor = self._monitored(
+                        zmq.DEALER, self.weights_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, curve=False)
                     self._relay_down_since = time.monotonic()
             except Exception:
                 episodes.close(0)

@@ -130,7 +130,9 @@ def cmd_serve(args) -> int:
     preflight(cfg)
     control = args.connect or _wait_for_control(layout.addresses(Path(args.run_dir or cfg.run_dir)))
     try:
-        Actor(cfg, control, args.actor_id, args.index, weights_address=args.weights_address).run()
+        actor = Actor(cfg, control, args.actor_id, args.index, weights_address=args.weights_address)
+        freeze_startup_heap()  # as for the learner: full collections skip the model and libraries
+        actor.run()
     except TooManyFailures as e:
         print(f"asyncrl serve ({args.actor_id}): stopping: {e}", file=sys.stderr, flush=True)
         return 3

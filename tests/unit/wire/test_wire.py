@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -459,6 +460,65 @@ def test_curve_exchange_and_auth(ctx, tmp_path):
             time.sleep(0.05)
         assert [k for k, _ in denied][:1] == [stranger_key]
     finally:
+        auth.stop()
+
+
+def test_a_refused_actor_says_so_even_when_the_refusal_comes_before_its_monitor_or_its_hello(
+        ctx, tmp_path, monkeypatch, capsys):
+    """CI, under load: a restarted actor whose key had been revoked never said it was refused. Two
+    causes. libzmq tells a socket monitor only what happens after it is attached, and says a CURVE
+    refusal once (it does not try again), but the actor attached its monitor after ``connect``. And
+    the actor's first hello was a blocking send: once the refusal had removed the connection (a slow
+    start-up, such as the start-up heap's collection), it waited for ever, before it could read the
+    monitor. Here attaching a monitor to a connected socket waits until the learner has refused the
+    key, and the hello comes after the refused connection is gone."""
+    import asyncrl.actor.net as actor_net
+    from asyncrl.config import WireConfig
+
+    keys = tmp_path / "keys"
+    make_curve_keys(str(keys), ["a2"])
+    (keys / "server" / "authorized" / "actor-a2.key").unlink()  # revoked
+    auth = start_curve_auth(ctx.ctx, str(keys))
+    net = hello = None
+    try:
+        server = ctx.socket(zmq.ROUTER)
+        apply_curve_server(server, str(keys / "server"))
+        addr = bind(server, "127.0.0.1", 0)
+        connected, denied = set(), []
+        real_connect, real_monitor = actor_net.connect, zmq.Socket.get_monitor_socket
+
+        def connect(sock, address):
+            connected.add(sock)
+            return real_connect(sock, address)
+
+        def monitor_after_the_refusal(sock, *args, **kwargs):
+            deadline = time.monotonic() + 30
+            while sock in connected and not denied and time.monotonic() < deadline:
+                denied.extend(auth.keys.take_denied())
+                time.sleep(0.02)
+            return real_monitor(sock, *args, **kwargs)
+
+        monkeypatch.setattr(actor_net, "connect", connect)
+        monkeypatch.setattr(zmq.Socket, "get_monitor_socket", monitor_after_the_refusal)
+        net = actor_net.ActorNet(WireConfig(curve_dir=str(keys)), addr, "a2", b"a2:1")
+        deadline = time.monotonic() + 30
+        while not denied and time.monotonic() < deadline:
+            denied.extend(auth.keys.take_denied())
+            time.sleep(0.02)
+        while net.control.poll(0, zmq.POLLOUT) and time.monotonic() < deadline:  # the refused connection goes
+            time.sleep(0.02)
+        assert denied and not net.control.poll(0, zmq.POLLOUT)
+        # a hello now (CI: it came after a slow start-up) has no connection to queue on: it must not wait
+        hello = threading.Thread(target=net.hello, args=(4, 0, 1), daemon=True)
+        hello.start()
+        hello.join(30)
+        assert not hello.is_alive(), "a hello to a learner that refused this actor blocked the actor"
+        while "refused this actor's CURVE key" not in capsys.readouterr().out and time.monotonic() < deadline + 30:
+            net.poll(100)
+        assert net._refused_said, "the actor did not say the learner refused its key"
+    finally:
+        if net is not None and not (hello is not None and hello.is_alive()):  # (a blocked send owns the socket)
+            net.close()
         auth.stop()
 
 
