@@ -7,7 +7,10 @@ an agent making one chat call per rollout with the ``openai`` client) against th
 KEY=VALUE overrides apply to both paths (e.g. ``sampling.max_new_tokens=64`` for longer completions).
 
 ``--per-call`` prints where an endpoint call's time goes instead: the endpoint's own CPU per call
-(the process's CPU less the clients' and the engine's), then the milliseconds per call of 64
+(its event loop thread plus the serving thread, less the engine), with bare-socket clients on 64
+threads of the same process and then in a process of their own (in the same process the clients'
+threads and the server take turns at one interpreter lock, and each turn costs the server CPU too),
+then the milliseconds per call of 64
 concurrent rollouts with each kind of client (a bare socket, httpx, the openai client on threads,
 the async openai client, one shared by all rollouts, then one each as ``env.type=agent`` lends them)
 against the same endpoint and engine, one new token per call.
@@ -39,6 +42,50 @@ async def answer_agent_async(task, client, model):
     return arithmetic_reward(task, reply.choices[0].message.content or "")
 
 
+def bare_call(port: int, token: str, body: bytes, local) -> None:
+    """One chat call on a bare socket, kept alive per thread (as a pooled HTTP client holds it)."""
+    import socket
+
+    c = getattr(local, "conn", None)
+    if c is None:
+        c = local.conn = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c.sendall((f"POST /s/{token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = c.recv(65536)
+        if not chunk:
+            raise ConnectionError("the endpoint closed the connection")
+        got += chunk
+    header, _, rest = got.partition(b"\r\n\r\n")
+    if not header.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the endpoint answered {header.splitlines()[0]!r}")
+    length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(rest) < length:
+        rest += c.recv(65536)
+
+
+def bare_client(port: int) -> None:
+    """``--bare-client PORT``: the bench's clients in a process of their own. Each line of stdin
+    holds the session tokens of one round; all its calls go at once (a thread each), then ``ok``."""
+    import json
+    import sys
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "12+34="}]}).encode()
+    local = threading.local()
+    with ThreadPoolExecutor(64) as pool:
+        for line in sys.stdin:
+            tokens = line.split()
+            if not tokens:
+                break
+            list(pool.map(lambda t: bare_call(port, t, body, local), tokens))
+            print("ok", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/quickstart.yaml")
@@ -46,8 +93,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="actor batches per path per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--per-call", action="store_true", help="per-call cost by client kind (see the doc)")
+    ap.add_argument("--bare-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config overrides for both paths")
     args = ap.parse_args()
+    if args.bare_client:
+        return bare_client(args.bare_client)
     if args.per_call:
         return per_call(args)
 
@@ -106,13 +156,15 @@ def main() -> None:
 
 
 def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
-    """Milliseconds per call by client kind, and the endpoint's own CPU per call: the process's CPU
-    time less what the clients' threads and the engine's ``generate`` spent (each measured with its
-    thread's CPU clock), over the bare-socket rounds. Works on any version of the endpoint that has
-    ``Endpoint(...)``, ``open``, ``wait_batch``, ``serve`` and ``close``."""
+    """Milliseconds per call by client kind, and the endpoint's own CPU per call: its event loop
+    thread's and the serving thread's CPU clocks, less the engine's ``generate`` (each measured with
+    its thread's CPU clock), over bare-socket rounds, with the clients in this process and then in a
+    process of their own. Works on any version of the endpoint that has ``Endpoint(...)``, ``open``,
+    ``wait_batch``, ``serve``, ``close`` and ``server.thread``."""
     import asyncio
     import json
-    import socket
+    import subprocess
+    import sys
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -122,9 +174,10 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
 
     from asyncrl.config import SamplingConfig, load_config
     from asyncrl.engine.hf import HFEngine
-    from asyncrl.models.loading import load_policy
-    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.envs.agent import _ClientPool
     from asyncrl.envs.endpoint import Endpoint
+    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.models.loading import load_policy
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
@@ -132,14 +185,7 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     engine = HFEngine(model, tok)
     ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=1), engine.eos_ids, None, 60)
     stop = threading.Event()
-    cpu = {"engine": 0.0, "clients": 0.0}
-    cpu_lock = threading.Lock()
-
-    def serve():
-        while not stop.is_set():
-            calls = ep.wait_batch(concurrency, 0.1)
-            if calls:
-                ep.serve(timed_engine, calls, 0)
+    engine_cpu = [0.0]
 
     class TimedEngine:  # the engine, with the CPU its generate calls take counted apart
         def __getattr__(self, name):
@@ -150,41 +196,69 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
             try:
                 return engine.generate(*a, **kw)
             finally:
-                cpu["engine"] += time.thread_time() - t0
+                engine_cpu[0] += time.thread_time() - t0
 
     timed_engine = TimedEngine()
+
+    def serve():
+        while not stop.is_set():
+            calls = ep.wait_batch(concurrency, 0.1)
+            if calls:
+                ep.serve(timed_engine, calls, 0)
+
     serving = threading.Thread(target=serve, daemon=True)
     serving.start()
     body = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}]}
     data = json.dumps(body).encode()
     pool = ThreadPoolExecutor(concurrency)
-
     local = threading.local()
 
-    def bare():  # one kept-alive connection per client thread, as a pooled HTTP client holds
-        t0 = time.thread_time()
+    def bare():
         s = ep.open(None)
-        head = (f"POST /s/{s.token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()
-        c = getattr(local, "conn", None)
-        if c is None:
-            c = local.conn = socket.create_connection(("127.0.0.1", ep.port))
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c.sendall(head + data)
-        got = b""
-        while b"\r\n\r\n" not in got:
-            got += c.recv(65536)
-        header, _, rest = got.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(rest) < length:
-            rest += c.recv(65536)
+        bare_call(ep.port, s.token, data, local)
         s.close()
-        with cpu_lock:
-            cpu["clients"] += time.thread_time() - t0
+
+    client = subprocess.Popen([sys.executable, __file__, "--bare-client", str(ep.port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def in_process_round():
+        list(pool.map(lambda _: bare(), range(concurrency)))
+
+    def out_of_process_round():
+        sessions = [ep.open(None) for _ in range(concurrency)]
+        client.stdin.write(" ".join(s.token for s in sessions) + "\n")
+        client.stdin.flush()
+        if client.stdout.readline().strip() != "ok":
+            raise RuntimeError("the client process failed (see its error above)")
+        for s in sessions:
+            s.close()
+
+    clocks = (time.pthread_getcpuclockid(ep.server.thread.ident), time.pthread_getcpuclockid(serving.ident))
+
+    def own_cpu(one_round) -> tuple[float, float]:
+        """(the event loop thread's, the serving thread's less the engine's) CPU ms per call."""
+        one_round()  # warm
+        engine_cpu[0], c0 = 0.0, [time.clock_gettime(c) for c in clocks]
+        for _ in range(20 * rounds):
+            one_round()
+        calls = 20 * rounds * concurrency
+        loop, serving_cpu = ((time.clock_gettime(c) - t) / calls * 1e3 for c, t in zip(clocks, c0))
+        return loop, serving_cpu - engine_cpu[0] / calls * 1e3
+
+    print(f"the endpoint's own CPU per call (bare sockets, kept-alive connections, {20 * rounds * concurrency} calls, "
+          f"{concurrency} at once): its event loop thread + the serving thread less the engine", flush=True)
+    try:
+        for label, one_round in (("clients on threads of this process", in_process_round),
+                                 ("clients in a process of their own", out_of_process_round)):
+            loop, rest = own_cpu(one_round)
+            print(f"  {label:<36} {loop:.3f} + {rest:.3f} = {loop + rest:.3f} ms", flush=True)
+    finally:
+        client.stdin.close()
+        client.wait(30)
 
     sync_client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
     http = httpx.Client()
+    lent = _ClientPool()  # what env.type=agent lends each running rollout: a client of its own
 
     def with_httpx():
         s = ep.open(None)
@@ -195,10 +269,6 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         s = ep.open(None)
         sync_client.with_options(base_url=s.base_url, api_key=s.token).chat.completions.create(**body)
         s.close()
-
-    from asyncrl.envs.agent import _ClientPool
-
-    lent = _ClientPool()  # what env.type=agent lends each running rollout: a client of its own
 
     def with_lent_openai():
         c = getattr(local, "lent", None)
@@ -232,28 +302,8 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
 
     t0 = time.perf_counter()
     for _ in range(rounds):
-        engine.generate([render_tokens(tok, body["messages"])] * concurrency,
-                        SamplingConfig(max_new_tokens=1))
+        engine.generate([render_tokens(tok, body["messages"])] * concurrency, SamplingConfig(max_new_tokens=1))
     gen_ms = (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
-    list(pool.map(lambda _: bare(), range(concurrency)))  # warm
-    calls = 20 * rounds * concurrency
-    cpu.update(engine=0.0, clients=0.0)
-    server = getattr(getattr(ep, "server", None), "thread", None)  # the ASGI server's event loop thread
-    clocks = {"server": time.pthread_getcpuclockid(server.ident) if server is not None else None,
-              "serving": time.pthread_getcpuclockid(serving.ident)}
-    c0 = {k: time.clock_gettime(v) for k, v in clocks.items() if v is not None}
-    p0 = time.process_time()
-    for _ in range(20 * rounds):
-        list(pool.map(lambda _: bare(), range(concurrency)))
-    own = (time.process_time() - p0 - cpu["engine"] - cpu["clients"]) / calls * 1e3
-    used = {k: (time.clock_gettime(clocks[k]) - c0[k]) / calls * 1e3 for k in c0}
-    print(f"endpoint's own CPU per call (bare socket, kept-alive connections, {calls} calls, {concurrency} at once):\n"
-          f"  process CPU less the clients' and the engine's: {own:.3f} ms  [engine {cpu['engine'] / calls * 1e3:.3f} ms, "
-          f"clients {cpu['clients'] / calls * 1e3:.3f} ms per call]", flush=True)
-    if "server" in used:
-        print(f"  the server's event loop thread {used['server']:.3f} ms + the serving thread less the engine "
-              f"{used['serving'] - cpu['engine'] / calls * 1e3:.3f} ms = "
-              f"{used['server'] + used['serving'] - cpu['engine'] / calls * 1e3:.3f} ms", flush=True)
     print(f"ms per call, {concurrency} concurrent rollouts, one new token each (engine alone: {gen_ms:.2f} ms):")
     for name, fn in (("bare socket, threads", lambda: threaded(bare)), ("httpx, threads", lambda: threaded(with_httpx)),
                      ("openai client, threads", lambda: threaded(with_openai)),
@@ -263,7 +313,6 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         print(f"  {name:<38} {fn():6.2f}", flush=True)
     stop.set()
     ep.close()
-
 
 if __name__ == "__main__":
     main()
