@@ -135,6 +135,17 @@ for line in sys.stdin:
 '''
 
 
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` has something to read (or its writer is gone) within ``timeout_s``. ``poll``,
+    not ``select``: select takes no descriptor past 1,023, and an actor whose endpoint serves a
+    thousand agents holds more than that (the tools' pipes then failed with "filedescriptor out of
+    range in select()")."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0.0, timeout_s) * 1000))
+
+
 class ToolSandbox:
     """One sandboxed worker serving the tools of ``task_cls.toolsets(config)`` (module doc)."""
 
@@ -207,7 +218,7 @@ class ToolSandbox:
         buf = b""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            if left <= 0 or not _readable(proc.stdout.fileno(), left):
                 return None
             chunk = os.read(proc.stdout.fileno(), 1 << 16)
             if not chunk:

@@ -26,11 +26,12 @@ def _run_args(tmp_path, tiny_overrides, *extra: str) -> list[str]:
 def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:
     """Read ``proc``'s output (a pipe) until ``pattern`` matches; returns what was read."""
     out, deadline, fd = "", time.time() + timeout, proc.stdout.fileno()
+    poller = select.poll()  # (not select: a worker that ran the endpoint tests may hold descriptors past 1,023)
+    poller.register(fd, select.POLLIN | select.POLLHUP)
     while time.time() < deadline:
         if re.search(pattern, out):
             return out
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
+        if poller.poll(500):
             chunk = os.read(fd, 65536)
             if not chunk:
                 break

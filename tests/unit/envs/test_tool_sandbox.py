@@ -55,6 +55,31 @@ def test_tools_are_offered_and_called_in_the_sandbox(probe, tmp_path):
     assert home.startswith("error:"), home
 
 
+def test_the_sandbox_answers_in_a_process_holding_over_a_thousand_descriptors():
+    """CI: after the endpoint tests (a thousand agents' connections) the tools' pipes were numbered
+    past 1,023, and every call failed with "filedescriptor out of range in select()"."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1200, hard), hard))
+    held, sandbox = [], None
+    try:
+        with open(os.devnull, "rb") as null:
+            held = [os.dup(null.fileno()) for _ in range(1100)]
+        env = _env("ProbeTaskset")
+        _, sandbox = env.tools(next(iter(env.taskset)))
+        uid, _ = sandbox.call("whoami", "{}").split()
+        assert int(uid) == SANDBOX_ID
+        assert sandbox._proc.stdout.fileno() > 1023  # (its pipes were numbered past select's range)
+    finally:
+        if sandbox is not None:
+            sandbox.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_tool_cannot_reach_the_network(probe, listener):
     specs, sandbox = probe
     port, received = listener
