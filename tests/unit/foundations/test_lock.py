@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -53,7 +54,10 @@ def test_the_test_environment_was_installed_from_its_lock():
         pytest.skip("not the test environment make test builds (.venv-test)")
     pins = _pins("test")
     wrong = []
-    for dist in metadata.distributions():
+    site = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    # (the environment's own packages, not all of sys.path: once a test has imported pkg_resources,
+    # setuptools' vendored copies, e.g. zipp 3.19.2, are on it too)
+    for dist in metadata.distributions(path=site):
         name = canonicalize_name(dist.metadata["Name"])
         if name in pins and dist.version != pins[name]:
             wrong.append(f"{name} {dist.version} (lock: {pins[name]})")
