@@ -135,7 +135,6 @@ for line in sys.stdin:
 '''
 
 
-
 def _readable(fd: int, timeout_s: float) -> bool:
     """Whether ``fd`` has something to read (or its writer is gone) within ``timeout_s``. ``poll``,
     not ``select``: select takes no descriptor past 1,023, and an actor whose endpoint serves a
