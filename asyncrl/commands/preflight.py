@@ -51,7 +51,7 @@ def preflight(cfg: Config) -> Preflight:
     if callable(getattr(env, "preflight", None)):
         env.preflight()
     train, heldout = split_tasks(cfg.tasks)  # holdout_fraction <= 0.9 always leaves training tasks
-    if cfg.model.path is not None or cfg.tasks.type == "file":  # the user's model, or the user's prompts
+    if not cfg.model.embedded_default or cfg.tasks.type == "file":  # the user's model, or the user's prompts
         _check_model_and_prompts(cfg, (train or []) + heldout if cfg.tasks.type == "file" else [])
     if cfg.model.lora is not None:
         _check_lora(cfg)
@@ -72,10 +72,12 @@ def _check_lora(cfg: Config) -> None:
     from ..models.tiny import embedded_llama_config
     from ..models.tokenizer import build_char_tokenizer
 
-    if cfg.model.path is None:
+    if cfg.model.embedded_default:
         config = embedded_llama_config(cfg.model.embedded, len(build_char_tokenizer()))
     else:
-        config = AutoConfig.from_pretrained(cfg.model.path)
+        from ..models.loading import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model))
     with torch.device("meta"):
         targeted(AutoModelForCausalLM.from_config(config), cfg.model.lora)
 
@@ -104,7 +106,7 @@ def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
 
 def _tokenizer_and_context(cfg: Config):
     """``(tokenizer, context length or None, ' in <where>')`` without loading any weights."""
-    if cfg.model.path is None:
+    if cfg.model.embedded_default:
         from ..models.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer(), cfg.model.embedded.max_positions, " of the embedded model"

