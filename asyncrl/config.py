@@ -212,7 +212,9 @@ class SamplingConfig(_Base):
 
 
 class EngineConfig(_Base):
-    type: str = registered("asyncrl.engine:ENGINES", "hf", description="Generation engine.")
+    type: str = registered("asyncrl.engine:ENGINES", "hf", import_path=True, description=(
+        "Generation engine: 'hf' (transformers), 'vllm', or an import path 'pkg.module:factory' of your own, "
+        "called as factory(cfg, model_dir, tokenizer, load_model) -> an Engine (asyncrl.engine.base)."))
     device: str = Field("cpu", description="Torch device for the hf engine ('cpu', 'cuda', 'cuda:1').")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=(
         "vLLM: share of the GPU's memory it may take (weights + KV cache); leave room for a learner "
@@ -570,9 +572,9 @@ class WireConfig(_Base):
         "outstanding credits return to the pool; any message from it renews the lease, and a dropped "
         "actor is admitted again on its next message."))
     credit_timeout_s: float | None = Field(None, gt=0, description=(
-        "Credits are renewed by progress, not by heartbeats: an actor that holds credits and delivers "
-        "no episode for this long loses them (back to the pool) and gets one at a time until it delivers "
-        "(also after a new hello). "
+        "Credits are renewed by progress, not by bare heartbeats: an actor that holds credits and neither "
+        "generates a token (its heartbeat's token count) nor delivers an episode for this long loses them "
+        "(back to the pool) and gets one at a time until it delivers (also after a new hello). "
         "Null: 3 x lease_s."))
     max_capacity: int = Field(64, ge=1, description="Most credits one actor may hold (a hello's capacity is capped).")
     stranger_credits: int | None = Field(None, ge=1, description=(
@@ -752,6 +754,10 @@ class Config(_Base):
         if self.actor.heartbeat_s * 2 > self.wire.lease_s:
             raise ValueError(f"actor.heartbeat_s ({self.actor.heartbeat_s}) must be at most half of "
                              f"wire.lease_s ({self.wire.lease_s}), or healthy actors lose their credits")
+        if self.wire.credit_timeout_s is not None and self.actor.heartbeat_s * 2 > self.wire.credit_timeout_s:
+            raise ValueError(f"actor.heartbeat_s ({self.actor.heartbeat_s}) must be at most half of "
+                             f"wire.credit_timeout_s ({self.wire.credit_timeout_s}): an actor's progress within a long "
+                             f"batch comes with its heartbeats")
         if self.tasks.type == "reasoning_gym" and "reward" not in self.env.model_fields_set:
             self.env.reward = "reasoning_gym"  # the datasets' own scorers
         if self.env.type == "verifiers":  # its tasks are its taskset's (a config file's arithmetic gives way)

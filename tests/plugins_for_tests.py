@@ -49,3 +49,25 @@ def half_constant_reward(task: Task, response: str) -> float:
 
 def constant_reward(task: Task, response: str) -> float:
     return 0.5
+
+
+def slow_hf_engine(cfg, model_dir, tokenizer, load_model):
+    """``engine.type: tests.plugins_for_tests:slow_hf_engine``: the real HF engine on a model whose every
+    forward pass first waits ``ASYNCRL_TEST_STEP_S`` seconds, so that a batch takes minutes of wall time
+    while its tokens come one step at a time (what a real model on a CPU, or a reasoning run, looks like
+    to the learner)."""
+    import os
+    import time
+
+    from asyncrl.engine.hf import HFEngine
+
+    model = load_model()
+    delay = float(os.environ.get("ASYNCRL_TEST_STEP_S", "1.0"))
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(delay)
+        return forward(*args, **kwargs)
+
+    model.forward = slow_forward
+    return HFEngine(model, tokenizer, device=cfg.engine.device)

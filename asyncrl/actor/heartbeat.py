@@ -73,7 +73,7 @@ class Heartbeat(threading.Thread):
                         capacity=a.cfg.actor.tasks_per_batch, version=max(a.engine.version, -1),
                         batches=a.batches, weight_updates=a.weight_updates, unacked=len(a.unacked),
                         credits=max(a.credits, 0), generate_s=a._gen_s, up_s=time.time() - a.started,
-                        stopping=a.stopping)
+                        tokens=int(getattr(a.engine, "tokens_generated", 0)), stopping=a.stopping)
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)
         except zmq.Again:  # not connected (the learner is down): nothing to queue

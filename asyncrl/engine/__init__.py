@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from ..config import Config, ConfigError
+from ..config import Config
 from ..registry import Registry
 from .base import Engine, Generation
 
@@ -39,9 +39,8 @@ ENGINES: Registry[Callable[..., Engine]] = Registry("engine", {"hf": _hf, "vllm"
 def make_engine(cfg: Config, model_dir: str | Path, tokenizer, load_model: Callable[[], object] | None = None) -> Engine:
     """The ``engine.type`` engine over the model in ``model_dir``; ``load_model()`` returns the
     loaded model for an engine that runs one in this process (``hf``), called only by such."""
-    if cfg.engine.type not in ENGINES:
-        raise ConfigError(f"engine.type: unknown engine {cfg.engine.type!r}; available: {', '.join(ENGINES)}")
-    return ENGINES[cfg.engine.type](cfg, Path(model_dir), tokenizer, load_model)
+    factory = ENGINES.resolve(cfg.engine.type, "engine.type", what="factory")
+    return factory(cfg, Path(model_dir), tokenizer, load_model)
 
 
 def _context_length(model_dir: Path) -> int | None:

@@ -60,6 +60,8 @@ class Engine(Protocol):
 
     version: int  # policy version of the weights in use
     eos_ids: "set[int] | list[int]"  # tokens that end a generation (kept as its last token)
+    # optional: ``tokens_generated``, an int counting generated tokens as they come. The actor's heartbeat
+    # reports it, and the learner keeps an actor's credits while it advances (a batch that takes minutes)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  seed: int | None = None) -> list[Generation]:

@@ -87,6 +87,7 @@ class HFEngine:
         self._state = None  # (cache, mask, positions, last tokens) after the latest step
         self._rebuild = False
         self.steps = 0  # forward passes in continuous mode
+        self.tokens_generated = 0  # every token sampled, counted as it is (the actor's heartbeat reports it)
         self.rebuilds = 0  # of which prefills (admitted prompts, caches recomputed after an update)
 
     # ----------------------------------------------------------------------------- generation
@@ -129,6 +130,7 @@ class HFEngine:
             cache = cache_of(out)
             logp = torch.log_softmax(out.logits[:, -1].float() / sampling.temperature, dim=-1)
             tok = sample_top_p(logp, sampling.top_p, gen).masked_fill(done, self.pad_id)
+            self.tokens_generated += bsz - int(done.sum())
             tokens[:, t] = tok
             logprobs[:, t] = logp.gather(1, tok[:, None])[:, 0]
             finished = (~done) & torch.isin(tok, eos)
@@ -215,6 +217,7 @@ class HFEngine:
         logp = torch.log_softmax(logits.float() / temps, dim=-1)
         tok = sample_top_p(logp, top_p, None)
         lps = logp.gather(1, tok[:, None])[:, 0].tolist()
+        self.tokens_generated += len(rows)
         version = self.version
         for r, t, lp in zip(rows, tok.tolist(), lps):
             r.tokens.append(t)

@@ -89,6 +89,7 @@ class VLLMEngine:
         self.batcher: ContinuousBatcher | None = None  # continuous mode (start_continuous)
         self._live: dict[str, Row] = {}
         self._next_id = 0
+        self.tokens_generated = 0  # one per running request per engine step (the actor's heartbeat reports it)
         self.continued = 0  # requests continued from their prefix after an in-flight update
         self.eos_ids = sorted(_eos_ids(model_dir, tokenizer))
         self.model_dir = str(model_dir)
@@ -130,9 +131,32 @@ class VLLMEngine:
             # (Per-request seeds would too, but together with log-probs they made vLLM 0.32 six times
             # slower on CPU: 2.5k against 15k tokens/s on a 1-layer model.)
             torch.manual_seed(int(seed))
-        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params, use_tqdm=False,
-                                 lora_request=self._lora_request)
-        return [self._to_generation(o.outputs[0]) for o in outs]
+        return [self._to_generation(o.outputs[0]) for o in self._run(prompts, params)]
+
+    def _run(self, prompts: list[list[int]], params) -> list:
+        """``LLM.generate``'s loop (requests added in order, engine steps until all finish, outputs in
+        prompt order), stepped here so that ``tokens_generated`` advances while a long batch runs."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        engine, order = self.llm.llm_engine, {}
+        for p in prompts:
+            rid = f"g{self._next_id}"
+            self._next_id += 1
+            order[rid] = len(order)
+            engine.add_request(rid, {"prompt_token_ids": list(map(int, p))}, params, lora_request=self._lora_request)
+        outs = [None] * len(order)
+        try:
+            while engine.has_unfinished_requests():
+                running = engine.get_num_unfinished_requests()
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        outs[order[out.request_id]] = out
+                self.tokens_generated += running
+        except BaseException:
+            engine.abort_request([rid for rid, i in order.items() if outs[i] is None])
+            raise
+        return outs
 
     def _params(self, sampling: SamplingConfig, max_tokens: int, **extra):
         """vLLM's SamplingParams for ``sampling`` with ``max_tokens`` (EOS and stop strings kept in the
@@ -192,6 +216,7 @@ class VLLMEngine:
             c = out.outputs[0]
             ids = [int(t) for t in c.token_ids]
             row.tokens += ids
+            self.tokens_generated += len(ids)
             row.logprobs += [float(pos[t].logprob) for t, pos in zip(ids, c.logprobs or [])]
             row.versions += [version] * len(ids)
             if out.finished:

@@ -116,6 +116,7 @@ class Status(Body):
     unacked: Count = 0
     credits: Count = 0
     generate_s: Seconds = 0.0  # time spent generating (inflight: in decode steps)
+    tokens: Count = 0  # tokens its engine has generated since it started: progress within a long batch
     up_s: Seconds = 0.0  # time since the actor started (1 - generate_s / up_s: its idle share)
     stopping: bool = False
 

@@ -27,7 +27,11 @@ holds the learner.
 Flow control (AReaL's capacity rule): credits are granted only while ``in_flight + buffered`` stays
 within the pool the learner's :class:`.staleness.StalenessPolicy` sets, which bounds staleness. Credits are
 leases: an actor silent for ``wire.lease_s`` is dropped with its outstanding credits (``expire``);
-any message from it renews the lease, and a dropped actor's next heartbeat admits it again.
+any message from it renews the lease, and a dropped actor's next heartbeat admits it again. An actor
+keeps its credits while it makes progress: a valid episode delivered, or tokens generated (its
+heartbeat's ``tokens`` count advancing, so a batch that takes minutes keeps them); one that does
+neither for ``wire.credit_timeout_s`` loses them and gets one at a time until it delivers, its clock
+restarting with each such credit.
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ class ActorState:
     last_seen: float = field(default_factory=time.monotonic)
     withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
     admitted_at: float = field(default_factory=time.monotonic)
-    progress_at: float = field(default_factory=time.monotonic)  # its last valid episode, or the grant that gave it work
+    progress_at: float = field(default_factory=time.monotonic)  # its last valid episode or generated token, or
+    # the grant that gave it work
+    tokens: int = -1  # the engine's token count its last status reported (-1: no status yet)
     settled: bool = True  # all it was given came back as valid episodes (the next grant starts its clock anew)
     delivered: int = 0  # episodes received from it
     hog: bool = False  # its credits were taken back for want of progress: one at a time until it delivers
@@ -309,6 +315,9 @@ class LearnerNet:
         state.last_seen = time.monotonic()
         state.status = body
         state.weights_version = body.version
+        if body.tokens > state.tokens >= 0:  # generating: a batch in progress is progress (its credits stay)
+            state.progress_at = state.last_seen
+        state.tokens = body.tokens
         self.send_control(identity, Alive(session=self.session, version=max(self.weights_version, 0)))
         return state
 
@@ -341,6 +350,7 @@ class LearnerNet:
             if a.outstanding and now - a.progress_at > self.credit_timeout_s:
                 self.reclaimed.append((a, a.outstanding))
                 a.outstanding, a.hog = 0, True
+                a.settled = True  # the one credit it gets next starts its clock anew: one reclaim per timeout, no storm
                 self._remember(self._hogs, a.actor_id)
         live_ids = {a.actor_id for a in self.actors.values()}
         for ident in [i for i, s in self.subscribers.items()

@@ -215,8 +215,8 @@ class Peers:
                                 f"{wire.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
                                 f"return to the pool", actor_id=a.actor_id, outstanding=a.outstanding)
         for a, n in news.reclaimed:
-            self.reports.report("credits_reclaimed", "no_progress", f"{a.actor_id} held {n} credits and "
-                                f"delivered no episode for {credit_timeout_s(wire):g} s (wire.credit_timeout_s); "
+            self.reports.report("credits_reclaimed", "no_progress", f"{a.actor_id} held {n} credits, generated "
+                                f"no token and delivered no episode for {credit_timeout_s(wire):g} s (wire.credit_timeout_s); "
                                 f"they return to the pool and it gets one at a time until it delivers",
                                 actor_id=a.actor_id, outstanding=n)
         for a in news.evicted:

@@ -214,3 +214,52 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
         for s in socks:
             s.close(0)
         net.close()
+
+
+def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_per_timeout():
+    """Issue 61: an actor in the middle of a long batch delivers nothing but its heartbeat's token count
+    advances; it keeps its credits. One whose count stands still loses them after wire.credit_timeout_s,
+    and then, holding one credit, again only after another timeout: no storm of reclaims."""
+    timeout = 0.6
+    cfg = load_config(None, ["wire.lease_s=30", f"wire.credit_timeout_s={timeout}", "wire.max_capacity=4",
+                             "actor.heartbeat_s=0.1"]).wire
+    net = LearnerNet(cfg, lambda ch, e: None)
+    socks = {name: _dealer(net.addresses["control"]) for name in ("busy", "stuck")}
+    tokens = {"busy": 0, "stuck": 7}
+
+    def beat():  # the actors' heartbeats, as their Heartbeat threads send them
+        for name, s in socks.items():
+            if name == "busy":
+                tokens[name] += 3
+            s.send_multipart(encode_msg("status", actor_id=name, identity=f"{name}:1", capacity=4, version=0,
+                                        tokens=tokens[name]))
+
+    try:
+        for name, s in socks.items():
+            s.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
+            s.disconnect(net.addresses["control"])  # (the identity applies to the next connection)
+            s.connect(net.addresses["control"])
+            s.send_multipart(encode_msg("hello", actor_id=name, capacity=4))
+        _pump_until(net, lambda: len(net.actors) == 2)
+        busy, stuck = sorted(net.actors.values(), key=lambda a: a.actor_id)
+        assert net.grant_credits(8, min_version=0) == 8
+        reclaims: list[tuple[float, str, int]] = []
+        start = time.monotonic()
+        while time.monotonic() - start < 8 * timeout:  # eight timeouts of generating, nothing delivered
+            beat()
+            for identity, msg in net.poll(100)[1]:
+                net.handle_control(identity, msg)
+            net.expire()
+            reclaims += [(time.monotonic() - start, a.actor_id, n) for a, n in net.take_reclaimed()[0]]
+            net.grant_credits(8 - net.in_flight, min_version=0)
+        assert busy.outstanding == 4 and not [r for r in reclaims if r[1] == "busy"]
+        stuck_reclaims = [r for r in reclaims if r[1] == "stuck"]
+        assert stuck_reclaims and stuck_reclaims[0][2] == 4  # all it held, once
+        assert all(n == 1 for _, _, n in stuck_reclaims[1:])  # then one credit at a time
+        assert len(stuck_reclaims) <= 8, stuck_reclaims  # at most one per timeout (the old code: one per pump)
+        gaps = [b[0] - a[0] for a, b in zip(stuck_reclaims, stuck_reclaims[1:])]
+        assert all(g >= timeout * 0.9 for g in gaps), gaps
+    finally:
+        for s in socks.values():
+            s.close(0)
+        net.close()
