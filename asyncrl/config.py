@@ -317,8 +317,9 @@ class TrainConfig(_Base):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the version advances once).")
-    policy_loss: str = registered("asyncrl.objectives.losses:POLICY_LOSSES", "ppo",
-                                  description="Policy loss (registry name).")
+    policy_loss: str = registered("asyncrl.objectives.losses:POLICY_LOSSES", "ppo", import_path=True, description=(
+        "Policy loss: a registry name, or an import path 'pkg.module:fn' of your own, "
+        "fn(PolicyLossInputs, LossConfig) -> (loss, stats) (asyncrl.objectives.losses)."))
     packing: bool = Field(True, description=(
         "Train without padding: the learner packs a batch's rows into bins (a block mask on CPU and SDPA; "
         "position ids alone under a flash variable-length kernel), so its forward and backward touch real "

@@ -71,3 +71,16 @@ def slow_hf_engine(cfg, model_dir, tokenizer, load_model):
 
     model.forward = slow_forward
     return HFEngine(model, tokenizer, device=cfg.engine.device)
+
+
+def slow_ppo_loss(inputs, cfg):
+    """``train.policy_loss: tests.plugins_for_tests:slow_ppo_loss``: PPO's loss after waiting
+    ``ASYNCRL_TEST_LOSS_S`` seconds per micro-batch, so that a learner step takes as long as a real
+    model's (a stop then arrives in the middle of one)."""
+    import os
+    import time
+
+    from asyncrl.objectives.losses import POLICY_LOSSES
+
+    time.sleep(float(os.environ.get("ASYNCRL_TEST_LOSS_S", "1.0")))
+    return POLICY_LOSSES.get("ppo")(inputs, cfg)

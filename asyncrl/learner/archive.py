@@ -89,6 +89,16 @@ class EpisodeArchive:
         tmp.replace(path)
         self.bytes += size
 
+    def discard(self, step: int) -> None:
+        """Remove step ``step``'s record: that step was given up (a stop in its middle) and is trained
+        again, with whatever it then takes, after a resume."""
+        path = step_file(self.run_dir, step)
+        try:
+            self.bytes -= path.stat().st_size
+            path.unlink()
+        except OSError:
+            pass
+
 
 def _record(run_dir: Path, step: int) -> tuple[Path, list[bytes]]:
     """Step ``step``'s one record (its checksum checked): ArchiveError if missing or damaged."""

@@ -30,7 +30,8 @@ from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir
 from .ingest.buffer import EpisodeQueue
-from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, buffer_dir, checkpoint_step, list_checkpoints
+from ..rundir.layout import (ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir, checkpoint_step,
+                             list_checkpoints)
 from ..rundir import provenance
 from .archive import EpisodeArchive
 from .checkpoint import save_checkpoint, write_critic
@@ -44,6 +45,7 @@ from .telemetry import Telemetry
 from .replay import ExperienceManager, ReplayHook
 from .ingest.staleness import StalenessPolicy
 from .training.ranks import Ranks
+from .training.trainer import StepAbandoned
 
 
 def _informative_episode(episode: Episode) -> bool:
@@ -100,6 +102,10 @@ class Learner:
         for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop, self._stop_reason = False, None  # (the reason: a stop the user asked for in the config)
+        self.trainer.should_stop = lambda: self._stop  # a stop gives up a long step instead of waiting for it
+        self._abandoned: int | None = None  # episodes of the step a stop gave up (back in the buffer)
+        self._checkpoint_s: float | None = None  # how long the last checkpoint took to write
+        (self.run_dir / STOPPING).unlink(missing_ok=True)
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
@@ -152,6 +158,19 @@ class Learner:
         if reason and not self._stop_reason:
             self._stop_reason = reason
         request_env_stop()
+        self._say_stopping()
+
+    def _say_stopping(self) -> None:
+        """``<run>/stopping.json``: how long this learner needs to stop (give up or finish the step in
+        progress, write a checkpoint), so that ``asyncrl run`` waits for it rather than killing it
+        (``asyncrl.schedulers.local.stop_all``)."""
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        write_s = self._checkpoint_s if self._checkpoint_s is not None else 3 * params / 50e6  # weights + AdamW
+        need = 2 * self.trainer.micro_s + 2 * write_s + 10.0
+        try:
+            (self.run_dir / STOPPING).write_text(json.dumps({"pid": os.getpid(), "until": time.time() + need}))
+        except OSError:
+            pass
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -208,6 +227,8 @@ class Learner:
                 self._check_filtered()
                 continue
             stats = self.train_on(episodes, wait_s=t_wait)
+            if self._abandoned is not None:
+                break
             t_wait = 0.0
             progress.update(self.version, stats)
             self.pump(timeout_ms=0)
@@ -216,7 +237,14 @@ class Learner:
         progress.close()
         if not self._stop:  # a stop request ends promptly: no final evaluation, just the checkpoint
             self.evaluate(force=True)
-        self.checkpoint()
+        if self._stop:
+            self._say_stopping()  # (now with the step's real micro-batch time)
+        saved = self.checkpoint()
+        if self._stop:
+            given_up = (f"; the step in progress was given up and its {self._abandoned} episodes are back in the "
+                        f"buffer, saved with it" if self._abandoned is not None else "")
+            print(f"[learner] stopping: checkpoint of step {self.version} written in {self._checkpoint_s:.1f} s to "
+                  f"{saved}{given_up}", flush=True)
         if not self._stop or self._stop_reason:  # the run is over: the actors stop too
             self.net.stop_actors(self._stop_reason or "")
             time.sleep(0.2)  # let the stop messages leave before the sockets close
@@ -294,7 +322,14 @@ class Learner:
         batch = self.trainer.make_batch(episodes) if has_rows else None
         truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
-        result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
+        try:
+            result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
+        except StepAbandoned:  # a stop came in the middle of the step: its episodes go back for the checkpoint
+            self.buffer.untake()
+            if self.archive is not None:
+                self.archive.discard(self.version)
+            self._abandoned = len(episodes)
+            return {}
         # (after the step: with a critic, the step fills the advantages in)
         advantages = {id(t): float(a) for t, a in zip(rows, batch.row_advantages.tolist())} if batch is not None else {}
         stats = result.stats if result is not None else {}
@@ -376,6 +411,7 @@ class Learner:
             self.peers.pump(0, self.version)
 
     def checkpoint(self) -> Path:
+        t0 = time.time()
         states, critic = self.ranks.checkpoint_states()  # (critic: estimator gae)
 
         def write_extra(directory: Path) -> None:
@@ -391,7 +427,8 @@ class Learner:
         # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
         # checkpoint damaged can fall back to an older one without losing acknowledged episodes
         self.buffer.drop_wal_before(checkpoint_step(list_checkpoints(self.run_dir)[0]))
-        self.log.event("checkpoint", self.version, path=str(path))
+        self._checkpoint_s = time.time() - t0
+        self.log.event("checkpoint", self.version, path=str(path), seconds=round(self._checkpoint_s, 3))
         for hook in self.hooks:
             hook.checkpoint_saved(path, self.version)
         return path

@@ -39,6 +39,7 @@ ADDRESSES = "addresses.json"
 LOCK_FILE = "learner.lock"
 PID_FILE = "learner.pid"
 STOP_REASON = "stop_reason.txt"  # why `asyncrl run` stops the learner when a component failed
+STOPPING = "stopping.json"  # a learner asked to stop: until when it needs to give up its step and checkpoint
 BUFFER = "buffer"
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"

@@ -7,8 +7,10 @@ learner tells the actors to stop and all exit.
 Stopping (the same whatever state the launch is in):
 - SIGINT (Ctrl-C) and SIGTERM are handled explicitly, so they work even when the launcher started
   with SIGINT ignored (every background job of a non-interactive shell inherits that). The first
-  one sends SIGTERM to every child (an orderly stop: the learner checkpoints) and waits up to
-  ``STOP_GRACE_S``, then kills what is left; a second one kills the children at once.
+  one sends SIGTERM to every child (an orderly stop: the learner gives up the step in progress and
+  checkpoints the last one it completed) and waits up to ``STOP_GRACE_S``, or as long as the learner
+  says it needs (``<run>/stopping.json``: a real model's checkpoint can take longer), then kills what
+  is left; a second one kills the children at once.
 - The children die with the launcher even when it cannot clean up (SIGKILL, OOM kill): see
   ``asyncrl.lifecycle``.
 - There is no start-up deadline: building the embedded model on first use can take many minutes.
@@ -140,9 +142,10 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         if stop.count and training_over:
             print(f"\n[asyncrl] stopping the UI ({signal.Signals(stop.signum).name})", flush=True)
         elif stop.count:
-            print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting up to {STOP_GRACE_S:g} s "
-                  f"for the learner to checkpoint (stop again to kill now)", flush=True)
-        stop_all(procs, stop)
+            print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting for the learner to give up "
+                  f"its step in progress and checkpoint the last one it completed ({STOP_GRACE_S:g} s, or as long as "
+                  f"it asks for; stop again to kill now)", flush=True)
+        stop_all(procs, stop, patience=lambda: learner_needs(run_dir, procs[0] if procs else None))
         if stop.count and not training_over and not os.environ.get("SLURM_JOB_ID"):  # (SLURM: resubmit)
             _how_to_resume(run_dir)
     return code
@@ -279,15 +282,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_all(procs: list[subprocess.Popen], stop: StopSignals | None = None, grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM every live process, wait up to ``grace`` seconds (less if a second stop signal comes),
-    then SIGKILL what is left. Never raises."""
+MAX_PATIENCE_S = 900.0  # the longest a learner may ask to be waited for (stopping.json)
+
+
+def learner_needs(run_dir: Path, learner: subprocess.Popen | None) -> float | None:
+    """Until when (unix time) the live ``learner`` says it needs to stop (``<run>/stopping.json``, written
+    when it is asked to stop and again before its checkpoint), at most MAX_PATIENCE_S from now; None when
+    it said nothing or is gone."""
+    if learner is None or learner.poll() is not None:
+        return None
+    try:
+        said = json.loads((run_dir / layout.STOPPING).read_text())
+        until = float(said["until"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return min(until, time.time() + MAX_PATIENCE_S) if said.get("pid") == learner.pid else None
+
+
+def stop_all(procs: list[subprocess.Popen], stop: StopSignals | None = None, grace: float = STOP_GRACE_S,
+             patience=None) -> None:
+    """SIGTERM every live process, wait up to ``grace`` seconds (less if a second stop signal comes), or
+    until the later time ``patience()`` gives (the learner writing its checkpoint; said once), then
+    SIGKILL what is left. Never raises."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
+    deadline, told = time.time() + grace, False
+    while any(p.poll() is None for p in procs):
         if stop is not None and stop.count >= 2:
+            break
+        later = patience() if patience is not None else None
+        if later is not None and later > deadline:
+            if not told:
+                print(f"[asyncrl] the learner asks for up to {later - time.time():.0f} s to save its work (stop "
+                      f"again to kill it now)", flush=True)
+                told = True
+            deadline = later
+        if time.time() >= deadline:
             break
         time.sleep(0.1)
     for p in procs:

@@ -67,6 +67,7 @@ class EpisodeQueue:
         self.filtered: list[str] = []  # ids of episodes the keep rule dropped since the learner last took them
         self.filtered_total = 0
         self._kept: set[str] = set()  # ids the keep rule has passed
+        self._taken: list[tuple[str, tuple[Episode, list]]] = []  # what the last ``take`` returned (``untake``)
         self._fd: int | None = None
         self._wal_size = 0
         self._wal_path: Path | None = None
@@ -144,7 +145,16 @@ class EpisodeQueue:
         for eid, _ in ordered:
             del self.episodes[eid]
             self._kept.discard(eid)
+        self._taken = ordered
         return [ep for _, (ep, _) in ordered]
+
+    def untake(self) -> int:
+        """Put what the last :meth:`take` returned back, as it arrived (its wire frames: what a checkpoint
+        saves), for a step that was given up. Returns how many episodes came back."""
+        for eid, item in self._taken:
+            self.episodes[eid] = item
+        n, self._taken = len(self._taken), []
+        return n
 
     def take_filtered(self) -> list[str]:
         """The ids of the episodes dropped by ``take``'s keep rule since the last call."""

@@ -48,6 +48,12 @@ from .optim import adamw, apply_update
 from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
 
 
+class StepAbandoned(Exception):
+    """A stop was asked for in the middle of a step, before any of its updates was applied: the step is
+    given up (the model and optimizer are as they were before it), so that a stop never waits for a
+    long step to finish (:attr:`PolicyTrainer.should_stop`)."""
+
+
 @dataclass
 class TrainStepResult:
     """One training step: mean statistics over its mini-batches, and (when asked for) the
@@ -83,7 +89,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.staleness = staleness  # for staleness/token_frac_past_bound (None: not reported)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.policy_loss = POLICY_LOSSES.get(train_cfg.policy_loss)
+        self.policy_loss = POLICY_LOSSES.resolve(train_cfg.policy_loss, "train.policy_loss", what="function")
         self.estimator = ADV_ESTIMATORS.get(train_cfg.advantage.estimator)
         self.ref_model = None
         # model.lora: the reference is the base model, i.e. the policy with its adapters disabled (no copy)
@@ -109,6 +115,18 @@ class PolicyTrainer:
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(trainable, train_cfg, fused=distributed != "fsdp2")
+        # ``should_stop() -> bool``: asked before every micro-batch of a step; True before any of the step's
+        # updates is applied gives the step up (StepAbandoned). One process only: a group's ranks run
+        # their collectives in step, so a group always finishes its step.
+        self.should_stop = None
+        self._applied = False  # an update of the step in progress was applied (it can no longer be given up)
+        self.micro_s = 0.0  # the longest micro-batch of the last step (seconds): how long a stop may wait
+
+    def _check_stop(self) -> None:
+        if (self.should_stop is not None and self.distributed == "none" and not self._applied
+                and self.should_stop()):
+            raise StepAbandoned(f"the step was given up before its {'first ' if self.cfg.mini_batches > 1 else ''}"
+                                f"update (a stop was asked for)")
 
     @property
     def critic_model(self) -> torch.nn.Module | None:
@@ -144,11 +162,13 @@ class PolicyTrainer:
         single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
         result = TrainStepResult({})
         critic_stats: dict[str, float] = {}
-        self._hold_policy = False
+        self._hold_policy, self._applied, self.micro_s = False, False, 0.0
+        self._check_stop()
         # one process, one pass: the critic steps on the whole batch in the forward that gives its values
         self._critic_fused = single_pass and self.distributed == "none"
         if self.critic is not None:  # per-token advantages and the critic's targets, from its current values
             critic_stats = self.critic.prepare(batch, train=self._critic_fused)
+            self._applied = self._critic_fused  # (the critic's update is in)
             self._hold_policy = version is not None and version < self.critic.cfg.warmup_steps
             critic_stats["critic/warmup"] = float(self._hold_policy)
         if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
@@ -236,6 +256,7 @@ class PolicyTrainer:
         logp = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
         ent = torch.zeros_like(logp) if with_entropy else None
         for index in plan_micro_batches(batch, self.micro_tokens, self.packing, skip).micro_batches:
+            self._check_stop()
             out = self._forward(model, batch.take(index), with_entropy=with_entropy)
             put_rows(logp, index, out.logprobs)
             if ent is not None:
@@ -268,9 +289,12 @@ class PolicyTrainer:
             real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
             index = plan.micro_batches[i] if real else [0]
             micro = mb.take(index)
+            self._check_stop()
+            t_micro = time.perf_counter()
             with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
                 out, loss, stats = self._micro_step(micro, totals, single_pass, version if real else None)
                 (loss if real else loss * 0.0).backward()
+            self.micro_s = max(self.micro_s, time.perf_counter() - t_micro)
             if not real:
                 continue
             loss_sum += float(loss.detach())
@@ -285,6 +309,7 @@ class PolicyTrainer:
         stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
         stats.update(apply_update(self.optimizer, loss_sum, self.cfg.max_grad_norm, self.distributed,
                                   apply=not self._hold_policy))
+        self._applied = True
         stats.update(self._layout_stats(plan, fwd, elapsed))
         if self.distributed != "none":  # a scaled loss averages to the global one over ranks
             stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
