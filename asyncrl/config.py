@@ -329,6 +329,11 @@ class TrainConfig(_Base):
         "With packing: the rows that start with the same tokens up to their first trained token (a prompt's "
         "completions) read one copy of that prompt in each bin, which is computed once: the same log-probs "
         "and gradients on fewer tokens (in a learner group, each rank over its own rows)."))
+    logits_chunk_mb: float = Field(64.0, ge=0, description=(
+        "The learner's output layer computes only the trained tokens' log-probs and entropies, this many MiB "
+        "of float32 logits at a time (the backward recomputes one chunk at a time), never a micro-batch's whole "
+        "[tokens, vocabulary] logits: what a real vocabulary needs (49k tokens x 8k tokens = 1.6 GB). The same "
+        "values. 0: full logits (the reference path)."))
     micro_batch_tokens: int = Field(8192, ge=1, description=(
         "Token budget of one forward/backward: a mini-batch's rows go through the model in micro-batches "
         "of at most this many tokens (each row's tokens; padded slots with packing off; a longer row goes "

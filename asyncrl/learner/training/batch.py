@@ -9,6 +9,7 @@ engine's log-prob of token ``j + 1``. Token 0 is never a target (it is always pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
+from .chunked_head import chunk_tokens, output_layer, target_head, usable
 from .packing import mask_for, pack_rows, varlen_attention
 
 __all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "shared_width", "value_rows"]
@@ -202,7 +204,7 @@ class Forward:
 
 def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
                  entropy_grad: bool = True, packing: bool = False, shared_prefix: bool = False,
-                 width: int | None = None) -> Forward:
+                 width: int | None = None, logits_chunk_mb: float = 0) -> Forward:
     """Forward a Hugging Face causal LM over ``batch``: the log-probs of the targets
     (``logits[:, :-1] / temperature`` against ``input_ids[:, 1:]``), and with ``with_entropy`` the
     entropies. Grad flows if enabled by the caller (``torch.no_grad()`` for the proximal/reference
@@ -212,12 +214,55 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     and backward touch real tokens only; with ``shared_prefix`` the completions of one prompt read
     one copy of it (the tokens before each row's first trained token). The same values as the
     padded forward up to float rounding. Otherwise every row padded to the longest (the reference).
+
+    ``logits_chunk_mb`` > 0: the output layer computes only the targets' log-probs and entropies, a
+    chunk of this many MiB of logits at a time (:mod:`.chunked_head`), never the whole micro-batch's
+    ``[tokens, vocabulary]`` logits; the same values. 0 (or a model it does not suit): full logits.
     """
+    chunk = _chunk_for(model, batch, logits_chunk_mb, temperature)
     if packing:
-        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width)
+        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk)
+    if chunk:
+        valid = batch.attention_mask[:, 1:] > 0  # target j (token j + 1) exists
+        T = batch.input_ids.shape[1]
+        slots = (torch.arange(batch.input_ids.shape[0], device=valid.device)[:, None] * T
+                 + torch.arange(T - 1, device=valid.device)[None, :])[valid]
+        with target_head(model, slots, batch.input_ids[:, 1:][valid], temperature, with_entropy, entropy_grad, chunk):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        lp, ent = _place(out.logits, valid, with_entropy)
+        return Forward(lp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logp, ent = _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
     return Forward(logp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
+
+
+def _place(values: Tensor, valid: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The chunked head's ``[1, N, 2]`` back in the ``[B, T-1]`` layout (0 where ``valid`` is False)."""
+    flat = values.reshape(-1, 2)
+    lp = flat[:, 0].new_zeros(valid.shape).masked_scatter(valid, flat[:, 0])
+    ent = flat[:, 1].new_zeros(valid.shape).masked_scatter(valid, flat[:, 1]) if with_entropy else None
+    return lp, ent
+
+
+def _chunk_for(model, batch: TrainBatch, budget_mb: float, temperature: float) -> int:
+    """Target positions per chunk of the chunked output layer, or 0 for full logits (off, or a model
+    whose forward does not give the plain path's values: checked once, on one row's first tokens)."""
+    head = output_layer(model) if budget_mb > 0 else None
+    if head is None:
+        return 0
+    chunk = chunk_tokens(head, budget_mb)
+    n = min(int(batch.attention_mask[0].sum()), 16)
+    ids = batch.input_ids[:1, :n]
+    labels, slots = ids[:, 1:], torch.arange(n - 1, device=ids.device)
+
+    def plain():
+        return logprobs_from_logits(model(input_ids=ids, use_cache=False).logits[:, :-1] / temperature, labels)
+
+    def chunked():
+        with target_head(model, slots, labels, temperature, chunk=chunk):
+            return model(input_ids=ids, use_cache=False).logits.reshape(-1, 2)[:, 0][None]
+
+    return chunk if n > 1 and usable(model, plain, chunked) else 0
 
 
 def shared_width(batch: TrainBatch, budget: int) -> int:
@@ -271,23 +316,36 @@ def first_trained(batch: TrainBatch) -> Tensor:
     return torch.where(trained.any(1), trained.float().argmax(1) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
 
 
-def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None):
+def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None, head=None):
     """``(packed rows, the model's output on them)``: the rows packed into bins of ``width`` slots
-    (:mod:`.packing`; with ``shared_prefix`` a prompt once per bin, unless the attention is varlen)."""
+    (:mod:`.packing`; with ``shared_prefix`` a prompt once per bin, unless the attention is varlen).
+    ``head(packed)``: a context for the forward (the chunked output layer)."""
     varlen = varlen_attention(model)
     packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
                        starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                attention_mask=mask_for(model, packed.attention, dtype), use_cache=False)
+    with head(packed) if head is not None else contextlib.nullcontext():
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                    attention_mask=mask_for(model, packed.attention, dtype), use_cache=False)
     return packed, out
 
 
 def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
-                    shared_prefix: bool, width: int | None) -> Forward:
+                    shared_prefix: bool, width: int | None, chunk: int = 0) -> Forward:
     """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
     target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
     the vocabulary's softmax) and lands back at ``[b, j]``."""
+    labels = batch.input_ids[:, 1:]
+    if chunk:
+        def head(packed):
+            valid = packed.token_index[:, 1:] >= 0
+            return target_head(model, packed.token_index[:, :-1][valid], labels[valid], temperature, with_entropy,
+                               entropy_grad, chunk)
+
+        packed, out = _run_packed(model, batch, shared_prefix, width, head)
+        lp, ent = _place(out.logits, packed.token_index[:, 1:] >= 0, with_entropy)
+        R, W = packed.shape
+        return Forward(lp, ent, R * W, packed.slots_used, packed.shared_rows)
     packed, out = _run_packed(model, batch, shared_prefix, width)
     R, W = packed.shape
     logits = out.logits.reshape(R * W, -1)

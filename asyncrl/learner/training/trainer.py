@@ -246,7 +246,8 @@ class PolicyTrainer:
         the longest row (within the token budget), so that a prompt's completions share more bins."""
         width = shared_width(batch, self.micro_tokens) if self.packing and self.shared_prefix else None
         return forward_rows(model, batch, self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                            packing=self.packing, shared_prefix=self.shared_prefix, width=width)
+                            packing=self.packing, shared_prefix=self.shared_prefix, width=width,
+                            logits_chunk_mb=self.cfg.logits_chunk_mb)
 
     @torch.no_grad()
     def _chunked_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False,
