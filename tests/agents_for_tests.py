@@ -146,3 +146,29 @@ async def says_its_client_async(task, client, model):
     reply = await client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
     _log(_client_record(task, client, reply))
     return 1.0
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                 "required": ["a", "b"]}}}
+
+
+def tool_loop(task, client, model):
+    """The usual tool loop: call with the tool, run every tool call the reply makes, answer with its
+    result, until a reply makes none (three calls at most). Logs each call's ids and the reply's text."""
+    messages = [dict(m) for m in task.prompt]
+    calls = []
+    for _ in range(3):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL])
+        message = reply.choices[0].message
+        calls.append({"prompt": reply.model_extra["prompt_token_ids"],
+                      "completion": reply.choices[0].model_extra["token_ids"]})
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(int(args["a"]) + int(args["b"]))})
+    _log({"task": task.id, "calls": calls})
+    return {"reward": float(str(task.answer) in (messages[-1].get("content") or "")), "calls": float(len(calls))}

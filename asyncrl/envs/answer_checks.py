@@ -102,6 +102,23 @@ def resolve_verifier(name: str, gold: Any = None, metadata: dict | None = None) 
     return "numeric" if numeric else "exact_match"
 
 
+_ANY_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (``-3``, ``1,234``, ``0.25``; thousands commas dropped), or None."""
+    found = _ANY_NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def last_number_reward(task, response: str) -> float:
+    """``env.reward: last_number``: 1.0 when the last number in the reply equals the task's answer (a
+    number, or a list of acceptable ones), else 0.0. What a chat model's free-form reply is scored by
+    (GSM8K's usual rule): it may explain itself, as long as it ends on its answer."""
+    got = last_number(response)
+    return 1.0 if got is not None and verify_numeric(task.answer, got) else 0.0
+
+
 def verify(name: str, gold: Any, answer: str, metadata: dict | None = None) -> bool:
     """Run the verifier ``name`` (``auto`` resolved per task) on one answer."""
     return _BY_NAME[resolve_verifier(name, gold, metadata)](gold, answer)

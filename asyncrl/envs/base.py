@@ -56,6 +56,7 @@ def exact_match_reward(task: Task, response: str) -> float:
 
 
 REWARDS: Registry[RewardFn] = Registry("reward", {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward,
+                                                  "last_number": "asyncrl.envs.answer_checks:last_number_reward",
                                                   "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_reward"})
 
 

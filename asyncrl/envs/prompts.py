@@ -60,6 +60,9 @@ def render_tokens(tokenizer, messages: list[dict[str, str]], add_generation_prom
 def delta_tokens(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
     """Tokens that the prompt format adds for ``new`` messages after ``history`` (plus the next
     assistant header). Chat: rendered as the text difference so templates with preambles stay exact.
+    When ``history`` ends on an assistant turn, whose tokens (the model's, up to its end-of-turn token)
+    are already there, they start with what the template writes after that token (:func:`turn_end`:
+    ChatML's newline), so the conversation's tokens are the template's, turn boundaries included.
     Raw: ``"\n" + contents + "\n"``."""
     if prompt_format(tokenizer) == "raw":
         return list(tokenizer("\n" + _raw_text(new) + "\n", add_special_tokens=False)["input_ids"])
@@ -67,4 +70,37 @@ def delta_tokens(tokenizer, history: list[dict[str, str]], new: list[dict[str, s
     full = tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
     delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
         new, add_generation_prompt=True, tokenize=False)
+    if history and history[-1].get("role") == "assistant":
+        delta = turn_end(tokenizer) + delta
     return list(tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+
+_TURN_ENDS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_SENTINEL = "\u2063asyncrl-turn\u2063"
+
+
+def turn_end(tokenizer) -> str:
+    """What the chat template writes after the end-of-turn token that closes an assistant message:
+    ``"\n"`` for ChatML (``<|im_end|>\n``), ``""`` for Llama 3 (``<|eot_id|>``) or when the template
+    closes an assistant turn some other way. Found once per tokenizer, from an assistant message
+    rendered around a marker."""
+    known = _TURN_ENDS.get(tokenizer)
+    if known is not None:
+        return known
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation: nothing to add
+        text = ""
+    tail = text[text.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
+    ends = [t for t in {getattr(tokenizer, "eos_token", None), *_eos_texts(tokenizer)} if t]
+    end = next((tail[len(t):] for t in sorted(ends, key=len, reverse=True) if tail.startswith(t)), "")
+    _TURN_ENDS[tokenizer] = end
+    return end
+
+
+def _eos_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special tokens that can end a turn (its EOS and end-of-turn tokens)."""
+    names = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>")
+    vocab = getattr(tokenizer, "get_vocab", lambda: {})()
+    return [t for t in names if t in vocab]
