@@ -88,6 +88,7 @@ class HFEngine:
         self._rebuild = False
         self.steps = 0  # forward passes in continuous mode
         self.tokens_generated = 0  # every token sampled, counted as it is (the actor's heartbeat reports it)
+        self.on_step = None  # called after every decode step of generate (the learner answers actors meanwhile)
         self.rebuilds = 0  # of which prefills (admitted prompts, caches recomputed after an update)
 
     # ----------------------------------------------------------------------------- generation
@@ -139,6 +140,8 @@ class HFEngine:
             for i in finished.nonzero()[:, 0].tolist():
                 lengths[i], reasons[i] = t + 1, "stop"
             done |= finished
+            if self.on_step is not None:
+                self.on_step()
             if bool(done.all()):
                 break
             inp = tok[:, None]

@@ -91,6 +91,7 @@ class Evaluator:
             return {}
         t0 = time.time()
         engine = HFEngine(model, self.tokenizer, device=str(next(model.parameters()).device))
+        engine.on_step = tick  # a long generation (a real model's 200 held-out prompts) does not silence the learner
         env = self.env
         before = {m: list(c) for m, c in env.by_method.items()}
         timeouts0 = env.timeouts

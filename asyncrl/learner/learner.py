@@ -103,6 +103,7 @@ class Learner:
             self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
         self._stop, self._stop_reason = False, None  # (the reason: a stop the user asked for in the config)
         self.trainer.should_stop = lambda: self._stop  # a stop gives up a long step instead of waiting for it
+        self.trainer.tick = self._tick  # heartbeats answered, episodes taken in, during a long step
         self._abandoned: int | None = None  # episodes of the step a stop gave up (back in the buffer)
         self._checkpoint_s: float | None = None  # how long the last checkpoint took to write
         (self.run_dir / STOPPING).unlink(missing_ok=True)
@@ -395,7 +396,7 @@ class Learner:
         """Evaluate if due; the loop keeps answering actors and taking episodes meanwhile (no
         credits are granted and nothing is trained). A hung evaluation stops the run with one line."""
         try:
-            result = self.evaluator.maybe_run(self.model, self.version, force=force, tick=self._eval_tick)
+            result = self.evaluator.maybe_run(self.model, self.version, force=force, tick=self._tick)
         except EvaluationHung as e:
             self.log.event("eval_hung", self.version, error=str(e))
             if not self._stop:
@@ -405,7 +406,9 @@ class Learner:
             self.log.event("eval", self.version, **result)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
-    def _eval_tick(self) -> None:
+    def _tick(self) -> None:
+        """The learner answering its actors (heartbeats, episodes; no credits) while it evaluates or trains
+        a long step, at most every 0.2 s."""
         if time.monotonic() - self._last_tick >= 0.2:
             self._last_tick = time.monotonic()
             self.peers.pump(0, self.version)

@@ -49,7 +49,7 @@ LOSS_S = 2.5  # per micro-batch of one row: a step of 16 rows takes 40 s, more t
 def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episodes(tmp_path, tiny_overrides):
     """Ctrl-C while a step that takes longer than asyncrl run's grace is in progress: the learner gives
     the step up, checkpoints the last step it completed with the step's episodes back in its buffer, and
-    says so; a resume trains those very episodes. (Before: the launcher killed the learner after 30 s,
+    says so; a resume trains those very episodes. During the long step the learner still answers its actor. (Before: the launcher killed the learner after 30 s,
     and with no checkpoint yet a resume started from step 0.)"""
     env = {**subprocess_env(), "ASYNCRL_TEST_LOSS_S": str(LOSS_S)}
     args = ["-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}",
@@ -77,6 +77,8 @@ def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episode
         assert "stopping: checkpoint of step 1 written" in text and "the step in progress was given up" in text, text[-3000:]
         assert stop_s < 16 * LOSS_S - 3 * LOSS_S, (stop_s, text[-2000:])  # it did not wait for the step to end
         assert [e["step"] for e in read_jsonl(tmp_path / "stop" / "metrics.jsonl")] == [1]
+        actor_log = (tmp_path / "stop" / "actor-0.log").read_text(errors="replace")
+        assert "no word from the learner" not in actor_log, actor_log[-2000:]  # a 40 s step still answers it
         saved = checkpoint_dir(tmp_path / "stop", 1)
         held = {decode_episode(decode(r)).id for r in read_frame_records(saved / "buffer.bin", strict=True)}
         assert len(held) >= 4, held  # step 2's four episodes at least, back in the buffer

@@ -119,10 +119,13 @@ class PolicyTrainer:
         # updates is applied gives the step up (StepAbandoned). One process only: a group's ranks run
         # their collectives in step, so a group always finishes its step.
         self.should_stop = None
+        self.tick = None  # called before every micro-batch too: the learner answers its actors during a long step
         self._applied = False  # an update of the step in progress was applied (it can no longer be given up)
         self.micro_s = 0.0  # the longest micro-batch of the last step (seconds): how long a stop may wait
 
     def _check_stop(self) -> None:
+        if self.tick is not None:
+            self.tick()
         if (self.should_stop is not None and self.distributed == "none" and not self._applied
                 and self.should_stop()):
             raise StepAbandoned(f"the step was given up before its {'first ' if self.cfg.mini_batches > 1 else ''}"
