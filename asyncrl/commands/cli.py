@@ -231,6 +231,17 @@ def _dry_run(cfg, heldout: str, args) -> int:
     return code
 
 
+def cmd_probe(args) -> int:
+    from .probe import probe
+
+    cfg, _ = _load(args)
+    preflight(cfg)
+    result = probe(cfg, num_tasks=args.tasks)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def cmd_config(args) -> int:
     from ..analysis.config_view import show_config
 
@@ -368,6 +379,14 @@ def _add_tool_commands(sub) -> None:
     _add_config_args(p)
     p.add_argument("--diff", action="store_true", help="only the keys that differ from the defaults")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("probe", help="sample the model on some training tasks: does GRPO have signal there?",
+                       description="Sample the run's model on training tasks as an actor would (sampling.n each) "
+                                   "and greedily, and say how many groups mix right and wrong replies (what GRPO "
+                                   "learns from). Trains nothing, starts no process.")
+    _add_config_args(p)
+    p.add_argument("--tasks", type=int, default=32, help="training tasks to sample (default 32)")
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    p.set_defaults(fn=cmd_probe)
     p = sub.add_parser("keys", help="make ZeroMQ CURVE keys for non-loopback addresses")
     p.add_argument("--out", required=True, help="directory for the key bundles (DIR/server, DIR/actor-<name>)")
     p.add_argument("--actors", type=int, default=1, help="make bundles actor-0 .. actor-(N-1) (default 1)")
