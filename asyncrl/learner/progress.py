@@ -43,6 +43,7 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
     """Figures and table rows (measure, start, end, change) of the first and last evaluation. An
     RLCR figure over zero parsed confidences is n/a, and the parse counts are shown beside it."""
     from ..analysis import NA, calibration_summary
+    from ..analysis.paired import paired_change
 
     out: dict = {}
     rows = []
@@ -57,6 +58,13 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
         show = [f"{v:.3f}" if v is not None else NA for v in (x, y)]
         change = f"{y - x:+.3f}" if x is not None and y is not None else NA
         rows.append((label, *show, change))
+    paired = paired_change(first, last)
+    if paired is not None:  # the same problems before and after: is the change more than the draw's luck?
+        lo, hi = paired["ci95"]
+        out["eval_accuracy_change_ci95"] = [lo, hi]
+        out["eval_problems_gained"], out["eval_problems_lost"] = paired["gained"], paired["lost"]
+        rows.append((f"held-out change, paired 95% CI ({paired['n']})", f"{paired['lost']} lost", f"{paired['gained']} gained",
+                     f"[{lo:+.3f}, {hi:+.3f}]"))
     accs = [(e["accuracy"], e.get("version", i)) for i, e in enumerate(evals) if e.get("accuracy") is not None]
     if accs:  # the best evaluation (the first of equals): what a checkpoint picked by held-out accuracy gives
         best, at = max(accs, key=lambda av: av[0])
