@@ -56,6 +56,9 @@ PAIRS: dict[str, tuple[str, list[str], str]] = {
               "two-digit addition, 4.2M Llama (width 256, 8 heads), raw prompts, 6 new tokens"),
     "copy48": ("examples/longtail.yaml", ["tasks.kwargs.long_share=0.5", "sampling.max_new_tokens=48"],
                "copy a string (half of them 24-40 characters), 1.05M Llama, chat prompts, up to 48 new tokens"),
+    "smollm2": ("examples/smollm2.yaml", [],
+                "sums of two numbers 0-29 after two worked examples, SmolLM2-135M-Instruct (a real pretrained chat "
+                "model, 49k vocabulary), up to 24 new tokens"),
 }
 
 
@@ -303,7 +306,7 @@ def main() -> None:
                     help="TRL's logging_steps (its per-log overhead is paid every k steps; every step cost it "
                          "10%% of its throughput on the quick-start pair)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--trl-prompts", type=int, default=200_000, help=argparse.SUPPRESS)
+    ap.add_argument("--trl-prompts", type=int, default=20_000, help=argparse.SUPPRESS)
     args = ap.parse_args()
     Path(args.run_root).mkdir(parents=True, exist_ok=True)
     if args.trl_worker:
