@@ -111,12 +111,18 @@ class HFEngine:
         if seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(seed))
-        out = self._sample(ids.to(self.device), mask.to(self.device), sampling, gen)
+        first: dict[tuple, int] = {}
+        rows = [first.setdefault(tuple(p), len(first)) for p in prompts]  # a group's n samples: one prompt
+        out = self._sample(ids.to(self.device), mask.to(self.device), sampling, gen,
+                           shared=rows if len(first) < len(prompts) else None)
         return [self._to_generation(out, i) for i in range(len(prompts))]
 
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
-                gen: torch.Generator | None) -> _Batch:
-        """The KV-cache loop. ``ids``/``mask``: [B, P] left-padded. Returns tokens/logprobs [B, T]."""
+                gen: torch.Generator | None, shared: list[int] | None = None) -> _Batch:
+        """The KV-cache loop. ``ids``/``mask``: [B, P] left-padded. Returns tokens/logprobs [B, T].
+        ``shared[b]``: row b's prompt is the ``shared[b]``-th distinct one: each distinct prompt is
+        prefilled once and its cache copied to its rows (a group's samples; the prefill is most of a
+        batch's work when prompts are long and replies short)."""
         bsz, steps = ids.shape[0], sampling.max_new_tokens
         tokens = torch.full((bsz, steps), self.pad_id, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((bsz, steps), dtype=torch.float32, device=self.device)
@@ -126,10 +132,20 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inp, cache = ids, None
         for t in range(steps):
-            out = self.model(input_ids=inp, attention_mask=mask, position_ids=positions,
-                             **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
-            cache = cache_of(out)
-            logp = torch.log_softmax(out.logits[:, -1].float() / sampling.temperature, dim=-1)
+            if t == 0 and shared is not None:
+                rows = torch.tensor(shared, device=self.device)
+                unique = torch.tensor([shared.index(k) for k in range(max(shared) + 1)], device=self.device)
+                out = self.model(input_ids=ids[unique], attention_mask=mask[unique], position_ids=positions[unique],
+                                 use_cache=True, logits_to_keep=1)
+                cache = cache_of(out)
+                cache.batch_select_indices(rows)
+                logits = out.logits[rows, -1]
+            else:
+                out = self.model(input_ids=inp, attention_mask=mask, position_ids=positions,
+                                 **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
+                cache = cache_of(out)
+                logits = out.logits[:, -1]
+            logp = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
             tok = sample_top_p(logp, sampling.top_p, gen).masked_fill(done, self.pad_id)
             self.tokens_generated += bsz - int(done.sum())
             tokens[:, t] = tok

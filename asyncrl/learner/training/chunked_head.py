@@ -5,9 +5,8 @@ A real vocabulary makes the output layer the learner's largest tensor: 8,192 tok
 softmax. Here the model's output layer (its ``lm_head``, a ``Linear``) is asked, for the duration of one
 forward, for what the learner reads and nothing else: at each target position (the slots whose next
 token is trained or scored), the log-prob of that token under ``logits / temperature`` and, when
-asked, the entropy. It computes them ``chunk`` positions at a time; with gradients on, each chunk runs
-under activation checkpointing, so the backward pass recomputes one chunk's logits at a time instead
-of keeping them all. Peak memory for the logits: one chunk (``train.logits_chunk_mb``), whatever the
+asked, the entropy. It computes them ``chunk`` positions at a time and keeps no logits; the backward
+pass recomputes one chunk's logits at a time and writes their gradients by hand (:class:`_TargetLogits`). Peak memory for the logits: one chunk (``train.logits_chunk_mb``), whatever the
 micro-batch. The values are today's (:func:`asyncrl.objectives.logprobs.logprobs_from_logits`): the
 same float32 arithmetic on the same logits, rows of the matrix product computed in other groupings.
 
@@ -27,7 +26,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ...models.lora import is_lora
 
@@ -52,23 +50,70 @@ def chunk_tokens(head: torch.nn.Linear, budget_mb: float) -> int:
     return max(1, int(budget_mb * (1 << 20)) // (4 * head.out_features))
 
 
-def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
-           with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
-    """``(log-prob of labels, entropy)`` at the rows of ``h`` ``[n, hidden]``: the layer's logits in its
-    dtype, divided by the temperature, then in float32 (as logprobs_from_logits does)."""
-    logits = F.linear(h, weight, bias)
+class _TargetLogits(torch.autograd.Function):
+    """``(log-prob of labels, entropy)`` at the rows of ``h`` ``[N, hidden]`` under ``linear(h) / temperature``,
+    ``chunk`` rows at a time. Forward keeps no logits (only each row's logsumexp and entropy); backward
+    recomputes one chunk's logits at a time and writes its gradients by hand: for the log-prob
+    ``onehot - p``, for the entropy ``-p * (log p + H)``, through the temperature and the layer (what autograd
+    would compute, without its dense gather and softmax copies). Logits are taken in the layer's dtype,
+    then float32 (as :func:`asyncrl.objectives.logprobs.logprobs_from_logits` does)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, temperature, with_entropy, entropy_grad, chunk):
+        n = h.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(logp)
+        ent = torch.zeros_like(logp) if with_entropy else logp.new_zeros(0)
+        for s in range(0, n, chunk):
+            z = _logits(h[s:s + chunk], weight, bias, temperature)
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            logp[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            if with_entropy:
+                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(h, weight, bias if bias is not None else weight.new_zeros(0), labels, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.has_bias = temperature, chunk, bias is not None
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, weight, bias, labels, lse, ent = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = ctx.has_bias and ctx.needs_input_grad[2]
+        g_h = torch.zeros_like(h) if want_h else None
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
+        use_ent = ctx.entropy_grad and g_ent is not None
+        for s in range(0, h.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            z = _logits(h[s:e], weight, bias, ctx.temperature)
+            p = torch.exp(z - lse[s:e, None])
+            g = p * (-g_logp[s:e, None]) if g_logp is not None else torch.zeros_like(p)
+            if g_logp is not None:
+                g.scatter_add_(-1, labels[s:e, None], g_logp[s:e, None])
+            if use_ent:  # dH/dz = -p * (log p + H), log p = z - lse
+                g -= g_ent[s:e, None] * p * (z - lse[s:e, None] + ent[s:e, None])
+            if ctx.temperature != 1.0:
+                g = g / ctx.temperature
+            g = g.to(weight.dtype)
+            if want_h:
+                g_h[s:e] = g @ weight
+            if want_w:
+                g_w += (g.t() @ h[s:e]).float()
+            if want_b:
+                g_b += g.float().sum(0)
+        return (g_h, g_w.to(weight.dtype) if want_w else None, g_b.to(weight.dtype) if want_b else None,
+                None, None, None, None, None)
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    z = F.linear(h, weight, bias)
     if temperature != 1.0:
-        logits = logits / temperature
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, logp.new_zeros(())
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        p = torch.softmax(logits, dim=-1)
-        entropy = lse - (p * logits).sum(-1)
-    return logp, entropy
+        z = z / temperature
+    return z if z.dtype in (torch.float32, torch.float64) else z.float()
 
 
 @contextlib.contextmanager
@@ -87,16 +132,9 @@ def target_head(model, slots: Tensor, labels: Tensor, temperature: float = 1.0, 
         flat = hidden.reshape(-1, hidden.shape[-1])
         h = flat.index_select(0, slots.to(flat.device))
         lab = labels.to(flat.device)
-        grad = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
-        outs = []
-        for start in range(0, max(h.shape[0], 1), chunk):
-            args = (h[start:start + chunk], head.weight, head.bias, lab[start:start + chunk], temperature,
-                    with_entropy, entropy_grad)
-            many = h.shape[0] > chunk
-            outs.append(checkpoint(_chunk, *args, use_reentrant=False) if grad and many else _chunk(*args))
-        logp = torch.cat([o[0] for o in outs])
-        ent = torch.cat([o[1] for o in outs]) if with_entropy else torch.zeros_like(logp)
-        return torch.stack([logp, ent], dim=-1)[None]
+        logp, ent = _TargetLogits.apply(h, head.weight, head.bias, lab, temperature, with_entropy,
+                                        entropy_grad and torch.is_grad_enabled(), chunk)
+        return torch.stack([logp, ent if with_entropy else torch.zeros_like(logp)], dim=-1)[None]
 
     before = head.__dict__.get("forward")  # (a hook's own forward on the instance, e.g. accelerate's)
     head.forward = forward

@@ -164,3 +164,20 @@ def test_update_weights_accepts_full_state_dict_with_tied_alias(engine, tokenize
     other = _model(tokenizer, seed=9).state_dict()  # includes lm_head.weight (tied)
     engine.update_weights(other, version=5)
     assert torch.equal(engine.model.lm_head.weight, other["model.embed_tokens.weight"])
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_and_its_logprobs_are_right(engine, tokenizer):
+    """Three prompts, each sampled four times as a GRPO group is: the first forward runs the three
+    distinct prompts only, and every sample's behaviour log-probs are a full forward's."""
+    distinct = _prompts(tokenizer, 3)
+    prompts = [p for p in distinct for _ in range(4)]
+    seen = []
+    hook = engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        gens = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=6), seed=3)
+    finally:
+        hook.remove()
+    assert seen[0][0] == 3 and all(s[0] == 12 for s in seen[1:])  # one prefill per distinct prompt
+    assert len({tuple(g.token_ids) for g in gens}) > 3  # the copies sample on their own
+    for prompt, g in zip(prompts, gens):
+        np.testing.assert_allclose(g.logprobs, _reference_logprobs(engine.model, prompt, g.token_ids, 1.0), atol=1e-4)
