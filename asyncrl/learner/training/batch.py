@@ -215,15 +215,16 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     one copy of it (the tokens before each row's first trained token). The same values as the
     padded forward up to float rounding. Otherwise every row padded to the longest (the reference).
 
-    ``logits_chunk_mb`` > 0: the output layer computes only the targets' log-probs and entropies, a
-    chunk of this many MiB of logits at a time (:mod:`.chunked_head`), never the whole micro-batch's
-    ``[tokens, vocabulary]`` logits; the same values. 0 (or a model it does not suit): full logits.
+    ``logits_chunk_mb`` > 0: the output layer computes only the trained targets' log-probs and entropies
+    (``response_mask``; 0 at every other position), a chunk of this many MiB of logits at a time
+    (:mod:`.chunked_head`), never the whole micro-batch's ``[tokens, vocabulary]`` logits; the same values
+    there. 0 (or a model it does not suit): full logits at every position.
     """
     chunk = _chunk_for(model, batch, logits_chunk_mb, temperature)
     if packing:
         return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk)
     if chunk:
-        valid = batch.attention_mask[:, 1:] > 0  # target j (token j + 1) exists
+        valid = (batch.attention_mask[:, 1:] > 0) & (batch.response_mask > 0)  # target j (token j + 1) is trained
         T = batch.input_ids.shape[1]
         slots = (torch.arange(batch.input_ids.shape[0], device=valid.device)[:, None] * T
                  + torch.arange(T - 1, device=valid.device)[None, :])[valid]
@@ -337,13 +338,15 @@ def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: 
     the vocabulary's softmax) and lands back at ``[b, j]``."""
     labels = batch.input_ids[:, 1:]
     if chunk:
+        trained = batch.response_mask > 0
+
         def head(packed):
-            valid = packed.token_index[:, 1:] >= 0
+            valid = (packed.token_index[:, 1:] >= 0) & trained
             return target_head(model, packed.token_index[:, :-1][valid], labels[valid], temperature, with_entropy,
                                entropy_grad, chunk)
 
         packed, out = _run_packed(model, batch, shared_prefix, width, head)
-        lp, ent = _place(out.logits, packed.token_index[:, 1:] >= 0, with_entropy)
+        lp, ent = _place(out.logits, (packed.token_index[:, 1:] >= 0) & trained, with_entropy)
         R, W = packed.shape
         return Forward(lp, ent, R * W, packed.slots_used, packed.shared_rows)
     packed, out = _run_packed(model, batch, shared_prefix, width)

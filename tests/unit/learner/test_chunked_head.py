@@ -55,7 +55,7 @@ def _run(model, batch, chunk_mb, **kw):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_log_probs_entropies_and_gradients_equal_full_logits(packing, shared, temperature):
     batch = _batch()
-    valid = batch.attention_mask[:, 1:].bool()
+    valid = batch.response_mask.bool()  # (the chunked head computes the trained targets only)
     model = _model(tied=not shared)  # both a tied and an untied output layer
     full, g_full = _run(model, batch, 0, temperature=temperature, packing=packing, shared_prefix=shared)
     chunk_mb = 0.75  # 4 target positions a chunk: the batch's ~100 targets in ~25 chunks
@@ -75,7 +75,7 @@ def test_without_a_graph_and_in_bfloat16():
     """bfloat16 logits: the log-probs as before (float32 from the bfloat16 logits); the entropy is now taken
     in float32 as well (full logits take it in bfloat16, 0.02-0.05 off on this model)."""
     batch = _batch()
-    valid = batch.attention_mask[:, 1:].bool()
+    valid = batch.response_mask.bool()  # (the chunked head computes the trained targets only)
     model = _model(dtype=torch.bfloat16)
     with torch.no_grad():
         full = forward_rows(model, batch, with_entropy=True, packing=True, logits_chunk_mb=0)
@@ -97,7 +97,7 @@ class _ScaledLlama(LlamaForCausalLM):
 
 def test_a_model_that_changes_its_logits_falls_back_to_full_logits():
     batch = _batch()
-    valid = batch.attention_mask[:, 1:].bool()
+    valid = batch.response_mask.bool()  # (the chunked head computes the trained targets only)
     model = _model(cls=_ScaledLlama)
     with torch.no_grad():
         full = forward_rows(model, batch, with_entropy=True, logits_chunk_mb=0)

@@ -354,7 +354,7 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
         before, ent = compute_logprobs(model, collate(trajs, torch.zeros(len(trajs)), 0), with_entropy=True)
     result = trainer.step(trainer.make_batch(eps), keep_rows=True)
     logp, entropy = result.row_logprobs, result.row_entropy
-    valid = collate(trajs, torch.zeros(len(trajs)), 0).attention_mask[:, 1:].bool()  # padding holds junk
+    valid = collate(trajs, torch.zeros(len(trajs)), 0).response_mask.bool()  # (the learner computes trained tokens only)
     assert torch.allclose(logp[valid], before[valid], atol=1e-5)  # recorded before the update
     m.record(eps, logp.numpy(), entropy.numpy(), version=5)
     assert m.task2trajectories, "no task had a partial success; pick another seed"
