@@ -33,7 +33,7 @@ SLOW_FILES = {
     "tests/unit/commands/test_console.py": 55, "tests/e2e/test_learner_group.py": 53, "tests/e2e/test_slurm.py": 110, "tests/e2e/test_hosts.py": 35,
     "tests/e2e/test_pipeline.py": 44, "tests/unit/envs/test_agent_env.py": 43, "tests/e2e/test_trackers.py": 38,
     "tests/e2e/test_critic_e2e.py": 82,
-    "tests/e2e/test_reproduce.py": 140,
+    "tests/e2e/test_reproduce.py": 140, "tests/e2e/test_long_batches.py": 125, "tests/unit/models/test_gguf.py": 60,
 }
 
 

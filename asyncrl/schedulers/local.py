@@ -168,8 +168,9 @@ def this_command(drop=lambda arg: False) -> str:
 
 
 def resume_command() -> str:
-    """This ``asyncrl`` command line with ``--resume`` (and no other resume switch)."""
-    return this_command(lambda a: a == "--resume" or a.startswith("checkpoint.resume=")) + " --resume"
+    """This ``asyncrl`` command line with ``--resume`` (and no other resume switch; without ``--overwrite``,
+    which would delete what it resumes and which argparse refuses beside ``--resume``)."""
+    return this_command(lambda a: a in ("--resume", "--overwrite") or a.startswith("checkpoint.resume=")) + " --resume"
 
 
 def start_learner_group(args: list[str], n: int, env: dict, run_dir: Path, forking: bool = False) -> list[subprocess.Popen]:

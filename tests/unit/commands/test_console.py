@@ -4,6 +4,7 @@ says how to resume (item 3)."""
 from __future__ import annotations
 
 import os
+import sys
 import re
 import select
 import signal
@@ -204,3 +205,12 @@ def test_a_refused_run_prints_the_refusal_and_nothing_before_it(tmp_path):
     res = _cli_out("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), f"run_root={tmp_path}", "name=taken")
     assert res.returncode == 2, res.stdout + res.stderr
     assert "held-out" not in res.stdout and "--resume" in res.stderr + res.stdout, res.stdout + res.stderr
+
+
+def test_the_resume_hint_of_an_overwritten_run_resumes_it(monkeypatch):
+    """`asyncrl run ... --overwrite`, stopped: the hint is the same command with --resume, not beside
+    --overwrite (which argparse refuses with --resume, and which would delete the run it resumes)."""
+    from asyncrl.schedulers.local import resume_command
+
+    monkeypatch.setattr(sys, "argv", ["asyncrl", "run", "-c", "examples/smollm2.yaml", "--overwrite", "name=x y"])
+    assert resume_command() == "asyncrl run -c examples/smollm2.yaml 'name=x y' --resume"
