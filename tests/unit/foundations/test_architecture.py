@@ -287,7 +287,7 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
     try:
         REWARDS.resolve("nope", "env.reward", what="function")
     except ConfigError as e:
-        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, reasoning_gym, or "
+        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, last_number, reasoning_gym, or "
                           "an import path 'pkg.module:function'")
     else:
         raise AssertionError("an unknown name was accepted")
@@ -497,7 +497,7 @@ def test_the_new_rules_fail_on_a_tree_that_breaks_them(tmp_path):
 
 def test_a_config_field_that_names_a_registry_entry_defaults_to_a_registered_name():
     """``asyncrl.config.registered`` fields: the registry is the one declaration of their names; the
-    config checks every other value against it, and its default is registered."""
+    config checks every other value against it, and its default is registered (or null: none)."""
     import importlib
 
     from pydantic import BaseModel
@@ -515,7 +515,7 @@ def test_a_config_field_that_names_a_registry_entry_defaults_to_a_registered_nam
             if isinstance(extra, dict) and "registry" in extra:
                 module, _, table = extra["registry"].partition(":")
                 registry = getattr(importlib.import_module(module), table)
-                assert field.default in registry, f"{prefix}{name}: default {field.default!r} is not in {extra['registry']}"
+                assert field.default is None or field.default in registry, f"{prefix}{name}: default {field.default!r} is not in {extra['registry']}"
                 seen.append(f"{prefix}{name}")
     assert {"engine.type", "sync.type", "launch.scheduler", "tasks.type", "env.type", "env.reward", "train.policy_loss",
             "train.off_policy_correction", "train.advantage.estimator"} <= set(seen), seen

