@@ -316,10 +316,17 @@ class TrainConfig(_Base):
         "Policy loss: a registry name, or an import path 'pkg.module:fn' of your own, "
         "fn(PolicyLossInputs, LossConfig) -> (loss, stats) (asyncrl.objectives.losses)."))
     packing: bool = Field(True, description=(
-        "Train without padding: the learner packs a batch's rows into bins (a block mask on CPU and SDPA; "
-        "position ids alone under a flash variable-length kernel), so its forward and backward touch real "
-        "tokens only; the same log-probs and gradients as padding every row to the longest (false: the "
-        "padded forward, the reference)."))
+        "Train without padding: the learner packs a batch's rows (train.attention says how their attention is "
+        "kept apart), so its forward and backward touch real tokens only; the same log-probs and gradients as "
+        "padding every row to the longest (false: the padded forward, the reference; as train.attention=padded)."))
+    attention: Literal["auto", "varlen", "flex", "mask", "padded"] = Field("auto", description=(
+        "With packing, the attention that keeps packed rows apart (asyncrl.learner.training.attention): varlen, "
+        "one flat bin through torch's variable-length flash kernel (CUDA, bf16/fp16; prompts not shared); flex, "
+        "one flat bin with shared prompts, its document mask a flex-attention BlockMask (CUDA for training); "
+        "mask, bins under a dense block mask (SDPA/eager: the CPU's path); padded, no packing. auto: mask on a "
+        "CPU; on CUDA the fastest of varlen, flex and padded on the first micro-batch (printed; the first "
+        "available with train.deterministic or a learner group). Sliding-window models: varlen or flex "
+        "(mask is refused; auto takes padded on a CPU)."))
     shared_prefix: bool = Field(True, description=(
         "With packing: the rows that start with the same tokens up to their first trained token (a prompt's "
         "completions) read one copy of that prompt in each bin, which is computed once: the same log-probs "

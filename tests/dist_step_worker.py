@@ -9,6 +9,7 @@ distributed mode and ``loss_agg_mode``, ``<mode>_<agg>.safetensors`` (full param
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +23,8 @@ from safetensors.torch import save_file
 from asyncrl.learner.training import distributed
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
 from asyncrl.types import Trajectory
+
+from tests.plugins_for_tests import cpu_varlen
 
 # gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
 # token-mean side terms on (their scaling is checked together with the policy loss's)
@@ -71,7 +74,12 @@ CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
                  "critic.lam=1.0", "critic.lr=1e-4", "critic.cliprange_value=0.2", "critic.max_grad_norm=1e6",
                  "train.mini_batches=2"],
          "gae_lora": ["train.advantage.estimator=gae", "model.lora.rank=4", "critic.lr=1e-3",
-                      "critic.max_grad_norm=1e6"]}
+                      "critic.max_grad_norm=1e6"],
+         # issue 62: the flat varlen layout (torch's kernel is CUDA's: tests.plugins_for_tests.cpu_varlen), with
+         # micro-batches, and with a critic and LoRA adapters
+         "varlen": ["train.attention=varlen", "train.micro_batch_tokens=12"],
+         "varlen_gae_lora": ["train.attention=varlen", "train.advantage.estimator=gae", "model.lora.rank=4",
+                             "critic.lr=1e-3", "critic.max_grad_norm=1e6"]}
 
 
 def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -82,7 +90,6 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
     publish) and ``optim/<name>/<key>`` (:func:`distributed.optimizer_state`: what a checkpoint
     saves); the last two on rank 0 only under a process group."""
     from asyncrl.config import load_config
-    from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
     cfg = load_config(None, [*overrides, *STEP_OVERRIDES, *CASES[case]])
@@ -97,6 +104,13 @@ def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torc
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    with cpu_varlen() if cfg.train.attention == "varlen" else contextlib.nullcontext():
+        return _step(cfg, model, tok, mode, case)
+
+
+def _step(cfg, model, tok, mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
+    from asyncrl.learner.training.trainer import PolicyTrainer
+
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, distributed=mode, critic_cfg=cfg.critic, model_cfg=cfg.model)
     if trainer.critic is not None:  # a head that is not zero, so that its body gets gradients too
         gen = torch.Generator().manual_seed(2)

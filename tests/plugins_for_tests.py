@@ -1,5 +1,7 @@
 """Plugins loaded by import path in tests (the same way users plug in their own)."""
 
+import contextlib
+
 from asyncrl.types import Task
 
 
@@ -84,3 +86,23 @@ def slow_ppo_loss(inputs, cfg):
 
     time.sleep(float(os.environ.get("ASYNCRL_TEST_LOSS_S", "1.0")))
     return POLICY_LOSSES.get("ppo")(inputs, cfg)
+
+
+@contextlib.contextmanager
+def cpu_varlen():
+    """``train.attention=varlen`` on a CPU. torch's varlen kernel is CUDA-only, so its reference (the same
+    sequences, one SDPA call each: ``attention.reference_varlen``) stands in for the kernel alone; the
+    flat bin, the cumulative sequence lengths, the registered attention function and the switch of the
+    model's attention implementation are the real code."""
+    from asyncrl.learner.training import attention
+
+    kernel, available = attention.VARLEN_KERNEL, attention.available
+
+    def allow(path, model, device, training=True):
+        return None if path == "varlen" else available(path, model, device, training)
+
+    attention.VARLEN_KERNEL, attention.available = attention.reference_varlen, allow
+    try:
+        yield
+    finally:
+        attention.VARLEN_KERNEL, attention.available = kernel, available

@@ -20,6 +20,7 @@ from torch import Tensor
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
 from .chunked_head import chunk_tokens, output_layer, target_head, usable
+from .attention import FLEX_BLOCK, packed_attention
 from .packing import mask_for, pack_rows, varlen_attention
 
 __all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "shared_width", "value_rows"]
@@ -203,17 +204,19 @@ class Forward:
 
 
 def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
-                 entropy_grad: bool = True, packing: bool = False, shared_prefix: bool = False,
+                 entropy_grad: bool = True, packing: bool | str = False, shared_prefix: bool = False,
                  width: int | None = None, logits_chunk_mb: float = 0) -> Forward:
     """Forward a Hugging Face causal LM over ``batch``: the log-probs of the targets
     (``logits[:, :-1] / temperature`` against ``input_ids[:, 1:]``), and with ``with_entropy`` the
     entropies. Grad flows if enabled by the caller (``torch.no_grad()`` for the proximal/reference
     passes); ``entropy_grad=False`` computes the entropy without a graph (for logging).
 
-    ``packing``: the rows packed into bins of ``width`` slots (:mod:`.packing`), so that the forward
-    and backward touch real tokens only; with ``shared_prefix`` the completions of one prompt read
-    one copy of it (the tokens before each row's first trained token). The same values as the
-    padded forward up to float rounding. Otherwise every row padded to the longest (the reference).
+    ``packing``: the rows packed (:mod:`.packing`), so that the forward and backward touch real tokens
+    only: True or ``mask``, bins of ``width`` slots under a block mask; ``flex`` or ``varlen``, one flat
+    bin under those attention functions (:mod:`.attention`). With ``shared_prefix`` the completions of
+    one prompt read one copy of it (the tokens before each row's first trained token; not ``varlen``).
+    The same values as the padded forward up to float rounding. False or ``padded``: every row padded
+    to the longest (the reference).
 
     ``logits_chunk_mb`` > 0: the output layer computes only the trained targets' log-probs and entropies
     (``response_mask``; 0 at every other position), a chunk of this many MiB of logits at a time
@@ -221,8 +224,9 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     there. 0 (or a model it does not suit): full logits at every position.
     """
     chunk = _chunk_for(model, batch, logits_chunk_mb, temperature)
-    if packing:
-        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk)
+    if _path(packing) != "padded":
+        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk,
+                               _path(packing))
     if chunk:
         valid = (batch.attention_mask[:, 1:] > 0) & (batch.response_mask > 0)  # target j (token j + 1) is trained
         T = batch.input_ids.shape[1]
@@ -273,16 +277,16 @@ def shared_width(batch: TrainBatch, budget: int) -> int:
     return max(longest, min(4 * longest, budget))
 
 
-def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False, shared_prefix: bool = False,
+def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool | str = False, shared_prefix: bool = False,
                width: int | None = None) -> Tensor:
     """``[B, T-1]``: a critic's value of the state before each target token, i.e. its scalar head at
     the position whose logits would predict the token (``asyncrl.models.value``: a causal LM whose
     output layer is the head). ``packing``, ``shared_prefix``, ``width``: the rows packed into bins as
     :func:`forward_rows` does; the same values as the padded forward up to float rounding. 0 past a row's end."""
-    if not packing:
+    if _path(packing) == "padded":
         out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return out.logits[:, :-1, 0].float() * batch.attention_mask[:, 1:]
-    packed, out = _run_packed(critic, batch, shared_prefix, width)
+    packed, out = _run_packed(critic, batch, shared_prefix, width, path=_path(packing))
     R, W = packed.shape
     flat = out.logits.reshape(R * W).float()
     valid = packed.token_index[:, 1:] >= 0
@@ -290,7 +294,7 @@ def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool = False
 
 
 def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                     with_entropy: bool = False, entropy_grad: bool = True, packing: bool = False,
+                     with_entropy: bool = False, entropy_grad: bool = True, packing: bool | str = False,
                      shared_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(logprobs[B, T-1], entropy[B, T-1] or None)`` of :func:`forward_rows`. Positions past a
     row's end hold finite junk (padded) or 0 (packed); mask them."""
@@ -317,13 +321,27 @@ def first_trained(batch: TrainBatch) -> Tensor:
     return torch.where(trained.any(1), trained.float().argmax(1) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
 
 
-def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None, head=None):
-    """``(packed rows, the model's output on them)``: the rows packed into bins of ``width`` slots
-    (:mod:`.packing`; with ``shared_prefix`` a prompt once per bin, unless the attention is varlen).
+def _path(packing: bool | str) -> str:
+    """``packing`` as an attention path (:mod:`.attention`): False is ``padded``, True ``mask``."""
+    return {False: "padded", True: "mask"}.get(packing, packing) if isinstance(packing, bool) else packing
+
+
+def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None, head=None, path: str = "mask"):
+    """``(packed rows, the model's output on them)``: the rows packed for attention ``path``
+    (:mod:`.packing`, :mod:`.attention`): ``mask``, bins of ``width`` slots and a block mask (with
+    ``shared_prefix`` a prompt once per bin, unless the model's own attention is a flash varlen kernel);
+    ``flex``, one flat bin, a prompt once in it; ``varlen``, one flat bin of whole rows.
     ``head(packed)``: a context for the forward (the chunked output layer)."""
+    starts = first_trained(batch) if shared_prefix else None
+    lengths = batch.attention_mask.sum(1)
+    if path in ("flex", "varlen"):
+        packed = pack_rows(batch.input_ids, lengths, starts=starts if path == "flex" else None, varlen=path == "varlen",
+                           flat=True, multiple=FLEX_BLOCK if path == "flex" else 1)
+        with packed_attention(model, path, packed), head(packed) if head is not None else contextlib.nullcontext():
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        return packed, out
     varlen = varlen_attention(model)
-    packed = pack_rows(batch.input_ids, batch.attention_mask.sum(1), width=width,
-                       starts=first_trained(batch) if shared_prefix and not varlen else None, varlen=varlen)
+    packed = pack_rows(batch.input_ids, lengths, width=width, starts=None if varlen else starts, varlen=varlen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     with head(packed) if head is not None else contextlib.nullcontext():
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
@@ -332,7 +350,7 @@ def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None
 
 
 def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
-                    shared_prefix: bool, width: int | None, chunk: int = 0) -> Forward:
+                    shared_prefix: bool, width: int | None, chunk: int = 0, path: str = "mask") -> Forward:
     """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
     target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
     the vocabulary's softmax) and lands back at ``[b, j]``."""
@@ -345,11 +363,11 @@ def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: 
             return target_head(model, packed.token_index[:, :-1][valid], labels[valid], temperature, with_entropy,
                                entropy_grad, chunk)
 
-        packed, out = _run_packed(model, batch, shared_prefix, width, head)
+        packed, out = _run_packed(model, batch, shared_prefix, width, head, path)
         lp, ent = _place(out.logits, (packed.token_index[:, 1:] >= 0) & trained, with_entropy)
         R, W = packed.shape
         return Forward(lp, ent, R * W, packed.slots_used, packed.shared_rows)
-    packed, out = _run_packed(model, batch, shared_prefix, width)
+    packed, out = _run_packed(model, batch, shared_prefix, width, path=path)
     R, W = packed.shape
     logits = out.logits.reshape(R * W, -1)
     index = packed.token_index

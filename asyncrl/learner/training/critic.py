@@ -46,7 +46,8 @@ class Critic:
     def __init__(self, policy, critic_cfg, train_cfg, model_cfg, seed: int, distributed: str = "none"):
         self.cfg, self.adv = critic_cfg, train_cfg.advantage
         self.distributed = distributed
-        self.micro_tokens, self.packing = train_cfg.micro_batch_tokens, train_cfg.packing
+        self.micro_tokens = train_cfg.micro_batch_tokens
+        self.attention = "mask" if train_cfg.packing else "padded"  # the policy's path (the trainer sets it)
         self.shared_prefix = train_cfg.packing and train_cfg.shared_prefix  # a prompt read once per bin, as the policy
         self.return_lam = critic_cfg.lam if critic_cfg.lam is not None else self.adv.lam
         critic = build_critic(policy, critic_cfg, model_cfg, seed, device=train_cfg.device)
@@ -60,7 +61,7 @@ class Critic:
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T-1]`` the critic's values on every row, in micro-batches of the token budget."""
         out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
-        for index in plan_micro_batches(batch, self.micro_tokens, self.packing, skip=False).micro_batches:
+        for index in plan_micro_batches(batch, self.micro_tokens, self.attention != "padded", skip=False).micro_batches:
             put_rows(out, index, self._values(batch.take(index)))
         return out
 
@@ -72,8 +73,8 @@ class Critic:
                                self.return_lam)
 
     def _values(self, micro: TrainBatch) -> torch.Tensor:
-        width = shared_width(micro, self.micro_tokens) if self.shared_prefix else None
-        return value_rows(self.model, micro, self.packing, self.shared_prefix, width)
+        width = shared_width(micro, self.micro_tokens) if self.shared_prefix and self.attention == "mask" else None
+        return value_rows(self.model, micro, self.attention, self.shared_prefix, width)
 
     def prepare(self, batch: TrainBatch, train: bool = False) -> dict[str, float]:
         """Fill in ``batch``'s ``old_values``, ``returns``, per-token ``advantages`` and ``row_advantages``
@@ -111,7 +112,7 @@ class Critic:
         """One optimizer step of the critic on mini-batch ``mb`` (this rank's rows). ``values_out``
         (:meth:`prepare` with ``train``): ``mb`` has no targets yet; each micro-batch's forward gives
         its values before the step (written there) and its rows' return targets."""
-        plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=False)
+        plan = plan_micro_batches(mb, self.micro_tokens, self.attention != "padded", skip=False)
         totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, clip_sum, tokens = 0.0, 0.0, 0.0

@@ -9,13 +9,15 @@ segment id; a slot attends to the earlier slots of its own segment and to every 
 segment's parent (a suffix's prompt). So every row sees exactly the tokens it would see alone, at the
 same positions, and its log-probs are those of a padded forward up to float rounding.
 
-Two attention paths:
+Attention paths (``train.attention``, :mod:`.attention`):
 
-- a block mask ``[R, 1, W, W]`` given to the model as a ready 4D mask (:func:`mask_for`: boolean for
-  ``sdpa``, additive for ``eager``): the CPU's attention, with shared prompts;
-- position ids alone (``attention_mask=None``): transformers finds the packed sequences from the
-  position ids restarting at 0, which the variable-length kernels (``flash_attention_2/3``) run
-  without a mask; one flat bin, no shared prompts (a suffix cannot see another segment there).
+- ``mask``: a block mask ``[R, 1, W, W]`` given to the model as a ready 4D mask (:func:`mask_for`:
+  boolean for ``sdpa``, additive for ``eager``), with shared prompts; under a model's own flash
+  variable-length kernel (``flash_attention_2/3``), position ids alone (one flat bin, no shared prompts);
+- ``flex``: one flat bin (``flat=True``) with shared prompts, its document mask built from the slots'
+  segment and parent ids as a flex attention ``BlockMask`` (blocks no segment reaches are skipped);
+- ``varlen``: one flat bin (``varlen=True``), no shared prompts, each row a sequence of its own for a
+  variable-length kernel (:func:`cu_seqlens`), no mask.
 
 ``token_index[b, t]`` is the flat slot (``r * W + w``) holding token ``t`` of row ``b`` (-1 past its
 end), which is all :func:`asyncrl.learner.training.batch.compute_logprobs` needs to put every
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "attention_kind", "mask_for", "pack_rows", "varlen_attention"]
+__all__ = ["PackedRows", "attention_kind", "cu_seqlens", "mask_for", "pack_rows", "varlen_attention"]
 
 _VARLEN = ("flash_attention_2", "flash_attention_3", "flash")
 
@@ -69,10 +71,12 @@ class PackedRows:
 
     input_ids: Tensor  # long [R, W]
     position_ids: Tensor  # long [R, W]
-    attention: Tensor | None  # bool [R, 1, W, W], True = attend; None: position ids only (varlen)
+    attention: Tensor | None  # bool [R, 1, W, W], True = attend; None: one flat bin (flex, varlen)
     token_index: Tensor  # long [B, T], flat slot of token t of row b; -1 past the row's end
     slots_used: int  # slots holding a token (a shared prompt once per bin)
     shared_rows: int  # rows that read their prompt from a segment another row reads too
+    segments: Tensor | None = None  # long [R, W]: each slot's segment (-1: padding)
+    parents: Tensor | None = None  # long [R, W]: the segment each slot also reads (a suffix's prompt; else its own)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,18 +128,22 @@ def _groups(rows: list[np.ndarray], starts: list[int] | None) -> list[list[int]]
 
 
 def pack_rows(input_ids: Tensor, lengths: Tensor, width: int | None = None, starts: Tensor | None = None,
-              varlen: bool = False, pad_id: int = 0) -> PackedRows:
+              varlen: bool = False, pad_id: int = 0, flat: bool = False, multiple: int = 1) -> PackedRows:
     """Pack the rows of ``input_ids[B, T]`` (row ``b`` is its first ``lengths[b]`` tokens) into
-    bins of ``width`` slots (default and minimum: the longest row; with ``varlen``, one bin of all
-    tokens). ``starts[b]``: the index of row ``b``'s first trained token; rows with the same tokens
-    before it share one prompt segment per bin (with ``varlen`` prompts are not shared)."""
+    bins of ``width`` slots (default and minimum: the longest row). ``starts[b]``: the index of row
+    ``b``'s first trained token; rows with the same tokens before it share one prompt segment per bin.
+    ``flat``: one bin of all tokens, a prompt once in it, no block mask built (flex attention);
+    ``varlen``: one bin of all tokens, prompts not shared (a variable-length kernel). A flat bin's
+    width is its tokens rounded up to ``multiple``."""
     ids = input_ids.detach().cpu().numpy()
     n = [int(x) for x in lengths.detach().cpu().tolist()]
     B, T = ids.shape
     rows = [ids[b, : n[b]] for b in range(B)]
     longest = max(max(n, default=1), 1)
     if varlen:
-        width, starts = max(sum(n), 1), None
+        starts = None
+    if varlen or flat:
+        width = max(sum(n), 1)
     width = max(int(width or longest), longest)
     start_list = None if starts is None else [int(s) for s in starts.detach().cpu().tolist()]
     bins = _Bins(width)
@@ -159,11 +167,15 @@ def pack_rows(input_ids: Tensor, lengths: Tensor, width: int | None = None, star
                 shared_rows += 1
             token_index[b, :p] = prompt_slots
             token_index[b, p: n[b]] = bins.put(r, suffix, p, bins.segment_of(prompt_slots[0]))
-    return _tensors(bins, token_index, varlen, pad_id, shared_rows, input_ids.device)
+    if varlen or flat:  # (the one bin's slot numbers are its positions: any width above its tokens keeps them)
+        used = sum(len(s) for s in bins.slots)
+        bins.width = -(-max(used, 1) // multiple) * multiple
+    return _tensors(bins, token_index, varlen or flat, pad_id, shared_rows, input_ids.device)
 
 
 def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, shared_rows: int,
              device) -> PackedRows:
+    """The bins' tensors; ``varlen``: one flat bin, no block mask (its trailing padding one sequence)."""
     R, W = max(len(bins.slots), 1), bins.width
     table = np.zeros((R, W, 4), dtype=np.int64)
     table[..., 0] = pad_id
@@ -187,4 +199,17 @@ def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, sh
         reads_parent = parent[:, :, None] == seg[:, None, :]
         attention = ((same | reads_parent) & causal)[:, None].to(device)
     return PackedRows(t[..., 0].to(device), t[..., 1].to(device), attention,
-                      torch.from_numpy(token_index).to(device), used, shared_rows)
+                      torch.from_numpy(token_index).to(device), used, shared_rows,
+                      t[..., 2].to(device), t[..., 3].to(device))
+
+
+def cu_seqlens(packed: PackedRows) -> tuple[Tensor, int]:
+    """A flat bin's sequences for a variable-length kernel: ``(cu_seqlens int32 [N + 1], longest)``,
+    each segment (a row) one sequence, the trailing padding one more (so that every slot's output is
+    computed). Refused for a bin whose suffixes read a shared prompt (another segment)."""
+    seg = packed.segments[0].cpu()
+    if packed.shape[0] != 1 or bool((packed.parents[0].cpu() != seg).any()):
+        raise ValueError("a variable-length kernel takes one flat bin of whole rows (no shared prompts)")
+    change = torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), change, torch.tensor([seg.numel()])])
+    return bounds.to(torch.int32).to(packed.segments.device), int((bounds[1:] - bounds[:-1]).max())

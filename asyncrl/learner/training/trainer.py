@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import CriticConfig, ModelConfig
+from ...config import ConfigError, CriticConfig, ModelConfig
 from ...objectives.advantages import ADV_ESTIMATORS, per_token, trajectory_advantages
 from ...objectives.aggregation import agg_loss, masked_mean
 from ...objectives.corrections import CorrectionConfig, behavior_weights
@@ -42,6 +42,7 @@ from ...objectives.shaping import LengthShaping
 from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
+from .attention import choose as choose_attention, measure as measure_attention
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
 from .critic import Critic
 from .optim import adamw, apply_update
@@ -108,6 +109,16 @@ class PolicyTrainer:
         # the forward's layout (batch.forward_rows): packed, a prompt once per bin, in a learner group
         # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
         self.packing, self.shared_prefix = train_cfg.packing, train_cfg.shared_prefix
+        # train.attention (.attention): the packed forward's attention; None until measured (auto on CUDA)
+        try:
+            self.attention, self._attention_candidates = choose_attention(
+                train_cfg.attention, train_cfg.packing, dist_learner.unwrap(self.model), train_cfg.device,
+                deterministic=train_cfg.deterministic or distributed != "none")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.packing = self.attention != "padded"
+        if self.critic is not None:
+            self.critic.attention = self.attention or self._attention_candidates[0]
         self.micro_tokens = train_cfg.micro_batch_tokens
         self.shaping = LengthShaping.from_config(train_cfg)
         self.shaping_stats: dict[str, float] = {}  # the last batch's (make_batch)
@@ -244,13 +255,33 @@ class PolicyTrainer:
         """Rows that carry no gradient may be left out: no KL or entropy term reads them."""
         return self.cfg.skip_zero_advantage and not self.side_terms
 
-    def _forward(self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True) -> Forward:
+    def _forward(self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True,
+                 path: str | None = None) -> Forward:
         """:func:`forward_rows` in this trainer's layout; with shared prompts, bins up to four times
         the longest row (within the token budget), so that a prompt's completions share more bins."""
-        width = shared_width(batch, self.micro_tokens) if self.packing and self.shared_prefix else None
+        path = path or self.attention
+        width = shared_width(batch, self.micro_tokens) if path == "mask" and self.shared_prefix else None
         return forward_rows(model, batch, self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                            packing=self.packing, shared_prefix=self.shared_prefix, width=width,
+                            packing=path, shared_prefix=self.shared_prefix, width=width,
                             logits_chunk_mb=self.cfg.logits_chunk_mb)
+
+    def _measure_attention(self, micro: TrainBatch) -> None:
+        """train.attention=auto on CUDA: the fastest candidate on this first micro-batch (forward and
+        backward, each run twice), printed with the times; the gradients are dropped after."""
+        def run(path: str) -> None:
+            out = self._forward(self.model, micro, path=path)
+            (out.logprobs * micro.response_mask).sum().backward()
+
+        device = torch.device(self.cfg.device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.attention, times = measure_attention(self._attention_candidates, run, sync)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.packing = self.attention != "padded"
+        if self.critic is not None:
+            self.critic.attention = self.attention
+        shown = ", ".join(f"{p} {t * 1e3:.0f} ms" if t == t else f"{p} failed" for p, t in times.items())
+        print(f"[learner] train.attention=auto: {self.attention} (the first micro-batch, forward and backward: "
+              f"{shown})", flush=True)
 
     @torch.no_grad()
     def _chunked_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False,
@@ -286,6 +317,8 @@ class PolicyTrainer:
         if rows is not None:
             rows.row_logprobs = torch.zeros(mb.response_mask.shape, device="cpu")  # (filled from each micro-batch)
             rows.row_entropy = torch.zeros(mb.response_mask.shape, device="cpu")
+        if self.attention is None and plan.micro_batches:
+            self._measure_attention(mb.take(plan.micro_batches[0]))
         self.optimizer.zero_grad(set_to_none=True)
         parts, fwd = [], {"slots": 0, "real": 0, "shared": 0}
         loss_sum, started = 0.0, time.perf_counter()
