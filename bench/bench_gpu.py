@@ -5,13 +5,18 @@ the GPU.
     python bench/bench_gpu.py packing [--rows 64] [--max-len 2048] [--steps 3] [--json FILE]
     python bench/bench_gpu.py ipc [--updates 100] [--host-updates 10] [--shape qwen0.5b|tiny] [--json FILE]
     python bench/bench_gpu.py quickstart [--steps 60] [--sync zmq ipc] [--json FILE]
+    python bench/bench_gpu.py realmodel --gguf FILE [--steps 20] [--device cuda] [--dtype bfloat16] [--json FILE]
+    python bench/bench_gpu.py table --results DIR
 
 ``packing``: a model with Qwen2.5-0.5B's shapes (random weights, bf16, SDPA attention) trains one
 :class:`PolicyTrainer` step per batch of ``--rows`` rows (groups of 8 sharing a prompt of 32-256
 tokens, responses of long-tailed lengths up to ``--max-len`` in all, rewards 0/1 at random), padded
-(``train.packing=false``, no rows left out) against packed (the defaults); printed: the median step
-time after one warm-up, the peak GPU memory, the padding share, the rows left out and the attention
-path the packed forward took.
+(``train.packing=false``, no rows left out) against each packed ``train.attention`` path (``mask``,
+``flex``, ``varlen`` and ``auto``, rows without gradient left out); printed: the median step time
+after one warm-up, the peak GPU memory, the padding share, the rows left out, the path taken and
+the speed-up over padded. A path this machine cannot run is said, not timed.
+
+``realmodel``: ``examples/smollm2.yaml`` (SmolLM2-135M-Instruct) on the GPU from its GGUF file.
 
 ``ipc``: the same model's weights (bf16, about 1 GB) published ``--updates`` times with
 ``sync.type: ipc`` to another process on the same GPU (``bench/ipc_child.py``, which copies each
@@ -92,8 +97,8 @@ def synthetic_batch(rows: int, max_len: int, vocab: int, seed: int) -> list[dict
 def bench_packing(args) -> dict:
     import torch
 
-    from asyncrl.config import load_config
-    from asyncrl.learner.training.packing import attention_kind, varlen_attention
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.learner.training.packing import attention_kind
     from asyncrl.learner.training.trainer import PolicyTrainer
     from bench_packing import VARIANTS, _episodes
 
@@ -105,9 +110,16 @@ def bench_packing(args) -> dict:
           f"max {max(lengths)}; {args.steps} timed steps after one warm-up", flush=True)
     results = {}
     for variant in args.variants:
-        cfg = load_config(None, [*VARIANTS[variant], f"train.device={device}", *args.overrides])
+        overrides = [*VARIANTS["padded" if variant == "padded" else "packed"], f"train.attention={variant}"]
+        cfg = load_config(None, [*overrides, f"train.device={device}", *args.overrides])
         model = build_model(shape, device)
-        trainer = PolicyTrainer(model, SimpleNamespace(pad_token_id=0), cfg.train, 1.0)
+        try:
+            trainer = PolicyTrainer(model, SimpleNamespace(pad_token_id=0), cfg.train, 1.0)
+        except ConfigError as e:  # a path this machine cannot run (varlen or flex off CUDA): said, not timed
+            results[variant] = {"unavailable": str(e)}
+            print(f"  {variant:7s} unavailable: {e}", flush=True)
+            del model
+            continue
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times, stats = [], {}
@@ -125,17 +137,19 @@ def bench_packing(args) -> dict:
              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
              "padding_share": stats.get("learner/padding_share"), "rows_skipped": stats.get("learner/rows_skipped"),
              "micro_batches": stats.get("learner/micro_batches"), "forward_tokens": stats.get("learner/forward_tokens"),
-             "attention": attention_kind(model), "varlen": varlen_attention(model)}
+             "path": trainer.attention, "model_attention": attention_kind(model)}
         results[variant] = r
         print(f"  {variant:7s} step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_gib'] or 0:6.2f} GiB  padding "
               f"{r['padding_share']}  rows skipped {r['rows_skipped']}  micro-batches {r['micro_batches']}  "
-              f"attention {r['attention']} (varlen {r['varlen']})", flush=True)
+              f"path {r['path']}", flush=True)
         del trainer, model
         if device == "cuda":
             torch.cuda.empty_cache()
-    if {"padded", "packed"} <= set(results):
-        results["speedup"] = results["padded"]["step_s"] / results["packed"]["step_s"]
-        print(f"  packed/padded: {results['speedup']:.2f}x faster step", flush=True)
+    padded = results.get("padded", {}).get("step_s")
+    for variant, r in list(results.items()):
+        if padded and r.get("step_s"):
+            r["speedup_vs_padded"] = padded / r["step_s"]
+            print(f"  {variant}/padded: {r['speedup_vs_padded']:.2f}x faster step", flush=True)
     return results
 
 
@@ -254,6 +268,66 @@ def bench_quickstart(args) -> dict:
     return results
 
 
+def bench_realmodel(args) -> dict:
+    """``examples/smollm2.yaml`` on ``--device`` from the GGUF file ``--gguf`` (converted once into a model
+    cache of its own): the learner's first step, its step time, completions/s, the attention path auto
+    took and held-out accuracy before and after ``--steps`` steps."""
+    root = Path(tempfile.mkdtemp(prefix="asyncrl-gpu-real-"))
+    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(ROOT / "examples" / "smollm2.yaml"), "model.preset=null",
+           f"model.path={args.gguf}", f"model.embedded.cache_dir={root / 'cache'}", f"model.dtype={args.dtype}",
+           f"train.device={args.device}", f"engine.device={args.device}", f"train.total_steps={args.steps}",
+           f"eval.every={args.steps}", "checkpoint.every=0", f"run_root={root}", "name=real", "log.progress=false",
+           "--overwrite", *args.overrides]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    run = root / "real"
+    read = (lambda f: [json.loads(x) for x in (run / f).read_text().splitlines()] if (run / f).exists() else [])
+    metrics, events = read("metrics.jsonl"), read("events.jsonl")
+    evals = [e for e in events if e.get("kind") == "eval"]
+    start = next((e["t"] for e in events if e.get("kind") == "learner_start"), None)
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted(run.glob("**/*.log"))) + res.stdout
+    chosen = [line.split("] ", 1)[-1] for line in logs.splitlines() if "train.attention=auto" in line]
+    later = metrics[2:] or metrics
+    r = {"rc": res.returncode, "wall_s": wall, "steps": len(metrics), "dtype": args.dtype,
+         "first_step_s": metrics[0]["t"] - start if metrics and start else None,
+         "train_s": statistics.median([m["train_s"] for m in later]) if later else None,
+         "samples_per_s": statistics.median([m["samples_per_s"] for m in later if "samples_per_s" in m] or [0]) or None,
+         "heldout": [e.get("accuracy") for e in evals], "attention": chosen[-1] if chosen else None}
+    if res.returncode != 0:
+        r["tail"] = res.stdout[-1500:] + res.stderr[-2500:]
+        print(r["tail"], flush=True)
+    print(f"  real model ({args.dtype} on {args.device}): rc {r['rc']}, {r['steps']} steps in {wall:.0f} s, first step "
+          f"{r['first_step_s']} s after the learner started, learner step {r['train_s']} s, completions/s "
+          f"{r['samples_per_s']}, held-out {r['heldout']}; {r['attention']}", flush=True)
+    return r
+
+
+def table(args) -> dict:
+    """One table of every result file in ``--results`` (JSON written by the other subcommands)."""
+    rows = []
+    for path in sorted(Path(args.results).glob("*.json")):
+        data = json.loads(path.read_text())
+        card_name = data.pop("card", "")
+        if not any(isinstance(v, dict) for v in data.values()):  # one result (realmodel)
+            data = {"run": data}
+        for key, r in data.items():
+            if not isinstance(r, dict):
+                continue
+            if "unavailable" in r:
+                rows.append((path.stem, key, "unavailable", r["unavailable"][:70]))
+                continue
+            figures = {k: r.get(k) for k in ("step_s", "peak_gib", "speedup_vs_padded", "path", "samples_per_s",
+                                             "train_s", "first_step_s", "heldout", "attention", "mismatch_abs_mean",
+                                             "applied_ms_mean", "rc") if r.get(k) is not None}
+            shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+            rows.append((path.stem, key, card_name, shown))
+    width = max([len(a) + len(b) for a, b, _, _ in rows] or [0]) + 3
+    for a, b, c, d in rows:
+        print(f"{(a + ' / ' + b):{width}s} {c:10.10s} {d}")
+    return {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -262,7 +336,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--shape", choices=["qwen0.5b", "tiny"], default="qwen0.5b")
-    p.add_argument("--variants", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
+    p.add_argument("--variants", nargs="+", default=["padded", "mask", "flex", "varlen", "auto"],
+                   choices=["padded", "mask", "flex", "varlen", "auto"], help="train.attention paths")
     p.add_argument("-o", dest="overrides", action="append", default=[],
                    help="a config override for every variant (-o train.micro_batch_tokens=4096), repeatable")
     p = sub.add_parser("ipc")
@@ -274,10 +349,22 @@ def main() -> None:
     p.add_argument("--sync", nargs="+", default=["zmq", "ipc"])
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("realmodel")
+    p.add_argument("--gguf", required=True, help="the SmolLM2 GGUF file (bench/gpu_check.sh joins its two parts)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("table")
+    p.add_argument("--results", required=True, help="a folder of the JSON files the other subcommands wrote")
     for p in sub.choices.values():
         p.add_argument("--json", type=Path)
     args = ap.parse_args()
-    result = {"packing": bench_packing, "ipc": bench_ipc, "quickstart": bench_quickstart}[args.what](args)
+    result = {"packing": bench_packing, "ipc": bench_ipc, "quickstart": bench_quickstart, "realmodel": bench_realmodel,
+              "table": table}[args.what](args)
+    if args.what == "table":
+        return
     result["card"] = card()
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
