@@ -8,7 +8,7 @@ as such a user would, printing one JSON line of what it got.
 (episodes: a valid episode of actor ``intruder``), ``events ADDRESS`` (the event stream): each
 connects, sends, and reports what arrived within SECONDS. ``read PATH...``: which files it can read.
 ``bind DIRECTORY``: whether it can bind a socket there (a relay's address, to serve its own
-weights). ``curve ADDRESS SERVER_KEY_FILE``: ``hello`` as a CURVE client with a key of its own.
+weights). ``mkdir PATH``: a directory of its own, mode 0777. ``curve ADDRESS SERVER_KEY_FILE``: ``hello`` as a CURVE client with a key of its own.
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def main(argv: list[str]) -> dict:
                 out["readable"].append(path)
             except OSError:
                 pass
+    elif attack == "mkdir":  # a directory of its own, open to all, where a run of someone else's may go
+        os.mkdir(args[0])
+        os.chmod(args[0], 0o777)
+        out["made"] = True
     elif attack == "bind":
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     tolerate_closed_output()  # `asyncrl run ... | tee log` and Ctrl-C: tee dies first; training goes on
     if args.command in ("learn", "serve", "init-model"):  # the ones that load a model library
         warn_once_per_message()
+    if args.command in ("run", "learn", "serve", "relay", "replay"):  # every file of a run is this user's alone
+        os.umask(0o077)  # (their child processes inherit it)
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:

@@ -6,7 +6,9 @@ Promises:
   resume whose model or algorithm differs from the run's; a resume with no intact checkpoint after
   steps were trained (their weights were never saved). Otherwise it says what the start will do.
 - The run directory is private: the learner makes it mode 0700 (its checkpoints, weights,
-  write-ahead log, logs and sockets are this user's alone; ``RunLock.acquire``).
+  write-ahead log, logs and sockets are this user's alone; ``RunLock.acquire``), and the commands
+  that write a run create files under umask 077. A run directory another user made, or one under a
+  directory someone else owns or anyone may write in (not sticky), is refused (``check_private``).
 - ``RunLock`` is an exclusive lock (the ``filelock`` package, an OS lock released when the process
   dies, even by SIGKILL) on ``<run>/learner.lock``, with the holder's pid in ``<run>/learner.pid``.
   A second holder is refused with a message naming the first one's pid.
@@ -23,6 +25,7 @@ import atexit
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,12 +67,39 @@ class StartPlan:
 
 
 # -- what a run directory holds ------------------------------------------------------------------
+def check_private(run_dir: Path) -> None:
+    """ConfigError (one line) unless ``run_dir`` can be this user's alone: it is this user's if it exists
+    (not a directory another user made, say under a shared ``run_root``), and every directory above it
+    that exists belongs to this user or root and, if others may write in it, is sticky (as /tmp): else
+    someone else could read the run, or rename it away and put a directory of their own in its place."""
+    me = os.geteuid()
+    run_dir = Path(os.path.abspath(run_dir))
+    if os.path.lexists(run_dir):
+        st = os.lstat(run_dir)
+        if st.st_uid != me:
+            raise ConfigError(f"the run directory {run_dir} belongs to uid {st.st_uid}, not to this user (uid {me}): "
+                              f"another user made it and could read or replace the run; pick another name= or "
+                              f"run_root=")
+    for parent in run_dir.parents:
+        if not parent.exists():
+            continue
+        st = os.stat(parent)
+        if st.st_uid not in (me, 0):
+            raise ConfigError(f"{parent}, above the run directory {run_dir}, belongs to uid {st.st_uid}: whoever owns "
+                              f"a directory can replace what is in it; pick a run_root= of your own")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise ConfigError(f"anyone may write in {parent} (mode {st.st_mode & 0o7777:o}, not sticky), above the run "
+                              f"directory {run_dir}: someone else could replace it; pick a run_root= of your own")
+
+
 def check_writable(run_dir: Path) -> None:
-    """ConfigError (one line) unless ``run_dir`` can be created and written: found before anything
-    is built, rather than as a traceback (and atexit handlers' tracebacks) once the run starts."""
+    """ConfigError (one line) unless ``run_dir`` can be created and written, and kept private
+    (:func:`check_private`): found before anything is built, rather than as a traceback (and atexit
+    handlers' tracebacks) once the run starts."""
     import tempfile
 
     run_dir = Path(run_dir)
+    check_private(run_dir)
     made = [p for p in [run_dir, *run_dir.parents] if not p.exists()]  # what the check creates, deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,9 +181,10 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock (creating the run directory, private: mode 0700) and record this pid;
         RunDirError if held."""
+        check_private(self.run_dir)
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if os.stat(self.run_dir).st_uid == os.geteuid():  # (checkpoints and weights are no one else's to read)
-            os.chmod(self.run_dir, 0o700)
+        check_private(self.run_dir)  # (made by someone else in between: refused all the same)
+        os.chmod(self.run_dir, 0o700)  # (checkpoints and weights are no one else's to read)
         try:
             self._lock.acquire()
         except Timeout:

@@ -67,6 +67,10 @@ def test_another_user_reaches_no_channel_and_no_file_of_a_run(tmp_path, tiny_ove
         files = [str(run.dir / "addresses.json"), str(run.dir / "config.yaml"), str(run.dir / "events.jsonl"),
                  *map(str, (run.dir / "checkpoints").rglob("*.safetensors"))]
         assert other_user("read", 1, *files)["readable"] == []
+        # 63.1: every file of the run is this user's alone (umask 077), not only the weights
+        shared = [str(p.relative_to(run.dir)) for p in run.dir.rglob("*")
+                  if not p.is_symlink() and p.suffix != ".log" and os.stat(p).st_mode & 0o077]
+        assert shared == [], shared
         assert other_user("bind", 1, sock_dir)["bound"] is False  # nor can it put a socket of its own there
         v = run.version()
         assert run.wait_version(v + 2, DEADLINE_S) is not None, run.log_tail(lines=20)  # training went on
@@ -223,3 +227,36 @@ def test_a_dead_relay_hands_its_actors_to_the_learner(tmp_path, tiny_overrides):
         assert run.wait(lambda: max((e.get("policy_version") or 0) for e in run.events("episode")) > v, DEADLINE_S)
     finally:
         run.stop()
+
+
+@needs_root
+def test_a_run_directory_another_user_made_is_refused(tiny_overrides):
+    """63.1: under a shared run_root (mode 1777, as /tmp), another user makes ``<run_root>/<name>`` first,
+    open to all: the run is refused in one line, and nothing of it is written there. A run_root anyone
+    may write in without the sticky bit is refused too."""
+    import shutil
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="asyncrl-shared-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o1777)
+        assert other_user("mkdir", 1, os.path.join(shared, "squat"))["made"]
+
+        def start(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "asyncrl", *args, "-c", "configs/quickstart.yaml",
+                                   *tiny_overrides, f"run_root={shared}", "name=squat"], cwd=ROOT,
+                                  env=subprocess_env(), capture_output=True, text=True, timeout=180)
+
+        for args in (("run", "--dry-run"), ("learn",), ("run",)):
+            res = start(*args)
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(lines) == 1, (args, res.stderr[-2000:])
+            assert "belongs to uid 65534, not to this user" in lines[0], lines
+        assert os.listdir(os.path.join(shared, "squat")) == []
+        os.chmod(shared, 0o777)  # anyone may write in it, not sticky: a run directory could be swapped
+        res = subprocess.run([sys.executable, "-m", "asyncrl", "run", "--dry-run", "-c", "configs/quickstart.yaml",
+                              *tiny_overrides, f"run_root={shared}", "name=mine"], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=180)
+        assert res.returncode == 2 and "anyone may write in" in res.stderr and "not sticky" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
