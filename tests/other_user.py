@@ -8,13 +8,14 @@ as such a user would, printing one JSON line of what it got.
 (episodes: a valid episode of actor ``intruder``), ``events ADDRESS`` (the event stream): each
 connects, sends, and reports what arrived within SECONDS. ``read PATH...``: which files it can read.
 ``bind DIRECTORY``: whether it can bind a socket there (a relay's address, to serve its own
-weights). ``mkdir PATH``: a directory of its own, mode 0777. ``curve ADDRESS SERVER_KEY_FILE``: ``hello`` as a CURVE client with a key of its own.
+weights). ``mkdir PATH``: a directory of its own, mode 0777. ``uds PATH``: whether it can connect to a Unix socket. ``curve ADDRESS SERVER_KEY_FILE``: ``hello`` as a CURVE client with a key of its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -115,6 +116,14 @@ def main(argv: list[str]) -> dict:
                 out["readable"].append(path)
             except OSError:
                 pass
+    elif attack == "uds":  # a Unix socket of another user's (the rollout endpoint's, for its agents)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(args[0])
+            out["connected"] = True
+        except OSError as e:
+            out["connected"], out["error"] = False, str(e)
+        sock.close()
     elif attack == "mkdir":  # a directory of its own, open to all, where a run of someone else's may go
         os.mkdir(args[0])
         os.chmod(args[0], 0o777)

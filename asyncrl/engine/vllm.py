@@ -90,6 +90,7 @@ class VLLMEngine:
         self._live: dict[str, Row] = {}
         self._next_id = 0
         self.tokens_generated = 0  # one per running request per engine step (the actor's heartbeat reports it)
+        self.max_model_len = int(engine_cfg.max_model_len or max_model_len)  # (the endpoint caps prompts by it)
         self.continued = 0  # requests continued from their prefix after an in-flight update
         self.eos_ids = sorted(_eos_ids(model_dir, tokenizer))
         self.model_dir = str(model_dir)

@@ -6,8 +6,11 @@ keyword arguments it names among:
 
 - ``task``: the :class:`asyncrl.types.Task` (``task.prompt`` messages, ``task.answer``, ``metadata``);
 - ``client``: an ``openai.OpenAI`` client (``openai.AsyncOpenAI`` for an async function) whose base URL
-  is this rollout's endpoint session (:mod:`asyncrl.envs.endpoint`);
-- ``base_url``, ``api_key``, ``model``: the same, for code that builds its own client.
+  is this rollout's endpoint session (:mod:`asyncrl.envs.endpoint`); it connects through the endpoint's
+  private Unix socket, which another local user can neither reach nor fill;
+- ``base_url``, ``api_key``, ``model``: the same, for code that builds its own client (over TCP on
+  loopback: the session's secret in the URL guards it, but another local user can take up its
+  connection slots).
 
 Each of the ``sampling.n`` rollouts of a task runs the function once, concurrently with the others;
 the endpoint answers their calls in batches from the actor's engine. The trajectories are built from
@@ -113,7 +116,7 @@ class AgentEnv:
                     self._endpoint.close()
                 self._endpoint = Endpoint(tokenizer, self.model, sampling, engine.eos_ids, self.parser,
                                           self.request_timeout_s)
-            self._endpoint.configure(sampling, engine.eos_ids)
+            self._endpoint.configure(sampling, engine.eos_ids, _context_tokens(engine))
             return self._endpoint
 
     def drive(self, engine, tokenizer, convs: list, sampling, seed: int | None, guard) -> list:
@@ -220,7 +223,7 @@ class _AgentRunner:
     async def _run(self, env: AgentEnv, task: Task, session: Session) -> Any:
         values: dict[str, Any] = {"task": task, "base_url": session.base_url, "api_key": session.token,
                                   "model": env.model}
-        key = (env.is_async, env.request_timeout_s)
+        key = (env.is_async, env.request_timeout_s, session.endpoint.server.uds_path)
         client = self.clients.lease(key) if "client" in env.args else None
         try:
             if client is not None:
@@ -272,6 +275,16 @@ class _DaemonThreads(concurrent.futures.Executor):
             self.idle.release()
 
 
+def _context_tokens(engine) -> int | None:
+    """The engine's model context in tokens, where it says (the HF engine's model; vLLM's max_model_len)."""
+    for owner, name in ((getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings"),
+                        (engine, "max_model_len")):
+        n = getattr(owner, name, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
 class _ClientPool:
     """``openai`` clients lent to rollouts, one rollout at a time each, so that each rollout has a
     connection pool of its own; they speak HTTP through :mod:`asyncrl.envs.loopback_http`. One client
@@ -295,12 +308,13 @@ class _ClientPool:
 
         from .loopback_http import AsyncLoopbackTransport, LoopbackTransport
 
-        is_async, timeout = key
+        is_async, timeout, uds = key
         cls, http, transport = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient, AsyncLoopbackTransport)
                                 if is_async else (openai.OpenAI, openai.DefaultHttpxClient, LoopbackTransport))
-        # trust_env=False: no proxy from the environment for a loopback endpoint
+        # trust_env=False: no proxy from the environment for a loopback endpoint; uds: the endpoint's private
+        # Unix socket (another user who fills its TCP port's connections takes none of the agents')
         return cls(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=timeout + 5,
-                   http_client=http(transport=transport(), trust_env=False))
+                   http_client=http(transport=transport(uds=uds), trust_env=False))
 
     async def give_back(self, key: tuple, client: Any) -> None:
         with self.lock:

@@ -65,6 +65,10 @@ READ_TIMEOUT_S = 30.0  # a connection that sends nothing for this long while not
 MAX_SESSIONS = 4096  # rollouts open at once on one endpoint; more are refused (the rollout fails, in one line)
 MAX_RESPONSES = 64  # Responses API answers a session keeps for previous_response_id
 MAX_N = 16
+MAX_DEPTH = 32  # a request's JSON nesting
+MAX_ITEMS = 20_000  # a request's list items and object keys, all together (messages, content parts, tools)
+MIN_PROMPT_CHARS = 1 << 16  # a request's characters before tokenising: at least this, else ...
+CHARS_PER_TOKEN = 16  # ... this many per token of the model's context
 LINGER_S = 0.02  # a batch goes once no new call arrived for this long (or every agent is waiting) ...
 LINGER_MAX_S = 0.2  # ... longer while agents have yet to call and a batch costs the engine much (Endpoint.linger)
 ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
@@ -368,9 +372,12 @@ class Endpoint:
         self.server = Server(self.app, MAX_CONNECTIONS, READ_TIMEOUT_S)
         self.port = self.server.server_address[1]
 
-    def configure(self, sampling: SamplingConfig, eos_ids) -> None:
-        """The sampling settings and EOS of the engine the next batch of rollouts uses."""
+    def configure(self, sampling: SamplingConfig, eos_ids, context_tokens: int | None = None) -> None:
+        """The sampling settings, EOS and context length (None: unknown) of the engine the next batch of
+        rollouts uses."""
         self.sampling = sampling
+        self.context_tokens = context_tokens
+        self.max_prompt_chars = max(MIN_PROMPT_CHARS, CHARS_PER_TOKEN * (context_tokens or 0))
         self.eos = int(min(eos_ids)) if eos_ids else None
         self.eos_ids = set(int(e) for e in eos_ids or ())
 
@@ -554,6 +561,7 @@ class Endpoint:
             if tools is not None and not isinstance(tools, list):
                 raise EndpointError(400, "invalid_tools", "'tools' must be a list")
         opts = body.get("stream_options")
+        _check_size(body, self.max_prompt_chars)  # (before anything is tokenised)
         with s.lock:
             if s.closed:
                 raise EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
@@ -571,6 +579,11 @@ class Endpoint:
             else:
                 call = self._text_call(s, body)
                 call.logprobs = body.get("logprobs") not in (None, False)
+            context = self.context_tokens
+            if context and len(call.prompt_ids) + min(max_tokens, cap) > context:
+                raise EndpointError(400, "context_length_exceeded", f"the prompt is {len(call.prompt_ids)} tokens and "
+                                    f"the answer may take {min(max_tokens, cap)}: more than the model's context of "
+                                    f"{context} tokens")
             s.calls += 1
         call.kind, call.stream, call.waiter = kind, bool(body.get("stream")), waiter
         call.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -738,6 +751,36 @@ _ROUTES = {"chat/completions": "chat", "completions": "completions", "responses"
 def _closing(status: int, code: str, message: str) -> EndpointError:
     """An error about the request's framing: answered, then the connection is closed."""
     return EndpointError(status, code, message, close=True)
+
+
+def _check_size(body: dict, max_chars: int) -> None:
+    """400 for a request too big to tokenise in good time: nested deeper than ``MAX_DEPTH``, more than
+    ``MAX_ITEMS`` list items and object keys, or more than ``max_chars`` characters of text (a prompt
+    of megabytes would hold the server's one thread, and every other session's calls, for minutes)."""
+    chars = items = 0
+    stack = [(body, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+            if chars > max_chars:
+                raise EndpointError(400, "prompt_too_long", f"the request holds more than {max_chars:,} characters of "
+                                                            f"text (16 a token of the model's context, at least "
+                                                            f"{MIN_PROMPT_CHARS:,})")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise EndpointError(400, "too_deep", f"the request nests deeper than {MAX_DEPTH} levels")
+        items += len(value)
+        if items > MAX_ITEMS:
+            raise EndpointError(400, "too_many_items", f"the request holds more than {MAX_ITEMS:,} messages, parts, "
+                                                       f"keys and list items in all")
+        if isinstance(value, dict):
+            chars += sum(len(k) for k in value if isinstance(k, str))
+            stack.extend((v, depth + 1) for v in value.values())
+        else:
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _route(path: str) -> tuple[str, str]:

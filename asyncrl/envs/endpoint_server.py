@@ -15,10 +15,13 @@ A request's handler submits its call to the endpoint's queue and awaits it: the 
 batch). Nothing here blocks that thread: a slow client only slows its own connection.
 
 Limits (:mod:`asyncrl.envs.endpoint`'s constants, read when a server starts): a request body of at most ``MAX_BODY_BYTES``
-with a valid Content-Length (411/400/413 otherwise, and the connection closed); at most
-``MAX_CONNECTIONS`` connections at once (one past it is answered 503 and closed at once); a
-connection that sends nothing for ``READ_TIMEOUT_S`` while no request of it is being answered (an idle
-keep-alive, a slow-loris header or body) is closed; a call that gets no completion within
+with a valid Content-Length (411/400/413 otherwise, and the connection closed); a request head of at
+most ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` header lines (431 and closed past either, before more of
+it is buffered); at most ``MAX_CONNECTIONS`` connections at once on each of the two sockets (one past
+it is answered 503 and closed at once); a connection that sends nothing for ``READ_TIMEOUT_S`` while
+no request of it is being answered (an idle keep-alive, a slow body) is closed, and so is one whose
+request head is not complete ``READ_TIMEOUT_S`` after it began, however often bytes of it come (a
+slow-loris); a call that gets no completion within
 ``request_timeout_s`` is answered 408. A connection reset or closed by its client mid-request is said
 in one line, the first three and then every 100th (never a traceback).
 """
@@ -28,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import resource
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -130,34 +135,80 @@ def _response_complete_without_timer(self) -> None:
         self._start_asgi_task(cycle, app)
 
 
-def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float):
+MAX_HEAD_BYTES = 64 << 10  # a request's line and headers together
+MAX_HEADERS = 100  # header lines of one request
+
+
+class _HeadRefused(Exception):
+    """Raised in a parser callback: the request head is over a limit (answered 431, then closed)."""
+
+
+def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float, counts: dict):
     base = _protocol_base()
     complete = _response_complete_without_timer if hasattr(base, "_start_asgi_task") else base.on_response_complete
 
     class Protocol(base):  # type: ignore[misc, valid-type]
-        """uvicorn's HTTP protocol with a cap on connections and a read timeout."""
+        """uvicorn's HTTP protocol with a cap on connections (one count per listening socket: the run's
+        own private Unix socket is never filled by TCP connections), a read timeout, a cap on the request
+        head's size and header count, and a deadline for the whole head (a slow-loris that sends a
+        byte now and then is closed all the same)."""
 
         _refused, _timer, _last, on_response_complete = False, None, 0.0, complete
+        _family, _head_start, _head_bytes, _head_size, _head_refused = None, None, 0, 0, None
 
         def connection_made(self, transport) -> None:  # noqa: D401
-            if len(self.connections) >= max_connections:
+            sock = transport.get_extra_info("socket")
+            self._family = getattr(sock, "family", socket.AF_INET)
+            if counts.get(self._family, 0) >= max_connections:
                 self._refused = True
                 transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 transport.close()
                 dropped.say(f"more than {max_connections} connections at once; refused one")
                 return
+            counts[self._family] = counts.get(self._family, 0) + 1
             super().connection_made(_Coalesced(transport, self.loop))
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
+            if self._refused or self._head_refused:
                 return
             self._arm()
             super().data_received(data)
+            if self._head_start is not None and not self._head_refused:  # (a head still coming in)
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head(f"a request head over {MAX_HEAD_BYTES:,} bytes")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_start, self._head_bytes, self._head_size = self.loop.time(), 0, 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_size += len(name) + len(value) + 4
+            if len(self.headers) >= MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
+                self._head_refused = (f"more than {MAX_HEADERS} header lines" if len(self.headers) >= MAX_HEADERS
+                                      else f"request headers over {MAX_HEAD_BYTES:,} bytes")
+                raise _HeadRefused(self._head_refused)  # (stops the parser; answered in send_400_response)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._head_start = None
+            super().on_headers_complete()
+
+        def _refuse_head(self, why: str) -> None:
+            self._head_refused = why
+            body = f"{why}; at most {MAX_HEADERS} header lines and {MAX_HEAD_BYTES:,} bytes".encode()
+            if not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\n"
+                                     b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                     + body)
+                self.transport.close()
+            dropped.say(f"refused a request: {why}")
 
         def connection_lost(self, exc) -> None:
             if self._refused:
                 return
+            counts[self._family] = counts.get(self._family, 1) - 1
             if self._timer is not None:
                 self._timer.cancel()
             cycle = self.cycle
@@ -167,6 +218,8 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
+            if self._head_refused:  # (the parser stopped at a header over a limit)
+                return self._refuse_head(self._head_refused)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:  # bytes past a request being answered do not
                 cycle.keep_alive = False  # parse: that answer goes first, then the connection closes
@@ -184,6 +237,8 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete and not cycle.more_body:
                 left = read_timeout_s  # a whole request is being answered: the wait is the engine's, not the client's
+            if self._head_start is not None:  # a head has its own deadline, however often bytes of it come
+                left = min(left, self._head_start + read_timeout_s - self.loop.time())
             if left > 0:
                 self._timer = self.loop.call_later(left, self._idle)
             elif not self.transport.is_closing():
@@ -193,18 +248,28 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
 
 
 class Server:
-    """uvicorn on its own thread and event loop, bound to ``127.0.0.1`` on a free port."""
+    """uvicorn on its own thread and event loop, bound to ``127.0.0.1`` on a free port, and to a Unix
+    socket in a directory of this user's alone (mode 0700), ``uds_path``: the clients asyncrl lends
+    to agents in this process connect there, so another local user who fills the TCP port's
+    connections (or cannot be told from an agent) takes none of theirs. Each has its own cap."""
 
     def __init__(self, app, max_connections: int, read_timeout_s: float) -> None:
+        import tempfile
+
         import uvicorn
 
-        _raise_fd_limit(4 * max_connections + 1024)
+        _raise_fd_limit(8 * max_connections + 1024)
         self.dropped = _Dropped()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(4096)  # a whole batch of agents connecting at once
         self.server_address = self.sock.getsockname()
-        protocol = _make_protocol(self.dropped, max_connections, read_timeout_s)
+        self.uds_dir = tempfile.mkdtemp(prefix="asyncrl-endpoint-")  # (0700: no one else may connect)
+        self.uds_path = os.path.join(self.uds_dir, "http.sock")
+        self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.uds.bind(self.uds_path)
+        self.uds.listen(4096)
+        protocol = _make_protocol(self.dropped, max_connections, read_timeout_s, {})
         config = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", log_config=None,
                                 log_level="critical", access_log=False, timeout_keep_alive=int(max(read_timeout_s, 1)),
                                 timeout_graceful_shutdown=1, server_header=False, date_header=False,
@@ -229,7 +294,7 @@ class Server:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         try:
-            self.loop.run_until_complete(self.uvicorn.serve(sockets=[self.sock]))
+            self.loop.run_until_complete(self.uvicorn.serve(sockets=[self.sock, self.uds]))
         finally:
             self.loop.close()
 
@@ -238,6 +303,8 @@ class Server:
         self.uvicorn.force_exit = True
         self.thread.join(10)
         self.sock.close()
+        self.uds.close()
+        shutil.rmtree(self.uds_dir, ignore_errors=True)
 
 
 # ---- the ASGI application ---------------------------------------------------------------------
@@ -311,6 +378,8 @@ def decode_json(raw: bytes, error) -> dict:
         body = _decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise error(400, "invalid_json", f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(400, "invalid_json", "the request body nests too deeply to be read") from None
     if not isinstance(body, dict):
         raise error(400, "invalid_json", "the request body must be a JSON object")
     return body

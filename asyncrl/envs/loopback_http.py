@@ -1,6 +1,8 @@
 """The HTTP transport of the ``openai`` clients lent to agent rollouts (:mod:`asyncrl.envs.agent`):
-HTTP/1.1 over kept-alive plain-TCP connections to the actor's own endpoint on loopback, parsed by
-httptools (the parser the endpoint's server uses), for httpx's ``Client`` and ``AsyncClient``.
+HTTP/1.1 over kept-alive connections to the actor's own endpoint, parsed by httptools (the parser the
+endpoint's server uses), for httpx's ``Client`` and ``AsyncClient``. With ``uds`` (what the agent
+rollouts get) every connection goes to the endpoint's private Unix socket, whatever the URL's host and
+port say; otherwise plain TCP to the URL's origin on loopback.
 
 Why not httpx's default transport: every agent call pays it, in the actor's own process, where the
 engine waits for the calls of a whole batch. Measured one call at a time against the endpoint, an
@@ -109,12 +111,15 @@ def _stale(sock: socket.socket) -> bool:
 class LoopbackTransport(httpx.BaseTransport):
     """``httpx.Client(transport=LoopbackTransport())``: see the module doc."""
 
-    def __init__(self) -> None:
+    def __init__(self, uds: str | None = None) -> None:
         self.idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.lock = threading.Lock()
         self.closed = False
+        self.uds = uds
 
     def _connect(self, origin, timeout: float | None, request) -> socket.socket:
+        if self.uds is not None:
+            return self._connect_uds(timeout, request)
         try:
             sock = socket.create_connection(origin, timeout=timeout)
         except socket.timeout:
@@ -123,6 +128,16 @@ class LoopbackTransport(httpx.BaseTransport):
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {e}", request=request) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _connect_uds(self, timeout: float | None, request) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.uds)
+        except OSError as e:
+            sock.close()
+            raise httpx.ConnectError(f"cannot connect to the endpoint's socket {self.uds}: {e}", request=request) from None
         return sock
 
     def _checkout(self, origin) -> socket.socket | None:
@@ -246,14 +261,18 @@ class AsyncLoopbackTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=AsyncLoopbackTransport())``: see the module doc. Its connections
     belong to the event loop that made them (one client per loop, as for any async client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, uds: str | None = None) -> None:
         self.idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self.closed = False
+        self.uds = uds
 
     async def _connect(self, origin, timeout, request):
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(*origin, limit=_CHUNK)
+                if self.uds is not None:
+                    reader, writer = await asyncio.open_unix_connection(self.uds, limit=_CHUNK)
+                else:
+                    reader, writer = await asyncio.open_connection(*origin, limit=_CHUNK)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {origin[0]}:{origin[1]} within {timeout} s",
                                        request=request) from None
