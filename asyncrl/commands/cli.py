@@ -119,11 +119,22 @@ def _learner_group(cfg):
     return follow(cfg, control, mode)
 
 
+def _check_weights_address(address: str | None) -> None:
+    """``--weights-address``: a node's weights relay, ``ipc://`` and the absolute path of its socket."""
+    if address is None:
+        return
+    path = address[len("ipc://"):] if address.startswith("ipc://") else None
+    if not path or not os.path.isabs(path) or "\0" in path:
+        raise ConfigError(f"--weights-address {address!r}: expected ipc:// and the absolute path of a weights relay's "
+                          f"socket (asyncrl run passes it; leave it out to take weights from the learner)")
+
+
 def cmd_serve(args) -> int:
     from ..actor.actor import Actor
     from ..envs.guard import TooManyFailures
 
     cfg, _ = _load(args)
+    _check_weights_address(args.weights_address)
     from ..schedulers.slurm import BUNDLE_ENV, materialize_bundle
     if os.environ.get(BUNDLE_ENV):  # (started by the SLURM scheduler on another node: its own CURVE bundle)
         cfg.wire.curve_dir = materialize_bundle(os.environ.pop(BUNDLE_ENV))

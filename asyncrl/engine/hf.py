@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..sync.base import check_weight_values
 from ..sync.adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
 from .kv import cache_arg, cache_of
@@ -293,8 +294,10 @@ class HFEngine:
         Names must be exactly those of ``state_dict_for_sync`` (aliases of tied weights are also
         accepted), or with ``lora`` every adapter tensor (``asyncrl.sync.adapters``: merged into the base
         weights); any unknown or missing name or any shape mismatch raises ``ValueError`` before
-        a single weight is changed.
+        a single weight is changed; so does a tensor that is not float32/bfloat16/float16 or holds a NaN or
+        an infinity (the actor checks each received version too: this is for callers that bypass it).
         """
+        check_weight_values(named_tensors)
         if self.adapters is not None:
             self.adapters.apply(named_tensors)
         else:

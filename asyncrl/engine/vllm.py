@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..sync.base import check_weight_values
 from ..sync.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
@@ -253,7 +254,9 @@ class VLLMEngine:
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load ``named_tensors`` (Hugging Face names, as the learner's ``named_parameters``) in
         place and set ``version`` (with ``lora``: every adapter tensor, merged or served as an adapter).
-        Unknown names or wrong shapes raise ValueError before anything is loaded."""
+        Unknown names or wrong shapes, or values that are not finite float32/bfloat16/float16, raise
+        ValueError before anything is loaded."""
+        check_weight_values(named_tensors)
         if self.lora is not None:
             check_adapter_tensors(named_tensors, self.expected)
         else:

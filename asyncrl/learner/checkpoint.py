@@ -14,6 +14,7 @@ Promises:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -62,6 +63,16 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
         (tmp / "state.json").write_text(json.dumps(state))
         _seal(tmp, version)
         replace_dir(tmp, final)
+    except Exception as e:  # a full disk: OSError, or the writers' own errors (torch.save's RuntimeError "file
+        try:               # write failed", safetensors' SafetensorError): all an OSError, which stops the learner in one line
+            full = shutil.disk_usage(root).free < 1 << 20
+        except OSError:
+            full = False
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or not (full or "writ" in str(e).lower()):
+            raise
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"{type(e).__name__}: "
+                      f"{(str(e).strip().splitlines() or [''])[-1][:160]}", str(tmp)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -472,3 +472,44 @@ def test_resume_without_a_checkpoint_after_trained_steps_is_refused(tmp_path, ti
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "no intact checkpoint" in res.stderr and "--overwrite" in res.stderr
     assert _tree(run.dir) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a real full disk) needs root")
+@pytest.mark.parametrize("fits", ["nothing", "weights"])  # the optimizer state (torch.save) is the one that fails
+def test_a_full_disk_at_a_checkpoint_is_an_oserror_and_leaves_nothing(tmp_path, tiny_overrides, fits):
+    """63.7: a checkpoint on a full disk (a real tmpfs, filled but ``free_kib``) raises an OSError (ENOSPC),
+    whichever writer meets it (safetensors, torch.save: their own exception types before), which the
+    learner turns into its one-line stop (``Learner._stop_on_write_error``); no partial checkpoint is left."""
+    import errno
+
+    import torch
+
+    from asyncrl.config import load_config
+    from asyncrl.learner.checkpoint import save_checkpoint
+    from asyncrl.learner.ingest.buffer import EpisodeQueue
+    from asyncrl.models.loading import load_policy
+
+    cfg = load_config(None, tiny_overrides)
+    model, tok, _ = load_policy(cfg.model, cfg.seed)
+    opt = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    opt.step()  # (an optimizer state to save)
+    probe = save_checkpoint(tmp_path / "probe", 2, model, tok, opt, EpisodeQueue(tmp_path / "probe" / "buffer", 100),
+                            {}, keep=2)
+    model_bytes = sum(f.stat().st_size for f in (probe / "model").rglob("*") if f.is_file())
+    assert (probe / "optimizer.pt").stat().st_size > 16 << 10
+    free_kib = 8 if fits == "nothing" else model_bytes // 1024 + 16 + 4 * 4  # (tmpfs takes 4 KiB pages a file)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        buf = EpisodeQueue(mnt / "run" / "buffer", 100)
+        (mnt / "run" / "checkpoints").mkdir(parents=True)
+        with open(mnt / "filler", "wb") as f:  # the disk full but free_kib
+            f.write(b"\0" * (os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize - free_kib * 1024))
+        with pytest.raises(OSError) as e:
+            save_checkpoint(mnt / "run", 2, model, tok, opt, buf, {}, keep=2)
+        assert e.value.errno == errno.ENOSPC, e.value
+        assert list((mnt / "run" / "checkpoints").iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -7,6 +7,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -21,7 +23,7 @@ from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tiny import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory
 
-from tests.conftest import ROOT, kill_tree, read_jsonl, run_cli, start_cli
+from tests.conftest import ROOT, kill_tree, read_jsonl, run_cli, start_cli, subprocess_env
 
 TASK = Task(id="t1", prompt=[{"role": "user", "content": "1+1="}], answer=2)
 REPLY = [{"role": "assistant", "content": "2"}]
@@ -302,3 +304,13 @@ def test_an_unwritable_run_dir_stops_in_one_line_without_tracebacks(tmp_path, co
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "cannot write the run directory /sys/kernel/asyncrl-unwritable" in lines[0], lines
+
+
+@pytest.mark.parametrize("address", ["ipc://", "tcp://127.0.0.1:5555", "ipc://relative/sock"])
+def test_an_unusable_weights_address_is_one_line(tmp_path, address):
+    """63.7: ``asyncrl serve --weights-address ipc://`` gave an AttributeError traceback."""
+    res = subprocess.run([sys.executable, "-m", "asyncrl", "serve", "-c", "configs/quickstart.yaml",
+                          "--connect", f"ipc://{tmp_path}/control", "--weights-address", address], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "expected ipc:// and the absolute path" in lines[0], res.stderr

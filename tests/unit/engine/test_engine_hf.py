@@ -155,6 +155,13 @@ def test_update_weights_rejects_bad_tensors(engine):
         engine.update_weights({**weights, "model.nope.weight": torch.zeros(1)}, version=1)
     with pytest.raises(ValueError, match="missing parameters"):
         engine.update_weights({k: v for k, v in weights.items() if k != name}, version=1)
+    # 63.7: the engine checks values too, for callers that bypass the actor's check
+    poisoned = weights[name].clone()
+    poisoned[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"weights tensor '{name}' holds 1 NaN or infinite value"):
+        engine.update_weights({**weights, name: poisoned}, version=1)
+    with pytest.raises(ValueError, match="weights are float32, bfloat16 or float16"):
+        engine.update_weights({**weights, name: weights[name].to(torch.int32)}, version=1)
     assert engine.version == 0
     for k, v in engine.state_dict_for_sync().items():  # nothing was half-applied
         assert torch.equal(v, weights[k])
