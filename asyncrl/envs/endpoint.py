@@ -542,18 +542,8 @@ class Endpoint:
         if model != self.model_name:
             raise EndpointError(404, "model_not_found", f"the model {model!r} does not exist; this endpoint serves "
                                                         f"{self.model_name!r}")
-        n = 1 if body.get("n") is None or kind == "responses" else body["n"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise EndpointError(400, "invalid_n", f"'n' must be an integer from 1 to {MAX_N}, got {n!r}")
+        n, max_tokens, stop = _sampling_args(body, kind, self.sampling.max_new_tokens)
         cap = self.sampling.max_new_tokens
-        max_tokens = (body.get("max_output_tokens") if kind == "responses" else
-                      body.get("max_completion_tokens", body.get("max_tokens"))) or cap
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise EndpointError(400, "invalid_max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-        stop = (body.get("stop") if kind != "responses" else None) or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)) or len(stop) > 8:
-            raise EndpointError(400, "invalid_stop", "'stop' must be a string or a list of at most 8 strings")
         if kind == "responses":
             tools = responses_api.chat_tools(body.get("tools"), EndpointError)
         else:
@@ -751,6 +741,22 @@ _ROUTES = {"chat/completions": "chat", "completions": "completions", "responses"
 def _closing(status: int, code: str, message: str) -> EndpointError:
     """An error about the request's framing: answered, then the connection is closed."""
     return EndpointError(status, code, message, close=True)
+
+
+def _sampling_args(body: dict, kind: str, cap: int) -> tuple[int, int, list[str]]:
+    """A request's ``n``, ``max_tokens`` (``cap`` when absent) and ``stop``, checked: 400 otherwise."""
+    n = 1 if body.get("n") is None or kind == "responses" else body["n"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise EndpointError(400, "invalid_n", f"'n' must be an integer from 1 to {MAX_N}, got {n!r}")
+    max_tokens = (body.get("max_output_tokens") if kind == "responses" else
+                  body.get("max_completion_tokens", body.get("max_tokens"))) or cap
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise EndpointError(400, "invalid_max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    stop = (body.get("stop") if kind != "responses" else None) or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)) or len(stop) > 8:
+        raise EndpointError(400, "invalid_stop", "'stop' must be a string or a list of at most 8 strings")
+    return n, max_tokens, stop
 
 
 def _check_size(body: dict, max_chars: int) -> None:

@@ -143,108 +143,116 @@ class _HeadRefused(Exception):
     """Raised in a parser callback: the request head is over a limit (answered 431, then closed)."""
 
 
+class _Guards:
+    """Before uvicorn's HTTP protocol (:func:`_make_protocol`): a cap on connections (one count per
+    listening socket: the private Unix socket is never filled by TCP connections), a read timeout, a
+    cap on the request head's size and header count, and a deadline for the whole head (a slow-loris
+    that sends a byte now and then is closed all the same)."""
+
+    # set by _make_protocol: refusals said through, the caps, and the connections per socket family
+    _dropped: _Dropped
+    _max_connections: int
+    _read_timeout_s: float
+    _counts: dict
+    _refused, _timer, _last = False, None, 0.0
+    _family, _head_start, _head_bytes, _head_size, _head_refused = None, None, 0, 0, None
+
+    def connection_made(self, transport) -> None:  # noqa: D401
+        sock = transport.get_extra_info("socket")
+        self._family = getattr(sock, "family", socket.AF_INET)
+        if self._counts.get(self._family, 0) >= self._max_connections:
+            self._refused = True
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            transport.close()
+            self._dropped.say(f"more than {self._max_connections} connections at once; refused one")
+            return
+        self._counts[self._family] = self._counts.get(self._family, 0) + 1
+        super().connection_made(_Coalesced(transport, self.loop))
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self._head_refused:
+            return
+        self._arm()
+        super().data_received(data)
+        if self._head_start is not None and not self._head_refused:  # (a head still coming in)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head(f"a request head over {MAX_HEAD_BYTES:,} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_start, self._head_bytes, self._head_size = self.loop.time(), 0, 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        if len(self.headers) >= MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
+            self._head_refused = (f"more than {MAX_HEADERS} header lines" if len(self.headers) >= MAX_HEADERS
+                                  else f"request headers over {MAX_HEAD_BYTES:,} bytes")
+            raise _HeadRefused(self._head_refused)  # (stops the parser; answered in send_400_response)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_start = None
+        super().on_headers_complete()
+
+    def _refuse_head(self, why: str) -> None:
+        self._head_refused = why
+        body = f"{why}; at most {MAX_HEADERS} header lines and {MAX_HEAD_BYTES:,} bytes".encode()
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\n"
+                                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                 + body)
+            self.transport.close()
+        self._dropped.say(f"refused a request: {why}")
+
+    def connection_lost(self, exc) -> None:
+        if self._refused:
+            return
+        self._counts[self._family] = self._counts.get(self._family, 1) - 1
+        if self._timer is not None:
+            self._timer.cancel()
+        cycle = self.cycle
+        if exc is not None or (cycle is not None and not cycle.response_complete):
+            why = f"{type(exc).__name__}: {str(exc)[:120]}" if exc is not None else "closed by the client"
+            self._dropped.say(f"a connection ended early ({why})")
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_refused:  # (the parser stopped at a header over a limit)
+            return self._refuse_head(self._head_refused)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # bytes past a request being answered do not
+            cycle.keep_alive = False  # parse: that answer goes first, then the connection closes
+            return
+        super().send_400_response(msg)
+
+    def _arm(self) -> None:  # (one timer per connection, moved on only when it fires: no cancel per read)
+        self._last = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_later(self._read_timeout_s, self._idle)
+
+    def _idle(self) -> None:
+        self._timer = None
+        left = self._last + self._read_timeout_s - self.loop.time()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            left = self._read_timeout_s  # a whole request is being answered: the wait is the engine's, not the client's
+        if self._head_start is not None:  # a head has its own deadline, however often bytes of it come
+            left = min(left, self._head_start + self._read_timeout_s - self.loop.time())
+        if left > 0:
+            self._timer = self.loop.call_later(left, self._idle)
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+
 def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: float, counts: dict):
+    """uvicorn's protocol class (httptools, else h11) with :class:`_Guards` before it."""
     base = _protocol_base()
     complete = _response_complete_without_timer if hasattr(base, "_start_asgi_task") else base.on_response_complete
-
-    class Protocol(base):  # type: ignore[misc, valid-type]
-        """uvicorn's HTTP protocol with a cap on connections (one count per listening socket: the run's
-        own private Unix socket is never filled by TCP connections), a read timeout, a cap on the request
-        head's size and header count, and a deadline for the whole head (a slow-loris that sends a
-        byte now and then is closed all the same)."""
-
-        _refused, _timer, _last, on_response_complete = False, None, 0.0, complete
-        _family, _head_start, _head_bytes, _head_size, _head_refused = None, None, 0, 0, None
-
-        def connection_made(self, transport) -> None:  # noqa: D401
-            sock = transport.get_extra_info("socket")
-            self._family = getattr(sock, "family", socket.AF_INET)
-            if counts.get(self._family, 0) >= max_connections:
-                self._refused = True
-                transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                transport.close()
-                dropped.say(f"more than {max_connections} connections at once; refused one")
-                return
-            counts[self._family] = counts.get(self._family, 0) + 1
-            super().connection_made(_Coalesced(transport, self.loop))
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused or self._head_refused:
-                return
-            self._arm()
-            super().data_received(data)
-            if self._head_start is not None and not self._head_refused:  # (a head still coming in)
-                self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._refuse_head(f"a request head over {MAX_HEAD_BYTES:,} bytes")
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head_start, self._head_bytes, self._head_size = self.loop.time(), 0, 0
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._head_size += len(name) + len(value) + 4
-            if len(self.headers) >= MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
-                self._head_refused = (f"more than {MAX_HEADERS} header lines" if len(self.headers) >= MAX_HEADERS
-                                      else f"request headers over {MAX_HEAD_BYTES:,} bytes")
-                raise _HeadRefused(self._head_refused)  # (stops the parser; answered in send_400_response)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._head_start = None
-            super().on_headers_complete()
-
-        def _refuse_head(self, why: str) -> None:
-            self._head_refused = why
-            body = f"{why}; at most {MAX_HEADERS} header lines and {MAX_HEAD_BYTES:,} bytes".encode()
-            if not self.transport.is_closing():
-                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\n"
-                                     b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
-                                     + body)
-                self.transport.close()
-            dropped.say(f"refused a request: {why}")
-
-        def connection_lost(self, exc) -> None:
-            if self._refused:
-                return
-            counts[self._family] = counts.get(self._family, 1) - 1
-            if self._timer is not None:
-                self._timer.cancel()
-            cycle = self.cycle
-            if exc is not None or (cycle is not None and not cycle.response_complete):
-                why = f"{type(exc).__name__}: {str(exc)[:120]}" if exc is not None else "closed by the client"
-                dropped.say(f"a connection ended early ({why})")
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            if self._head_refused:  # (the parser stopped at a header over a limit)
-                return self._refuse_head(self._head_refused)
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:  # bytes past a request being answered do not
-                cycle.keep_alive = False  # parse: that answer goes first, then the connection closes
-                return
-            super().send_400_response(msg)
-
-        def _arm(self) -> None:  # (one timer per connection, moved on only when it fires: no cancel per read)
-            self._last = self.loop.time()
-            if self._timer is None:
-                self._timer = self.loop.call_later(read_timeout_s, self._idle)
-
-        def _idle(self) -> None:
-            self._timer = None
-            left = self._last + read_timeout_s - self.loop.time()
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                left = read_timeout_s  # a whole request is being answered: the wait is the engine's, not the client's
-            if self._head_start is not None:  # a head has its own deadline, however often bytes of it come
-                left = min(left, self._head_start + read_timeout_s - self.loop.time())
-            if left > 0:
-                self._timer = self.loop.call_later(left, self._idle)
-            elif not self.transport.is_closing():
-                self.transport.close()
-
-    return Protocol
+    return type("Protocol", (_Guards, base), {"_dropped": dropped, "_max_connections": max_connections,
+                                              "_read_timeout_s": read_timeout_s, "_counts": counts,
+                                              "on_response_complete": complete})
 
 
 class Server:
