@@ -12,7 +12,8 @@ the first one too, can be cut off and brought back.
 
 Leaving the ``with`` block (also on an exception, and at interpreter exit if it never gets there)
 kills every process in the namespaces, waits for them to be gone and deletes the namespaces, and
-with them the veths and the bridge. The namespaces share the machine's filesystem, users and
+with them the veths and the bridge. A run killed before it gets there (a time limit) leaves them:
+entering ``Hosts`` first sweeps the namespaces whose test process is gone (:func:`sweep_stale`). The namespaces share the machine's filesystem, users and
 processes: only the network is each host's own.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -43,19 +45,60 @@ def available() -> str | None:
     return None
 
 
+_OURS = re.compile(r"^arl[0-9a-f]{6}(?:p(\d+))?(?:S|H\d+)$")
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces a killed test run left (a run killed at its time limit never reaches its
+    ``finally``): those whose creating process is gone, and those of the older unnamed format that hold
+    no process. Their processes are killed first. Returns the names deleted."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    gone = []
+    for line in listed:
+        name = line.split(" ", 1)[0].strip()
+        m = _OURS.match(name)
+        if not m:
+            continue
+        pids = [int(p) for p in _ip("netns", "pids", name, check=False).stdout.split() if p.isdigit()]
+        if m.group(1) is not None:
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue  # its test process is alive: not ours to touch
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        elif pids:
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while pids and time.monotonic() < deadline:
+            pids = [int(p) for p in _ip("netns", "pids", name, check=False).stdout.split() if p.isdigit()]
+            time.sleep(0.1)
+        if _ip("netns", "delete", name, check=False).returncode == 0:
+            gone.append(name)
+    return gone
+
+
 class Hosts:
     """``n`` namespace hosts on one bridge; ``ips[i]`` is host ``i``'s address, ``names[i]`` its
     namespace."""
 
     def __init__(self, n: int):
         tag = secrets.token_hex(3)
-        self.switch = f"arl{tag}S"
-        self.names = [f"arl{tag}H{i}" for i in range(n)]
+        owner = f"arl{tag}p{os.getpid()}"  # (the test process's pid: a later run sweeps what a killed one left)
+        self.switch = f"{owner}S"
+        self.names = [f"{owner}H{i}" for i in range(n)]
         self.ports = [f"v{tag}P{i}" for i in range(n)]  # the switch's end of each host's veth pair
         self.ips = [f"{SUBNET}.{10 + i}" for i in range(n)]
         self.made: list[str] = []
 
     def __enter__(self) -> "Hosts":
+        sweep_stale()
         atexit.register(self.close)
         try:
             for ns in (self.switch, *self.names):

@@ -159,3 +159,26 @@ def test_learner_and_actors_on_real_interfaces(hosts, tmp_path):
     finally:
         for p in procs.values():
             _stop(p, timeout=30)
+
+
+def test_a_killed_runs_namespaces_are_swept_and_a_live_runs_kept():
+    """64.10: a test run killed at its time limit left its namespaces behind; the next Hosts sweeps those
+    whose test process is gone (and only those), with any process still in them."""
+    why = netns.available()
+    if why:
+        pytest.fail(f"{why}: make test runs as root with iproute2")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"arl{os.urandom(3).hex()}p{dead.pid}H0", f"arl{os.urandom(3).hex()}p{os.getpid()}H0"
+    try:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"], start_new_session=True)
+        gone = netns.sweep_stale()
+        assert stale in gone and live not in gone, gone
+        assert sleeper.wait(timeout=60) != 0  # its process was killed first
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in names and live in names
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
