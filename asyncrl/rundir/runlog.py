@@ -12,6 +12,7 @@ missing library into a one-line error naming the pip package, before anything is
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 import math
 import sys
@@ -73,6 +74,29 @@ def check_trackers(names: list[str]) -> None:
         if importlib.util.find_spec(module) is None:
             raise TrackerError(f"log.trackers: {name} needs the {package!r} package, which is not installed: "
                                f"pip install {package} (or remove {name} from log.trackers)")
+        if name == "wandb" and not _wandb_can_log():
+            raise TrackerError("log.trackers: wandb has no login here (no WANDB_API_KEY, no api key in ~/.netrc): "
+                               "run `wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later), or "
+                               "remove wandb from log.trackers")
+
+
+def _wandb_can_log() -> bool:
+    """Whether ``wandb.init`` can start without asking for a key: offline or disabled, an API key in
+    the environment, or one in the netrc file ``wandb login`` writes (nothing is imported)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
+            os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, float]:

@@ -421,3 +421,29 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
         assert focus_of(heavy(["a", "b"], [], focus="nope")) == "a"
     finally:
         catalog.stop()
+
+
+def test_wandb_without_a_login_is_one_line_before_the_run_starts(tmp_path):
+    """64.3: ``log.trackers=[wandb]`` with no login gave a 30-line traceback from ``wandb.init`` in the
+    learner; it is refused at start in one line saying what to do, and offline mode or a key passes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"))
+
+    def dry_run(**extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "asyncrl", "run", "--dry-run", "-c", "configs/quickstart.yaml",
+                               "log.trackers=[wandb]", f"run_root={tmp_path / 'runs'}"], cwd=ROOT,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=180)
+
+    res = dry_run()
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "wandb has no login here" in lines[0] and "wandb login" in lines[0] and "WANDB_MODE=offline" in lines[0]
+    assert dry_run(WANDB_MODE="offline").returncode == 0
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
+    os.chmod(tmp_path / "netrc", 0o600)
+    assert dry_run().returncode == 0, dry_run().stderr[-2000:]
