@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,9 +163,28 @@ def _how_to_resume(run_dir: Path) -> None:
           f"  {resume_command()}", file=sys.stderr, flush=True)
 
 
+def invoked_as() -> str:
+    """``asyncrl`` as this process was started, to paste back into the same shell: ``asyncrl`` when that
+    is what the PATH finds, else the script's path (``.venv/bin/asyncrl`` from the project's root), and
+    ``<python> -m asyncrl`` for ``python -m asyncrl``."""
+    def short(path: str) -> str:
+        rel = os.path.relpath(path)
+        return shlex.quote(path if rel.startswith("..") else rel)
+
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "asyncrl"
+    if os.path.basename(argv0) == "__main__.py":
+        return f"{short(sys.executable)} -m asyncrl"
+    found = shutil.which("asyncrl")
+    if os.path.basename(argv0) == "asyncrl" and (os.sep not in argv0 or (
+            found and os.path.realpath(found) == os.path.realpath(argv0))):
+        return "asyncrl"
+    return short(argv0)
+
+
 def this_command(drop=lambda arg: False) -> str:
-    """This ``asyncrl`` command line, quoted for a shell, without the arguments ``drop`` picks."""
-    return "asyncrl " + " ".join(shlex.quote(a) for a in sys.argv[1:] if not drop(a))
+    """This ``asyncrl`` command line as it was typed (:func:`invoked_as`), quoted for a shell, without
+    the arguments ``drop`` picks."""
+    return invoked_as() + " " + " ".join(shlex.quote(a) for a in sys.argv[1:] if not drop(a))
 
 
 def resume_command() -> str:

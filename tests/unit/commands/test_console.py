@@ -94,8 +94,8 @@ def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_sa
     finally:
         kill_tree(proc)
     ckpt = layout.latest_checkpoint(run_dir)
-    m = re.search(r"\[asyncrl\] stopped; checkpoint at step (\d+) in (\S+)\. Resume with:\n  asyncrl (.*) --resume\n",
-                  out)
+    m = re.search(r"\[asyncrl\] stopped; checkpoint at step (\d+) in (\S+)\. Resume with:\n  \S+ -m asyncrl (.*) --resume\n",
+                  out)  # (started here as `python -m asyncrl`: the hint says so)
     assert m, out[-3000:]
     assert int(m.group(1)) == layout.checkpoint_step(ckpt) > reached and m.group(2) == str(ckpt)
     assert m.group(3).startswith("run -c ") and "name=tee" in m.group(3) and "--resume --resume" not in out
@@ -214,3 +214,23 @@ def test_the_resume_hint_of_an_overwritten_run_resumes_it(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["asyncrl", "run", "-c", "examples/smollm2.yaml", "--overwrite", "name=x y"])
     assert resume_command() == "asyncrl run -c examples/smollm2.yaml 'name=x y' --resume"
+
+
+def test_printed_commands_are_the_ones_the_user_typed(monkeypatch, tmp_path):
+    """64.4: the resume hint and the dry run's start line said a bare ``asyncrl``, "command not found"
+    after ``make demo`` (which does not activate .venv): they now say it as it was invoked."""
+    from asyncrl.schedulers.local import this_command
+
+    script = tmp_path / ".venv" / "bin" / "asyncrl"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # (.venv not activated)
+    monkeypatch.setattr(sys, "argv", [str(script), "run", "-c", "x.yaml"])
+    assert this_command() == ".venv/bin/asyncrl run -c x.yaml"
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")  # activated: the PATH finds it
+    assert this_command() == "asyncrl run -c x.yaml"
+    monkeypatch.setattr(sys, "argv", ["/somewhere/asyncrl/__main__.py", "run", "-c", "x.yaml"])
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert this_command() == ".venv/bin/python -m asyncrl run -c x.yaml"
