@@ -125,7 +125,7 @@ def _shifted(arr: np.ndarray | None, n: int, width: int, dtype: torch.dtype) -> 
     """Row ``[width]``: ``arr[1:n]`` (the target positions), zero-padded; zeros when ``arr`` is None."""
     row = torch.zeros(width, dtype=dtype)
     if arr is not None and n > 1:
-        row[: n - 1] = torch.as_tensor(np.asarray(arr[1:n]), dtype=dtype)
+        row[: n - 1] = torch.tensor(np.asarray(arr[1:n]), dtype=dtype)  # (a copy: restored rows are read-only views)
     return row
 
 
@@ -151,7 +151,7 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     rows: dict[str, list[Tensor]] = {k: [] for k in ("resp", "behav", "exp", "rec", "recm", "ver")}
     for i, n in enumerate(lengths):
-        input_ids[i, :n] = torch.as_tensor(cols["token_ids"][i], dtype=torch.long)
+        input_ids[i, :n] = torch.tensor(cols["token_ids"][i], dtype=torch.long)
         attention_mask[i, :n] = 1
         rows["resp"].append(_shifted(cols["loss_mask"][i], n, W, torch.float32))
         rows["behav"].append(_shifted(cols["behavior_logprobs"][i], n, W, torch.float32))

@@ -129,3 +129,20 @@ def test_mismatch_stats_count_only_tokens_made_with_the_current_weights():
     expected = ((math.exp(0.5) - 0.5 - 1) + (math.exp(-0.5) + 0.5 - 1)) / 2
     assert s["mismatch/kl"] == pytest.approx(expected, rel=1e-5)
     assert mismatch_stats(learner, batch, version=7) == {}  # no row from the current weights
+
+
+def test_rows_restored_from_the_wal_collate_without_a_warning():
+    """64.9: rows decoded from the WAL on a resume are read-only views of its bytes; collating them gave
+    torch's "NumPy array is not writable" UserWarning on every resume."""
+    import warnings
+
+    from asyncrl.types import Episode
+    from asyncrl.wire.codec import decode, decode_episode, encode_episode
+
+    frames = [bytes(memoryview(f).cast("B")) for f in encode_episode(Episode(trajectories=_two(), actor_id="a"))]
+    restored = decode_episode(decode(frames, kinds=("episode",)), copy=False).trajectories
+    assert not restored[0].token_ids.flags.writeable  # (what a resume reads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = collate(restored, torch.tensor([0.5, -0.5]), pad_id=PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, PAD, PAD]]
