@@ -80,8 +80,16 @@ class Evaluator:
         self._last = None
 
     def due(self, version: int) -> bool:
+        """At the start, then at each multiple of ``eval.every`` (so a resumed run keeps the schedule)."""
         every = self.cfg.eval.every
-        return self._last is None or (every > 0 and version - self._last >= every)
+        return self._last is None or (every > 0 and version // every > self._last // every)
+
+    def resumed(self, history: list[dict]) -> None:
+        """A resumed run: its evaluations so far (the summary compares from the first), the schedule
+        going on from the last (no new baseline at the resume point)."""
+        self.history = history
+        versions = [int(e.get("version") or 0) for e in history]
+        self._last = max(versions) if versions else None
 
     def maybe_run(self, model, version: int, force: bool = False, tick=None) -> dict:
         """Evaluate if due. ``tick()`` runs while environment calls are awaited (the learner's loop

@@ -117,7 +117,7 @@ class Learner:
                                                            self.peers.validator, critic=self.trainer.critic_model)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
-            self.evaluator.history = self._earlier_evaluations()
+            self.evaluator.resumed(self._earlier_evaluations())
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.archive = self._reproducibility()
         self.buffer.open_wal(self.version)
