@@ -113,6 +113,7 @@ class Learner:
         (self.run_dir / STOPPING).unlink(missing_ok=True)
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
+        self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
         self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
                                                            self.peers.validator, critic=self.trainer.critic_model)
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
@@ -261,8 +262,9 @@ class Learner:
         # learner; under asyncrl run or a scheduler they are stopped by it)
         stopped = self._stop_reason or (f"stopped by a stop signal at step {self.version}" if self._stop else None)
         summary = summary_table(self.rewards_per_step, self.evaluator.history,
-                                trained_steps=self.version - start_version, total_steps=cfg.train.total_steps,
-                                stopped=stopped, heldout=self.heldout)
+                                trained_steps=self.version - start_version - self.empty_steps,
+                                total_steps=cfg.train.total_steps, stopped=stopped, heldout=self.heldout,
+                                empty_steps=self.empty_steps)
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         self.net.close()
         self.log.close()
@@ -355,7 +357,10 @@ class Learner:
             self.publish()
         rewards = [t.reward for ep in episodes for t in ep.trajectories if self.counts_for_reward(t)]
         reward_mean = float(np.mean(rewards)) if rewards else 0.0
-        self.rewards_per_step.append(reward_mean)
+        if batch is None:  # nothing to train on (every rollout failed, or a filter dropped all): not a trained step
+            self.empty_steps += 1
+        else:
+            self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0
         metrics = {"version": self.version, "reward_mean": reward_mean,
                    "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),

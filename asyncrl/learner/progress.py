@@ -55,8 +55,9 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
             continue
         x, y = a.get(key), b.get(key)
         out[f"eval_{key}_start"], out[f"eval_{key}_end"] = x, y
-        show = [f"{v:.3f}" if v is not None else NA for v in (x, y)]
-        change = f"{y - x:+.3f}" if x is not None and y is not None else NA
+        show = [f"{v:.3f}" if v is not None and not (key == "accuracy" and _all_failed(e)) else NA
+                for v, e in ((x, first), (y, last))]
+        change = f"{y - x:+.3f}" if x is not None and y is not None and NA not in show else NA
         rows.append((label, *show, change))
     paired = paired_change(first, last)
     if paired is not None:  # the same problems before and after: is the change more than the draw's luck?
@@ -78,8 +79,14 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
     return out, rows
 
 
+def _all_failed(e: dict) -> bool:
+    """An evaluation whose every reward call failed (its accuracy of 0 says nothing of the model)."""
+    return bool(e.get("size")) and int(e.get("failures") or 0) >= int(e["size"])
+
+
 def summary_table(rewards: list[float], evals: list[dict], trained_steps: int | None = None,
-                  total_steps: int | None = None, stopped: str | None = None, heldout: str | None = None) -> dict:
+                  total_steps: int | None = None, stopped: str | None = None, heldout: str | None = None,
+                  empty_steps: int = 0) -> dict:
     """The end-of-run summary: first vs last 10% of steps (mean batch reward) and first vs last
     held-out evaluation (accuracy; ECE and Brier when the evaluation reports them). Prints a small
     table and returns the figures.
@@ -89,8 +96,15 @@ def summary_table(rewards: list[float], evals: list[dict], trained_steps: int | 
     learner stopped early, e.g. a stop signal). ``heldout`` is printed under the table."""
     trained = len(rewards) if trained_steps is None else trained_steps
     out: dict = {"steps": len(rewards), "steps_trained": trained}
+    if empty_steps:  # (steps with no trajectory to train on: every rollout failed, or a filter dropped all)
+        out["empty_steps"] = empty_steps
     if stopped:
         out["stopped"] = stopped
+        shown = f"stopped after {trained} of {total_steps} steps" if total_steps else "stopped"
+        print(f"[learner] {shown}: {stopped}", flush=True)  # (a plain line: the reason in full, unwrapped)
+    if empty_steps:
+        print(f"[learner] {empty_steps} step(s) had no trajectory to train on (every rollout failed or was filtered "
+              f"out) and are not counted as trained", flush=True)
     if trained == 0:
         why = stopped or (f"the run was already at total_steps ({total_steps})" if total_steps is not None
                           else "no batch was trained")
@@ -123,7 +137,7 @@ def _print_summary(out, rewards, evals, eval_rows, trained, total_steps, stopped
 
     title = "asyncrl run summary"
     if stopped:
-        title += f" (stopped after {trained} of {total_steps} steps: {stopped})" if total_steps else f" ({stopped})"
+        title += f" (stopped after {trained} of {total_steps} steps)" if total_steps else " (stopped)"
     table = Table(title=title)
     for col, justify in (("measure", "left"), ("start", "right"), ("end", "right"), ("change", "right")):
         table.add_column(col, justify=justify)
@@ -135,7 +149,11 @@ def _print_summary(out, rewards, evals, eval_rows, trained, total_steps, stopped
         table.add_row(*row)
     if len(evals) == 1:
         table.add_row(f"held-out accuracy (version {evals[0].get('version', 0)} only)",
-                      f"{evals[0]['accuracy']:.3f}", "-", "-")
+                      "n/a" if _all_failed(evals[0]) else f"{evals[0]['accuracy']:.3f}", "-", "-")
+    if any(e.get("failures") for e in evals):  # a failed reward call scores 0: say how many there were
+        first, last = evals[0], evals[-1]
+        table.add_row("held-out reward calls failed", f"{first.get('failures') or 0} of {first.get('size', '?')}",
+                      f"{last.get('failures') or 0} of {last.get('size', '?')}" if len(evals) > 1 else "-", "")
     console = Console(file=sys.stdout)
     console.print(table)
     if heldout:

@@ -447,3 +447,23 @@ def test_wandb_without_a_login_is_one_line_before_the_run_starts(tmp_path):
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
     os.chmod(tmp_path / "netrc", 0o600)
     assert dry_run().returncode == 0, dry_run().stderr[-2000:]
+
+
+def test_a_run_whose_reward_raises_says_so_in_its_summary(capsys):
+    """64.5: every reward call failed: the stop reason was centred and wrapped in the table's title, the
+    table said "held-out accuracy 0.000" and an empty step counted as trained."""
+    from asyncrl.learner.progress import summary_table
+
+    reason = "the reward failed on 20 of 20 calls (env.max_failure_rate=0.5): KeyError: 'answer'"
+    failed = {"version": 0, "accuracy": 0.0, "size": 200, "failures": 200}
+    out = summary_table([], [failed], trained_steps=0, total_steps=50, stopped=reason, empty_steps=3)
+    printed = capsys.readouterr().out
+    assert f"[learner] stopped after 0 of 50 steps: {reason}\n" in printed  # one plain line, in full
+    assert "3 step(s) had no trajectory to train on" in printed and out["empty_steps"] == 3
+    out = summary_table([0.5, 0.5], [failed, {**failed, "version": 2}], trained_steps=2, total_steps=50, stopped=reason)
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if "held-out accuracy" in line)
+    assert "0.000" not in row and "n/a" in row
+    assert "held-out reward calls failed" in printed and "200 of 200" in printed
+    title = next(line for line in printed.splitlines() if "asyncrl run summary" in line)
+    assert "KeyError" not in title
