@@ -121,6 +121,7 @@ class Actor:
         restarted) also resends its skip set and is told which weights this actor holds."""
         self.assigned.clear()
         if new_session:
+            print(f"[{self.actor_id}] connected to the learner; asking for its weights", flush=True)
             self.withheld = set()
             self.ask_weights()
 
@@ -162,6 +163,8 @@ class Actor:
             if self.session is not None:
                 self.ask_weights()
         self.weight_updates += 1
+        if self.weight_updates == 1:  # (the first only: a version a step would be a line a step)
+            print(f"[{self.actor_id}] weights version {version} applied; generating", flush=True)
         return True
 
     # -- the loop -------------------------------------------------------------------------------
@@ -355,6 +358,8 @@ class Actor:
         return episodes
 
     def close(self) -> None:
+        print(f"[{self.actor_id}] stopping: {self.batches} batches generated, {self.weight_updates} weight "
+              f"updates, {len(self.net.unacked)} episodes not acknowledged", flush=True)
         self.heartbeat.stop()  # its last status says stopping
         self.net.close()
         self.weights_in.close()

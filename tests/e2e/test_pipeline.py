@@ -45,6 +45,10 @@ def test_learner_and_two_actors(tmp_path, tiny_overrides, model_cache):
     finally:
         _stop(procs)
 
+    for i in range(2):  # 64.6: asyncrl serve says what it does (it printed nothing for its whole life)
+        said = (tmp_path / f"actor-{i}.log").read_text()
+        for line in (f"[actor-{i}] connected to the learner", "applied; generating", f"[actor-{i}] stopping: "):
+            assert line in said, (line, said[-2000:])
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert max(m["staleness_max"] for m in metrics) <= max_staleness
