@@ -236,8 +236,20 @@ def _start_ui(cfg: Config, run_dir: Path, addrs: dict, env: dict, forking: bool 
     token = secrets.token_urlsafe(24)  # the UI's login on loopback (app/token_gate.py), in its environment
     proc = fork.start(args, {**env, UI_TOKEN_ENV: token}, fork=forking)
     proc.url = f"http://127.0.0.1:{port}/?token={token}"
-    print(f"[asyncrl] UI at {proc.url} (starting; it keeps serving after the training ends, until "
-          f"Ctrl-C)", flush=True)
+    print(f"[asyncrl] UI starting on 127.0.0.1:{port}; its URL follows once it accepts connections", flush=True)
+
+    def announce() -> None:  # the URL when it works (the app takes tens of seconds to start), not before
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                time.sleep(0.25)
+                continue
+            print(f"[asyncrl] UI at {proc.url} (it keeps serving after the training ends, until Ctrl-C)", flush=True)
+            return
+
+    threading.Thread(target=announce, name="asyncrl-ui-ready", daemon=True).start()
     return proc
 
 

@@ -191,6 +191,8 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
     profile = tmp_path / "chromium"
     try:
         announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:(\d+)/\?token=\S+)").group(1)
+        # 64.6: the URL is printed once the UI accepts connections (it was printed ~25 s before)
+        socket.create_connection(("127.0.0.1", int(re.search(r":(\d+)/", announced).group(1))), timeout=5).close()
         served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from ipc://").group(1)
         assert served == announced  # (the token run made is the one the UI serves with)
         served = split_token(served)
