@@ -147,11 +147,15 @@ def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool
             return final
         _remove_orphans(root, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        t0 = time.monotonic()
+        print(f"[asyncrl] building the embedded model: a warm start of {cfg.warmup_steps} steps on "
+              f"{', '.join(cfg.warmstart_formats) or 'its tasks'} (once; cached in {final})", flush=True)
         try:
             _build_into(tmp, cfg, seed, progress, available)
             replace_dir(tmp, final)  # (a final without metadata: a crashed build from elsewhere, swapped out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[asyncrl] the embedded model is built ({time.monotonic() - t0:.0f} s)", flush=True)
     return final
 
 
