@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import transformers
@@ -33,14 +35,36 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = T
     path = Path(model_cfg.path).expanduser()
     if path.suffix.lower() == ".gguf":
         return converted_dir(path, cache, model_cfg.dtype, progress=progress)
+    if not path.is_dir() and _HUB_ID.match(model_cfg.path):  # a hub id (Qwen/Qwen2.5-0.5B-Instruct): the local cache
+        path = hub_cache_dir(model_cfg.path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model.path {str(path)!r} is not a directory; give a local Hugging Face model directory "
-            f"(with config.json) or a .gguf file, set model.preset, or leave both empty for the embedded model")
+            f"(with config.json), a model id in the local Hugging Face cache, or a .gguf file, set model.preset, "
+            f"or leave both empty for the embedded model")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json; it is not a Hugging "
                                 f"Face model directory")
     return path
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")  # org/name, as TRL and verl take model names
+
+
+def hub_cache_dir(repo_id: str) -> Path:
+    """The snapshot of hub model ``repo_id`` in the local Hugging Face cache (``HF_HUB_CACHE``, else
+    ``HF_HOME``/hub, else ~/.cache/huggingface/hub), found offline: asyncrl downloads nothing at run
+    time. FileNotFoundError (one line, how to get it) when it is not there."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
+                                               else constants.HF_HUB_CACHE)
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (huggingface_hub's LocalEntryNotFoundError and kin)
+        raise FileNotFoundError(f"model.path {repo_id!r} is not a local directory and not in the local Hugging Face "
+                                f"cache ({cache}); asyncrl downloads nothing at run time: get it where there is network "
+                                f"with `hf download {repo_id}` (it lands in that cache), or give a local directory") from None
 
 
 def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu", prompt_format: str = "auto",
