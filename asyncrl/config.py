@@ -306,7 +306,13 @@ class CriticConfig(_Base):
 class TrainConfig(_Base):
     total_steps: int = Field(100, ge=1, description="Optimizer steps (policy versions) to train.")
     batch_tasks: int = Field(8, ge=1, description="Tasks (episodes) per training batch.")
-    lr: float = Field(2e-5, gt=0, description="AdamW learning rate.")
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate (the peak, with a schedule).")
+    lr_warmup_steps: int = Field(0, ge=0, description=(
+        "Steps over which the learning rate rises linearly from lr/lr_warmup_steps to lr (0: none)."))
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description=(
+        "After the warm-up: constant, or a linear or cosine decay to lr x lr_min_ratio at train.total_steps. "
+        "A function of the policy version alone, so a resumed run continues it (the metric lr logs it)."))
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="The decayed learning rate's floor, as a share of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")

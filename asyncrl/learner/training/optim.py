@@ -8,7 +8,21 @@ import torch
 
 from . import distributed as dist_learner
 
-__all__ = ["adamw", "apply_update"]
+__all__ = ["adamw", "apply_update", "lr_at"]
+
+
+def lr_at(train_cfg, step: int) -> float:
+    """The learning rate of policy version ``step`` (``train.lr_warmup_steps``, ``lr_schedule``,
+    ``lr_min_ratio``): a linear warm-up to ``train.lr``, then constant or a linear/cosine decay to
+    ``lr x lr_min_ratio`` at ``train.total_steps``."""
+    lr, warmup = train_cfg.lr, train_cfg.lr_warmup_steps
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    if train_cfg.lr_schedule == "constant":
+        return lr
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, train_cfg.total_steps - warmup)))
+    shape = 1.0 - progress if train_cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr * (train_cfg.lr_min_ratio + (1.0 - train_cfg.lr_min_ratio) * shape)
 
 
 def adamw(params: list[torch.nn.Parameter], train_cfg, fused: bool = True) -> torch.optim.AdamW:

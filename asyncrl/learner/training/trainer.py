@@ -45,7 +45,7 @@ from . import distributed as dist_learner
 from .attention import choose as choose_attention, measure as measure_attention
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
 from .critic import Critic
-from .optim import adamw, apply_update
+from .optim import adamw, apply_update, lr_at
 from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
 
 
@@ -177,6 +177,9 @@ class PolicyTrainer:
         result = TrainStepResult({})
         critic_stats: dict[str, float] = {}
         self._hold_policy, self._applied, self.micro_s = False, False, 0.0
+        lr = lr_at(self.cfg, version or 0)
+        for group in self.optimizer.param_groups:  # (train.lr_schedule: a function of the version alone)
+            group["lr"] = lr
         self._check_stop()
         # one process, one pass: the critic steps on the whole batch in the forward that gives its values
         self._critic_fused = single_pass and self.distributed == "none"
@@ -211,6 +214,7 @@ class PolicyTrainer:
             result.row_logprobs = dist_learner.gather_rows(result.row_logprobs)
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         result.stats = {k: v / counts[k] for k, v in sums.items()}
+        result.stats["lr"] = lr
         result.stats.update(critic_stats)
         if version is not None:
             result.stats.update(token_lag_stats(batch, version, max_staleness=None if self.staleness is None else self.staleness.max_staleness))
