@@ -337,6 +337,11 @@ class TrainConfig(_Base):
         "With packing: the rows that start with the same tokens up to their first trained token (a prompt's "
         "completions) read one copy of that prompt in each bin, which is computed once: the same log-probs "
         "and gradients on fewer tokens (in a learner group, each rank over its own rows)."))
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute each decoder layer's activations in the backward pass instead of keeping them (transformers' "
+        "gradient checkpointing, non-reentrant): the learner's activation memory for a forward's time, for real "
+        "model sizes. The same gradients. Packed rows then use train.attention mask or padded (the varlen and flex "
+        "paths hand their layout over for the forward alone)."))
     logits_chunk_mb: float = Field(64.0, ge=0, description=(
         "The learner's output layer computes only the trained tokens' log-probs and entropies, this many MiB "
         "of float32 logits at a time (the backward recomputes one chunk at a time), never a micro-batch's whole "

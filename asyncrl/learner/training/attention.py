@@ -277,19 +277,25 @@ def available(path: str, model, device: str | torch.device, training: bool = Tru
     raise ValueError(f"train.attention: unknown path {path!r}; one of {', '.join(PATHS)}")
 
 
-def choose(setting: str, packing: bool, model, device, deterministic: bool = False) -> tuple[str | None, list[str]]:
+def choose(setting: str, packing: bool, model, device, deterministic: bool = False,
+           recompute: bool = False) -> tuple[str | None, list[str]]:
     """``(path, candidates)``: the path ``setting`` (train.attention) gives for ``model`` on ``device``,
     or None with the candidates :func:`measure` times (auto on CUDA). A named path that cannot run is
-    a ValueError saying why."""
+    a ValueError saying why. ``recompute`` (gradient checkpointing: the backward runs the layers again,
+    after the forward's layout was handed back) leaves varlen and flex out."""
     if not packing or setting == "padded":
         return "padded", []
     if setting != "auto":
         why = available(setting, model, device)
+        if recompute and setting in _NAMES:
+            why = "train.gradient_checkpointing recomputes the layers in the backward, where this path's layout is gone"
         if why:
-            raise ValueError(f"train.attention={setting}: {why}")
+            raise ValueError(f"train.attention={setting}: {why}; use mask or padded")
         return setting, []
     if torch.device(device).type != "cuda":
         return ("mask" if available("mask", model, device) is None else "padded"), []
+    if recompute:  # (on CUDA the dense mask costs more than the padding it saves)
+        return "padded", []
     candidates = [p for p in ("varlen", "flex") if available(p, model, device) is None] + ["padded"]
     return (candidates[0], []) if deterministic or len(candidates) == 1 else (None, candidates)
 

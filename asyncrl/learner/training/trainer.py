@@ -105,6 +105,10 @@ class PolicyTrainer:
         if per_token(self.estimator):
             self.critic = Critic(model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed,
                                  distributed)
+        if train_cfg.gradient_checkpointing:  # (before any wrapping: transformers' own switch on the model)
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ConfigError(f"train.gradient_checkpointing: {type(model).__name__} has no gradient checkpointing")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
         # the forward's layout (batch.forward_rows): packed, a prompt once per bin, in a learner group
         # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
@@ -113,7 +117,8 @@ class PolicyTrainer:
         try:
             self.attention, self._attention_candidates = choose_attention(
                 train_cfg.attention, train_cfg.packing, dist_learner.unwrap(self.model), train_cfg.device,
-                deterministic=train_cfg.deterministic or distributed != "none")
+                deterministic=train_cfg.deterministic or distributed != "none",
+                recompute=train_cfg.gradient_checkpointing)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.packing = self.attention != "padded"

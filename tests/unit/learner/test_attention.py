@@ -210,3 +210,14 @@ def test_auto_on_cuda_measures_the_candidates_and_keeps_the_fastest(monkeypatch)
 
     best, times = measure(["varlen", "flex", "padded"], run)
     assert best == "flex" and times["varlen"] != times["varlen"] and calls.count("flex") == 2
+
+
+def test_gradient_checkpointing_gives_the_same_step_and_keeps_to_mask_or_padded():
+    """64.8: train.gradient_checkpointing (transformers' non-reentrant checkpointing of each layer): the
+    same gradients and update; the packed paths whose layout lives only through the forward are refused."""
+    ref = _trained([*REFERENCE])
+    got = _trained(["train.gradient_checkpointing=true", "train.micro_batch_tokens=24"])
+    _same(ref[:3], got[:3], TOL)
+    assert got[3].model.is_gradient_checkpointing and got[3].attention == "mask"
+    with pytest.raises(ValueError, match="gradient_checkpointing recomputes the layers"):
+        choose("varlen", True, _model(), "cpu", recompute=True)
