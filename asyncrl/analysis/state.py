@@ -56,6 +56,11 @@ def run_state(store: "RunStore", now: float | None = None) -> RunState:
         if stop.get("interrupted"):
             return RunState("interrupted", f"the learner was stopped before total_steps ({trained})")
         return RunState("finished", f"the learner finished at step {stop.get('step')} ({trained})")
+    replayed = store.records("replay")  # an asyncrl replay's output: no learner, its own end record
+    if replayed and not starts:
+        r = replayed[-1]
+        return RunState("finished", f"a replay of {r.get('source', 'a run')} ({r.get('steps', '?')} steps; "
+                                    f"{'bit for bit' if r.get('identical') else 'see replay.json'})")
     if store.run_dir is None:  # only the live events socket
         if not store.revision:
             return RunState("waiting", "no event received yet")

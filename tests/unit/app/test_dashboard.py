@@ -131,6 +131,10 @@ def test_run_state_finished_interrupted_crashed_running(tmp_path):
     assert run_state(resumed).state == "running"
     (tmp_path / "g").mkdir()
     assert run_state(_load(tmp_path / "g")).state == "waiting"
+    # 64.7: an asyncrl replay's output (metrics and its own end record, no learner) was shown as crashed
+    replay = _load(_replay_dir(tmp_path / "r"))
+    state = run_state(replay)
+    assert state.state == "finished" and "a replay of" in state.reason, state
 
 
 def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_path):
@@ -467,3 +471,15 @@ def test_a_run_whose_reward_raises_says_so_in_its_summary(capsys):
     assert "held-out reward calls failed" in printed and "200 of 200" in printed
     title = next(line for line in printed.splitlines() if "asyncrl run summary" in line)
     assert "KeyError" not in title
+
+
+def _replay_dir(path):
+    """What asyncrl replay writes: metrics, then a replay event (no learner_start, no pid file)."""
+    import json as _json
+
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(_json.dumps({"step": i, "t": 1000.0 + i, "version": i, "reward_mean": 0.5})
+                                                + "\n" for i in range(1, 4)))
+    (path / "events.jsonl").write_text(_json.dumps({"schema": 1, "kind": "replay", "t": 1004.0, "step": 3,
+                                                    "source": "runs/x", "steps": 3, "identical": True}) + "\n")
+    return path
