@@ -15,7 +15,7 @@ from asyncrl.analysis import RunStore
 from . import views as V
 
 VIEWS = ("overview", "replay", "samples", "config")  # the generic tabs; the algorithms add theirs
-MAX_DEFAULT_RUNS = 8  # a folder of runs with none picked shows its first runs by name
+MAX_DEFAULT_RUNS = 8  # a folder of runs with none picked shows the runs written to last
 
 
 def _query_list(request, name: str) -> list[str]:
@@ -41,8 +41,8 @@ class Dashboard:
 
     # ------------------------------------------------------------------ what the pick shows
     def chosen(self, pick):
-        """The picked runs; in a folder of runs with none picked, its first MAX_DEFAULT_RUNS by name."""
-        return self.catalog.stores(_pick(pick)["sel"] or self.catalog.names()[:MAX_DEFAULT_RUNS])
+        """The picked runs; in a folder of runs with none picked, the MAX_DEFAULT_RUNS written to last."""
+        return self.catalog.stores(_pick(pick)["sel"] or self.catalog.newest(MAX_DEFAULT_RUNS))
 
     def focus_name(self, pick) -> str | None:
         stores, focus = self.chosen(pick), _pick(pick)["focus"]
@@ -141,7 +141,7 @@ class Dashboard:
         gr, folder = self.gr, self.catalog.folder is not None
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(self.title)}</h2>')
         self.runs_dd = gr.Dropdown(self.catalog.names(), value=[], multiselect=True, visible=folder,
-                                   label="runs (none picked: the first 8 by name; all are overlaid in every chart, the "
+                                   label="runs (none picked: the 8 written to last; all are overlaid in every chart, the "
                                          "run shown in the cards and the tabs is picked below)", elem_id="runs-picker")
         self.focus_dd = gr.Dropdown([], value=None, visible=folder, elem_id="focus-picker",
                                     label="run shown in the cards, the actors table and the tabs")

@@ -114,6 +114,20 @@ class RunCatalog:
         except FileNotFoundError:
             return []
 
+    def newest(self, n: int) -> list[str]:
+        """The ``n`` runs written to last (their newest record or config), newest first: what a folder
+        of runs shows with none picked, as TensorBoard and W&B do."""
+        if self.single is not None:
+            return self.names()
+
+        def written(name: str) -> float:
+            run = self.folder / name
+            times = [p.stat().st_mtime for p in (run / "events.jsonl", run / "metrics.jsonl", run / "config.yaml")
+                     if p.exists()]
+            return max(times, default=run.stat().st_mtime)
+
+        return sorted(self.names(), key=written, reverse=True)[:n]
+
     def stores(self, names: list[str] | None) -> dict[str, RunStore]:
         """``name -> store`` of the picked runs in order (the first is the main one); the single
         run whatever is picked; unknown names are left out."""

@@ -5,7 +5,7 @@ for Absolute Zero, Confidence trees for RLCR), Replay buffer, Samples, Config. T
 (``gr.Timer``) without a page reload.
 
 ``/?view=overview|tasks|trees|replay|samples|config`` (a tab's id) opens the page on that view, ``&runs=a,b``
-picks runs of a folder (none: its first runs by name), ``&focus=a`` the run the cards, the actors table and
+picks runs of a folder (none: the runs written to last), ``&focus=a`` the run the cards, the actors table and
 the tabs show (default: the first picked), ``&metrics=x,y`` the metrics charted first (the initial data comes
 with the page load, not over the queue). A tab that does not apply to the shown run (an algorithm's tab
 for another algorithm, Replay buffer for a run without experience replay) is hidden.
@@ -77,7 +77,7 @@ def build_app(source, live=None, title: str = "asyncrl"):
     and wires it).
 
     Query parameters: ``view`` (the tab), ``runs`` (comma-separated run names to pick, folder of
-    runs only; none: the first runs by name), ``metrics`` (comma-separated metrics charted first)."""
+    runs only; none: the runs written to last), ``metrics`` (comma-separated metrics charted first)."""
     from .dashboard import Dashboard
     from .live import RunCatalog
 

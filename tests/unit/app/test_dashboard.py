@@ -400,8 +400,10 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
     from app.live import RunCatalog
     from app.main import build_app
 
-    _write_run(tmp_path / "a", steps=30, eval_every=10)
-    _write_run(tmp_path / "b", steps=20, eval_every=10)
+    for name, written in (("a", 2000.0), ("b", 1000.0)):  # a written to last
+        run = _write_run(tmp_path / name, steps=30 if name == "a" else 20, eval_every=10)
+        for f in run.iterdir():
+            os.utime(f, (written, written))
     catalog = RunCatalog(folder=tmp_path)
     try:
         fn = next(f for f in build_app(catalog, title="t").fns.values() if f.name == "heavy")
@@ -423,6 +425,10 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
                                     and o["value"] in ("a", "b"))["value"]
         assert focus_of(heavy([], [])) == "a" and focus_of(heavy([], [], focus="b")) == "b"
         assert focus_of(heavy(["a", "b"], [], focus="nope")) == "a"
+        # 64.7: none picked shows the runs written to last, newest first (a demo run named later by name hid)
+        for f in (tmp_path / "b").iterdir():
+            os.utime(f, (3000.0, 3000.0))
+        assert [r["name"] for r in json.loads(heavy([], [])[1])["runs"]] == ["b", "a"]
     finally:
         catalog.stop()
 
