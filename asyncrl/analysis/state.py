@@ -100,10 +100,13 @@ def list_runs(root: str | Path) -> list[Path]:
 def actor_statuses(store: "RunStore", now: float | None = None):
     """The actors' latest status as the UI shows it. Once the run is over (finished, interrupted,
     crashed) an actor's silence and its lag behind the learner mean nothing any more: the status
-    says the run's state ("run finished") and the lag is blank."""
+    says the run's state ("run finished"); the lag, the unacknowledged episodes, the credits and
+    the time since its last status are blank."""
     df = store.actors(now)
     state = run_state(store).state
     if not df.empty and state not in ("running", "waiting"):
         df["status"] = f"run {state}"
-        df["lag"] = None
+        for col in ("lag", "unacked", "credits", "last_status_s_ago"):  # (their last live values mislead)
+            if col in df:
+                df[col] = None
     return df

@@ -141,13 +141,16 @@ def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_pa
     from app import views as V
 
     store = _load(_write_run(tmp_path / "r", pid=_dead_pid()))
-    store.add_events([_event("actor_status", 90, 1090.0, actor_id="actor-0", version=88, batches=3)])
+    store.add_events([_event("actor_status", 90, 1090.0, actor_id="actor-0", version=88, batches=3, unacked=8,
+                             credits=4)])
     html = V.overview_html(store)
     assert 'id="run-status" class="arl-state-crashed"' in html and "no learner_stop event" in html
     actors = V.actors_html(store)
     assert "run crashed" in actors and ">12<" not in actors
     row = actors[actors.index('class="arl-row"'):]
     assert "<td>-</td>" in row  # the lag cell: blank once the run is over
+    cells = row[:row.index("</tr>")]
+    assert ">8<" not in cells and ">4<" not in cells  # 64.7: nor its last unacked count and credits
     assert "last status (s ago)" in actors and "last_status_s_ago" not in actors  # headers in words
 
 
