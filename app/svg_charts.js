@@ -45,8 +45,10 @@ function smoothed(y, w) {  // TensorBoard's debiased EMA; nulls skipped
     return last / (1 - Math.pow(w, n));
   });
 }
+const MIN_SMOOTHED = 20;  // a series of fewer points (held-out evaluations) is drawn as it is: no smoothing
 function points(s) {  // [[x, y, raw]] of one series on the chosen x axis
-  const xs = s[S.x] || s.step, ys = smoothed(s.y, S.smooth), out = [];
+  const few = s.y.filter(v => v !== null).length < MIN_SMOOTHED;
+  const xs = s[S.x] || s.step, ys = few ? s.y : smoothed(s.y, S.smooth), out = [];
   for (let i = 0; i < xs.length; i++) if (xs[i] !== null && ys[i] !== null) out.push([xs[i], ys[i], s.y[i], s.step[i]]);
   return out;
 }
@@ -56,7 +58,7 @@ function chart(box, c, runs) {
   let xs = [].concat(...all.map(a => a.p.map(p => p[0])));
   if (!xs.length) return;
   let [x0, x1] = S.zoom || [Math.min(...xs), Math.max(...xs)];
-  if (x0 === x1) { x0 -= 1; x1 += 1; }
+  if (x0 === x1) { const d = Math.abs(x0) * 0.1 || 1; x0 = x0 >= 0 ? Math.max(0, x0 - d) : x0 - d; x1 += d; }  // (one point: no -1 ticks at step 0)
   const inView = [].concat(...all.map(a => a.p.filter(p => p[0] >= x0 && p[0] <= x1)));
   const ysAll = inView.length ? inView.map(p => p[1]) : [0];
   let y0 = Math.min(...ysAll), y1 = Math.max(...ysAll);
