@@ -73,7 +73,8 @@ def overview_html(store: RunStore, live: dict | None = None) -> str:
     return f'<div class="arl-cards" id="overview-cards">{body}</div>{why}{extra}{warn}'
 
 
-ACTOR_COLUMNS = {"actor_id": "actor", "status": "status", "weights_version": "weights version", "lag": "lag",
+ACTOR_COLUMNS = {"actor_id": "actor", "status": "status", "weights_version": "weights version",
+                 "lag": "versions behind the learner",
                  "batches": "batches", "weight_updates": "weight updates", "credits": "credits",
                  "unacked": "unacked", "capacity": "capacity", "generate_s": "generate (s)",
                  "last_status_s_ago": "last status (s ago)"}
@@ -85,7 +86,11 @@ def actors_html(store: RunStore) -> str:
     df = actor_statuses(store)
     if df.empty:
         return note("No actor has reported its status yet.")
-    return "<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
+    return ("<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
+            + note("Versions behind the learner: the learner's version now minus the weights the actor holds. "
+                   "buffer.max_staleness bounds something else: how many versions older than the step that trains "
+                   "them an episode's tokens may be (the staleness/* charts), so an actor may be further behind "
+                   "while what it sends is dropped or waits."))
 
 
 def reward_metrics(store: RunStore) -> tuple[str, ...]:

@@ -152,6 +152,7 @@ def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_pa
     cells = row[:row.index("</tr>")]
     assert ">8<" not in cells and ">4<" not in cells  # 64.7: nor its last unacked count and credits
     assert "last status (s ago)" in actors and "last_status_s_ago" not in actors  # headers in words
+    assert "versions behind the learner" in actors and "buffer.max_staleness bounds something else" in actors
 
 
 def test_summary_prints_no_learning_summary_for_a_run_that_trained_nothing(capsys):
