@@ -133,11 +133,14 @@ class ModelConfig(_Base):
 
 class TasksConfig(_Base):
     type: str = registered("asyncrl.envs.tasks:TASK_SOURCES", "arithmetic", import_path=True, description=(
-        "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), 'reasoning_gym' "
+        "Task source: 'arithmetic' (built-in), 'file' (JSONL or Parquet at `path`), 'hf_dataset' (a Hugging Face "
+        "dataset: `path` a dataset id in the local Hugging Face cache, offline, or a directory of its data files; "
+        "kwargs split, default train), 'reasoning_gym' "
         "(procedural datasets; kwargs datasets, size, seed; the reward defaults to their own scorers), "
         "'verifiers' (the dataset of env.type=verifiers), or an import path 'pkg.module:function' "
         "returning an iterable of Task or dicts."))
-    path: str | None = Field(None, description="Task file for type 'file' (.jsonl, .json or .parquet).")
+    path: str | None = Field(None, description=(
+        "Task file for type 'file' (.jsonl, .json or .parquet); for 'hf_dataset' a dataset id or directory."))
     prompt_field: str = Field("prompt", description="Field holding the prompt (string or chat messages).")
     answer_field: str = Field("answer", description="Field holding the ground truth.")
     prompt_format: Literal["auto", "chat", "raw"] = Field("auto", description=(

@@ -1,7 +1,8 @@
 """Task sources: where prompts come from, validated before anything starts, with a real hold-out.
 
 Sources (``tasks.type``, the registry :data:`TASK_SOURCES`): ``arithmetic`` (generated), ``file``
-(JSONL, JSON list or Parquet at ``tasks.path``), ``reasoning_gym``, ``verifiers``, or an import path
+(JSONL, JSON list or Parquet at ``tasks.path``), ``hf_dataset`` (a split's data files of a Hugging
+Face dataset in the local cache or a directory), ``reasoning_gym``, ``verifiers``, or an import path
 ``pkg.module:function`` returning Tasks or records (dicts).
 
 Every record is checked when it is read, and the first bad one is a :class:`ConfigError` naming the
@@ -20,6 +21,8 @@ The held-out set is never trained on:
 """
 
 from __future__ import annotations
+
+import os
 
 import json
 import random
@@ -132,10 +135,43 @@ def _file_tasks(cfg) -> list[Task]:
     return load_task_file(cfg.path, cfg)
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def _hf_dataset_tasks(cfg) -> list[Task]:
+    """``tasks.type: hf_dataset``: the files of split ``tasks.kwargs.split`` (default ``train``) of a
+    Hugging Face dataset: ``tasks.path`` a dataset id in the local Hugging Face cache (offline, as
+    ``hf download --repo-type dataset`` leaves it) or a local directory of data files. A split's files
+    are the Parquet, JSONL or JSON files whose name starts with it (``data/train-00000-of-00001.parquet``,
+    ``train.jsonl``), read as ``tasks.type: file`` reads one."""
+    if not cfg.path:
+        raise ConfigError("tasks.type is 'hf_dataset' but tasks.path (a dataset id or directory) is not set")
+    split = str(cfg.kwargs.get("split", "train"))
+    root = Path(cfg.path).expanduser()
+    if not root.is_dir():
+        from huggingface_hub import constants, snapshot_download
+
+        cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
+                                                   if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
+        try:
+            root = Path(snapshot_download(cfg.path, repo_type="dataset", cache_dir=cache, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached
+            raise ConfigError(f"tasks.path {cfg.path!r} is not a local directory and not a dataset in the local Hugging "
+                              f"Face cache ({cache}); nothing is downloaded at run time: get it where there is network "
+                              f"with `hf download --repo-type dataset {cfg.path}`, or give a local directory") from None
+    data = sorted(p for p in root.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+    files = [p for p in data if p.name.startswith(f"{split}-") or p.stem == split or p.name.startswith(f"{split}.")]
+    if not files:
+        shown = ", ".join(str(p.relative_to(root)) for p in data[:8]) or "none"
+        raise ConfigError(f"tasks.path {cfg.path!r}: no data file of split {split!r} (tasks.kwargs.split); data files "
+                          f"there: {shown}")
+    return [t for f in files for t in load_task_file(str(f), cfg)]
+
+
 # ``tasks.type``: a source is ``fn(tasks_cfg) -> all its tasks``, or None for a generated (endless) stream;
 # a source with a library behind it is imported when named
 TASK_SOURCES: Registry[Callable[..., "list[Task] | None"] | str] = Registry("task source", {
-    "arithmetic": lambda cfg: None, "file": _file_tasks,
+    "arithmetic": lambda cfg: None, "file": _file_tasks, "hf_dataset": _hf_dataset_tasks,
     "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_tasks", "verifiers": "asyncrl.envs.verifiers_env:verifiers_source"})
 
 

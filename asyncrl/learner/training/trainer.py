@@ -66,6 +66,13 @@ class TrainStepResult:
     row_entropy: torch.Tensor | None = None
 
 
+def _checkpoint_layers(model) -> None:
+    """train.gradient_checkpointing: transformers' non-reentrant checkpointing of each decoder layer."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise ConfigError(f"train.gradient_checkpointing: {type(model).__name__} has no gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class PolicyTrainer:
     """One optimizer step on a batch: proximal log-probs, the registered policy loss (``train.policy_loss``
     with :class:`LossConfig`), KL and entropy terms, AdamW. Rows carrying recorded log-probs on
@@ -106,21 +113,13 @@ class PolicyTrainer:
             self.critic = Critic(model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed,
                                  distributed)
         if train_cfg.gradient_checkpointing:  # (before any wrapping: transformers' own switch on the model)
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ConfigError(f"train.gradient_checkpointing: {type(model).__name__} has no gradient checkpointing")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpoint_layers(model)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
         # the forward's layout (batch.forward_rows): packed, a prompt once per bin, in a learner group
         # too (each rank over its own rows); micro-batches of a token budget; rows with no gradient left out
         self.packing, self.shared_prefix = train_cfg.packing, train_cfg.shared_prefix
         # train.attention (.attention): the packed forward's attention; None until measured (auto on CUDA)
-        try:
-            self.attention, self._attention_candidates = choose_attention(
-                train_cfg.attention, train_cfg.packing, dist_learner.unwrap(self.model), train_cfg.device,
-                deterministic=train_cfg.deterministic or distributed != "none",
-                recompute=train_cfg.gradient_checkpointing)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self.attention, self._attention_candidates = self._choose_attention()
         self.packing = self.attention != "padded"
         if self.critic is not None:
             self.critic.attention = self.attention or self._attention_candidates[0]
@@ -138,6 +137,17 @@ class PolicyTrainer:
         self.tick = None  # called before every micro-batch too: the learner answers its actors during a long step
         self._applied = False  # an update of the step in progress was applied (it can no longer be given up)
         self.micro_s = 0.0  # the longest micro-batch of the last step (seconds): how long a stop may wait
+
+    def _choose_attention(self) -> tuple[str | None, list[str]]:
+        """:func:`.attention.choose` for this trainer's model and settings; a path that cannot run is a
+        ConfigError (one line)."""
+        cfg = self.cfg
+        try:
+            return choose_attention(cfg.attention, cfg.packing, dist_learner.unwrap(self.model), cfg.device,
+                                    deterministic=cfg.deterministic or self.distributed != "none",
+                                    recompute=cfg.gradient_checkpointing)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _check_stop(self) -> None:
         if self.tick is not None:
