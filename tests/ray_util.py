@@ -93,7 +93,9 @@ class Driver:
         while time.time() < deadline and "--resume" not in self.text:
             time.sleep(0.2)
         hint = self.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
-        assert hint.startswith("  asyncrl run ") and hint.endswith(" --resume"), self.text[-2000:]
+        # (written as the run was started: here `python -m asyncrl`, 64.4)
+        assert re.match(r"  (asyncrl|\S+ -m asyncrl|\S*/asyncrl) run ", hint) and hint.endswith(" --resume"), \
+            self.text[-2000:]
         assert "core_worker.cc" not in self.text
 
     def actor_nodes(self, by: str = "id") -> dict[str, str]:

@@ -152,12 +152,12 @@ def test_asyncrl_config_prints_every_key_with_its_description_and_the_diff(tmp_p
     assert printed["train"]["lr"] == 1e-4 and printed["algo"]["lambda_conf"] == 0.5
     assert set(printed["algo"]) == set(RLCRConfig.model_fields)  # every key of the algorithm's own section
     lines = res.stdout.splitlines()
-    assert "  lr: 0.0001  # AdamW learning rate." in lines
+    assert "  lr: 0.0001  # AdamW learning rate (the peak, with a schedule)." in lines
     no_desc = [ln for ln in lines if "  # " not in ln and not ln.strip().startswith("- ")]
     assert not no_desc, no_desc[:5]  # every key says what it does
 
     diff = _cli_out("config", "-c", rlcr, "train.lr=1e-4", "--diff").stdout.splitlines()
-    assert "train.lr: 0.0001  # default 2.0e-05. AdamW learning rate." in diff
+    assert "train.lr: 0.0001  # default 2.0e-05. AdamW learning rate (the peak, with a schedule)." in diff
     assert all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff) and not any(ln.startswith("seed:") for ln in diff)
     assert _cli_out("config", "--diff").stdout.strip() == "# every key has its default value"
     assert "asyncrl config -c FILE" in _cli_out("run", "--help").stdout
