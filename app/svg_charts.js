@@ -1,5 +1,6 @@
 // asyncrl ui: every metric its own chart (small multiples grouped by section), several runs
-// overlaid, x = step | wall time | samples, smoothing (0.6 by default, TensorBoard's), hover for
+// overlaid, x = step | wall time | samples, smoothing (0.6 by default, TensorBoard's; not for series
+// of fewer than 20 points), a log y axis, each chart's data as CSV and the chart as PNG, hover for
 // values, drag to zoom (all charts together), double-click to zoom out. The charts fill the page's
 // width (two per row from 900 px, three from 1500 px); each says its unit on the y axis and whether
 // its values are per step, cumulative or per evaluation. Runs in the browser as the js_on_load of a gr.HTML whose
@@ -61,19 +62,43 @@ function chart(box, c, runs) {
   if (x0 === x1) { const d = Math.abs(x0) * 0.1 || 1; x0 = x0 >= 0 ? Math.max(0, x0 - d) : x0 - d; x1 += d; }  // (one point: no -1 ticks at step 0)
   const inView = [].concat(...all.map(a => a.p.filter(p => p[0] >= x0 && p[0] <= x1)));
   const ysAll = inView.length ? inView.map(p => p[1]) : [0];
-  let y0 = Math.min(...ysAll), y1 = Math.max(...ysAll);
+  const logy = S.logy && ysAll.every(v => v > 0);  // a log y axis where every value in view is positive
+  const ty = v => logy ? Math.log10(Math.max(v, 1e-300)) : v;
+  let y0 = Math.min(...ysAll.map(ty)), y1 = Math.max(...ysAll.map(ty));
   if (y0 === y1) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
   const pad = (y1 - y0) * 0.06; y0 -= pad; y1 += pad;
-  const sx = v => L + (v - x0) / (x1 - x0) * (W - L - R), sy = v => T + (1 - (v - y0) / (y1 - y0)) * (H - T - B);
-  const card = el("div", {class: "arl-chart", "data-metric": c.metric}, box);
+  const syT = t => T + (1 - (t - y0) / (y1 - y0)) * (H - T - B);
+  const sx = v => L + (v - x0) / (x1 - x0) * (W - L - R), sy = v => syT(ty(v));
+  const card = el("div", {class: "arl-chart", "data-metric": c.metric, "data-logy": logy ? "1" : "0"}, box);
   const title = el("div", {class: "arl-chart-title"}, card, c.metric);
   if (c.span) el("span", {class: "arl-chart-span"}, title, " \u00b7 " + c.span);
+  const rows = [["run", "step", XLABEL[S.x], c.metric]];  // the chart's data, raw (not smoothed), as CSV
+  for (const s of c.series) for (let i = 0; i < s.y.length; i++)
+    if (s.y[i] !== null) rows.push([runs[s.run].name, s.step[i], (s[S.x] || s.step)[i], s.y[i]]);
+  const csv = rows.map(r => r.map(v => /[",\n]/.test(String(v)) ? `"${String(v).replace(/"/g, '""')}"` : v).join(",")).join("\n");
+  const file = c.metric.replace(/[^\w.-]+/g, "_");
+  el("a", {class: "arl-csv", download: file + ".csv", href: "data:text/csv;charset=utf-8," + encodeURIComponent(csv),
+           title: "the chart's data as CSV"}, title, " csv");
+  const png = el("a", {class: "arl-png", download: file + ".png", href: "#", title: "the chart as a PNG image"}, title, " png");
+  png.addEventListener("click", ev => {  // the SVG drawn onto a canvas, then downloaded
+    if (png.dataset.ready) return;
+    ev.preventDefault();
+    const img = new Image(), canvas = document.createElement("canvas");
+    canvas.width = W * 2; canvas.height = H * 2;
+    img.onload = () => {
+      const g = canvas.getContext("2d"); g.fillStyle = "#fff"; g.fillRect(0, 0, canvas.width, canvas.height);
+      g.drawImage(img, 0, 0, canvas.width, canvas.height);
+      png.href = canvas.toDataURL("image/png"); png.dataset.ready = "1"; png.click(); delete png.dataset.ready;
+    };
+    img.src = "data:image/svg+xml;charset=utf-8," + encodeURIComponent(new XMLSerializer().serializeToString(svg));
+  });
   const svg = el("svg:svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "arl-chart-svg"}, card);
   const yt = ticks(y0, y1, 4), xt = ticks(x0, x1, 4);
   const yaxis = el("svg:g", {class: "arl-yaxis"}, svg);
-  for (const v of yt) {
-    el("svg:line", {x1: L, x2: W - R, y1: sy(v), y2: sy(v), stroke: "#eaeef2"}, yaxis);
-    el("svg:text", {x: L - 4, y: sy(v) + 3, "text-anchor": "end", "font-size": 10, fill: "#57606a"}, yaxis, fmtNum(v));
+  for (const v of yt) {  // (ticks in the axis's own scale: powers of ten on a log axis)
+    el("svg:line", {x1: L, x2: W - R, y1: syT(v), y2: syT(v), stroke: "#eaeef2"}, yaxis);
+    el("svg:text", {x: L - 4, y: syT(v) + 3, "text-anchor": "end", "font-size": 10, fill: "#57606a"}, yaxis,
+       fmtNum(logy ? Math.pow(10, v) : v));
   }
   const xaxis = el("svg:g", {class: "arl-xaxis"}, svg);
   for (const v of xt) el("svg:text", {x: sx(v), y: H - B + 13, "text-anchor": "middle", "font-size": 10, fill: "#57606a"}, xaxis, fmtX(v));
@@ -175,6 +200,10 @@ function draw() {
   const sm = el("input", {type: "range", min: 0, max: 0.99, step: 0.01, value: S.smooth, class: "arl-smooth"}, sl);
   const smv = el("span", {}, sl, " " + S.smooth);
   sm.addEventListener("input", () => { S.smooth = +sm.value; smv.textContent = " " + sm.value; drawGrid(); });
+  const ll = el("label", {}, bar, "log y ");
+  const lg = el("input", {type: "checkbox", class: "arl-logy"}, ll);
+  lg.checked = !!S.logy;
+  lg.addEventListener("change", () => { S.logy = lg.checked; drawGrid(); });
   const fl = el("input", {type: "search", placeholder: "filter metrics", value: S.filter, class: "arl-filter"}, bar);
   fl.addEventListener("input", () => { S.filter = fl.value; drawGrid(); });
   el("span", {class: "arl-charts-state"}, bar);

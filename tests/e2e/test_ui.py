@@ -450,6 +450,16 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
         assert sorted(links) == ["absolute_zero", "rlcr"]  # (newest first: the order the runs were written in)
         assert browser.js("document.querySelector('#runs-table').parentElement.className") == "arl-scroll"
         assert browser.js("document.documentElement.scrollWidth <= window.innerWidth")  # nothing runs off the page
+        # 64.7: each chart's data as CSV (raw values, every run), and a log y axis
+        csv = browser.js("decodeURIComponent(document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] "
+                         "a.arl-csv').getAttribute('href').split(',').slice(1).join(','))")
+        head, *body = csv.splitlines()
+        assert head == "run,step,step,tokens_per_s" and body and {r.split(",")[0] for r in body} <= {"absolute_zero", "rlcr"}
+        assert all(float(r.split(",")[3]) > 0 for r in body)
+        browser.js("document.querySelector('input.arl-logy').click()")
+        wait_page(browser, lambda d: 'data-metric="tokens_per_s" data-logy="1"' in d, what="a log y axis")
+        assert browser.js("document.querySelectorAll('.arl-chart a.arl-png').length") >= 2
+        browser.js("document.querySelector('input.arl-logy').click()")  # (back to linear for what follows)
         screenshot(browser, "ui-dashboard.png")
 
         base = browser.js("location.origin + location.pathname")
