@@ -41,3 +41,17 @@ def _cwd_on_path() -> None:
     cwd = os.getcwd()
     if "" not in sys.path and cwd not in sys.path:
         sys.path.insert(0, cwd)
+
+
+def local_hub_snapshot(repo_id: str, repo_type: str = "model") -> tuple[str | None, str]:
+    """``(snapshot directory or None, the cache looked in)``: ``repo_id`` in the local Hugging Face cache
+    (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub, read when called), found
+    offline with huggingface_hub's own lookup: asyncrl downloads nothing at run time."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
+                                               else constants.HF_HUB_CACHE)
+    try:
+        return snapshot_download(repo_id, repo_type=repo_type, cache_dir=cache, local_files_only=True), cache
+    except Exception:  # noqa: BLE001 - not cached (huggingface_hub's LocalEntryNotFoundError and kin)
+        return None, cache

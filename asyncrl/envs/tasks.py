@@ -22,8 +22,6 @@ The held-out set is never trained on:
 
 from __future__ import annotations
 
-import os
-
 import json
 import random
 import sys
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..config import ConfigError
+from ..plugins import local_hub_snapshot
 from ..registry import Registry
 from ..types import Task
 from .arithmetic import arithmetic_tasks
@@ -149,16 +148,12 @@ def _hf_dataset_tasks(cfg) -> list[Task]:
     split = str(cfg.kwargs.get("split", "train"))
     root = Path(cfg.path).expanduser()
     if not root.is_dir():
-        from huggingface_hub import constants, snapshot_download
-
-        cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
-                                                   if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
-        try:
-            root = Path(snapshot_download(cfg.path, repo_type="dataset", cache_dir=cache, local_files_only=True))
-        except Exception:  # noqa: BLE001 - not cached
+        snapshot, cache = local_hub_snapshot(cfg.path, repo_type="dataset")
+        if snapshot is None:
             raise ConfigError(f"tasks.path {cfg.path!r} is not a local directory and not a dataset in the local Hugging "
                               f"Face cache ({cache}); nothing is downloaded at run time: get it where there is network "
-                              f"with `hf download --repo-type dataset {cfg.path}`, or give a local directory") from None
+                              f"with `hf download --repo-type dataset {cfg.path}`, or give a local directory")
+        root = Path(snapshot)
     data = sorted(p for p in root.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
     files = [p for p in data if p.name.startswith(f"{split}-") or p.stem == split or p.name.startswith(f"{split}.")]
     if not files:

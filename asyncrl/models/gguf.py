@@ -121,7 +121,7 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .dtypes import DTYPE_KW as _DTYPE_KW, TORCH_DTYPES as _DTYPES
+    from .dtypes import DTYPE_KW, TORCH_DTYPES
 
     start = time.perf_counter()
     if progress:
@@ -130,7 +130,7 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **{_DTYPE_KW: torch.float32})
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **{DTYPE_KW: torch.float32})
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a file it cannot read
         raise ConfigError(f"{gguf_file}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
     config = loaded.config
@@ -143,10 +143,10 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
               "architecture": type(config).__name__}
     for dtype, final in outs.items():
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **{_DTYPE_KW: torch.float32})
+            model = AutoModelForCausalLM.from_config(config, **{DTYPE_KW: torch.float32})
         model.load_state_dict(state, assign=True, strict=True)
         model.tie_weights()
-        model = model.to(_DTYPES[dtype])
+        model = model.to(TORCH_DTYPES[dtype])
         model.config.dtype = dtype
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:

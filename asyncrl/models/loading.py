@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -12,11 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
 
 from ..config import ModelConfig
+from ..plugins import local_hub_snapshot
 from ..envs.prompts import set_prompt_format
 from .dtypes import DTYPE_KW, TORCH_DTYPES
 from .tiny import build_embedded_model
 
-_DTYPES, _DTYPE_KW = TORCH_DTYPES, DTYPE_KW
 
 
 def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = True,
@@ -52,19 +51,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")  # org/name, as TRL and 
 
 
 def hub_cache_dir(repo_id: str) -> Path:
-    """The snapshot of hub model ``repo_id`` in the local Hugging Face cache (``HF_HUB_CACHE``, else
-    ``HF_HOME``/hub, else ~/.cache/huggingface/hub), found offline: asyncrl downloads nothing at run
-    time. FileNotFoundError (one line, how to get it) when it is not there."""
-    from huggingface_hub import constants, snapshot_download
-
-    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
-                                               else constants.HF_HUB_CACHE)
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (huggingface_hub's LocalEntryNotFoundError and kin)
+    """The snapshot of hub model ``repo_id`` in the local Hugging Face cache, offline
+    (:func:`asyncrl.plugins.local_hub_snapshot`); FileNotFoundError (one line, how to get it) when it is
+    not there."""
+    snapshot, cache = local_hub_snapshot(repo_id)
+    if snapshot is None:
         raise FileNotFoundError(f"model.path {repo_id!r} is not a local directory and not in the local Hugging Face "
                                 f"cache ({cache}); asyncrl downloads nothing at run time: get it where there is network "
-                                f"with `hf download {repo_id}` (it lands in that cache), or give a local directory") from None
+                                f"with `hf download {repo_id}` (it lands in that cache), or give a local directory")
+    return Path(snapshot)
 
 
 def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu", prompt_format: str = "auto",
@@ -77,7 +72,7 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu", prom
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     """The causal LM in ``path`` in ``dtype`` on ``device``, eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(path, **{_DTYPE_KW: _DTYPES[dtype]})
+    model = AutoModelForCausalLM.from_pretrained(path, **{DTYPE_KW: TORCH_DTYPES[dtype]})
     return model.to(device).eval()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 import inspect
 import time
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .packing import PackedRows, attention_kind, cu_seqlens
+from .packing import PackedRows, attention_kind, cu_seqlens, model_config
 
 __all__ = ["PATHS", "available", "choose", "document_mask", "measure", "packed_attention", "sliding_window_of"]
 
@@ -79,13 +80,19 @@ def _torch_varlen():
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset:
+    """A function's keyword names, read once (not at every layer of every forward)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _kernel_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None,
                    window: int | None) -> Tensor:
     """torch's flash variable-length kernel on ``[T, H, D]`` tensors, causal (within ``window``). Its
     keyword arguments changed across torch releases (``is_causal`` in 2.10-2.11, ``window_size`` later;
     ``enable_gqa`` later still): taken from its signature."""
     fn = _torch_varlen()
-    params = inspect.signature(fn).parameters
+    params = _parameters(fn)
     kw: dict = {"scale": scale}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -201,16 +208,12 @@ _register()
 
 # --- the switch ----------------------------------------------------------------------------------------
 
-def _configs(model) -> list:
-    """The model's config (through DDP's ``module`` and peft's ``base_model``), once."""
-    for _ in range(8):
-        config = getattr(model, "config", None)
-        if config is not None:
-            return [config]
-        model = getattr(model, "module", None) or getattr(model, "base_model", None)
-        if model is None:
-            break
-    raise ValueError("train.attention: the model has no config to set its attention implementation on")
+def _config(model):
+    """The model's config (:func:`.packing.model_config`); ValueError without one."""
+    config = model_config(model)
+    if config is None:
+        raise ValueError("train.attention: the model has no config to set its attention implementation on")
+    return config
 
 
 @contextlib.contextmanager
@@ -219,16 +222,14 @@ def packed_attention(model, path: str, packed: PackedRows):
     layout = _Layout(packed)
     if path == "varlen":
         layout.cu, layout.longest = cu_seqlens(packed)
-    configs = _configs(model)
-    before = [c._attn_implementation for c in configs]
+    config = _config(model)
+    before = config._attn_implementation
     token = _ACTIVE.set(layout)
-    for c in configs:
-        c._attn_implementation = _NAMES[path]
+    config._attn_implementation = _NAMES[path]
     try:
         yield
     finally:
-        for c, impl in zip(configs, before):
-            c._attn_implementation = impl
+        config._attn_implementation = before
         _ACTIVE.reset(token)
 
 
@@ -236,7 +237,7 @@ def packed_attention(model, path: str, packed: PackedRows):
 
 def sliding_window_of(model) -> int | None:
     """The smallest sliding window any layer of ``model`` attends within (None: every layer full)."""
-    config = _configs(model)[0]
+    config = _config(model)
     config = getattr(config, "get_text_config", lambda: config)()
     window = getattr(config, "sliding_window", None)
     if not window:

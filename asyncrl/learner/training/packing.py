@@ -32,21 +32,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "attention_kind", "cu_seqlens", "mask_for", "pack_rows", "varlen_attention"]
+__all__ = ["PackedRows", "attention_kind", "cu_seqlens", "mask_for", "model_config", "pack_rows", "varlen_attention"]
 
 _VARLEN = ("flash_attention_2", "flash_attention_3", "flash")
 
 
-def attention_kind(model) -> str:
-    """The model's attention implementation (``config._attn_implementation``, through DDP's and
-    peft's wrappers): ``sdpa``, ``eager``, ``flash_attention_2``..., or "" when it says none."""
+def model_config(model):
+    """The model's config through DDP's ``module`` and peft's ``base_model`` wrappers (None: none)."""
     config = getattr(model, "config", None)
     for _ in range(8):  # DDP's module, peft's base model
         if config is not None or model is None:
             break
         model = getattr(model, "module", None) or getattr(model, "base_model", None)
         config = getattr(model, "config", None)
-    return str(getattr(config, "_attn_implementation", "") or "")
+    return config
+
+
+def attention_kind(model) -> str:
+    """The model's attention implementation (``config._attn_implementation``, through DDP's and
+    peft's wrappers): ``sdpa``, ``eager``, ``flash_attention_2``..., or "" when it says none."""
+    return str(getattr(model_config(model), "_attn_implementation", "") or "")
 
 
 def varlen_attention(model) -> bool:
