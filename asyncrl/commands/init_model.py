@@ -28,6 +28,9 @@ def init_model(cfg: Config) -> Path:
     print(f"  parameters: {info.get('num_parameters', 0):,}")
     print(f"  warm-start steps: {info.get('steps')}  (built in {info.get('build_seconds')} s; formats: "
           f"{', '.join(formats)})")
+    if made := info.get("built_with"):  # (another machine's kernels build another model: see models/tiny.py)
+        print(f"  built with: {made['cpu_kernels']} CPU kernels, torch {made['torch']}, "
+              f"transformers {made['transformers']}")
     nan = float("nan")
     if "arithmetic" in formats:
         model, tokenizer = load_model(path, "float32", "cpu"), load_tokenizer(path)

@@ -6,6 +6,13 @@ accuracy on held-out two-digit additions reaches ``cfg.target_accuracy``, so tha
 partial accuracy. The stopping test uses the exact expected sampled accuracy (a teacher-forced pass,
 no sampling noise); the saved metadata also records a real sampled and a greedy measurement.
 
+Deterministic on one machine, not across machines: the same config, seed, CPU instruction set and
+torch build give the same weights, but matrix products round differently with AVX-512 and AVX2
+kernels (float64 as well as float32) and the warm start amplifies that into another stopping step
+(here: 425 steps with AVX-512, 530 with AVX2 forced). The metadata records the kernels and library
+versions a build was made with (``built_with``); ``bench/quickstart_spread.py`` measures what that
+does to the quick start.
+
 The result is cached under ``cfg.cache_dir`` in a directory named after a hash of everything that
 determines the weights; a build is written to a temporary directory and renamed into place, under a
 file lock, so concurrent callers never see (or redo) a half-written model.
@@ -201,8 +208,16 @@ def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
     tokenizer.save_pretrained(out)
     info = {"build_version": BUILD_VERSION, "seed": seed, "config": cfg.model_dump(mode="json"),
             "num_parameters": sum(p.numel() for p in model.parameters()),
-            "build_seconds": round(time.perf_counter() - start, 2), **result}
+            "build_seconds": round(time.perf_counter() - start, 2), "built_with": built_with(), **result}
     (out / META_FILE).write_text(json.dumps(info, indent=2))
+
+
+def built_with() -> dict[str, str]:
+    """What else decides a build's weights: the CPU kernels torch dispatches to and the library versions."""
+    import transformers
+
+    return {"cpu_kernels": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 @contextlib.contextmanager

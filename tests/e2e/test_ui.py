@@ -424,6 +424,30 @@ _CHART_LABELS = """[...document.querySelectorAll('.arl-chart')].map(c => [c.data
     (c.querySelector('.arl-chart-span') || {}).textContent, (c.querySelector('.arl-ylabel') || {}).textContent])"""
 
 
+def _check_png_download(browser: Browser, downloads) -> None:
+    """The tokens_per_s chart's PNG link in a real browser: a file is downloaded, a PNG of the chart
+    (twice its on-screen size), with the chart drawn on it (not a blank white image)."""
+    import io
+
+    from PIL import Image
+
+    downloads.mkdir()
+    browser.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
+    size = browser.js("(() => { const s = document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] svg'); "
+                      "return [+s.getAttribute('width'), +s.getAttribute('height')]; })()")
+    browser.js("document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] a.arl-png').click()")
+    out, deadline = downloads / "tokens_per_s.png", time.time() + 120
+    while not (out.exists() and out.stat().st_size > 0 and not list(downloads.glob("*.crdownload"))):
+        assert time.time() < deadline, f"no PNG downloaded in 120 s: {sorted(p.name for p in downloads.iterdir())}"
+        time.sleep(0.2)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:16]
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    assert list(img.size) == [2 * size[0], 2 * size[1]], (img.size, size)
+    colours = img.getcolors(maxcolors=1 << 16) or []
+    assert len(colours) > 3, colours  # the lines, axes and labels, not one flat colour
+
+
 @pytest.mark.slow
 def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
     """Issue 42.7 in a real browser 1400 px wide: smoothing 0.6 by default; two charts a row filling
@@ -459,6 +483,7 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
         browser.js("document.querySelector('input.arl-logy').click()")
         wait_page(browser, lambda d: 'data-metric="tokens_per_s" data-logy="1"' in d, what="a log y axis")
         assert browser.js("document.querySelectorAll('.arl-chart a.arl-png').length") >= 2
+        _check_png_download(browser, tmp_path / "downloads")
         browser.js("document.querySelector('input.arl-logy').click()")  # (back to linear for what follows)
         screenshot(browser, "ui-dashboard.png")
 

@@ -9,6 +9,7 @@ import string
 
 import pytest
 import torch
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from asyncrl.config import Config, EmbeddedModelConfig, ModelConfig
@@ -81,6 +82,8 @@ def test_embedded_model_builds_and_is_cached(tmp_path, monkeypatch):
     info = json.loads((path / tiny.META_FILE).read_text())
     assert info["seed"] == 0 and 1 <= info["steps"] <= 20 and 0 <= info["expected_accuracy"] <= 1
     assert info["num_parameters"] == tiny.count_parameters(cfg)
+    assert info["built_with"] == {"cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # (64.1: what else decides it)
+                                  "torch": torch.__version__, "transformers": transformers.__version__}
     assert [p.name for p in path.parent.iterdir() if not p.name.startswith(".")] == [path.name]
 
     def fail(*a, **k):
@@ -206,6 +209,7 @@ def test_init_model_prints_summary(tmp_path, capsys):
     path = init_model(cfg)
     out = capsys.readouterr().out
     assert str(path) in out and "parameters" in out and "accuracy" in out
+    assert f"built with: {torch.backends.cpu.get_cpu_capability()} CPU kernels, torch {torch.__version__}" in out
 
 
 def test_expected_accuracy_is_the_probability_of_the_exact_answer(tok):
