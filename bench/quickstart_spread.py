@@ -39,7 +39,7 @@ def one_run(run_root: Path, kernels: str, seed: int) -> dict:
            f"model.embedded.cache_dir={cache}"]
     start = time.perf_counter()
     with open(run_root / f"{name}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **KERNELS[kernels]},
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **KERNELS[kernels], "PYTHONPATH": str(ROOT)},
                               cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); see {run_root / (name + '.log')}")
