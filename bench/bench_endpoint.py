@@ -175,8 +175,8 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     from asyncrl.config import SamplingConfig, load_config
     from asyncrl.engine.hf import HFEngine
     from asyncrl.envs.agent import _ClientPool
-    from asyncrl.envs.endpoint import Endpoint
-    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.endpoint.core import Endpoint
+    from asyncrl.prompts import render_tokens
     from asyncrl.models.loading import load_policy
 
     torch.set_num_threads(args.threads)

@@ -45,7 +45,7 @@ def engine_only(rounds: int, seed: int = 0) -> list[tuple[float, float]]:
     from asyncrl.engine.hf import HFEngine
     from asyncrl.envs.tasks import task_stream
     from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path
-    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.prompts import render_tokens
 
     sys.path.insert(0, str(ROOT))  # examples.longtail
     torch.set_num_threads(1)

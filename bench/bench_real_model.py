@@ -51,7 +51,7 @@ def _cfg(overrides=()):
 
 
 def _prompts(cfg, tokenizer, n: int) -> list[list[int]]:
-    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.prompts import render_tokens
     from asyncrl.envs.tasks import task_stream
 
     stream = task_stream(cfg.tasks, cfg.seed)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.envs.sandbox import SandboxLimits, isolation_problem, run_python
+from asyncrl.sandbox.python import SandboxLimits, isolation_problem, run_python
 
 PROGRAM = "def f(xs):\n    return sorted(xs)[::-1]\nprint(repr(f([3, 1, 2])))"
 

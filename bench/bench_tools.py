@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/ holds the taskset)
 
-from asyncrl.envs.tool_sandbox import ToolSandbox  # noqa: E402
+from asyncrl.sandbox.tools import ToolSandbox  # noqa: E402
 from asyncrl.envs.verifiers_env import load_taskset  # noqa: E402
 
 

@@ -105,7 +105,7 @@ def trl_worker(args) -> None:
     from asyncrl.envs.base import get_reward_fn, scores_from
     from asyncrl.envs.tasks import task_stream
     from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path
-    from asyncrl.envs.prompts import render_tokens
+    from asyncrl.prompts import render_tokens
 
     cfg = _cfg(args)
     torch.manual_seed(cfg.seed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from asyncrl.envs.arithmetic import arithmetic_reward
-from asyncrl.envs.safe_arith import ArithLimits, evaluate_expression
+from asyncrl.sandbox.arith import ArithLimits, evaluate_expression
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression (+, -, *).",

@@ -83,7 +83,7 @@ def _check_lora(cfg: Config) -> None:
 
 
 def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
-    from ..envs.prompts import render_tokens, set_prompt_format
+    from ..prompts import render_tokens, set_prompt_format
 
     tokenizer, context, where = _tokenizer_and_context(cfg)
     set_prompt_format(tokenizer, cfg.tasks.prompt_format, where=where)

@@ -6,7 +6,7 @@ keyword arguments it names among:
 
 - ``task``: the :class:`asyncrl.types.Task` (``task.prompt`` messages, ``task.answer``, ``metadata``);
 - ``client``: an ``openai.OpenAI`` client (``openai.AsyncOpenAI`` for an async function) whose base URL
-  is this rollout's endpoint session (:mod:`asyncrl.envs.endpoint`); it connects through the endpoint's
+  is this rollout's endpoint session (:mod:`asyncrl.endpoint.core`); it connects through the endpoint's
   private Unix socket, which another local user can neither reach nor fill;
 - ``base_url``, ``api_key``, ``model``: the same, for code that builds its own client (over TCP on
   loopback: the session's secret in the URL guards it, but another local user can take up its
@@ -39,7 +39,7 @@ from ..config import ConfigError
 from .guard import EnvFailure, ScoresError, stopping, validate_scores
 from ..plugins import resolve_import
 from ..types import Task
-from .endpoint import Endpoint, EndpointError, Session, tool_parser as make_tool_parser
+from ..endpoint.core import Endpoint, EndpointError, Session, tool_parser as make_tool_parser
 
 AGENT_ARGS = ("task", "client", "base_url", "api_key", "model")
 DEFAULT_MODEL_NAME = "policy"
@@ -287,7 +287,7 @@ def _context_tokens(engine) -> int | None:
 
 class _ClientPool:
     """``openai`` clients lent to rollouts, one rollout at a time each, so that each rollout has a
-    connection pool of its own; they speak HTTP through :mod:`asyncrl.envs.loopback_http`. One client
+    connection pool of its own; they speak HTTP through :mod:`asyncrl.endpoint.client`. One client
     shared by every rollout is far slower: httpcore matches each request against every connection of
     its pool (checking each socket): with 64 rollouts calling at once, ``bench/bench_endpoint.py
     --per-call`` measured 8.2-10.3 ms a call on threads and 30 ms with ``AsyncOpenAI``, against
@@ -306,7 +306,7 @@ class _ClientPool:
                 return free.pop()
         import openai
 
-        from .loopback_http import AsyncLoopbackTransport, LoopbackTransport
+        from ..endpoint.client import AsyncLoopbackTransport, LoopbackTransport
 
         is_async, timeout, uds = key
         cls, http, transport = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient, AsyncLoopbackTransport)

@@ -11,7 +11,7 @@ final answer, scored by the reward function (``env.reward``). A conversation tha
 
 With ``tool_prefix: ""`` every reply before the budget is spent is a calculator call: each episode
 then has exactly ``max_calls + 1`` assistant turns (useful to exercise multi-turn training with any
-model). Expressions are evaluated by the safe evaluator (``asyncrl.envs.safe_arith``), never ``eval``.
+model). Expressions are evaluated by the safe evaluator (``asyncrl.sandbox.arith``), never ``eval``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..types import Task
-from .safe_arith import ArithLimits, evaluate_expression
+from ..sandbox.arith import ArithLimits, evaluate_expression
 
 DEFAULT_PREFIX = "calc:"
 

@@ -11,7 +11,7 @@ verifiers environment package, as ``vf-eval`` takes it), ``config`` (its ``Tasks
 - **Rollouts** run through the actor's OpenAI-compatible endpoint, with asyncrl's exact token
   bookkeeping: a chat loop with the ``openai`` client that offers the tools of the task's toolsets
   (``Task.toolsets``, methods marked ``@vf.tool``) and runs every tool call the model makes in the
-  bubblewrap sandbox (:mod:`asyncrl.envs.tool_sandbox`: never in the actor's process), until a
+  bubblewrap sandbox (:mod:`asyncrl.sandbox.tools`: never in the actor's process), until a
   reply without tool calls or ``env.max_turns`` model calls. Multi-turn tool use is one trajectory
   (each call extends the last). A toolset that asks for another runtime than verifiers'
   ``subprocess`` (docker, e2b, modal, ...) or an external server is refused at start, in one line;
@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..plugins import resolve_import
 from ..types import Task
 from .agent import DEFAULT_MODEL_NAME, AgentEnv
-from .tool_sandbox import ToolSandbox, check_toolsets
+from ..sandbox.tools import ToolSandbox, check_toolsets
 
 DEFAULT_SIZE = 10_000
 

@@ -12,7 +12,7 @@ transformers.utils.logging.disable_progress_bar()  # per-process "Loading weight
 
 from ..config import ModelConfig
 from ..plugins import local_hub_snapshot
-from ..envs.prompts import set_prompt_format
+from ..prompts import set_prompt_format
 from .dtypes import DTYPE_KW, TORCH_DTYPES
 from .tiny import build_embedded_model
 
@@ -78,7 +78,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
 def load_tokenizer(path: str | Path, prompt_format: str = "auto"):
     """The tokenizer in ``path``; without a pad token it gets its EOS token as pad. ``prompt_format``
-    (``tasks.prompt_format``) decides how prompts are rendered for it (``asyncrl.envs.prompts``)."""
+    (``tasks.prompt_format``) decides how prompts are rendered for it (``asyncrl.prompts``)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -50,7 +50,7 @@ from ..rundir.layout import replace_dir
 from ..plugins import resolve_import
 from ..registry import Registry
 from ..types import Task
-from ..envs.prompts import render_tokens, set_prompt_format
+from ..prompts import render_tokens, set_prompt_format
 from .tokenizer import build_char_tokenizer
 
 BUILD_VERSION = 2  # bump when the build procedure changes: it is part of the cache key

@@ -3,7 +3,7 @@
 Token ids are accumulated turn by turn rather than re-tokenising the transcript, so the learner
 trains on exactly the tokens the engine sampled. Generated tokens get ``loss_mask = 1`` and their
 behaviour log-probs; prompt tokens and environment turns get 0.
-Prompts are rendered by ``asyncrl.envs.prompts`` (chat template or plain text).
+Prompts are rendered by ``asyncrl.prompts`` (chat template or plain text).
 Each token also records the policy version that generated it (-1 for tokens it did not generate), so
 that a row made across an in-flight weight update carries per-token versions (``types.row_versions``).
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..envs.base import Environment
 from ..envs.guard import EnvFailure
-from ..envs.prompts import delta_tokens, render_tokens
+from ..prompts import delta_tokens, render_tokens
 from ..engine.base import token_versions
 from ..types import Task, Trajectory, new_id, row_versions
 

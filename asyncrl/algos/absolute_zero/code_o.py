@@ -29,7 +29,7 @@ import ast
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from ...envs.sandbox import SandboxLimits, run_python
+from ...sandbox.python import SandboxLimits, run_python
 from ...types import Task
 from .domains import Domain, Message, Proposal, Scored, last_reply, register_domain, seed_text
 

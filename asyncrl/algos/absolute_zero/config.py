@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ...envs.judge import JudgeConfig
-from ...envs.safe_arith import ArithLimits
-from ...envs.sandbox import SandboxLimits, isolation_problem, isolation_warning
+from ...sandbox.arith import ArithLimits
+from ...sandbox.python import SandboxLimits, isolation_problem, isolation_warning
 from . import code_o as _code_o  # noqa: F401  (registers the domain)
 from . import harm as _harm  # noqa: F401  (registers the domain)
 from .filter import (Dimension)

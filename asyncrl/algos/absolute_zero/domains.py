@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ...envs.base import StepResult
 from ...registry import Registry
-from ...envs.safe_arith import ArithLimits, evaluate_expression, parse_int_reply
+from ...sandbox.arith import ArithLimits, evaluate_expression, parse_int_reply
 from ...types import Task
 
 Message = dict[str, str]
@@ -110,7 +110,7 @@ class ArithmeticDomain(Domain):
     """Integer arithmetic self-play for the embedded model.
 
     Proposer: ``propose:12+34`` -> an expression such as ``37+45``; the safe evaluator
-    (:mod:`asyncrl.envs.safe_arith`) checks it and computes the answer; the solver sees ``37+45=``,
+    (:mod:`asyncrl.sandbox.arith`) checks it and computes the answer; the solver sees ``37+45=``,
     the format the tiny model was warm-started on. The reference design's dimensions (docs/absolute_zero.md) map to:
 
     - ``completion``: 1 if the reply is exactly the right integer (the task is done), else 0;

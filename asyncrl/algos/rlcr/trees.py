@@ -10,7 +10,7 @@ import torch
 from ...objectives.advantages import ADV_ESTIMATORS
 from ...engine.base import Generation
 from ...envs.answer_checks import verify
-from ...envs.prompts import delta_tokens, render_tokens
+from ...prompts import delta_tokens, render_tokens
 from ...types import Task, Trajectory, row_versions
 from .config import RLCRConfig
 from .parsing import Parsed, brier_reward, parse_answer, parse_confidence, span_mask

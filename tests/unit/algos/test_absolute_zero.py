@@ -14,7 +14,7 @@ from asyncrl.algos.absolute_zero.filter import (ALL_LEARNABLE, MIXED, NONE_LEARN
                                       group_status, proposer_rewards, sample_question, solver_reward)
 from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.envs.safe_arith import evaluate_expression
+from asyncrl.sandbox.arith import evaluate_expression
 from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Episode, Task

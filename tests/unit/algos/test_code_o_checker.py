@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.algos.absolute_zero.code_o import CodeOutputDomain, same_output
-from asyncrl.envs.sandbox import SandboxLimits
+from asyncrl.sandbox.python import SandboxLimits
 from asyncrl.types import Task
 
 

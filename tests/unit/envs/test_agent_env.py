@@ -1,4 +1,4 @@
-"""env.type=agent: agent code over the actor's OpenAI-compatible endpoint (asyncrl.envs.endpoint),
+"""env.type=agent: agent code over the actor's OpenAI-compatible endpoint (asyncrl.endpoint.core),
 with the real HF engine, real loopback HTTP and the real ``openai`` client."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from asyncrl.config import ConfigError, SamplingConfig, load_config
 from asyncrl.envs.base import make_env
-from asyncrl.envs.prompts import render_tokens
-from asyncrl.envs.endpoint import Endpoint, parse_hermes
+from asyncrl.prompts import render_tokens
+from asyncrl.endpoint.core import Endpoint, parse_hermes
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
 
@@ -288,7 +288,7 @@ def test_endpoint_limits_headers_connections_and_idle_readers(random_engine, tok
     slow-loris connections held a thread each for ever, and every reset connection printed a
     traceback. Now: a valid, bounded Content-Length (400/411/413), a cap on connections (503 past
     it), a read timeout, and one line per reset connection (the first three, then every 100th)."""
-    import asyncrl.envs.endpoint as endpoint_mod
+    import asyncrl.endpoint.core as endpoint_mod
 
     monkeypatch.setattr(endpoint_mod, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import load_config
 from asyncrl.envs.base import make_env
-from asyncrl.envs.prompts import render_tokens, set_prompt_format
+from asyncrl.prompts import render_tokens, set_prompt_format
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
 

@@ -19,8 +19,8 @@ from tests.conftest import ROOT
 PACKAGES = ("asyncrl", "app")
 
 # The code that runs in an actor process: it must never need the learner's code.
-ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.envs", "asyncrl.objectives",
-              "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
+ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.endpoint", "asyncrl.envs",
+              "asyncrl.sandbox", "asyncrl.prompts", "asyncrl.objectives", "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
 
 # An algorithm's tab in the UI (app.kit.AlgorithmView): its package's top floor, loaded by path by the UI
 # alone; it may read the run analysis and the UI's toolkit, and nothing imports it.
@@ -352,10 +352,11 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
 # top-level package or module of asyncrl (``app`` is one room; an algorithm's UI tab is a room of its own).
 FLOORS = [
     ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names"),
-    ("asyncrl.plugins", "asyncrl.wire"),
+    ("asyncrl.plugins", "asyncrl.wire", "asyncrl.prompts", "asyncrl.sandbox"),
     ("asyncrl.registry", "asyncrl.rundir"),
     ("asyncrl.schedulers", "asyncrl.sync", "asyncrl.objectives"),
     ("asyncrl.engine",),
+    ("asyncrl.endpoint",),
     ("asyncrl.envs",),
     ("asyncrl.models",),
     ("asyncrl.rollout",),
@@ -488,7 +489,7 @@ def test_the_new_rules_fail_on_a_tree_that_breaks_them(tmp_path):
     graph = import_graph(tmp_path)
     assert floor_violations(graph) == [
         "asyncrl.envs.tasks -> asyncrl.rollout.verifiers_env: an import of a room on a higher floor "
-        "(asyncrl.rollout, floor 8; asyncrl.envs is on floor 6)"]
+        "(asyncrl.rollout, floor 9; asyncrl.envs is on floor 7)"]
     assert foreign_string_registrations(tmp_path) == [
         "asyncrl.envs.base:1 registers 'asyncrl.rollout.agent:AgentEnv', outside its room asyncrl.envs"]
     assert long_functions(tmp_path) == ["asyncrl.rollout.agent:1 g: 62 lines (at most 60)"]

@@ -11,7 +11,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.envs.prompts import delta_tokens, prompt_format, render_tokens, set_prompt_format
+from asyncrl.prompts import delta_tokens, prompt_format, render_tokens, set_prompt_format
 from asyncrl.models.tokenizer import BOS, build_char_tokenizer
 
 from tests.conftest import read_jsonl, run_cli

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.envs.prompts import delta_tokens, render_tokens
+from asyncrl.prompts import delta_tokens, render_tokens
 from asyncrl.models import gguf as gguf_models
 from asyncrl.models.gguf import PRESETS, SOURCE_FILE, converted_dir, preset_file
 from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path

@@ -16,7 +16,7 @@ from asyncrl.config import Config, EmbeddedModelConfig, ModelConfig
 from asyncrl.models import tiny
 from asyncrl.commands.init_model import init_model
 from asyncrl.models.loading import load_policy, load_tokenizer
-from asyncrl.envs.prompts import prompt_format, render_tokens, set_prompt_format
+from asyncrl.prompts import prompt_format, render_tokens, set_prompt_format
 from asyncrl.models.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..config import ConfigError
+from .config import ConfigError
 
 PROMPT_FORMATS = ("auto", "chat", "raw")
 _FORMATS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()

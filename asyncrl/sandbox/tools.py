@@ -4,7 +4,7 @@ A verifiers ``Toolset`` (``env.type=verifiers``) is the environment author's cod
 called, and with which arguments, is the model's choice: a ``read_file`` or ``run`` tool called by a
 policy being trained is hostile input. So no tool runs in the actor's process. One
 :class:`ToolSandbox` per task class and task config keeps a Python worker under bubblewrap
-(:mod:`asyncrl.envs.bwrap`: new user, PID, network, IPC and mount namespaces, uid 65534, no
+(:mod:`asyncrl.sandbox.bwrap`: new user, PID, network, IPC and mount namespaces, uid 65534, no
 network, a read-only view of the Python install, its packages and the task's own package, a
 private ``/tmp``, an empty environment) that builds the task's toolsets once and answers calls as
 JSON lines; the actor's files, home directory, run directory and sockets are not there.

@@ -1,4 +1,4 @@
-"""The rollout endpoint on its ASGI server (asyncrl.envs.endpoint, .endpoint_server, .responses_api):
+"""The rollout endpoint on its ASGI server (asyncrl.endpoint: .core, .server, .responses):
 streaming and the Responses API with exact token ids and log-probs, sessions kept apart, a thousand
 sessions at once, limits under load, and a rollout of several rows counted once in its group. Real
 uvicorn on loopback, the real ``openai`` client, the real HF engine."""
@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import AdvantageConfig, SamplingConfig, load_config
 from asyncrl.envs.base import make_env
-from asyncrl.envs.endpoint import Endpoint
+from asyncrl.endpoint.core import Endpoint
 from asyncrl.learner.training.batch_stats import batch_metrics
 from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
@@ -340,7 +340,7 @@ def test_a_batch_waits_for_agents_yet_to_call(random_engine, tok, monkeypatch):
     """With a fixed 20 ms linger, a batch went with the first calls when the others' arrival paused
     (their clients share the process), and the rest waited a whole generation more. The linger now
     grows with the share of agents yet to call and with what a batch costs the engine."""
-    import asyncrl.envs.endpoint as endpoint_mod
+    import asyncrl.endpoint.core as endpoint_mod
 
     ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=2), random_engine.eos_ids, None, request_timeout_s=60)
     try:
@@ -376,7 +376,7 @@ def test_a_call_not_answered_in_time_gets_408(random_engine, tok, monkeypatch):
     """Every call's deadline is kept on one timer of the server's loop (a timer per call cost the
     server more than the rest of a call): calls nobody generates are answered 408 after their own
     timeout, later calls are still served, and a kept-alive connection left idle is closed."""
-    import asyncrl.envs.endpoint as endpoint_mod
+    import asyncrl.endpoint.core as endpoint_mod
 
     monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)
     ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=2), random_engine.eos_ids, None, request_timeout_s=1.0)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from asyncrl.envs.safe_arith import ArithLimits, evaluate_expression, parse_int_reply
+from asyncrl.sandbox.arith import ArithLimits, evaluate_expression, parse_int_reply
 
 
 @pytest.mark.parametrize("text,value", [

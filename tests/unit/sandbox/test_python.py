@@ -1,5 +1,5 @@
 """The code_o sandbox: good programs run; hostile ones are stopped with a reason, by the static
-check and, with the static check switched off, by the run-time layers alone (tests/unit/envs/test_sandbox_hostile.py
+check and, with the static check switched off, by the run-time layers alone (tests/unit/sandbox/test_python_hostile.py
 has the attacks that undo the Python-level layers)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from asyncrl.envs.sandbox import SandboxLimits, check_code, isolation_problem, run_python
+from asyncrl.sandbox.python import SandboxLimits, check_code, isolation_problem, run_python
 
 pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
 

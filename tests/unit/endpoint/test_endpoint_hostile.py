@@ -18,9 +18,9 @@ import time
 import httpx
 import pytest
 
-import asyncrl.envs.endpoint as endpoint_mod
+import asyncrl.endpoint.core as endpoint_mod
 from asyncrl.envs.agent import _context_tokens
-from asyncrl.envs.loopback_http import LoopbackTransport
+from asyncrl.endpoint.client import LoopbackTransport
 
 from tests.conftest import ROOT, subprocess_env
 

@@ -16,9 +16,9 @@ What it records, per rollout (a :class:`Session`), is what the learner trains on
   into one trajectory (environment tokens ``loss_mask = 0``, generated tokens ``1``). A call that
   extends nothing starts a new trajectory (a :class:`Segment`).
 
-The server is uvicorn on an event loop thread of its own (:mod:`.endpoint_server`): HTTP/1.1 with
+The server is uvicorn on an event loop thread of its own (:mod:`.server`): HTTP/1.1 with
 keep-alive, ``/v1/chat/completions`` and ``/v1/completions`` (``stream: true`` as server-sent events in
-OpenAI's chunk format), ``/v1/responses`` (:mod:`.responses_api`) and ``/v1/models``. Requests are
+OpenAI's chunk format), ``/v1/responses`` (:mod:`.responses`) and ``/v1/models``. Requests are
 answered in batches: the rollout's thread (the one that owns the engine) waits until every running
 agent is blocked on a call (or a short linger passed) and generates them together. Answers carry the
 sampled ids (``token_ids``, ``prompt_token_ids``) and, when asked (``logprobs``), the engine's
@@ -54,9 +54,9 @@ import msgspec
 
 from ..config import ConfigError, SamplingConfig
 from ..engine.base import token_versions
-from . import responses_api
-from .endpoint_server import Server, decode_json, fresh_id, read_body, send_events, send_json
-from .prompts import delta_tokens, prompt_format, render_tokens
+from . import responses
+from .server import Server, decode_json, fresh_id, read_body, send_events, send_json
+from ..prompts import delta_tokens, prompt_format, render_tokens
 from ..plugins import resolve_import
 
 MAX_BODY_BYTES = 8 << 20
@@ -545,7 +545,7 @@ class Endpoint:
         n, max_tokens, stop = _sampling_args(body, kind, self.sampling.max_new_tokens)
         cap = self.sampling.max_new_tokens
         if kind == "responses":
-            tools = responses_api.chat_tools(body.get("tools"), EndpointError)
+            tools = responses.chat_tools(body.get("tools"), EndpointError)
         else:
             tools = body.get("tools") or None
             if tools is not None and not isinstance(tools, list):
@@ -562,7 +562,7 @@ class Endpoint:
                 history = self._responses_messages(s, body)
                 call = self._chat_call(s, history, tools)
                 call.body, call.history = body, history
-                call.logprobs = responses_api.LOGPROBS_INCLUDE in (body.get("include") or [])
+                call.logprobs = responses.LOGPROBS_INCLUDE in (body.get("include") or [])
             elif kind == "chat":
                 call = self._chat_call(s, body.get("messages"), tools)
                 call.logprobs = bool(body.get("logprobs"))
@@ -598,7 +598,7 @@ class Endpoint:
                 raise EndpointError(404, "previous_response_not_found", f"previous_response_id {str(prev_id)[:60]!r} "
                                                                         f"is not a response of this episode (the last "
                                                                         f"{MAX_RESPONSES} are kept)")
-        return responses_api.chat_messages(body, previous, EndpointError)
+        return responses.chat_messages(body, previous, EndpointError)
 
     def _chat_call(self, s: Session, raw_messages: Any, tools) -> Call:
         messages = normalize_messages(raw_messages)
@@ -668,7 +668,7 @@ class Endpoint:
         """The answer to a finished call, in its route's shape."""
         if c.kind == "responses":
             rid = fresh_id("resp_")
-            resp, reply = responses_api.response_body(c, c.generations[0], self.parse_tools, self.model_name, c.body,
+            resp, reply = responses.response_body(c, c.generations[0], self.parse_tools, self.model_name, c.body,
                                                       self._logprob_items if c.logprobs else None, rid)
             s = c.session
             with s.lock:
@@ -700,7 +700,7 @@ class Endpoint:
         generated whole before its events are sent."""
         resp = self.response(c)
         if c.kind == "responses":
-            return responses_api.stream_events(resp)
+            return responses.stream_events(resp)
         chat = c.kind == "chat"
         head = {"id": resp["id"], "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": resp["created"], "model": self.model_name}
@@ -798,7 +798,7 @@ def _route(path: str) -> tuple[str, str]:
 
 
 class _App:
-    """The ASGI application of an endpoint (served by :class:`asyncrl.envs.endpoint_server.Server`)."""
+    """The ASGI application of an endpoint (served by :class:`asyncrl.endpoint.server.Server`)."""
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.envs.base import make_env
-from asyncrl.envs.bwrap import SANDBOX_ID, unavailable
+from asyncrl.sandbox.bwrap import SANDBOX_ID, unavailable
 
 from tests.conftest import alive, descendants
 
@@ -138,7 +138,7 @@ def test_a_taskset_under_the_hosts_tmp_is_seen_in_the_sandbox(tmp_path, monkeypa
     from tmp_tasks_pkg.mod import EchoTask
     from verifiers.v1.configs.task import TaskConfig
 
-    from asyncrl.envs.tool_sandbox import ToolSandbox
+    from asyncrl.sandbox.tools import ToolSandbox
 
     sandbox = ToolSandbox(EchoTask, TaskConfig())
     try:

@@ -23,7 +23,7 @@ WITHOUT_BWRAP = r"""
 import json
 from asyncrl.rollout import get_workflow
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.envs.sandbox import SandboxLimits, isolation_problem, run_python
+from asyncrl.sandbox.python import SandboxLimits, isolation_problem, run_python
 out = {"problem": isolation_problem(SandboxLimits()),
        "run": run_python("print(1)").reason,
        "none_ok": run_python("print(1)", SandboxLimits(isolation="none")).output}
@@ -93,8 +93,8 @@ def test_the_learner_logs_the_warning_and_the_ui_shows_it(tmp_path, tiny_overrid
 
 
 def test_bwrap_probe_result_is_reused():
-    from asyncrl.envs import bwrap
-    from asyncrl.envs.sandbox import ALLOWED_IMPORTS
+    from asyncrl.sandbox import bwrap
+    from asyncrl.sandbox.python import ALLOWED_IMPORTS
 
     first = bwrap.probe(ALLOWED_IMPORTS)
     assert bwrap.probe(ALLOWED_IMPORTS) is first  # probed once per process

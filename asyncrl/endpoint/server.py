@@ -1,12 +1,12 @@
 """The endpoint's HTTP side: an ASGI application served by uvicorn on one event loop thread.
 
-One server per process (per :class:`asyncrl.envs.endpoint.Endpoint`), on loopback, HTTP/1.1 with
+One server per process (per :class:`asyncrl.endpoint.core.Endpoint`), on loopback, HTTP/1.1 with
 keep-alive; httptools parses requests where it is installed (h11 otherwise). Routes, under each
 session's base URL ``/s/<secret>/v1``:
 
 - ``POST /chat/completions``, ``POST /completions``: OpenAI's shapes, ``stream: true`` as server-sent
   events in OpenAI's chunk format (``stream_options.include_usage`` adds the usage chunk at the end);
-- ``POST /responses``: the Responses API (:mod:`asyncrl.envs.responses_api`), streamed as its typed
+- ``POST /responses``: the Responses API (:mod:`asyncrl.endpoint.responses`), streamed as its typed
   events with ``stream: true``;
 - ``GET /models``.
 
@@ -14,7 +14,7 @@ A request's handler submits its call to the endpoint's queue and awaits it: the 
 (which owns the engine) generates calls in batches and resolves them (one wake-up of this loop per
 batch). Nothing here blocks that thread: a slow client only slows its own connection.
 
-Limits (:mod:`asyncrl.envs.endpoint`'s constants, read when a server starts): a request body of at most ``MAX_BODY_BYTES``
+Limits (:mod:`asyncrl.endpoint.core`'s constants, read when a server starts): a request body of at most ``MAX_BODY_BYTES``
 with a valid Content-Length (411/400/413 otherwise, and the connection closed); a request head of at
 most ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` header lines (431 and closed past either, before more of
 it is buffered); at most ``MAX_CONNECTIONS`` connections at once on each of the two sockets (one past

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from asyncrl.envs.sandbox import SandboxLimits, run_python
+from asyncrl.sandbox.python import SandboxLimits, run_python
 
 WAIT_S = 20.0  # generous deadline for conditions on a loaded machine
 LINGER_S = 0.5  # how long a gathered request waits for a request beyond the cap

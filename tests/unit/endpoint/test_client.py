@@ -1,4 +1,4 @@
-"""The transport of the clients lent to agent rollouts (asyncrl.envs.loopback_http): the real
+"""The transport of the clients lent to agent rollouts (asyncrl.endpoint.client): the real
 ``openai`` clients (sync and async) over it against the real endpoint (uvicorn, HF engine), streamed
 and whole answers, connections the server closed while idle, and peers that fail (a closed
 connection, silence, a refused port), each reported as httpx reports them."""
@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from asyncrl.envs.loopback_http import AsyncLoopbackTransport, LoopbackTransport
+from asyncrl.endpoint.client import AsyncLoopbackTransport, LoopbackTransport
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
@@ -22,7 +22,7 @@ MESSAGES = [{"role": "user", "content": "1+1="}]
 
 @pytest.fixture
 def endpoint(serving, monkeypatch):
-    import asyncrl.envs.endpoint as endpoint_mod
+    import asyncrl.endpoint.core as endpoint_mod
 
     monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)  # idle connections closed after 1 s
     return serving(max_new_tokens=6)
@@ -52,7 +52,7 @@ def test_sync_client_whole_and_streamed_answers_and_a_connection_closed_while_id
     origin = ("127.0.0.1", endpoint.port)
     assert len(transport.idle[origin]) == 1  # one kept-alive connection served both calls
     sock = transport.idle[origin][0]
-    from asyncrl.envs.loopback_http import _stale
+    from asyncrl.endpoint.client import _stale
 
     _wait_closed_by_server(lambda: _stale(sock), "connection")
     again = c.chat.completions.create(model="policy", messages=MESSAGES)  # on a new connection
