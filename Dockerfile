@@ -6,7 +6,7 @@ FROM python:3.11-slim
 # or sandbox.isolation: remote).
 RUN apt-get update && apt-get install -y --no-install-recommends make bubblewrap && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/asyncrl
-COPY pyproject.toml Makefile README.md ./
+COPY pyproject.toml setup.py Makefile README.md ./
 COPY requirements ./requirements
 COPY asyncrl ./asyncrl
 COPY app ./app

@@ -17,7 +17,7 @@ CPU_LOCK := requirements/cpu.lock
 TEST_LOCK := requirements/test.lock
 GPU_LOCK := requirements/gpu.lock
 LOCK := $(if $(filter $(TEST_VENV),$(VENV)),$(TEST_LOCK),$(CPU_LOCK))
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py $(LOCK) | cksum | cut -d" " -f1)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip's own lines that say what it is doing (the rest of its output is noise)
@@ -25,7 +25,7 @@ PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Succe
 
 .PHONY: setup lock vllm browser bwrap slurm demo test test-here test-fast bench clean notebook
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml setup.py $(LOCK)
 	@echo "[setup] $(VENV): Python packages from $(LOCK) (the first time: a few minutes, torch and ray are the big ones)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -1,5 +1,5 @@
 """The command-line options of the UI, defined once: ``asyncrl ui`` (:mod:`asyncrl.commands.cli`) and
-``python -m app.main`` both build their parser with :func:`add_ui_arguments`."""
+``python -m asyncrl.app.main`` both build their parser with :func:`add_ui_arguments`."""
 
 from __future__ import annotations
 
@@ -22,5 +22,5 @@ def add_ui_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def parse_ui_args(argv: list[str]) -> argparse.Namespace:
-    """``python -m app.main ARGS``: the options of ``asyncrl ui``."""
+    """``python -m asyncrl.app.main ARGS``: the options of ``asyncrl ui``."""
     return add_ui_arguments(argparse.ArgumentParser(prog="asyncrl ui")).parse_args(argv)

@@ -170,7 +170,7 @@ def _launch(demo, args, auth, port: int) -> str | None:
 
 
 def main(args=None) -> int:
-    """Entry point of ``asyncrl ui`` (``args`` from its parser) or ``python -m app.main ARGS``."""
+    """Entry point of ``asyncrl ui`` (``args`` from its parser) or ``python -m asyncrl.app.main ARGS``."""
     if args is None or isinstance(args, list):
         from .args import parse_ui_args
 

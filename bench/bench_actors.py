@@ -283,7 +283,7 @@ def run_hosts(n_actors: int, seconds: float, heartbeat: float, workdir: Path, n_
     """The learner on namespace host 0 (its own address, CURVE keys), and on each of ``n_hosts``
     more hosts a relay (``asyncrl relay``, its own CURVE key) and a simulator process whose actors
     (spread evenly over the hosts, each with its own CURVE key) subscribe to that host's relay."""
-    from tests.netns import Hosts, available
+    from asyncrl.testing.netns import Hosts, available
 
     why = available()
     if why:

@@ -30,7 +30,7 @@ import zmq
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from tests.peer_attacks import (LiveRun, ScriptedActor, connect, crafted, episode_frames, frames,  # noqa: E402
+from asyncrl.testing.peer_attacks import (LiveRun, ScriptedActor, connect, crafted, episode_frames, frames,  # noqa: E402
                                 small_disk)
 
 TINY = ["model.embedded.hidden_size=32", "model.embedded.num_layers=1", "model.embedded.num_heads=2",

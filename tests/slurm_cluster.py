@@ -2,7 +2,7 @@
 root from a private directory (their own key, socket, ports, state and logs; nothing in /etc is
 touched) and stopped with every process they started, also when a test fails.
 
-One node on this machine's loopback by default. Given namespace hosts (``tests/netns.py``), a cluster
+One node on this machine's loopback by default. Given namespace hosts (``asyncrl/testing/netns.py``), a cluster
 across them: slurmctld on host 0 and one slurmd on each other host, node ``n<i>`` at host ``i``'s
 address, each with its own spool, pid file and log (``%n`` in slurm.conf); munge's socket is a file
 that every host sees. Commands (``run``) then run on host 0, the controller's."""

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.args import add_ui_arguments
+from asyncrl.app.args import add_ui_arguments
 
 from ..config import ConfigError, load_config
 from ..wire.sockets import WireSecurityError
@@ -318,7 +318,7 @@ def cmd_replay(args) -> int:
 
 def cmd_ui(args) -> int:
     try:
-        from app.main import main as ui_main
+        from asyncrl.app.main import main as ui_main
     except ImportError as e:
         raise SystemExit(f"asyncrl ui: the app is not available ({e})") from None
     return ui_main(args)

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from app.kit import fmt
+from asyncrl.app.kit import fmt
 from asyncrl.analysis import load_run
 
 from tests._ui_runs import screenshot, ui_in_browser, visible_text, wait_page

@@ -1,6 +1,6 @@
 """Peers that misbehave (issue 19 items 2, 6-12): attacks on a live learner over loopback.
 
-Every test starts real ``asyncrl`` processes (``tests.peer_attacks.LiveRun``), attacks them with
+Every test starts real ``asyncrl`` processes (``asyncrl.testing.peer_attacks.LiveRun``), attacks them with
 frames built by hand, and checks that the learner keeps training, that what it acknowledged is
 trained (episode ids counted), and that its reports stay small. Waits are on conditions with
 generous deadlines; every process is stopped in a ``finally``.
@@ -22,7 +22,7 @@ from asyncrl.wire.codec import SCHEMA_VERSION, decode, decode_episode, encode_ms
 from asyncrl.wire.sockets import make_curve_keys
 
 from tests.conftest import kill_tree, run_cli, start_cli
-from tests.peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
+from asyncrl.testing.peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
 from tests.conftest import SMALL_RUN as COMMON, initial_weights as _initial_weights
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Past one machine, on hosts made of network namespaces (``tests/netns.py``): each host has its own
+"""Past one machine, on hosts made of network namespaces (``asyncrl/testing/netns.py``): each host has its own
 interface and address, and the processes on different hosts meet only over the veths.
 
 - A learner group across two hosts: the tests' step worker as rank 0 on one host and rank 1 on
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from asyncrl.wire.sockets import make_curve_keys
 
-from tests import netns
+from asyncrl.testing import netns
 from tests.conftest import ROOT, read_jsonl, subprocess_env
 from tests.dist_step_worker import assert_matches, one_step
 

@@ -27,7 +27,7 @@ from asyncrl.wire.messages import Hello, Status, Subscribe
 from asyncrl.wire.sockets import WireSecurityError, make_curve_keys
 
 from tests.conftest import ROOT, subprocess_env
-from tests.peer_attacks import LiveRun
+from asyncrl.testing.peer_attacks import LiveRun
 from tests.conftest import SMALL_RUN as COMMON
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another local user needs root (setuid)")

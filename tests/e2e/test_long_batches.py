@@ -1,7 +1,7 @@
 """Real models make slow batches and slow steps (issue 61): a batch that takes minutes keeps its
 credits, and a stop in the middle of a long step keeps the steps done before it.
 
-Real ``asyncrl`` processes on loopback (``tests.peer_attacks.LiveRun``); the actor's engine is the real
+Real ``asyncrl`` processes on loopback (``asyncrl.testing.peer_attacks.LiveRun``); the actor's engine is the real
 HF engine on a model whose forward passes are slowed down (``tests.plugins_for_tests:slow_hf_engine``),
 so a batch takes five times ``wire.credit_timeout_s`` while its tokens come one step at a time."""
 
@@ -18,7 +18,7 @@ from asyncrl.rundir.record_file import read_frame_records
 from asyncrl.wire.codec import decode, decode_episode
 
 from tests.conftest import (ROOT, SMALL_RUN, cli, descendants, kill_tree, read_jsonl, run_cli, subprocess_env)
-from tests.peer_attacks import LiveRun
+from asyncrl.testing.peer_attacks import LiveRun
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The learner and its actors on real network interfaces: hosts made of Linux network namespaces
-(as root, ``tests/netns.py``), each joined by a veth pair to a bridge and with its own address in
+(as root, ``asyncrl/testing/netns.py``), each joined by a veth pair to a bridge and with its own address in
 the benchmarking range 198.18.0.0/15 (never routed to the machine's interfaces).
 
 Checked there: the learner refuses a non-loopback address without CURVE keys; with keys the actors
@@ -22,7 +22,7 @@ import pytest
 
 from asyncrl.analysis.jsonl import quiet_records
 
-from tests import netns
+from asyncrl.testing import netns
 from tests.conftest import ROOT, subprocess_env
 
 DEADLINE_S = 240

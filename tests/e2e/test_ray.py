@@ -149,4 +149,4 @@ def test_resources_no_node_has_fail_at_once_naming_them(ray_env, tmp_path):
                 "no node of the Ray cluster can host an actor (launch.actor)", within_s=90)
 
 
-# --- across hosts made of network namespaces (tests/netns.py) ---------------------------------------
+# --- across hosts made of network namespaces (asyncrl/testing/netns.py) ---------------------------------------

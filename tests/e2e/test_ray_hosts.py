@@ -1,4 +1,4 @@
-"""``asyncrl run --scheduler ray`` across hosts made of network namespaces (``tests/netns.py``): a
+"""``asyncrl run --scheduler ray`` across hosts made of network namespaces (``asyncrl/testing/netns.py``): a
 head, the learner's node and two actor nodes, each ``ray start`` on its own host's address with
 token authentication. The learner lands on its node with CURVE keys, two actors on each worker
 host, one weights relay per worker host (the learner sends each version once per host); asyncrl's
@@ -83,7 +83,7 @@ class RayHosts:
 
 @pytest.fixture
 def ray_hosts(ray_env, tmp_path):
-    from tests import netns
+    from asyncrl.testing import netns
 
     why = netns.available()
     if why:

@@ -127,7 +127,7 @@ def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_pat
 @pytest.fixture
 def slurm_hosts(tmp_path_factory):
     """slurmctld on namespace host 0 and a slurmd on each of hosts 1 and 2 (nodes n1, n2)."""
-    from tests import netns
+    from asyncrl.testing import netns
 
     why = missing() or netns.available()
     if why:

@@ -308,14 +308,14 @@ def test_the_ui_serves_tls_when_given_a_certificate(demo_runs, tmp_path):
     (["--port", "70000"], "--port must be in 0..65535"),
 ])
 def test_ui_rejects_bad_options_with_a_clear_error(tmp_path, capsys, args, message):
-    from app.main import main
+    from asyncrl.app.main import main
 
     assert main(["--run", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_ui_needs_a_run_or_an_address(tmp_path, capsys):
-    from app.main import main
+    from asyncrl.app.main import main
 
     assert main([]) == 2
     assert "give --run" in capsys.readouterr().err
@@ -324,7 +324,7 @@ def test_ui_needs_a_run_or_an_address(tmp_path, capsys):
 
 
 def test_event_subscriber_decodes_the_learner_event_stream():
-    from app.live import EventSubscriber
+    from asyncrl.app.live import EventSubscriber
 
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
@@ -357,7 +357,7 @@ def test_event_subscriber_decodes_the_learner_event_stream():
 
 @pytest.mark.slow
 def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
-    from app import views as V
+    from asyncrl.app import views as V
     from asyncrl.algos.absolute_zero import ui as A
 
     azr = load_run(demo_runs["absolute_zero"])
@@ -377,7 +377,7 @@ def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
     # the app's click handler: a row of the questions table -> that question's responses
     import gradio as gr
 
-    from app.main import build_app
+    from asyncrl.app.main import build_app
 
     handlers = {f.name: f.fn for f in build_app(azr).fns.values()}
     clicked = handlers["on_select"](keys, gr.SelectData(None, {"index": [0, 4], "value": ""}))
@@ -399,7 +399,7 @@ def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
 
 
 def test_replay_view_shows_replay_state_and_metrics_when_present():
-    from app import views as V
+    from asyncrl.app import views as V
 
     store = RunStore()
     store.add_metrics([{"step": s, "t": float(s), "version": s, "buffer_size": 3 + s, "replay/pool_tasks": 10 * s,

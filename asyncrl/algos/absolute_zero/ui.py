@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from app.kit import AlgorithmView, esc, fmt, html_table, note
+from asyncrl.app.kit import AlgorithmView, esc, fmt, html_table, note
 from asyncrl.analysis import RunStore
 
 MAX_QUESTION_ROWS = 400

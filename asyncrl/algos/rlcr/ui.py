@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from app.kit import AlgorithmView, empty_axes, esc, figure, fmt, note
+from asyncrl.app.kit import AlgorithmView, empty_axes, esc, figure, fmt, note
 from asyncrl.analysis import NA, RunStore, calibration_summary, reliability_frame
 
 

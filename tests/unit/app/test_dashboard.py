@@ -138,7 +138,7 @@ def test_run_state_finished_interrupted_crashed_running(tmp_path):
 
 
 def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_path):
-    from app import views as V
+    from asyncrl.app import views as V
 
     store = _load(_write_run(tmp_path / "r", pid=_dead_pid()))
     store.add_events([_event("actor_status", 90, 1090.0, actor_id="actor-0", version=88, batches=3, unacked=8,
@@ -184,7 +184,7 @@ def test_rlcr_summary_has_ece_and_brier_and_na_over_zero_parsed_confidences(caps
 
 
 def test_calibration_figure_says_how_many_confidences_it_rests_on():
-    from app import views as V
+    from asyncrl.app import views as V
     from asyncrl.algos.rlcr.ui import calibration_figure
 
     bins = [{"lo": b / 10, "hi": (b + 1) / 10, "count": 32 if b == 0 else 0, "confidence": 0.0 if b == 0 else None,
@@ -263,7 +263,7 @@ def test_metric_columns_smoothing_and_overlaid_runs(tmp_path):
 
 
 def test_config_view_shows_every_snapshot(tmp_path):
-    from app import views as V
+    from asyncrl.app import views as V
 
     run = _write_run(tmp_path / "r")
     (run / "config.resume-50.yaml").write_text("name: r\ntrain:\n  lr: 0.5\n")
@@ -352,7 +352,7 @@ def test_metrics_reach_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------- item 12
 def test_small_fixes_cards_counts_headers_and_replay_plots(tmp_path):
-    from app import views as V
+    from asyncrl.app import views as V
 
     assert V.fmt_rate(1234.5678) == "1,235" and V.fmt_rate(56.789) == "56.8" and V.fmt_rate(0.123456) == "0.123"
     store = RunStore(max_events_per_kind=5)
@@ -401,8 +401,8 @@ def test_init_model_prints_the_accuracy_of_the_format_it_was_warm_started_for(mo
 def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
     """The app's own handlers: with no run picked, a folder of runs charts all of them (up to
     MAX_DEFAULT_RUNS) and lists them; picking narrows it."""
-    from app.live import RunCatalog
-    from app.main import build_app
+    from asyncrl.app.live import RunCatalog
+    from asyncrl.app.main import build_app
 
     for name, written in (("a", 2000.0), ("b", 1000.0)):  # a written to last
         run = _write_run(tmp_path / name, steps=30 if name == "a" else 20, eval_every=10)

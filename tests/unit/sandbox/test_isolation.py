@@ -74,7 +74,7 @@ def test_unknown_isolation_is_a_config_error():
 
 
 def test_the_learner_logs_the_warning_and_the_ui_shows_it(tmp_path, tiny_overrides):
-    from app.views import overview_html
+    from asyncrl.app.views import overview_html
     from asyncrl.analysis import RunStore
     from asyncrl.learner.learner import Learner
 
