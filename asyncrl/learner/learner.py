@@ -42,7 +42,7 @@ from .progress import Progress, summary_table
 from .hooks import LearnerHook
 from .startup import Startup
 from .telemetry import Telemetry
-from .replay import ExperienceManager, ReplayHook
+from .experience import ExperiencePool, ReplayHook
 from .ingest.staleness import StalenessPolicy
 from .training.ranks import Ranks
 from .training.trainer import StepAbandoned
@@ -455,7 +455,7 @@ def _make_hooks(cfg: Config, staleness: StalenessPolicy, event) -> list[LearnerH
     preflight has checked that the workflow takes per-task rollout counts)."""
     if not cfg.replay.enabled:
         return []
-    manager = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
+    manager = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
                                 max_staleness=staleness.max_staleness)
     return [ReplayHook(manager, cfg.replay.state_event_every, event)]
 

@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.rundir.layout import latest_checkpoint
-from asyncrl.learner.replay import ExperienceManager
+from asyncrl.learner.experience import ExperiencePool
 
 from tests.conftest import REPLAY_RUN, SMALL_RUN as COMMON, ResumableRun
 
@@ -34,7 +34,7 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
         before = run.events()
         # read back the checkpoint the learner will resume from, in this process, before it is rotated
         cfg = load_config(None, run.overrides)
-        from_files = ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=total)
+        from_files = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total)
         ckpt = latest_checkpoint(run.dir)
         assert from_files.load(ckpt)
         run.resume()
@@ -54,7 +54,7 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
     assert str(ckpt) == resume["checkpoint"]
     m = from_files
     assert m.digest() == at_ckpt["digest"]
-    assert m.bucket_sizes() == at_ckpt["buckets"] and len(m.skip_uid_set) == at_ckpt["skip_tasks"]
+    assert m.bucket_sizes() == at_ckpt["buckets"] and len(m.solved) == at_ckpt["skip_tasks"]
     assert at_ckpt["pool_tasks"] + at_ckpt["skip_tasks"] > 0, "nothing to compare: empty pool and skip set"
 
     metrics = run.metrics()

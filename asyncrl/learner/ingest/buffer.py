@@ -1,6 +1,6 @@
 """The learner's queue of acknowledged episodes (:class:`EpisodeQueue`): policy-version tagged,
 behind a write-ahead log. (Experience replay, which trains on past successes again, is
-``asyncrl.learner.replay``; this queue only holds what actors delivered until a step takes it.)
+``asyncrl.learner.experience``; this queue only holds what actors delivered until a step takes it.)
 
 Promises:
 - ``add`` appends the episode's wire frames to the WAL as one checksummed record; after ``sync()``

@@ -419,7 +419,7 @@ class LearnerNet:
         credits all together (None: no cap).
 
         ``work(actor_state, n) -> dict``, if given, adds fields to an actor's credit message (the
-        learner's replay assignments and skip-set changes, see ``asyncrl.learner.replay``)."""
+        learner's replay assignments and skip-set changes, see ``asyncrl.learner.experience``)."""
         actors = list(self.actors.items())
         if not actors:
             return 0

@@ -18,7 +18,7 @@ from asyncrl.algos.rlcr.calibration import bin_index, expected_calibration_error
 from asyncrl.algos.rlcr.config import RLCRConfig
 from asyncrl.algos.rlcr.trees import tree_advantages
 from asyncrl.config import ConfigError, load_config, validate_section
-from asyncrl.learner.replay import ExperienceManager
+from asyncrl.learner.experience import ExperiencePool
 from asyncrl.types import Episode, Trajectory
 
 
@@ -72,9 +72,9 @@ def test_train_advantage_options_reach_the_estimator():
 
 
 # ---------------------------------------------------------------------------- experience replay
-def _mgr(*over) -> ExperienceManager:
+def _mgr(*over) -> ExperiencePool:
     cfg = load_config(None, ["replay.enabled=true", "sampling.n=4", *over])
-    return ExperienceManager(cfg.replay, n=4, total_steps=10, seed=0)
+    return ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
 
 
 def _stored(task_id: str, entropy: float, tid: str, reward: float = 1.0) -> Trajectory:
@@ -89,7 +89,7 @@ def test_isolated_replay_with_verl_singleton_rule_gets_its_reward():
     """The reference design: unique group ids on verl, so a stored success is trained with A = R = 1
     (Dr.GRPO, no std), not 0; the fresh rollout left alone in its group gets its reward 0 too."""
     m = _mgr("replay.isolate_replay_groups=true")
-    m.save_trajectories_to_memory([_stored("t", 0.1, "s")])
+    m.store([_stored("t", 0.1, "s")])
     ep = Episode(trajectories=[_stored("t", 0.0, "f", reward=0.0)], decision={"replay": {"k": 1}})
     assert m.attach([ep]) == 1
     adv_cfg = load_config(None, ["train.advantage.norm_by_std=false", "train.advantage.singleton=verl"]).train.advantage
@@ -100,8 +100,8 @@ def test_replay_retrieval_top_k_vs_sample():
     picks = {}
     for retrieval in ("top_k", "sample"):
         m = _mgr(f"replay.retrieval={retrieval}", "replay.exp_select_mode=argmin")
-        m.save_trajectories_to_memory([_stored("t", e, f"s{e}") for e in (0.1, 0.2, 0.3)])
-        draws = [tuple(t.metadata["replay_of"] for t in m.get_offpolicy_trajectories_from_memory("t", 2, "g"))
+        m.store([_stored("t", e, f"s{e}") for e in (0.1, 0.2, 0.3)])
+        draws = [tuple(t.metadata["replay_of"] for t in m.stored_copies("t", 2, "g"))
                  for _ in range(60)]
         picks[retrieval] = draws
     # top-k by entropy: always the two lowest-entropy stored trajectories

@@ -1,6 +1,8 @@
-"""Experience replay (seed 004): the ExperienceManager, alignment, masks, loss and persistence."""
+"""Experience replay (seed 004): the ExperiencePool, alignment, masks, loss and persistence."""
 
 from __future__ import annotations
+
+import json
 
 import math
 import random
@@ -16,7 +18,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
 from asyncrl.learner.training.batch import collate, compute_logprobs
-from asyncrl.learner.replay import (ExperienceManager, ReplayHook, align_recorded_logprobs, compact_logprobs,
+from asyncrl.learner.experience import (ExperiencePool, ReplayHook, align_recorded_logprobs, compact_logprobs,
                                     make_replay_trajectory)
 from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.objectives.losses import LossConfig
@@ -34,7 +36,7 @@ def _cfg(*over):
 
 def _mgr(*over, total_steps=10):
     cfg = _cfg(*over)
-    return ExperienceManager(cfg.replay, n=cfg.sampling.n, total_steps=total_steps, seed=0)
+    return ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total_steps, seed=0)
 
 
 def _traj(task_id, reward, entropy=0.0, tid=None, n_tok=5):
@@ -52,60 +54,60 @@ def _group(task_id, successes, n=4, entropies=None):
 
 
 def _update(m, groups):
-    saved = m.update_skip_uid_set_and_filter_trajectories(groups)
+    saved = m.update_solved(groups)
     for t in saved:
         m.tasks[t.task_id] = msgspec.to_builtins(Task(t.task_id, [{"role": "user", "content": t.task_id}], 0))
-    m.save_trajectories_to_memory(saved)
+    m.store(saved)
     return saved
 
 
 # ---------------------------------------------------------------------------- buckets, skip, bounds
 def test_bucket_moves_keep_a_task_in_exactly_one_bucket():
     m = _mgr()
-    m.update_difficulty2task_dict("a", 3)
-    m.update_difficulty2task_dict("b", 3)
-    assert m.difficulty2task_dict == {3: ["a", "b"]}
-    m.update_difficulty2task_dict("a", 1)
-    assert m.difficulty2task_dict == {3: ["b"], 1: ["a"]}
-    m.update_difficulty2task_dict("b", 1)
-    assert m.difficulty2task_dict == {1: ["a", "b"]}  # empty bucket 3 is gone
+    m.move_to_bucket("a", 3)
+    m.move_to_bucket("b", 3)
+    assert m.buckets == {3: ["a", "b"]}
+    m.move_to_bucket("a", 1)
+    assert m.buckets == {3: ["b"], 1: ["a"]}
+    m.move_to_bucket("b", 1)
+    assert m.buckets == {1: ["a", "b"]}  # empty bucket 3 is gone
     # through the rollout results: a pooled task moves with its latest success count
     m = _mgr()
     _update(m, {"t": _group("t", 2)})
-    assert m.difficulty2task_dict == {2: ["t"]}
+    assert m.buckets == {2: ["t"]}
     _update(m, {"t": _group("t", 0)})  # failed now: moves to bucket 0, its old success is kept
-    assert m.difficulty2task_dict == {0: ["t"]} and len(m.task2trajectories["t"]) == 1
+    assert m.buckets == {0: ["t"]} and len(m.stored["t"]) == 1
     _update(m, {"t": _group("t", 3)})
-    assert m.difficulty2task_dict == {3: ["t"]} and len(m.task2trajectories["t"]) == 2
+    assert m.buckets == {3: ["t"]} and len(m.stored["t"]) == 2
 
 
 def test_skip_set_in_and_out():
     m = _mgr()
     _update(m, {"t": _group("t", 2), "u": _group("u", 1)})
-    assert set(m.task2trajectories) == {"t", "u"}
+    assert set(m.stored) == {"t", "u"}
     _update(m, {"t": _group("t", 4)})  # fully solved: into the skip set, out of pool and buckets
-    assert m.skip_uid_set == {"t"}
-    assert "t" not in m.task2trajectories and m.bucket_of("t") is None and "t" not in m.tasks
-    assert m.difficulty2task_dict == {1: ["u"]}
+    assert m.solved == {"t"}
+    assert "t" not in m.stored and m.bucket_of("t") is None and "t" not in m.tasks
+    assert m.buckets == {1: ["u"]}
     body, sent = m.withheld_update(None)
     assert body == {"withhold_reset": True, "withhold_add": ["t"]} and sent == {"t"}
     _update(m, {"t": _group("t", 3)})  # not fully solved any more: out of the skip set, back in the pool
-    assert m.skip_uid_set == set() and m.bucket_of("t") == 3 and len(m.task2trajectories["t"]) == 1
+    assert m.solved == set() and m.bucket_of("t") == 3 and len(m.stored["t"]) == 1
     body, sent = m.withheld_update(sent)
     assert body == {"withhold_remove": ["t"]} and sent == set()
     # a replay task with n - k = 3 fresh rollouts, all correct, is fully solved too
     _update(m, {"u": _group("u", 3, n=3)})
-    assert "u" in m.skip_uid_set and "u" not in m.task2trajectories
+    assert "u" in m.solved and "u" not in m.stored
 
 
 def test_bounds_decide_who_enters_the_pool():
     m = _mgr("replay.experience_lbound=1", "replay.experience_rbound=3")
     _update(m, {f"s{s}": _group(f"s{s}", s) for s in range(4)})
-    assert set(m.task2trajectories) == {"s2"}  # 1 < s < 3
-    assert m.difficulty2task_dict == {2: ["s2"]}
+    assert set(m.stored) == {"s2"}  # 1 < s < 3
+    assert m.buckets == {2: ["s2"]}
     m = _mgr()  # defaults: 0 < s < n
     _update(m, {f"s{s}": _group(f"s{s}", s) for s in range(5)})
-    assert set(m.task2trajectories) == {"s1", "s2", "s3"} and m.skip_uid_set == {"s4"}
+    assert set(m.stored) == {"s1", "s2", "s3"} and m.solved == {"s4"}
 
 
 @pytest.mark.parametrize("mode,expected", [("argmin", "t-1"), ("argmax", "t-2")])
@@ -113,7 +115,7 @@ def test_selection_by_entropy(mode, expected):
     m = _mgr(f"replay.exp_select_mode={mode}")
     # successes are t-0, t-1, t-2 with entropies 0.5, 0.2, 0.9 (t-3 failed, entropy 0.01)
     _update(m, {"t": _group("t", 3, entropies=[0.5, 0.2, 0.9, 0.01])})
-    assert [t.id for t in m.task2trajectories["t"]] == [expected]
+    assert [t.id for t in m.stored["t"]] == [expected]
 
 
 def test_selection_random_is_a_seeded_success():
@@ -121,24 +123,24 @@ def test_selection_random_is_a_seeded_success():
     for _ in range(2):
         m = _mgr("replay.exp_select_mode=random")
         _update(m, {"t": _group("t", 3)})
-        picks.append(m.task2trajectories["t"][0].id)
+        picks.append(m.stored["t"][0].id)
     assert picks[0] == picks[1] and picks[0] in {"t-0", "t-1", "t-2"}
 
 
 @pytest.mark.parametrize("mode", ["argmin", "argmax", "random"])
 def test_replacement_rule_when_full(mode):
     m = _mgr(f"replay.exp_select_mode={mode}", "replay.max_trajectories_per_task=2")
-    m.save_trajectories_to_memory([_traj("t", 1, 0.5, "a"), _traj("t", 1, 0.2, "b")])
-    m.save_trajectories_to_memory([_traj("t", 1, 0.3, "c")])
-    ids = [t.id for t in m.task2trajectories["t"]]
+    m.store([_traj("t", 1, 0.5, "a"), _traj("t", 1, 0.2, "b")])
+    m.store([_traj("t", 1, 0.3, "c")])
+    ids = [t.id for t in m.stored["t"]]
     if mode == "argmin":  # lower than the highest (0.5): replaces it in place
         assert ids == ["c", "b"]
-        m.save_trajectories_to_memory([_traj("t", 1, 0.9, "d")])  # higher than all: ignored
-        assert [t.id for t in m.task2trajectories["t"]] == ["c", "b"]
+        m.store([_traj("t", 1, 0.9, "d")])  # higher than all: ignored
+        assert [t.id for t in m.stored["t"]] == ["c", "b"]
     elif mode == "argmax":  # higher than the lowest (0.2): replaces it
         assert ids == ["a", "c"]
-        m.save_trajectories_to_memory([_traj("t", 1, 0.1, "d")])  # lower than all: ignored
-        assert [t.id for t in m.task2trajectories["t"]] == ["a", "c"]
+        m.store([_traj("t", 1, 0.1, "d")])  # lower than all: ignored
+        assert [t.id for t in m.stored["t"]] == ["a", "c"]
     else:  # FIFO
         assert ids == ["b", "c"]
 
@@ -146,11 +148,11 @@ def test_replacement_rule_when_full(mode):
 @pytest.mark.parametrize("mode,expected", [("argmin", ["b", "c"]), ("argmax", ["a", "c"])])
 def test_replayed_trajectories_follow_the_mode(mode, expected):
     m = _mgr(f"replay.exp_select_mode={mode}")
-    m.save_trajectories_to_memory([_traj("t", 1, 0.5, "a"), _traj("t", 1, 0.1, "b"), _traj("t", 1, 0.3, "c")])
-    out = m.get_offpolicy_trajectories_from_memory("t", 2, group_id="G")
+    m.store([_traj("t", 1, 0.5, "a"), _traj("t", 1, 0.1, "b"), _traj("t", 1, 0.3, "c")])
+    out = m.stored_copies("t", 2, group_id="G")
     assert sorted(t.metadata["replay_of"] for t in out) == sorted(expected)
     assert all(t.is_replay and t.group_id == "G" for t in out)
-    assert [t.id for t in m.task2trajectories["t"]] == ["a", "b", "c"]  # the store is untouched
+    assert [t.id for t in m.stored["t"]] == ["a", "b", "c"]  # the store is untouched
 
 
 def test_gaussian_bucket_weight_peaks_at_half():
@@ -298,7 +300,7 @@ def test_isolated_replay_groups_train_the_replayed_success_with_its_reward():
     for isolate, expected in ((False, [-0.5, 0.5]), (True, [0.0, 1.0])):
         over = [f"replay.isolate_replay_groups={str(isolate).lower()}", "train.advantage.norm_by_std=false"]
         m = _mgr(*over)
-        m.save_trajectories_to_memory([_traj("t", 1.0, 0.1, "s")])
+        m.store([_traj("t", 1.0, 0.1, "s")])
         fresh = _traj("t", 0.0, tid="f")
         ep = Episode(trajectories=[fresh], decision={"replay": {"k": 1}})
         assert m.attach([ep]) == 1
@@ -315,12 +317,12 @@ def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
     model, tok, over = tiny_policy
     cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "replay.offpolicy_trajectories_per_task=2",
                              "sampling.max_new_tokens=3", "env.reward=tests.plugins_for_tests:short_reply_reward"])
-    m = ExperienceManager(cfg.replay, n=4, total_steps=10, seed=0)
+    m = ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
     tasks = [Task("arith:1+2", [{"role": "user", "content": "1+2="}], 3),
              Task("arith:3+4", [{"role": "user", "content": "3+4="}], 7)]
     m.tasks["arith:1+2"] = msgspec.to_builtins(tasks[0])
-    m.save_trajectories_to_memory([_traj("arith:1+2", 1.0, 0.3, "old1"), _traj("arith:1+2", 1.0, 0.2, "old2")])
-    m.update_difficulty2task_dict("arith:1+2", 2)
+    m.store([_traj("arith:1+2", 1.0, 0.3, "old1"), _traj("arith:1+2", 1.0, 0.2, "old2")])
+    m.move_to_bucket("arith:1+2", 2)
     assign = m.assign(4, version=10)
     assert assign == [{"task": msgspec.to_builtins(tasks[0]), "n": 2, "k": 2}]
     ctx = RolloutContext(HFEngine(model, tok), tok, make_env(cfg.env), cfg, "a", seed=1)
@@ -341,7 +343,7 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
     cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "sampling.max_new_tokens=5",
                              "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",
                              "env.reward=tests.plugins_for_tests:short_reply_reward", "train.lr=1e-9"])
-    m = ExperienceManager(cfg.replay, n=4, total_steps=10, seed=0)
+    m = ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train, cfg.replay))
     rng = random.Random(0)
     tasks = [Task(f"arith:{a}+{b}", [{"role": "user", "content": f"{a}+{b}="}], a + b)
@@ -357,8 +359,8 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
     valid = collate(trajs, torch.zeros(len(trajs)), 0).response_mask.bool()  # (the learner computes trained tokens only)
     assert torch.allclose(logp[valid], before[valid], atol=1e-5)  # recorded before the update
     m.record(eps, logp.numpy(), entropy.numpy(), version=5)
-    assert m.task2trajectories, "no task had a partial success; pick another seed"
-    for tid, stored in m.task2trajectories.items():
+    assert m.stored, "no task had a partial success; pick another seed"
+    for tid, stored in m.stored.items():
         s = stored[0]
         i = next(i for i, t in enumerate(trajs) if t.id == s.id)
         gen = np.flatnonzero(s.loss_mask)
@@ -367,27 +369,34 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
         assert s.metadata["recorded_version"] == 5 and s.reward == 1.0
         assert m.bucket_of(tid) is not None and m.tasks[tid]["id"] == tid
     ms = m.metrics()
-    assert ms["replay/pool_tasks"] == len(m.task2trajectories)
-    assert sum(ms[f"replay/bucket_{d}"] for d in range(5)) == len(m.task2trajectories)
+    assert ms["replay/pool_tasks"] == len(m.stored)
+    assert sum(ms[f"replay/bucket_{d}"] for d in range(5)) == len(m.stored)
 
 
 # ---------------------------------------------------------------------------- persistence
 def test_state_survives_save_and_load(tmp_path):
     m = _mgr("replay.replay_start_ratio=0")
     _update(m, {"a": _group("a", 2), "b": _group("b", 1), "c": _group("c", 4), "d": _group("d", 3)})
-    m.task2trajectories["a"][0].recorded_logprobs = align_recorded_logprobs([-0.5], m.task2trajectories["a"][0].loss_mask)
+    m.stored["a"][0].recorded_logprobs = align_recorded_logprobs([-0.5], m.stored["a"][0].loss_mask)
     m.maybe_activate(0)
     m.save(tmp_path)
+    saved = m.digest()
     m2 = _mgr("replay.replay_start_ratio=0")
     assert m2.load(tmp_path)
     assert m2.digest() == m.digest()
-    assert m2.difficulty2task_dict == m.difficulty2task_dict and m2.skip_uid_set == m.skip_uid_set == {"c"}
-    assert {k: [t.id for t in v] for k, v in m2.task2trajectories.items()} == \
-           {k: [t.id for t in v] for k, v in m.task2trajectories.items()}
-    r1, r2 = m.task2trajectories["a"][0].recorded_logprobs, m2.task2trajectories["a"][0].recorded_logprobs
+    assert m2.buckets == m.buckets and m2.solved == m.solved == {"c"}
+    assert {k: [t.id for t in v] for k, v in m2.stored.items()} == \
+           {k: [t.id for t in v] for k, v in m.stored.items()}
+    r1, r2 = m.stored["a"][0].recorded_logprobs, m2.stored["a"][0].recorded_logprobs
     assert np.array_equal(np.isnan(r1), np.isnan(r2)) and np.allclose(r1[~np.isnan(r1)], r2[~np.isnan(r2)])
     assert m2.active and m2.assign(4, 0) == m.assign(4, 0)  # the RNG goes on identically
     assert not _mgr().load(tmp_path / "nothing")
+    # a checkpoint written under the reference design's names loads the same
+    old = {{"buckets": "difficulty2task_dict", "stored": "task2trajectories", "solved": "skip_uid_set"}.get(k, k): v
+           for k, v in json.loads((tmp_path / "replay.json").read_text()).items()}
+    (tmp_path / "replay.json").write_text(json.dumps(old))
+    m3 = _mgr("replay.replay_start_ratio=0")
+    assert m3.load(tmp_path) and m3.digest() == saved
 
 
 # ---------------------------------------------------------------------------- the actor's side

@@ -1,15 +1,15 @@
-"""Experience replay on the learner (ExGRPO, Zhan et al. 2025; the reference design in docs/replay.md): the ExperienceManager.
+"""Experience replay on the learner (ExGRPO, Zhan et al. 2025; the reference design in docs/replay.md): the ExperiencePool.
 
-State (the reference design's names):
+State (the reference design's ``difficulty2task_dict``, ``task2trajectories`` and ``skip_uid_set``):
 
-- ``difficulty2task_dict``: success count -> task ids. It indexes the pool: every pooled task lives
+- ``buckets``: success count -> task ids. It indexes the pool: every pooled task lives
   in exactly one bucket, keyed by its latest on-policy success count, and moves when that changes.
-- ``task2trajectories``: task id -> stored successful trajectories, each with its recorded learner
+- ``stored``: task id -> stored successful trajectories, each with its recorded learner
   log-probs (``Trajectory.recorded_logprobs``, per token, NaN where none was recorded), its response
   mask (``loss_mask``), the policy version that generated it (``policy_version``), the version whose
   log-probs were recorded (``metadata['recorded_version']``) and its mean token entropy
   (``metadata['entropy']``).
-- ``skip_uid_set``: tasks whose fresh rollouts were all successful. They leave the pool and the
+- ``solved``: tasks whose fresh rollouts were all successful. They leave the pool and the
   buckets, are withheld from the actors' fresh task streams, and come back out of the set as soon as
   a later group of theirs is not fully solved.
 
@@ -47,6 +47,10 @@ STATE_FORMAT = 1
 
 # ----------------------------------------------------------------------------------------------
 # log-prob alignment (seed 6.4)
+
+
+# checkpoints written before the state took the project's names (the reference design's names)
+_OLD_KEYS = {"difficulty2task_dict": "buckets", "task2trajectories": "stored", "skip_uid_set": "solved"}
 
 
 def compact_logprobs(token_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
@@ -93,7 +97,7 @@ def mean_entropy(token_entropy: np.ndarray, loss_mask: np.ndarray) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-class ExperienceManager:
+class ExperiencePool:
     """The replay pool and its bookkeeping. ``cfg`` is a ``ReplayConfig``; ``n`` is ``sampling.n``."""
 
     def __init__(self, cfg, n: int, total_steps: int, seed: int = 0, max_staleness: int = 1):
@@ -104,9 +108,9 @@ class ExperienceManager:
         self.max_staleness = int(max_staleness)
         self.lbound = int(cfg.experience_lbound)
         self.rbound = int(cfg.experience_rbound if cfg.experience_rbound is not None else n)
-        self.difficulty2task_dict: dict[int, list[str]] = {}
-        self.task2trajectories: dict[str, list[Trajectory]] = {}
-        self.skip_uid_set: set[str] = set()
+        self.buckets: dict[int, list[str]] = {}
+        self.stored: dict[str, list[Trajectory]] = {}
+        self.solved: set[str] = set()
         self.tasks: dict[str, dict[str, Any]] = {}  # task id -> a pooled Task as builtins (msgspec.to_builtins)
         self.active = False
         self.rng = random.Random(seed * 7_919 + 17)
@@ -116,40 +120,40 @@ class ExperienceManager:
 
     # ------------------------------------------------------------------ the reference design's operations
     def bucket_of(self, task_id: str) -> int | None:
-        for d, ids in self.difficulty2task_dict.items():
+        for d, ids in self.buckets.items():
             if task_id in ids:
                 return d
         return None
 
     def _remove_from_buckets(self, task_id: str) -> None:
-        for d in list(self.difficulty2task_dict):
-            ids = self.difficulty2task_dict[d]
+        for d in list(self.buckets):
+            ids = self.buckets[d]
             if task_id in ids:
                 ids.remove(task_id)
                 if not ids:
-                    del self.difficulty2task_dict[d]
+                    del self.buckets[d]
 
-    def update_difficulty2task_dict(self, task_id: str, successes: int) -> None:
+    def move_to_bucket(self, task_id: str, successes: int) -> None:
         """Put ``task_id`` in the bucket of ``successes``, moving it out of its old one."""
         old = self.bucket_of(task_id)
         if old == successes:
             return
         if old is not None:
             self._remove_from_buckets(task_id)
-        self.difficulty2task_dict.setdefault(int(successes), []).append(task_id)
+        self.buckets.setdefault(int(successes), []).append(task_id)
 
     def _drop_task(self, task_id: str) -> None:
         self._remove_from_buckets(task_id)
-        self.task2trajectories.pop(task_id, None)
+        self.stored.pop(task_id, None)
         self.tasks.pop(task_id, None)
 
-    def update_skip_uid_set_and_filter_trajectories(
+    def update_solved(
             self, groups: dict[str, list[Trajectory]]) -> list[Trajectory]:
         """Seed 3.1.5 plus the bucket update (2.5). ``groups``: task id -> that task's fresh rollouts
         in this batch, each with ``metadata['entropy']``. Fully solved tasks go into the skip set
         (and out of pool and buckets); a skipped task that is not fully solved comes back out;
         pooled tasks move bucket; for each task within the bounds the best successful trajectory
-        by entropy is returned, to be saved with :meth:`save_trajectories_to_memory`."""
+        by entropy is returned, to be saved with :meth:`store`."""
         to_save = []
         for task_id, trajs in groups.items():
             if not trajs:
@@ -157,31 +161,31 @@ class ExperienceManager:
             succ = [t for t in trajs if self.is_success(t)]
             s = len(succ)
             if s == len(trajs):  # every fresh rollout correct: fully solved
-                self.skip_uid_set.add(task_id)
+                self.solved.add(task_id)
                 self._drop_task(task_id)
                 continue
-            self.skip_uid_set.discard(task_id)
-            pooled = task_id in self.task2trajectories
+            self.solved.discard(task_id)
+            pooled = task_id in self.stored
             if pooled:
-                self.update_difficulty2task_dict(task_id, s)
+                self.move_to_bucket(task_id, s)
             if self.lbound < s < self.rbound and succ:
                 to_save.append(self._select_best(succ))
                 if not pooled:
-                    self.update_difficulty2task_dict(task_id, s)
+                    self.move_to_bucket(task_id, s)
         return to_save
 
     def _tidy(self) -> None:
         """Keep buckets == pool: a pooled task has its task dict and a bucket, a bucketed task has
         stored trajectories (a task without a Task to hand to actors cannot be replayed)."""
-        for tid in list(self.task2trajectories):
-            if tid not in self.tasks or not self.task2trajectories[tid]:
+        for tid in list(self.stored):
+            if tid not in self.tasks or not self.stored[tid]:
                 self._drop_task(tid)
-        for d in list(self.difficulty2task_dict):
-            ids = [t for t in self.difficulty2task_dict[d] if t in self.task2trajectories]
+        for d in list(self.buckets):
+            ids = [t for t in self.buckets[d] if t in self.stored]
             if ids:
-                self.difficulty2task_dict[d] = ids
+                self.buckets[d] = ids
             else:
-                del self.difficulty2task_dict[d]
+                del self.buckets[d]
 
     def _select_best(self, succ: list[Trajectory]) -> Trajectory:
         mode = self.cfg.exp_select_mode
@@ -191,11 +195,11 @@ class ExperienceManager:
             return max(succ, key=lambda t: t.metadata.get("entropy", -math.inf))
         return self.rng.choice(succ)
 
-    def save_trajectories_to_memory(self, trajectories: list[Trajectory]) -> None:
+    def store(self, trajectories: list[Trajectory]) -> None:
         """Seed 3.1.3: append, or when the task's list is full replace by ``exp_select_mode``."""
         cap = self.cfg.max_trajectories_per_task
         for traj in trajectories:
-            stored = self.task2trajectories.setdefault(traj.task_id, [])
+            stored = self.stored.setdefault(traj.task_id, [])
             if len(stored) < cap:
                 stored.append(traj)
                 continue
@@ -212,7 +216,7 @@ class ExperienceManager:
                 stored.pop(0)
                 stored.append(traj)
 
-    def get_offpolicy_trajectories_from_memory(self, task_id: str, num: int, group_id: str) -> list[Trajectory]:
+    def stored_copies(self, task_id: str, num: int, group_id: str) -> list[Trajectory]:
         """Up to ``num`` stored trajectories of ``task_id`` as replay trajectories in ``group_id``
         (each in a group of its own with ``isolate_replay_groups``).
 
@@ -220,7 +224,7 @@ class ExperienceManager:
         highest (argmax) or a random sample without replacement (random); ``sample`` (the reference
         design: its sort by entropy is followed by ``random.choices``, so the order does not matter)
         draws ``min(num, stored)`` uniformly with replacement, whatever ``exp_select_mode``."""
-        avail = list(self.task2trajectories.get(task_id, []))
+        avail = list(self.stored.get(task_id, []))
         if not avail or num <= 0:
             return []
         mode = self.cfg.exp_select_mode
@@ -238,12 +242,12 @@ class ExperienceManager:
             out.append(make_replay_trajectory(s, gid))
         return out
 
-    def sample_tasks_from_replaypool(self, num: int, exclude: set[str] | None = None) -> list[str]:
+    def sample_tasks(self, num: int, exclude: set[str] | None = None) -> list[str]:
         """Up to ``num`` distinct pooled task ids: per task, a bucket is drawn (uniformly among the
         non-empty ones, or by ExGRPO's Gaussian weight over its success rate), then a task in it."""
         exclude = exclude or set()
-        avail = {d: [t for t in ids if t not in exclude and self.task2trajectories.get(t) and t in self.tasks]
-                 for d, ids in self.difficulty2task_dict.items()}
+        avail = {d: [t for t in ids if t not in exclude and self.stored.get(t) and t in self.tasks]
+                 for d, ids in self.buckets.items()}
         avail = {d: ids for d, ids in avail.items() if ids}
         out: list[str] = []
         while len(out) < num and avail:
@@ -290,8 +294,8 @@ class ExperienceManager:
         horizon = version - (self.max_staleness + 2)
         self._outstanding = {t: v for t, v in self._outstanding.items() if v >= horizon}
         out = []
-        for tid in self.sample_tasks_from_replaypool(want, exclude=set(self._outstanding)):
-            k = min(self.k, len(self.task2trajectories[tid]))
+        for tid in self.sample_tasks(want, exclude=set(self._outstanding)):
+            k = min(self.k, len(self.stored[tid]))
             self._outstanding[tid] = version
             out.append({"task": self.tasks[tid], "n": self.n - k, "k": k})
         return out
@@ -301,7 +305,7 @@ class ExperienceManager:
         message fields and the new ``sent``."""
         if not self.cfg.withhold_solved:
             return {}, set() if sent is None else sent
-        cur = self.skip_uid_set
+        cur = self.solved
         if sent is None:
             return {"withhold_reset": True, "withhold_add": sorted(cur)}, set(cur)
         add, remove = sorted(cur - sent), sorted(sent - cur)
@@ -324,7 +328,7 @@ class ExperienceManager:
             task_id = fresh[0].task_id
             self._outstanding.pop(task_id, None)
             k = int(info.get("k", self.k))
-            replayed = self.get_offpolicy_trajectories_from_memory(task_id, k, fresh[0].group_id)
+            replayed = self.stored_copies(task_id, k, fresh[0].group_id)
             info["replayed"] = len(replayed)
             ep.trajectories.extend(replayed)
             added += len(replayed)
@@ -362,11 +366,11 @@ class ExperienceManager:
                 groups[t.task_id].append(t)
                 if ep.task is not None:
                     task_of[t.task_id] = ep.task
-        to_save = self.update_skip_uid_set_and_filter_trajectories(groups)
+        to_save = self.update_solved(groups)
         to_save = [t for t in to_save if t.task_id in task_of]
         for t in to_save:
             self.tasks[t.task_id] = msgspec.to_builtins(task_of[t.task_id])
-        self.save_trajectories_to_memory(to_save)
+        self.store(to_save)
         self._tidy()
         solve_rate = fresh_succ / fresh_total if fresh_total else 0.0
         self.maybe_activate(version, solve_rate)
@@ -379,24 +383,24 @@ class ExperienceManager:
 
     # ------------------------------------------------------------------ observability
     def bucket_sizes(self) -> dict[str, int]:
-        return {str(d): len(ids) for d, ids in sorted(self.difficulty2task_dict.items())}
+        return {str(d): len(ids) for d, ids in sorted(self.buckets.items())}
 
     def pool_trajectories(self) -> int:
-        return sum(len(v) for v in self.task2trajectories.values())
+        return sum(len(v) for v in self.stored.values())
 
     def metrics(self) -> dict[str, float]:
-        out = {"replay/pool_tasks": float(len(self.task2trajectories)),
-               "replay/skip_tasks": float(len(self.skip_uid_set)),
+        out = {"replay/pool_tasks": float(len(self.stored)),
+               "replay/skip_tasks": float(len(self.solved)),
                "replay/pool_trajectories": float(self.pool_trajectories()),
                "replay/active": float(self.active), **self._step_stats}
         for d in range(self.n + 1):
-            out[f"replay/bucket_{d}"] = float(len(self.difficulty2task_dict.get(d, [])))
+            out[f"replay/bucket_{d}"] = float(len(self.buckets.get(d, [])))
         return out
 
     def state_event(self) -> dict[str, Any]:
         """Fields of the ``replay_state`` event."""
-        return {"buckets": self.bucket_sizes(), "pool_tasks": len(self.task2trajectories),
-                "skip_tasks": len(self.skip_uid_set), "pool_trajectories": self.pool_trajectories(),
+        return {"buckets": self.bucket_sizes(), "pool_tasks": len(self.stored),
+                "skip_tasks": len(self.solved), "pool_trajectories": self.pool_trajectories(),
                 "active": self.active}
 
     # ------------------------------------------------------------------ persistence
@@ -404,9 +408,9 @@ class ExperienceManager:
         """Everything but the stored arrays (those go to ``replay_pool.bin``), JSON-ready."""
         v, internal, gauss = self.rng.getstate()
         return {"format": STATE_FORMAT,
-                "difficulty2task_dict": {str(d): list(ids) for d, ids in self.difficulty2task_dict.items()},
-                "skip_uid_set": sorted(self.skip_uid_set),
-                "task2trajectories": {tid: [t.id for t in ts] for tid, ts in self.task2trajectories.items()},
+                "buckets": {str(d): list(ids) for d, ids in self.buckets.items()},
+                "solved": sorted(self.solved),
+                "stored": {tid: [t.id for t in ts] for tid, ts in self.stored.items()},
                 "tasks": self.tasks, "active": self.active, "ratio_carry": self._ratio_carry,
                 "rng_state": [v, list(internal), gauss]}
 
@@ -414,8 +418,8 @@ class ExperienceManager:
         """A hash of the whole state (stored arrays included): equal iff the states are identical."""
         h = hashlib.sha256(json.dumps({k: v for k, v in self.state_dict().items() if k != "rng_state"},
                                       sort_keys=True).encode())
-        for tid in sorted(self.task2trajectories):
-            for t in self.task2trajectories[tid]:
+        for tid in sorted(self.stored):
+            for t in self.stored[tid]:
                 h.update(json.dumps([t.id, t.policy_version, t.reward, t.metadata.get("entropy"),
                                      t.metadata.get("recorded_version")]).encode())
                 for arr in (t.token_ids, t.loss_mask, t.behavior_logprobs, t.recorded_logprobs):
@@ -432,7 +436,7 @@ class ExperienceManager:
         directory = Path(directory)
         (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))
         with open(directory / POOL_FILE, "wb") as f:
-            for tid, trajs in self.task2trajectories.items():
+            for tid, trajs in self.stored.items():
                 task = msgspec.convert(self.tasks[tid], Task) if tid in self.tasks else None
                 write_frames(f, encode_episode(Episode(trajectories=list(trajs), task=task, id=tid)))
 
@@ -445,7 +449,7 @@ class ExperienceManager:
         path = directory / STATE_FILE
         if not path.exists():
             return False
-        state = json.loads(path.read_text())
+        state = {_OLD_KEYS.get(k, k): v for k, v in json.loads(path.read_text()).items()}
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{path}: replay state format {state.get('format')!r}, expected {STATE_FORMAT}")
         pool: dict[str, list[Trajectory]] = {}
@@ -454,15 +458,15 @@ class ExperienceManager:
             for frames in read_frame_records(pool_path):
                 ep = decode_episode(decode(frames), copy=True)
                 pool[ep.id] = ep.trajectories
-        order = state["task2trajectories"]
+        order = state["stored"]
         for tid, ids in order.items():
             got = [t.id for t in pool.get(tid, [])]
             if got != ids:
                 raise ValueError(f"{pool_path}: task {tid!r} holds trajectories {got}, expected {ids} "
                                  f"(the checkpoint is damaged)")
-        self.difficulty2task_dict = {int(d): list(ids) for d, ids in state["difficulty2task_dict"].items()}
-        self.skip_uid_set = set(state["skip_uid_set"])
-        self.task2trajectories = {tid: pool[tid] for tid in order}
+        self.buckets = {int(d): list(ids) for d, ids in state["buckets"].items()}
+        self.solved = set(state["solved"])
+        self.stored = {tid: pool[tid] for tid in order}
         self.tasks = dict(state["tasks"])
         self.active = bool(state["active"])
         self._ratio_carry = float(state.get("ratio_carry", 0.0))
@@ -518,7 +522,7 @@ class ReplayHook:
     needs_rows = True
     owned_stats = frozenset(_STAT_NAMES)
 
-    def __init__(self, manager: ExperienceManager, state_event_every: int, event: Callable[..., None]):
+    def __init__(self, manager: ExperiencePool, state_event_every: int, event: Callable[..., None]):
         self.manager, self.every, self.event = manager, state_event_every, event
 
     def before_batch(self, episodes: list[Episode], version: int) -> None:
