@@ -554,7 +554,7 @@ class ReplayConfig(_Base):
 
 
 class SyncConfig(_Base):
-    type: str = registered("asyncrl.sync:TRANSPORTS", "zmq", description=(
+    type: str = registered("asyncrl.weights:TRANSPORTS", "zmq", description=(
         "Weight transport: 'zmq' sends tensor frames to each actor; 'filesystem' writes safetensors to "
         "`dir` and sends actors only the path (actors must see the same filesystem); 'ipc' writes each "
         "version into shared memory and sends only its name and layout (actors on the learner's host); "

@@ -158,7 +158,7 @@ def bench_packing(args) -> dict:
 def _publish_series(model, n: int, cuda_ipc: bool, first_version: int, directory: str) -> dict:
     import torch
 
-    from asyncrl.sync.ipc import IpcPublisher
+    from asyncrl.weights.ipc import IpcPublisher
     from ipc_child import read_answer, write_frames
 
     state = {k: v.detach() for k, v in model.named_parameters()}

@@ -32,7 +32,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.sync.adapters import expected_shapes, targeted  # noqa: E402
+from asyncrl.weights.adapters import expected_shapes, targeted  # noqa: E402
 from asyncrl.config import LoraSettings, SamplingConfig, load_config  # noqa: E402
 
 SHAPES = {

@@ -3,7 +3,7 @@
 1. Learner bytes per weights version with and without the per-node relay, for 2 nodes x 4 actors,
    for the embedded demo model and for Qwen2.5-0.5B's shapes (random bf16 weights, 494M parameters):
    the learner's real weights socket (:class:`asyncrl.learner.ingest.net.LearnerNet`) publishes; without the
-   relay 8 subscribers take every version from it, with it 2 relays (:class:`asyncrl.sync.relay.WeightRelay`)
+   relay 8 subscribers take every version from it, with it 2 relays (:class:`asyncrl.weights.relay.WeightRelay`)
    take it once each and serve 4 subscribers each from shared memory. Bytes are the learner's own
    count (``weights_bytes_sent``).
 2. Time from ``asyncrl run`` to the first trained step: ``--scheduler local`` against ``--scheduler
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.learner.ingest.net import LearnerNet  # noqa: E402
-from asyncrl.sync.relay import WeightRelay  # noqa: E402
+from asyncrl.weights.relay import WeightRelay  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_weights  # noqa: E402
 from asyncrl.wire.messages import Subscribe  # noqa: E402
 from asyncrl.wire.sockets import send_frames  # noqa: E402

@@ -18,7 +18,7 @@ runs with the gloo backend (CPU); its first version includes the actor joining t
 ``--lora R`` (R > 0): the tensors of a version are LoRA adapters of rank R on the attention and MLP
 projections (``model.lora``'s default targets), random values in float32 as the learner trains
 them, and the receiver does what a LoRA actor's HF engine does: it merges them into a model of
-those shapes (``asyncrl.sync.adapters.MergedAdapters``: ``W0 + (alpha / r) B @ A`` per targeted layer).
+those shapes (``asyncrl.weights.adapters.MergedAdapters``: ``W0 + (alpha / r) B @ A`` per targeted layer).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.sync import make_publisher, make_receiver  # noqa: E402
-from asyncrl.sync.base import check_weight_values  # noqa: E402
+from asyncrl.weights import make_publisher, make_receiver  # noqa: E402
+from asyncrl.weights.base import check_weight_values  # noqa: E402
 from asyncrl.wire.codec import decode  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def _meta_model(name: str):
 
 def lora_shapes(name: str, rank: int) -> dict[str, tuple[int, ...]]:
     """Wire name -> shape of the rank-``rank`` adapters of tensor set ``name``."""
-    from asyncrl.sync.adapters import expected_shapes, targeted
+    from asyncrl.weights.adapters import expected_shapes, targeted
 
     lora = _lora_settings(rank)
     return expected_shapes(targeted(_meta_model(name), lora), lora.rank)
@@ -97,7 +97,7 @@ def receive(address: str, transport: str, directory: str, tensor_set: str, lora:
     an actor does, and answer with its number."""
     merge = None
     if int(lora):  # a model of the set's shapes (values left as allocated) that the adapters merge into
-        from asyncrl.sync.adapters import MergedAdapters
+        from asyncrl.weights.adapters import MergedAdapters
 
         merge = MergedAdapters(_meta_model(tensor_set).to_empty(device="cpu"), _lora_settings(int(lora)))
     else:

@@ -67,7 +67,7 @@ else
 fi
 if [ -d /tmp/gsite ] && PYTHONPATH=/tmp/gsite:$PYTHONPATH python3 -c "import vllm" 2>/dev/null; then
   PYTHONPATH=/tmp/gsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 step vllm 240 python3 -m pytest -q -m gpu \
-    -p no:cacheprovider tests/unit/engine/test_engine_vllm.py tests/unit/sync/test_sync_ipc_cuda.py
+    -p no:cacheprovider tests/unit/engine/test_engine_vllm.py tests/unit/weights/test_sync_ipc_cuda.py
 else
   echo "=== vllm: not installed in /tmp/gsite (../shared/gpu/fetch-wheels.sh, install.sh): left for a later call"
 fi

@@ -5,7 +5,7 @@ CUDA IPC tests: an actor's weight path without the rest of the actor.
 
 Reads ``weights`` messages from stdin (each: a little-endian uint32 frame count, then every frame as
 a uint64 length and its bytes, the frames :func:`asyncrl.wire.codec.encode` made), receives each
-with :class:`asyncrl.sync.ipc.IpcReceiver`, checks its values as an actor does and copies it into
+with :class:`asyncrl.weights.ipc.IpcReceiver`, checks its values as an actor does and copies it into
 tensors of its own (the actor's model weights, on the device the version arrived on), then writes
 one JSON line: ``version``, ``device``, ``apply_s`` (decode to copied, synchronised), the GPU's
 ``allocated`` bytes in this process and ``free`` bytes on the device, and with ``--digest`` the
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from asyncrl.sync.base import check_weight_values  # noqa: E402
-from asyncrl.sync.ipc import IpcReceiver  # noqa: E402
+from asyncrl.weights.base import check_weight_values  # noqa: E402
+from asyncrl.weights.ipc import IpcReceiver  # noqa: E402
 from asyncrl.wire.codec import decode  # noqa: E402
 
 

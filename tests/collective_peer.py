@@ -1,4 +1,4 @@
-"""An actor's side of ``sync.type=nccl`` (gloo) in a process of its own, for tests/unit/sync/test_sync_collective.py:
+"""An actor's side of ``sync.type=nccl`` (gloo) in a process of its own, for tests/unit/weights/test_sync_collective.py:
 ``python -m tests.collective_peer HOST:PORT KEY LAST_VERSION`` takes versions until it holds LAST_VERSION,
 checks each against :func:`expected` bit for bit and prints ``got <version>`` (or ``bad <version>``)."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl.sync.collective import CollectiveReceiver
+from asyncrl.weights.collective import CollectiveReceiver
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Weights
 

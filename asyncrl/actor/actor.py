@@ -43,8 +43,8 @@ from ..envs.guard import request_stop as request_env_stop
 from ..engine import make_engine
 from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..types import Task
-from ..sync import make_receiver
-from ..sync.base import check_weight_values
+from ..weights import make_receiver
+from ..weights.base import check_weight_values
 from ..wire.codec import decode
 from ..wire.messages import Credit
 from .heartbeat import Heartbeat

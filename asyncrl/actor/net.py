@@ -49,7 +49,7 @@ class ActorNet:
                  on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None,
                  relay_timeout_s: float = 10.0, on_relay_lost: Callable[[], None] | None = None):
         self.wire_cfg, self.actor_id, self.identity = wire_cfg, actor_id, identity
-        self.weights_address = weights_address  # a node's weight relay (asyncrl.sync.relay) instead of the learner
+        self.weights_address = weights_address  # a node's weight relay (asyncrl.weights.relay) instead of the learner
         self.relay_timeout_s, self.on_relay_lost = relay_timeout_s, on_relay_lost
         self._relay_monitor: zmq.Socket | None = None
         self._relay_down_since: float | None = None  # not connected to the relay since (None: connected)

@@ -171,7 +171,7 @@ def _wait_for_control(addr_file: Path, report_s: float = 60.0) -> str:
 
 
 def cmd_relay(args) -> int:
-    from ..sync.relay import main as relay_main
+    from ..weights.relay import main as relay_main
 
     cfg, _ = _load(args)
     return relay_main(cfg, args.learner_weights, args.relay_id, args.sock_dir)

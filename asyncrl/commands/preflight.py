@@ -68,7 +68,7 @@ def _check_lora(cfg: Config) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..sync.adapters import targeted
+    from ..weights.adapters import targeted
     from ..models.tiny import embedded_llama_config
     from ..models.tokenizer import build_char_tokenizer
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sync.base import check_weight_values
-from ..sync.adapters import MergedAdapters
+from ..weights.base import check_weight_values
+from ..weights.adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
 from .kv import cache_arg, cache_of
 from .base import Generation
@@ -75,7 +75,7 @@ class HFEngine:
     def __init__(self, model, tokenizer, device: str = "cpu", lora: LoraSettings | None = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        # model.lora: updates are adapters, merged into the targeted weights in place (asyncrl.sync.adapters)
+        # model.lora: updates are adapters, merged into the targeted weights in place (asyncrl.weights.adapters)
         self.adapters = MergedAdapters(self.model, lora) if lora is not None else None
         self.tokenizer = tokenizer
         self.version = 0
@@ -292,7 +292,7 @@ class HFEngine:
         """Copy ``named_tensors`` into the model and set ``version``.
 
         Names must be exactly those of ``state_dict_for_sync`` (aliases of tied weights are also
-        accepted), or with ``lora`` every adapter tensor (``asyncrl.sync.adapters``: merged into the base
+        accepted), or with ``lora`` every adapter tensor (``asyncrl.weights.adapters``: merged into the base
         weights); any unknown or missing name or any shape mismatch raises ``ValueError`` before
         a single weight is changed; so does a tensor that is not float32/bfloat16/float16 or holds a NaN or
         an infinity (the actor checks each received version too: this is for callers that bypass it).

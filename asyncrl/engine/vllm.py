@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..sync.base import check_weight_values
-from ..sync.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
+from ..weights.base import check_weight_values
+from ..weights.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
 from .base import Generation
 from .continuous import Row, ContinuousBatcher

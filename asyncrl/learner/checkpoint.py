@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..sync.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
+from ..weights.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
 from ..models.lora import adapter_state, is_lora, read_adapters, settings_of
 from ..rundir.layout import (CRITIC, MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
                       fsync_path, list_checkpoints, replace_dir)

@@ -25,7 +25,7 @@ from ..models.loading import load_policy
 from ..objectives.advantages import informative
 from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
 from ..rollout.workflow import workflow_class
-from ..sync import make_publisher
+from ..weights import make_publisher
 from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..wire.sockets import check_wire, socket_dir

@@ -12,7 +12,7 @@
   ``adapter_config.json``, whose ``base_model_name_or_path`` names the base model);
   ``asyncrl export --merge RUN`` writes a plain Hugging Face model with them merged (:func:`export_merged`).
 
-Names and the in-place merge are :mod:`asyncrl.sync.adapters` (the engines use them too).
+Names and the in-place merge are :mod:`asyncrl.weights.adapters` (the engines use them too).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..sync.adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
+from ..weights.adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
                         internal_name, is_adapter_name, targeted)
 from ..config import ConfigError, LoraSettings
 

@@ -24,7 +24,7 @@ and weights go over asyncrl's ZeroMQ protocol, as on one machine.
   node's address with CURVE keys made on its node; each actor receives its own bundle (never the
   server's secret). On one host the learner's sockets are private ipc files (no TCP at all).
 - **One copy of the weights per node** (``launch.ray.relay``): the driver starts a relay
-  (:mod:`asyncrl.sync.relay`) on each node that holds actors; the learner sends each version once
+  (:mod:`asyncrl.weights.relay`) on each node that holds actors; the learner sends each version once
   per node and the actors there read it from shared memory (``sync.type=ipc`` on the actors). Off
   one host each relay has a CURVE key of its own. A relay that dies is said in one line and
   restarted by Ray (``launch.ray.max_restarts``); its node's actors take weights from the learner

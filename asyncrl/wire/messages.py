@@ -202,7 +202,7 @@ class CudaHandle(msgspec.Struct, forbid_unknown_fields=True):
     """GPU memory the learner shares with actors on its host (ipc sync, learner on CUDA): the eight
     values of torch's ``UntypedStorage._share_cuda_`` (a CUDA IPC memory handle, the allocation's
     size and offset, torch's cross-process reference counter, and an IPC event), which an actor
-    passes to ``UntypedStorage._new_shared_cuda`` to map it (:mod:`asyncrl.sync.ipc`)."""
+    passes to ``UntypedStorage._new_shared_cuda`` to map it (:mod:`asyncrl.weights.ipc`)."""
 
     device: Count
     handle: _Handle

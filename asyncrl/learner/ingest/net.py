@@ -477,7 +477,7 @@ class LearnerNet:
     # -- weights --------------------------------------------------------------------------------
     def publish_weights(self, frames: list, version: int) -> None:
         """Make ``version`` the current weights: ``frames`` is its ``weights`` message (made by the
-        sync transport, ``asyncrl.sync``; zero-copy frames must not change until sent). Sent at once
+        sync transport, ``asyncrl.weights``; zero-copy frames must not change until sent). Sent at once
         to every subscriber that holds all it was sent; the others get the newest version when they
         say they have the previous one."""
         self._weights_frames = frames

@@ -109,7 +109,7 @@ _STORE: list = []  # this process's rendezvous store objects, alive as long as t
 def _group_store(timeout_s: float, curve_dir: str | None = None):
     """With ``ASYNCRL_STORE_SECRET`` set (``asyncrl run --learner-procs`` sets it; ranks started by
     hand on several hosts are given the same one), the group meets at an authenticated, bounded
-    :class:`asyncrl.sync.rendezvous.StoreServer` that rank 0 binds on MASTER_ADDR:MASTER_PORT alone
+    :class:`asyncrl.weights.rendezvous.StoreServer` that rank 0 binds on MASTER_ADDR:MASTER_PORT alone
     (a plain ``TCPStore`` listens on every interface and takes anyone's keys); without it, None: the
     launcher's own store. A non-loopback MASTER_ADDR (ranks on several hosts) also needs CURVE:
     rank 0 serves with the server keys in ``curve_dir`` (its ``wire.curve_dir``) and admits the keys
@@ -117,7 +117,7 @@ def _group_store(timeout_s: float, curve_dir: str | None = None):
     secret = os.environ.get("ASYNCRL_STORE_SECRET")
     if not secret:
         return None
-    from ...sync.rendezvous import StoreClient, StoreServer
+    from ...weights.rendezvous import StoreClient, StoreServer
     from ...wire.sockets import is_loopback
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

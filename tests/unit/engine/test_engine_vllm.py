@@ -169,7 +169,7 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
 
 def _lora_policy(lora_cfg, seed: int) -> tuple[dict, torch.nn.Module]:
     """``(adapter tensors by wire name, the peft model merged)``: random A and B (B non-zero) on ``_model(0)``."""
-    from asyncrl.sync.adapters import adapter_tensors
+    from asyncrl.weights.adapters import adapter_tensors
     from asyncrl.models.lora import with_adapters
 
     peft = with_adapters(_model(0), lora_cfg, seed=seed)

@@ -21,7 +21,7 @@ PACKAGES = {"asyncrl": "asyncrl", "asyncrl.app": "app"}
 
 # The code that runs in an actor process: it must never need the learner's code.
 ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.endpoint", "asyncrl.envs",
-              "asyncrl.sandbox", "asyncrl.prompts", "asyncrl.objectives", "asyncrl.models", "asyncrl.sync", "asyncrl.wire")
+              "asyncrl.sandbox", "asyncrl.prompts", "asyncrl.objectives", "asyncrl.models", "asyncrl.weights", "asyncrl.wire")
 
 # An algorithm's tab in the UI (asyncrl.app.kit.AlgorithmView): its package's top floor, loaded by path by the UI
 # alone; it may read the run analysis and the UI's toolkit, and nothing imports it.
@@ -258,7 +258,7 @@ def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
 def test_weight_transports_declare_what_the_learner_calls():
     """The sync Protocols name every call (``needs_snapshot``, ``frames``, ``poll``, ``close``;
     ``tensors``, ``close``): each transport has them, and the learner probes none with getattr."""
-    from asyncrl.sync import TRANSPORTS
+    from asyncrl.weights import TRANSPORTS
 
     for name, (publisher, receiver) in TRANSPORTS.items():
         assert all(callable(getattr(publisher, m, None)) for m in ("frames", "poll", "close")), name
@@ -278,7 +278,7 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
     from asyncrl.models.tiny import BUILTIN_FORMATS
     from asyncrl.registry import Registry
     from asyncrl.rollout.workflow import WORKFLOWS, workflow_class
-    from asyncrl.sync import TRANSPORTS
+    from asyncrl.weights import TRANSPORTS
 
     workflow_class("grpo")  # (the built-in algorithms register on first use)
     tables = (WORKFLOWS, ENGINES, TRANSPORTS, ENVS, REWARDS, DOMAINS, BUILTIN_FORMATS, ADV_ESTIMATORS,
@@ -357,7 +357,7 @@ FLOORS = [
     ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names", "asyncrl.testing"),
     ("asyncrl.plugins", "asyncrl.wire", "asyncrl.prompts", "asyncrl.sandbox"),
     ("asyncrl.registry", "asyncrl.rundir"),
-    ("asyncrl.schedulers", "asyncrl.sync", "asyncrl.objectives"),
+    ("asyncrl.schedulers", "asyncrl.weights", "asyncrl.objectives"),
     ("asyncrl.engine",),
     ("asyncrl.endpoint",),
     ("asyncrl.envs",),

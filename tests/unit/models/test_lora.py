@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.sync.adapters import adapter_tensors, is_adapter_name
+from asyncrl.weights.adapters import adapter_tensors, is_adapter_name
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.rundir.layout import list_checkpoints
@@ -28,7 +28,7 @@ from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.rundir.layout import CheckpointError
 from asyncrl.models.loading import load_model, load_policy
 from asyncrl.models.lora import export_run, with_adapters
-from asyncrl.sync import make_publisher, make_receiver
+from asyncrl.weights import make_publisher, make_receiver
 from asyncrl.types import Trajectory
 from asyncrl.wire.codec import decode
 
@@ -279,9 +279,9 @@ def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
 
 
 def test_a_bfloat16_merge_equals_pefts(trained):
-    """The engines' merge (``asyncrl.sync.adapters.merged_weight``) of a bfloat16 base rounds as peft's
+    """The engines' merge (``asyncrl.weights.adapters.merged_weight``) of a bfloat16 base rounds as peft's
     ``merge_and_unload`` does: the float32 product added to the base, rounded once."""
-    from asyncrl.sync.adapters import MergedAdapters
+    from asyncrl.weights.adapters import MergedAdapters
 
     cfg, model, tok, path, _, _, _ = trained
     state = adapter_tensors({n: p.detach().clone() for n, p in model.named_parameters()})

@@ -3,7 +3,7 @@ its actors, with the ``nccl`` backend between GPUs or ``gloo`` (``sync.backend``
 code either way.
 
 Membership, over the rendezvous store the learner serves (``sync.group_host:group_port``,
-:class:`asyncrl.sync.rendezvous.StoreServer`: bound to that host alone, CURVE off loopback, bounded, and
+:class:`asyncrl.weights.rendezvous.StoreServer`: bound to that host alone, CURVE off loopback, bounded, and
 answering only requests that carry its secret, which reaches the actors in the learner's ``weights``
 message; a plain ``TCPStore`` would listen on every interface and take anyone's registrations):
 

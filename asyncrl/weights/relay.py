@@ -4,7 +4,7 @@ With several actors on a node, each would take every version from the learner ov
 ``actors x bytes`` per version. A relay subscribes to the learner once, like an actor (``subscribe``
 with the version it holds; the learner sends the next version only when the relay holds the last,
 over ``sync.type: zmq`` frames), writes each version into this node's shared memory with the
-``ipc`` transport (:class:`asyncrl.sync.ipc.IpcPublisher`: two slots, a seqlock header) and serves
+``ipc`` transport (:class:`asyncrl.weights.ipc.IpcPublisher`: two slots, a seqlock header) and serves
 the node's actors on a ROUTER bound to an ``ipc://`` socket in a private directory (mode 0700:
 only this user's processes reach it): the same ``subscribe`` / ``weights`` exchange as
 the learner's weights channel, so an actor started with ``--weights-address`` (and

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.sync.collective import CollectivePublisher
+from asyncrl.weights.collective import CollectivePublisher
 
 from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
@@ -98,7 +98,7 @@ def test_a_registration_read_between_its_two_requests_is_not_lost():
     """An actor registers with two requests (add "reg", then set "reg/<n>"). A learner poll that
     falls between them must read the token later, not drop the registration: a dropped one left a
     live actor outside every later group (seen once in CI)."""
-    from asyncrl.sync.rendezvous import StoreClient
+    from asyncrl.weights.rendezvous import StoreClient
 
     pub = CollectivePublisher(SimpleNamespace(backend="gloo", timeout_s=10.0, group_host="127.0.0.1", group_port=0))
     client = StoreClient("127.0.0.1", int(pub.address.rsplit(":", 1)[1]), pub.server.secret, timeout_s=10.0)

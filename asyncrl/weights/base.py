@@ -8,7 +8,7 @@ travel:
 - a :class:`WeightReceiver` (actor side) turns a received message into ``(version, tensors)``
   that ``Engine.update_weights`` loads.
 
-``asyncrl.sync.make_publisher`` and ``make_receiver`` pick them by ``sync.type``.
+``asyncrl.weights.make_publisher`` and ``make_receiver`` pick them by ``sync.type``.
 
 The version tag travels in the message either way, so an actor always knows what it applied.
 """

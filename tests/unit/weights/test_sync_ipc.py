@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.sync import WeightsError, make_publisher, make_receiver
+from asyncrl.weights import WeightsError, make_publisher, make_receiver
 from asyncrl.lifecycle import pid_alive
-from asyncrl.sync.ipc import PREFIX, IpcPublisher, IpcReceiver
+from asyncrl.weights.ipc import PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import TensorSpec, Weights
 

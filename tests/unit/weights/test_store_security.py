@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from asyncrl.sync.collective import CollectivePublisher
-from asyncrl.sync.rendezvous import StoreClient, StoreError, StoreServer
+from asyncrl.weights.collective import CollectivePublisher
+from asyncrl.weights.rendezvous import StoreClient, StoreError, StoreServer
 
 from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
-from tests.unit.sync.test_sync_collective import Peer, _until
+from tests.unit.weights.test_sync_collective import Peer, _until
 
 
 def _listening(port: int) -> list[str]:
@@ -153,7 +153,7 @@ def test_learner_group_store_binds_only_master_addr():
             "from asyncrl.learner.training import distributed as d\n"
             "print(d.init_from_env(30))\n"
             f"print(subprocess.run(['ss', '-Htln'], capture_output=True, text=True).stdout)\n"
-            "from asyncrl.sync.rendezvous import StoreClient, StoreError\n"
+            "from asyncrl.weights.rendezvous import StoreClient, StoreError\n"
             f"c = StoreClient('127.0.0.1', {port}, 'wrong', timeout_s=10)\n"
             "try:\n    c.set('x', 'y'); print('ACCEPTED')\nexcept StoreError as e:\n    print('REFUSED', e)\n"
             "c.close(); d.leave_group()\n")

@@ -1,4 +1,4 @@
-"""Weight transports by ``sync.type`` (``asyncrl.sync.base`` has the interface)."""
+"""Weight transports by ``sync.type`` (``asyncrl.weights.base`` has the interface)."""
 
 from pathlib import Path
 

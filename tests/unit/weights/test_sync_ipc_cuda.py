@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.sync import WeightsError
-from asyncrl.sync.ipc import HEADER_BYTES, PREFIX, IpcPublisher, IpcReceiver
+from asyncrl.weights import WeightsError
+from asyncrl.weights.ipc import HEADER_BYTES, PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import CudaHandle, Weights
 

@@ -13,9 +13,9 @@ import torch
 
 from asyncrl.actor.actor import Actor
 from asyncrl.config import load_config
-from asyncrl.sync import WeightsError
-from asyncrl.sync.filesystem import FilesystemPublisher, FilesystemReceiver
-from asyncrl.sync.ipc import IpcPublisher, IpcReceiver
+from asyncrl.weights import WeightsError
+from asyncrl.weights.filesystem import FilesystemPublisher, FilesystemReceiver
+from asyncrl.weights.ipc import IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode_weights
 
 from tests.conftest import SMALL_RUN as COMMON

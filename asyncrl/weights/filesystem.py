@@ -2,7 +2,7 @@
 ``weights-<version>.safetensors`` atomically and sends actors only its path; actors read the file.
 For actors that share a filesystem with the learner. The directory is made private (mode 0700) and
 each file mode 0600; an actor loads only a file of its own user's that no one else can read or write
-(:func:`asyncrl.sync.ipc.check_owner`)."""
+(:func:`asyncrl.weights.ipc.check_owner`)."""
 
 from __future__ import annotations
 
