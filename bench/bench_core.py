@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.learner.ingest.buffer import EpisodeQueue  # noqa: E402
 from asyncrl.rundir.record_file import encode_record  # noqa: E402
-from asyncrl.learner.ingest.net import LearnerNet  # noqa: E402
+from asyncrl.learner.ingest.server import LearnerServer  # noqa: E402
 from asyncrl.learner.ingest.peers import EpisodeValidator  # noqa: E402
 from asyncrl.lifecycle import freeze_startup_heap  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
@@ -135,7 +135,7 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     nbytes = sum(memoryview(f).nbytes for f in encoded_episodes(1, *shape)[0])
     cfg = load_config(None)
     with tempfile.TemporaryDirectory() as tmp:
-        net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
+        net = LearnerServer(cfg.wire, lambda ch, err: print("bad message:", err))
         validator = EpisodeValidator(vocab_size=128, limits=net.limits)
         buf = EpisodeQueue(Path(tmp), capacity=10**9)
         buf.open_wal(0)
@@ -185,12 +185,12 @@ def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     received = [[zmq.Frame(bytes(memoryview(f))) for f in encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng))]
                 for _ in range(n)]
     cfg = load_config(None)
-    net = LearnerNet(cfg.wire, lambda ch, err: print("bad message:", err))
+    net = LearnerServer(cfg.wire, lambda ch, err: print("bad message:", err))
     validator = EpisodeValidator(vocab_size=128, limits=net.limits)
     arrivals = []
     t0 = time.perf_counter()
     for frames in received:
-        net._take_episode(frames, arrivals)  # what LearnerNet.poll does with each episode message
+        net._take_episode(frames, arrivals)  # what LearnerServer.poll does with each episode message
     t1 = time.perf_counter()
     for arrival in arrivals:
         if validator.check(arrival, version=0) is not None:
@@ -249,7 +249,7 @@ def bench_weights(rounds: int) -> dict:
     def record(channel, err):
         raise RuntimeError(err)
 
-    net = LearnerNet(cfg.wire, record)
+    net = LearnerServer(cfg.wire, record)
     orig = net._on_subscribe
 
     def on_subscribe(identity, body):

@@ -41,6 +41,7 @@ def worker(args) -> None:
 
     from asyncrl.config import load_config
     from asyncrl.learner.training import distributed
+    from asyncrl.learner.ingest.staleness import StalenessPolicy
     from asyncrl.learner.training.ranks import make_trainer
     from asyncrl.models.loading import load_policy
     from asyncrl.types import Trajectory
@@ -52,7 +53,7 @@ def worker(args) -> None:
         rank, _ = distributed.init_from_env(300)
     cfg = load_config(None, args.override)
     model, tok, _ = load_policy(cfg.model, cfg.seed, cfg.train.device)
-    trainer = make_trainer(cfg, model, tok, args.mode if world > 1 else "none")
+    trainer = make_trainer(cfg, model, tok, args.mode if world > 1 else "none", StalenessPolicy.from_config(cfg))
     rng = np.random.default_rng(0)
     n = args.prompt + args.response
     mask = np.r_[np.zeros(args.prompt), np.ones(args.response)]

@@ -2,7 +2,7 @@
 
 1. Learner bytes per weights version with and without the per-node relay, for 2 nodes x 4 actors,
    for the embedded demo model and for Qwen2.5-0.5B's shapes (random bf16 weights, 494M parameters):
-   the learner's real weights socket (:class:`asyncrl.learner.ingest.net.LearnerNet`) publishes; without the
+   the learner's real weights socket (:class:`asyncrl.learner.ingest.server.LearnerServer`) publishes; without the
    relay 8 subscribers take every version from it, with it 2 relays (:class:`asyncrl.weights.relay.WeightRelay`)
    take it once each and serve 4 subscribers each from shared memory. Bytes are the learner's own
    count (``weights_bytes_sent``).
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.learner.ingest.net import LearnerNet  # noqa: E402
+from asyncrl.learner.ingest.server import LearnerServer  # noqa: E402
 from asyncrl.weights.relay import WeightRelay  # noqa: E402
 from asyncrl.wire.codec import decode, encode, encode_weights  # noqa: E402
 from asyncrl.wire.messages import Subscribe  # noqa: E402
@@ -88,7 +88,7 @@ def relay_bytes(state: dict[str, torch.Tensor], versions: int, relay: bool, node
                 per_node: int = 4) -> tuple[int, int]:
     """(bytes the learner sent for ``versions`` versions, bytes of one weights message)."""
     wire = load_config(None, []).wire
-    net = LearnerNet(wire, lambda *a: None)
+    net = LearnerServer(wire, lambda *a: None)
     ctx = zmq.Context()
     relays, subs, threads = [], [], []
     shm = tempfile.mkdtemp(prefix="bench-relay-")

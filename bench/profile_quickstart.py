@@ -36,7 +36,7 @@ STAGES: dict[str, list[tuple[str, str]]] = {
         ("wait for episodes (poll)", r"^Poller\.poll|^Socket\.poll"),
         ("decode + validate", r"^decode|^decode_episode|^EpisodeValidator|^_take_episode"),
         ("WAL append + fsync", r"^EpisodeQueue\.(add|sync)|^WriteAheadLog|^Peers\._write"),
-        ("ack + credits", r"^LearnerNet\.(ack|grant_credits|send_control)"),
+        ("ack + credits", r"^LearnerServer\.(ack|grant_credits|send_control)"),
         ("batch: advantages + collate", r"^PolicyTrainer\.make_batch|^collate|compute_advantages|^grpo_advantages"),
         ("optimizer + clip", r"^(AdamW|Optimizer)\.|^_single_tensor_adam|^_multi_tensor_adam|^_fused_adam|clip_grad_norm"),
         ("backward", r"backward|^_engine_run_backward"),

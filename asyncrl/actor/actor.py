@@ -15,7 +15,7 @@ with a new session (it restarted), everything unacknowledged is resent; the lear
 by episode id.
 
 The protocol (sockets, hello/welcome, sessions, credits, ack and resend, the weight subscription)
-is :class:`asyncrl.actor.net.ActorNet`; this module is the loop that generates.
+is :class:`asyncrl.actor.link.ActorLink`; this module is the loop that generates.
 
 Peers: a heartbeat thread (``asyncrl.actor.heartbeat``) keeps the actor's lease and says when the
 learner is gone. A ``welcome`` means the learner holds no credits for this actor (it is new, or it
@@ -48,7 +48,7 @@ from ..weights.base import check_weight_values
 from ..wire.codec import decode
 from ..wire.messages import Credit
 from .heartbeat import Heartbeat
-from .net import ActorNet
+from .link import ActorLink
 _WEIGHTS_ASK_S = 2.0  # while waiting for newer weights, ask the learner again this often
 
 
@@ -72,7 +72,7 @@ class Actor:
         # the routing identity on the learner's sockets: the pid is public (ps), the random part is told only
         # to the learner, so no other process can take this actor's identity (and its acks and credits) over
         self.identity = f"{actor_id}:{os.getpid()}:{secrets.token_hex(8)}".encode()
-        self.net = ActorNet(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
+        self.net = ActorLink(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
                             on_welcome=self._on_welcome, weights_address=weights_address,
                             relay_timeout_s=cfg.actor.relay_timeout_s, on_relay_lost=self._on_relay_lost)
         self._waiting_since: float | None = None  # waiting for weights the credits need since
@@ -127,7 +127,7 @@ class Actor:
 
     # -- weights --------------------------------------------------------------------------------
     def _on_relay_lost(self) -> None:
-        """The node's relay is gone (``ActorNet.check_relay``): the learner sends tensor frames
+        """The node's relay is gone (``ActorLink.check_relay``): the learner sends tensor frames
         (a relay always takes ``sync.type: zmq`` from it), so the receiver changes with the source."""
         self.weights_in.close()
         self.weights_in = make_receiver(SyncConfig(type="zmq"), self.cfg.wire, self.actor_id)

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from ..types import Episode, Task, Trajectory, new_id
+from .ingest.staleness import StalenessPolicy
 
 STATE_FILE = "replay.json"
 POOL_FILE = "replay_pool.bin"
@@ -100,12 +101,12 @@ def mean_entropy(token_entropy: np.ndarray, loss_mask: np.ndarray) -> float:
 class ExperiencePool:
     """The replay pool and its bookkeeping. ``cfg`` is a ``ReplayConfig``; ``n`` is ``sampling.n``."""
 
-    def __init__(self, cfg, n: int, total_steps: int, seed: int = 0, max_staleness: int = 1):
+    def __init__(self, cfg, n: int, total_steps: int, staleness: StalenessPolicy, seed: int = 0):
         self.cfg = cfg
         self.n = int(n)
         self.k = int(cfg.offpolicy_trajectories_per_task)
         self.total_steps = int(total_steps)
-        self.max_staleness = int(max_staleness)
+        self.staleness = staleness
         self.lbound = int(cfg.experience_lbound)
         self.rbound = int(cfg.experience_rbound if cfg.experience_rbound is not None else n)
         self.buckets: dict[int, list[str]] = {}
@@ -291,7 +292,7 @@ class ExperiencePool:
         self._ratio_carry += self.cfg.exp_ratio * credits
         want = min(credits, int(self._ratio_carry + 1e-9))
         self._ratio_carry -= want
-        horizon = version - (self.max_staleness + 2)
+        horizon = version - (self.staleness.max_staleness + 2)
         self._outstanding = {t: v for t, v in self._outstanding.items() if v >= horizon}
         out = []
         for tid in self.sample_tasks(want, exclude=set(self._outstanding)):

@@ -36,7 +36,7 @@ from ..rundir import provenance
 from .archive import EpisodeArchive
 from .checkpoint import save_checkpoint, write_critic
 from .evaluate import EvaluationHung, Evaluator
-from .ingest.net import LearnerNet, Limits
+from .ingest.server import LearnerServer, Limits
 from .ingest.peers import Peers
 from .progress import Progress, summary_table
 from .hooks import LearnerHook
@@ -89,7 +89,7 @@ class Learner:
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
-        self.net = LearnerNet(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
+        self.net = LearnerServer(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
                               limits=Limits.from_config(cfg.wire, getattr(self.model.config,
                                                                           "max_position_embeddings", None)),
                               sock_dir=None if cfg.wire.curve_dir else socket_dir(self.run_dir))
@@ -455,8 +455,8 @@ def _make_hooks(cfg: Config, staleness: StalenessPolicy, event) -> list[LearnerH
     preflight has checked that the workflow takes per-task rollout counts)."""
     if not cfg.replay.enabled:
         return []
-    manager = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, seed=cfg.seed,
-                                max_staleness=staleness.max_staleness)
+    manager = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, staleness=staleness,
+                             seed=cfg.seed)
     return [ReplayHook(manager, cfg.replay.state_event_every, event)]
 
 

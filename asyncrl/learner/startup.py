@@ -25,7 +25,7 @@ def _receipt_check(validator):
     """``validate(episode, message)`` for ``EpisodeQueue.restore``: the learner's receipt checks,
     without the future-version one (after a fallback to an older checkpoint, episodes of the
     versions it forgot are legitimate, as they were when acknowledged)."""
-    from .ingest.net import Arrival
+    from .ingest.server import Arrival
 
     return lambda ep, msg: validator.check(Arrival(ep, [], msg.arrays), _ANY_VERSION)
 

@@ -28,7 +28,7 @@ and weights go over asyncrl's ZeroMQ protocol, as on one machine.
   per node and the actors there read it from shared memory (``sync.type=ipc`` on the actors). Off
   one host each relay has a CURVE key of its own. A relay that dies is said in one line and
   restarted by Ray (``launch.ray.max_restarts``); its node's actors take weights from the learner
-  within ``actor.relay_timeout_s`` (:meth:`asyncrl.actor.net.ActorNet.check_relay`).
+  within ``actor.relay_timeout_s`` (:meth:`asyncrl.actor.link.ActorLink.check_relay`).
 - **Failures.** A lost actor (its node, or its process failing) is restarted by Ray up to
   ``launch.ray.max_restarts`` times and re-joins through the session/ack protocol: nothing
   acknowledged is lost, nothing trained twice. A lost learner ends the run with one line

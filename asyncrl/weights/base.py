@@ -1,6 +1,6 @@
 """The weight-sync interface: how a new version of the policy reaches the actors.
 
-The learner's ``weights`` channel (``asyncrl.learner.ingest.net``) delivers one ``weights`` message per
+The learner's ``weights`` channel (``asyncrl.learner.ingest.server``) delivers one ``weights`` message per
 version to each subscriber; a transport decides what that message carries and how the tensors
 travel:
 

@@ -165,7 +165,7 @@ def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
     and crashed every resume at the step that took it. It now fails the receipt checks on restore,
     is quarantined and reported, and the rest are restored."""
     from asyncrl.config import load_config as _load
-    from asyncrl.learner.ingest.net import Arrival, Limits
+    from asyncrl.learner.ingest.server import Arrival, Limits
     from asyncrl.learner.ingest.peers import EpisodeValidator
 
     _write_wal(tmp_path, ["a", "b"])

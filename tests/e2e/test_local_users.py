@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.learner.ingest.net import LearnerNet
+from asyncrl.learner.ingest.server import LearnerServer
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import Hello, Status, Subscribe
 from asyncrl.wire.sockets import WireSecurityError, make_curve_keys
@@ -114,7 +114,7 @@ def curve_net(tmp_path):
     make_curve_keys(str(keys), ["0", "1"])
     cfg = load_config(None, [f"wire.curve_dir={keys}", "wire.lease_s=30"]).wire
     errors: list = []
-    net = LearnerNet(cfg, lambda ch, e: errors.append((ch, e)))
+    net = LearnerServer(cfg, lambda ch, e: errors.append((ch, e)))
     net.errors, net.keys = errors, keys
     yield net
     net.close()
@@ -184,7 +184,7 @@ def test_curve_on_loopback_refuses_another_users_key(curve_net):
 def test_tcp_without_keys_is_refused_even_on_loopback():
     cfg = load_config(None, ["wire.control_port=5599"]).wire
     with pytest.raises(WireSecurityError, match="TCP only with CURVE keys") as e:
-        LearnerNet(cfg, lambda ch, e: None)
+        LearnerServer(cfg, lambda ch, e: None)
     assert "\n" not in str(e.value)
 
 

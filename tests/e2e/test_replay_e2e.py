@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.config import load_config
 from asyncrl.rundir.layout import latest_checkpoint
 from asyncrl.learner.experience import ExperiencePool
@@ -34,7 +35,7 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
         before = run.events()
         # read back the checkpoint the learner will resume from, in this process, before it is rotated
         cfg = load_config(None, run.overrides)
-        from_files = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total)
+        from_files = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total, staleness=StalenessPolicy.from_config(cfg))
         ckpt = latest_checkpoint(run.dir)
         assert from_files.load(ckpt)
         run.resume()

@@ -25,7 +25,7 @@ import numpy as np
 
 from ...wire.codec import Message, WireError
 from ...wire.messages import Rejected
-from .net import ActorState, Arrival, Housekeeping, Limits, credit_timeout_s
+from .server import ActorState, Arrival, Housekeeping, Limits, credit_timeout_s
 
 _REASON_CHARS = 300  # a rejection reason sent back to the actor (the Ack field allows 1024)
 
@@ -151,7 +151,7 @@ class RateLimitedLog:
 
 
 class PeerLink(Protocol):
-    """What :class:`Peers` needs of the learner's network (:class:`asyncrl.learner.ingest.net.LearnerNet`),
+    """What :class:`Peers` needs of the learner's network (:class:`asyncrl.learner.ingest.server.LearnerServer`),
     and nothing more: arrivals and control messages, the actors' accounting, acknowledgements, upkeep."""
 
     def poll(self, timeout_ms: int) -> tuple[list[Arrival], list[tuple[bytes, Message]]]: ...
@@ -190,7 +190,7 @@ class Peers:
         self._status_logged: dict[bytes, float] = {}
 
     def bad_message(self, channel: str, error: Exception) -> None:
-        """A message that could not be received, decoded or handled (``LearnerNet.on_bad_message``)."""
+        """A message that could not be received, decoded or handled (``LearnerServer.on_bad_message``)."""
         self.bad_messages += 1
         reason = getattr(error, "reason", None) or type(error).__name__
         text = str(error) if isinstance(error, WireError) else f"{type(error).__name__}: {error}"

@@ -113,22 +113,19 @@ class Critic:
         (:meth:`prepare` with ``train``): ``mb`` has no targets yet; each micro-batch's forward gives
         its values before the step (written there) and its rows' return targets."""
         plan = plan_micro_batches(mb, self.micro_tokens, self.attention != "padded", skip=False)
-        totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, clip_sum, tokens = 0.0, 0.0, 0.0
-        for i in range(n_parts):
-            real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
-            micro = mb.take(plan.micro_batches[i] if real else [0])
-            with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
-                v = self._values(micro)
-                if values_out is not None:
-                    self._targets(micro, v.detach())
-                    put_rows(values_out, plan.micro_batches[i], micro.old_values)
-                loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
-                                            self.cfg.cliprange_value)
-                scale, _ = loss_scales(micro.response_mask, "token-mean", totals)
-                (loss * (scale if real else 0.0)).backward()
-            if real:
+        for part in dist_learner.accumulate(self.model, mb, plan):
+            micro = part.batch
+            v = self._values(micro)
+            if values_out is not None:  # (one process only: every part is real)
+                self._targets(micro, v.detach())
+                put_rows(values_out, part.index, micro.old_values)
+            loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
+                                        self.cfg.cliprange_value)
+            scale, _ = loss_scales(micro.response_mask, "token-mean", part.totals)
+            (loss * (scale if part.real else 0.0)).backward()
+            if part.real:
                 n = float(micro.response_mask.sum())
                 loss_sum += float(loss.detach()) * scale
                 clip_sum, tokens = clip_sum + float(clipfrac) * n, tokens + n

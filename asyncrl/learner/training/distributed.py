@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import msgpack
 import torch
@@ -33,6 +35,10 @@ import torch.distributed as dist
 from ...wire.codec import WireError, decode, encode
 from ...wire.messages import GROUP_KINDS, Body
 from ...wire.tensors import check_layout, pack, plan_layout, unpack
+
+if TYPE_CHECKING:
+    from .batch import TrainBatch
+    from .micro_batches import MicroPlan, Totals
 
 MODES = ("none", "ddp", "fsdp2")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -267,6 +273,29 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+@dataclass
+class Part:
+    """One micro-batch of a mini-batch, as :func:`accumulate` hands it out."""
+
+    batch: "TrainBatch"  # its rows
+    index: list[int]  # their places in the mini-batch
+    real: bool  # False: an empty part that a rank with fewer micro-batches runs; its loss must count 0
+    totals: "Totals"  # the mini-batch's normalisers over every rank (micro_batches.loss_scales)
+
+
+def accumulate(model: torch.nn.Module, mb: "TrainBatch", plan: "MicroPlan") -> Iterator[Part]:
+    """The one micro-batch loop of the policy and the critic: each part of ``plan`` handed out inside
+    :func:`gradient_sync`, so that the caller's forward and backward accumulate gradients and the
+    last part's reduces them over the ranks. Every rank runs as many parts as the rank with the most
+    (:func:`step_totals`); the extra ones are ``real=False`` (the caller multiplies their loss by 0)."""
+    totals, n_parts = step_totals(mb.response_mask, len(plan.micro_batches))
+    for i in range(n_parts):
+        real = i < len(plan.micro_batches)
+        index = plan.micro_batches[i] if real else [0]
+        with gradient_sync(model, sync=i == n_parts - 1):
+            yield Part(mb.take(index), index, real, totals)
 
 
 def all_true(flag: bool) -> bool:

@@ -44,13 +44,13 @@ from .trainer import PolicyTrainer, TrainStepResult
 _LIST_FIELDS = ("sample_types", "group_ids")
 
 
-def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy | None = None) -> PolicyTrainer:
-    """The learner's trainer for ``cfg`` (every rank builds the same one); ``staleness``: the learner's
-    policy (the other ranks build theirs from ``cfg``)."""
+def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy) -> PolicyTrainer:
+    """The learner's trainer for ``cfg`` (every rank builds the same one); ``staleness``: the process's
+    one policy (built where the process starts: the learner, a follower rank, a replay)."""
     return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
                          loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
                          use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode,
-                         staleness=staleness or StalenessPolicy.from_config(cfg),
+                         staleness=staleness,
                          critic_cfg=cfg.critic, model_cfg=cfg.model, seed=cfg.seed)
 
 
@@ -104,7 +104,7 @@ class Ranks:
         if self.control is not None:
             self.control.send(body, tensors)
 
-    def start(self, cfg, model, tokenizer, staleness: StalenessPolicy | None = None) -> PolicyTrainer:
+    def start(self, cfg, model, tokenizer, staleness: StalenessPolicy) -> PolicyTrainer:
         """Build the trainer on every rank (rank 0 passes its loaded model)."""
         self._say(GroupStart())
         if self.mode == "fsdp2":  # the shards replace the module's parameters: keep a full copy to publish
@@ -179,6 +179,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cpu_threads(cfg, "learner"))
     trainer: PolicyTrainer | None = None
+    staleness = StalenessPolicy.from_config(cfg)  # (this process's one policy, as rank 0's)
     steps = 0
     try:
         while True:
@@ -191,7 +192,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
                 model, tokenizer, path = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
                                                      warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
                 model = with_adapters(model, cfg.model, cfg.seed, base=path)
-                trainer = make_trainer(cfg, model, tokenizer, mode)
+                trainer = make_trainer(cfg, model, tokenizer, mode, staleness)
                 print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
             elif trainer is None:
                 raise RuntimeError(f"rank 0 sent {body.KIND!r} before 'group.start'")

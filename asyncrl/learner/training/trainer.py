@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,7 @@ from .attention import choose as choose_attention, measure as measure_attention
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
 from .critic import Critic
 from .optim import adamw, apply_update, lr_at
-from .micro_batches import MicroPlan, Totals, combine_stats, loss_scales, plan_micro_batches
+from .micro_batches import Totals, combine_stats, loss_scales, plan_micro_batches
 
 
 class StepAbandoned(Exception):
@@ -182,57 +181,109 @@ class PolicyTrainer:
         return batch
 
     def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
-        """Train on ``batch`` (ppo_epochs x mini_batches optimizer steps). A mini-batch whose loss
-        or gradient norm is not finite is not applied; ``skipped_nonfinite`` is the share of such
-        mini-batches. ``keep_rows``: also return the per-row log-probs and entropies. ``version``:
-        the learner's policy version, for the train/inference mismatch (:func:`mismatch_stats`) and
-        the per-token version lag (:func:`token_lag_stats`)."""
+        """Train on ``batch``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, each over micro-batches
+        of the token budget with the gradients accumulated. A mini-batch whose loss or gradient norm
+        is not finite is not applied (``skipped_nonfinite``: the share of such mini-batches).
+        ``keep_rows``: also return the per-row log-probs and entropies. ``version``: the learner's
+        policy version, for the learning-rate schedule, the train/inference mismatch
+        (:func:`mismatch_stats`) and the per-token version lag (:func:`token_lag_stats`).
+
+        The learner's step, top to bottom in one place (a spine the architecture test lets run past
+        sixty lines): the critic, the proximal pass, then each mini-batch's micro-batches, update and
+        statistics."""
+        cfg = self.cfg
         self.model.train()
-        single_pass = self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
+        single_pass = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
         result = TrainStepResult({})
-        critic_stats: dict[str, float] = {}
         self._hold_policy, self._applied, self.micro_s = False, False, 0.0
-        lr = lr_at(self.cfg, version or 0)
+        lr = lr_at(cfg, version or 0)
         for group in self.optimizer.param_groups:  # (train.lr_schedule: a function of the version alone)
             group["lr"] = lr
         self._check_stop()
-        # one process, one pass: the critic steps on the whole batch in the forward that gives its values
+
+        # 1. the critic (estimator gae): per-token advantages and its targets from its current values;
+        # in one process with one pass it also steps, on the whole batch, in the forward that gives them
+        critic_stats: dict[str, float] = {}
         self._critic_fused = single_pass and self.distributed == "none"
-        if self.critic is not None:  # per-token advantages and the critic's targets, from its current values
+        if self.critic is not None:
             critic_stats = self.critic.prepare(batch, train=self._critic_fused)
             self._applied = self._critic_fused  # (the critic's update is in)
             self._hold_policy = version is not None and version < self.critic.cfg.warmup_steps
             critic_stats["critic/warmup"] = float(self._hold_policy)
-        if (self.cfg.recompute_proximal or keep_rows) and not single_pass:
+
+        # 2. more than one pass: the proximal policy (decoupled PPO) and the rows' log-probs, from the
+        # weights before any update (one pass: the forward below is that policy)
+        if (cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
                 logp0, ent0 = self._chunked_logprobs(self.model, batch, with_entropy=keep_rows,
                                                      skip=not keep_rows and self._may_skip())
-            if self.cfg.recompute_proximal:
+            if cfg.recompute_proximal:
                 batch.old_logprobs = logp0
             if keep_rows:
                 result.row_logprobs, result.row_entropy = logp0.detach().cpu(), ent0.detach().cpu()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        first = True
-        for _ in range(self.cfg.ppo_epochs):
-            for mb in batch.split(self.cfg.mini_batches):
-                if self.distributed != "none":  # this rank's rows of the mini-batch
+
+        # 3. the optimizer steps: one per mini-batch (this rank's rows of it)
+        per_minibatch: list[dict[str, float]] = []
+        for epoch in range(cfg.ppo_epochs):
+            for i, mb in enumerate(batch.split(cfg.mini_batches)):
+                if self.distributed != "none":
                     mb = mb.select(dist_learner.shard_rows(mb.batch_size, torch.distributed.get_rank(),
                                                            torch.distributed.get_world_size()))
-                stats = self._minibatch_step(mb, single_pass, result if keep_rows and single_pass else None,
-                                             version if first else None)
-                first = False
-                for k, v in stats.items():
-                    sums[k] += v
-                    counts[k] += 1
+                measured = version if epoch == 0 and i == 0 else None  # (the mismatch: the first mini-batch's)
+                rows = keep_rows and single_pass  # this pass gives the rows' log-probs (every row is run)
+                plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=not rows and self._may_skip())
+                if rows:
+                    result.row_logprobs = torch.zeros(mb.response_mask.shape, device="cpu")
+                    result.row_entropy = torch.zeros(mb.response_mask.shape, device="cpu")
+                if self.attention is None and plan.micro_batches:  # train.attention=auto on CUDA
+                    self._measure_attention(mb.take(plan.micro_batches[0]))
+                self.optimizer.zero_grad(set_to_none=True)
+                parts, slots, real_tokens, shared = [], 0, 0, 0
+                loss_sum, started = 0.0, time.perf_counter()
+                for part in dist_learner.accumulate(self.model, mb, plan):
+                    self._check_stop()
+                    t_micro = time.perf_counter()
+                    out, loss, stats = self._loss(part.batch, part.totals, single_pass,
+                                                  measured if part.real else None)
+                    (loss if part.real else loss * 0.0).backward()
+                    self.micro_s = max(self.micro_s, time.perf_counter() - t_micro)
+                    if not part.real:
+                        continue
+                    loss_sum += float(loss.detach())
+                    parts.append((stats, float(part.batch.response_mask.sum())))
+                    slots, real_tokens, shared = slots + out.slots, real_tokens + out.real_tokens, shared + out.shared_rows
+                    if rows:
+                        put_rows(result.row_logprobs, part.index, out.logprobs.detach().cpu())
+                        put_rows(result.row_entropy, part.index, out.entropy.detach().cpu())
+                elapsed = time.perf_counter() - started
+                stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
+                stats.update(apply_update(self.optimizer, loss_sum, cfg.max_grad_norm, self.distributed,
+                                          apply=not self._hold_policy))
+                self._applied = True
+                stats.update({"learner/rows_skipped": float(len(plan.skipped)),
+                              "learner/micro_batches": float(len(plan.micro_batches)),
+                              "learner/forward_tokens": float(real_tokens),
+                              "learner/shared_prompt_rows": float(shared),
+                              "learner/padding_share": 1.0 - real_tokens / slots if slots else 0.0,
+                              "learner/tokens_per_s": real_tokens / elapsed if elapsed > 0 and real_tokens else 0.0})
+                if self.distributed != "none":  # a scaled loss averages to the global one over ranks
+                    stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
+                                                      mean_keys=frozenset({"loss", "pg_loss"}))
+                if self.critic is not None and not self._critic_fused:  # (its collectives: after the policy's)
+                    stats.update(self.critic.train_on(mb))
+                per_minibatch.append(stats)
+
+        # 4. the step's statistics: the mean over its mini-batches
         if self.distributed != "none" and keep_rows and single_pass:  # each rank holds its own rows
             result.row_logprobs = dist_learner.gather_rows(result.row_logprobs)
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
-        result.stats = {k: v / counts[k] for k, v in sums.items()}
+        keys = {k for stats in per_minibatch for k in stats}
+        result.stats = {k: sum(vals) / len(vals) for k in keys
+                        for vals in [[st[k] for st in per_minibatch if k in st]]}
         result.stats["lr"] = lr
         result.stats.update(critic_stats)
         if version is not None:
-            result.stats.update(token_lag_stats(batch, version, max_staleness=None if self.staleness is None else self.staleness.max_staleness))
+            result.stats.update(token_lag_stats(batch, version, self.staleness))
         return result
 
     def _loss_inputs(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[PolicyLossInputs, dict[str, float]]:
@@ -326,64 +377,10 @@ class PolicyTrainer:
         with dist_learner.unwrap(self.model).disable_adapter():
             return self._forward(self.model, mb).logprobs
 
-    def _minibatch_step(self, mb: TrainBatch, single_pass: bool, rows: TrainStepResult | None,
-                        version: int | None) -> dict[str, float]:
-        """One optimizer step on mini-batch ``mb`` (this rank's rows): its micro-batches forward and
-        backward with the gradients accumulated, then clipping and AdamW. ``rows``: fill in the
-        per-row log-probs and entropies (every row is then run)."""
-        plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=rows is None and self._may_skip())
-        totals, n_parts = dist_learner.step_totals(mb.response_mask, len(plan.micro_batches))
-        if rows is not None:
-            rows.row_logprobs = torch.zeros(mb.response_mask.shape, device="cpu")  # (filled from each micro-batch)
-            rows.row_entropy = torch.zeros(mb.response_mask.shape, device="cpu")
-        if self.attention is None and plan.micro_batches:
-            self._measure_attention(mb.take(plan.micro_batches[0]))
-        self.optimizer.zero_grad(set_to_none=True)
-        parts, fwd = [], {"slots": 0, "real": 0, "shared": 0}
-        loss_sum, started = 0.0, time.perf_counter()
-        for i in range(n_parts):
-            real = i < len(plan.micro_batches)  # a rank with fewer micro-batches runs empty ones (weight 0)
-            index = plan.micro_batches[i] if real else [0]
-            micro = mb.take(index)
-            self._check_stop()
-            t_micro = time.perf_counter()
-            with dist_learner.gradient_sync(self.model, sync=i == n_parts - 1):
-                out, loss, stats = self._micro_step(micro, totals, single_pass, version if real else None)
-                (loss if real else loss * 0.0).backward()
-            self.micro_s = max(self.micro_s, time.perf_counter() - t_micro)
-            if not real:
-                continue
-            loss_sum += float(loss.detach())
-            parts.append((stats, float(micro.response_mask.sum())))
-            fwd["slots"] += out.slots
-            fwd["real"] += out.real_tokens
-            fwd["shared"] += out.shared_rows
-            if rows is not None:
-                put_rows(rows.row_logprobs, index, out.logprobs.detach().cpu())
-                put_rows(rows.row_entropy, index, out.entropy.detach().cpu())
-        elapsed = time.perf_counter() - started
-        stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
-        stats.update(apply_update(self.optimizer, loss_sum, self.cfg.max_grad_norm, self.distributed,
-                                  apply=not self._hold_policy))
-        self._applied = True
-        stats.update(self._layout_stats(plan, fwd, elapsed))
-        if self.distributed != "none":  # a scaled loss averages to the global one over ranks
-            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
-                                              mean_keys=frozenset({"loss", "pg_loss"}))
-        if self.critic is not None and not self._critic_fused:  # (its own collectives: every rank, after the policy's)
-            stats.update(self.critic.train_on(mb))
-        return stats
-
-    @staticmethod
-    def _layout_stats(plan: MicroPlan, fwd: dict[str, int], elapsed: float) -> dict[str, float]:
-        return {"learner/rows_skipped": float(len(plan.skipped)), "learner/micro_batches": float(len(plan.micro_batches)),
-                "learner/forward_tokens": float(fwd["real"]), "learner/shared_prompt_rows": float(fwd["shared"]),
-                "learner/padding_share": 1.0 - fwd["real"] / fwd["slots"] if fwd["slots"] else 0.0,
-                "learner/tokens_per_s": fwd["real"] / elapsed if elapsed > 0 and fwd["real"] else 0.0}
-
-    def _micro_step(self, micro: TrainBatch, totals: Totals, single_pass: bool,
-                    version: int | None) -> tuple[Forward, torch.Tensor, dict[str, float]]:
-        """Forward one micro-batch and its loss, scaled to its share of the mini-batch's normalisers."""
+    def _loss(self, micro: TrainBatch, totals: Totals, single_pass: bool,
+              version: int | None) -> tuple[Forward, torch.Tensor, dict[str, float]]:
+        """Forward one micro-batch and its loss (the policy loss, KL, entropy), scaled to its share of
+        the mini-batch's normalisers."""
         cfg = self.cfg
         want_entropy = cfg.entropy_coef > 0
         # the entropy is always computed for the ``entropy`` metric; a graph only for the bonus
@@ -429,13 +426,14 @@ def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int)
             "mismatch/kl": float((log_r.exp() - log_r - 1).mean()), "mismatch/tokens": float(m.sum())}
 
 
-def token_lag_stats(batch: TrainBatch, version: int, bins: int = 4, max_staleness: int | None = None) -> dict[str, float]:
+def token_lag_stats(batch: TrainBatch, version: int, staleness: StalenessPolicy | None = None,
+                    bins: int = 4) -> dict[str, float]:
     """Per-token version lag of the batch's generated tokens (replayed ones excluded): ``version``
     minus the version that generated each token (``TrainBatch.token_versions``).
     ``staleness/token_lag_mean``, ``_max``, and ``staleness/token_lag_frac_<k>`` the share of tokens
-    with lag k for k < ``bins``, plus ``_ge<bins>`` for the rest; with ``max_staleness``,
-    ``staleness/token_frac_past_bound`` the share of tokens older than it (rows that began before an
-    in-flight update). Empty when no such token."""
+    with lag k for k < ``bins``, plus ``_ge<bins>`` for the rest; with the ``staleness`` policy,
+    ``staleness/token_frac_past_bound`` the share of tokens older than its bound (rows that began
+    before an in-flight update). Empty when no such token."""
     m = (batch.response_mask * (1 - batch.exp_mask)).cpu() > 0
     if not bool(m.any()):
         return {}
@@ -445,6 +443,6 @@ def token_lag_stats(batch: TrainBatch, version: int, bins: int = 4, max_stalenes
     for k in range(bins):
         out[f"staleness/token_lag_frac_{k}"] = float((lag == k).sum()) / total
     out[f"staleness/token_lag_frac_ge{bins}"] = float((lag >= bins).sum()) / total
-    if max_staleness is not None:
-        out["staleness/token_frac_past_bound"] = float((lag > max_staleness).sum()) / total
+    if staleness is not None:
+        out["staleness/token_frac_past_bound"] = float((lag > staleness.max_staleness).sum()) / total
     return out

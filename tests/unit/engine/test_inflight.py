@@ -230,7 +230,7 @@ def test_mixed_rows_through_collate_the_corrections_and_the_truncate_rule():
     # targets are tokens 1..n-1: row 0's versions [4,4,4,4,5,5,6], row 1's [6,6,6,6] + padding
     assert batch.token_versions[0].tolist() == [4, 4, 4, 4, 5, 5, 6]
     assert batch.token_versions[1, :4].tolist() == [6, 6, 6, 6]
-    lag = token_lag_stats(batch, version=7, max_staleness=1)
+    lag = token_lag_stats(batch, version=7, staleness=StalenessPolicy(max_staleness=1))
     # generated targets: row 0 lags 3,3,2,2,1 ; row 1 lags 1,1,1
     assert lag["staleness/token_lag_mean"] == pytest.approx((3 + 3 + 2 + 2 + 1 + 1 + 1 + 1) / 8)
     assert lag["staleness/token_lag_max"] == 3

@@ -439,14 +439,24 @@ def foreign_string_registrations(root: Path = ROOT) -> list[str]:
             if _room_of(target.split(":")[0], FLOORS) != _room_of(module, FLOORS)]
 
 
-def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+# The spines: functions that read top to bottom as the one place where a path of the system is told,
+# allowed past the limit because cutting them into helpers would scatter that story over files.
+SPINES = {
+    ("asyncrl.learner.training.trainer", "step"): "the learner's training step: critic, proximal pass, "
+    "each mini-batch's micro-batches, update and statistics (PolicyTrainer.step)",
+}
+MAX_SPINE_LINES = 150  # a spine is still one sitting's reading
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES, spines=SPINES) -> list[str]:
     out = []
     for module, path in module_files(root).items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > limit:
-                    out.append(f"{module}:{node.lineno} {node.name}: {lines} lines (at most {limit})")
+                most = MAX_SPINE_LINES if (module, node.name) in spines else limit
+                if lines > most:
+                    out.append(f"{module}:{node.lineno} {node.name}: {lines} lines (at most {most})")
     return out
 
 

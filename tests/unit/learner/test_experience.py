@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.algos.grpo import GRPOWorkflow
 from asyncrl.rollout import RolloutContext, run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
@@ -36,7 +37,7 @@ def _cfg(*over):
 
 def _mgr(*over, total_steps=10):
     cfg = _cfg(*over)
-    return ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total_steps, seed=0)
+    return ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total_steps, staleness=StalenessPolicy.from_config(cfg), seed=0)
 
 
 def _traj(task_id, reward, entropy=0.0, tid=None, n_tok=5):
@@ -317,7 +318,7 @@ def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
     model, tok, over = tiny_policy
     cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "replay.offpolicy_trajectories_per_task=2",
                              "sampling.max_new_tokens=3", "env.reward=tests.plugins_for_tests:short_reply_reward"])
-    m = ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
+    m = ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
     tasks = [Task("arith:1+2", [{"role": "user", "content": "1+2="}], 3),
              Task("arith:3+4", [{"role": "user", "content": "3+4="}], 7)]
     m.tasks["arith:1+2"] = msgspec.to_builtins(tasks[0])
@@ -343,7 +344,7 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
     cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "sampling.max_new_tokens=5",
                              "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",
                              "env.reward=tests.plugins_for_tests:short_reply_reward", "train.lr=1e-9"])
-    m = ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
+    m = ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train, cfg.replay))
     rng = random.Random(0)
     tasks = [Task(f"arith:{a}+{b}", [{"role": "user", "content": f"{a}+{b}="}], a + b)
@@ -408,9 +409,9 @@ def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
 
     a = Actor.__new__(Actor)  # no model or sockets: only the replay bookkeeping of credit messages
     a.cfg, a.actor_id = load_config(None, ["sampling.n=4"]), "actor-0"
-    from asyncrl.actor.net import ActorNet
+    from asyncrl.actor.link import ActorLink
 
-    a.net = ActorNet.__new__(ActorNet)  # (only its report of bad messages)
+    a.net = ActorLink.__new__(ActorLink)  # (only its report of bad messages)
     a.net.actor_id, a.net.bad = a.actor_id, Counter()
     a.workflow, a.assigned, a.withheld = GRPOWorkflow(a.cfg), deque(), set()
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])

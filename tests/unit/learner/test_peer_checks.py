@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.learner.ingest.net import Arrival, LearnerNet, Limits
+from asyncrl.learner.ingest.server import Arrival, LearnerServer, Limits
 from asyncrl.learner.ingest.peers import EpisodeValidator, RateLimitedLog
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import (WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg,
@@ -89,7 +89,7 @@ def net():
     cfg = load_config(None, ["wire.lease_s=0.5", "wire.max_capacity=5", "wire.max_actors=3",
                              "actor.heartbeat_s=0.1"]).wire
     errors: list = []
-    n = LearnerNet(cfg, lambda ch, e: errors.append((ch, e)))
+    n = LearnerServer(cfg, lambda ch, e: errors.append((ch, e)))
     n.errors = errors
     yield n
     n.close()
@@ -176,7 +176,7 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
     that delivered before, by evicting a stranger that never did."""
     cfg = load_config(None, ["wire.lease_s=30", "wire.credit_timeout_s=0.5", "wire.max_capacity=5",
                              "wire.max_actors=2", "actor.heartbeat_s=0.1"]).wire
-    net = LearnerNet(cfg, lambda ch, e: None)
+    net = LearnerServer(cfg, lambda ch, e: None)
     socks = [_dealer(net.addresses["control"]) for _ in range(4)]
     try:
         socks[0].send_multipart(encode_msg("hello", actor_id="real", capacity=5))
@@ -223,7 +223,7 @@ def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_p
     timeout = 0.6
     cfg = load_config(None, ["wire.lease_s=30", f"wire.credit_timeout_s={timeout}", "wire.max_capacity=4",
                              "actor.heartbeat_s=0.1"]).wire
-    net = LearnerNet(cfg, lambda ch, e: None)
+    net = LearnerServer(cfg, lambda ch, e: None)
     socks = {name: _dealer(net.addresses["control"]) for name in ("busy", "stuck")}
     tokens = {"busy": 0, "stuck": 7}
 

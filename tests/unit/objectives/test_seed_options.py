@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.objectives.advantages import compute_grpo_advantages, trajectory_advantages
 from asyncrl.algos.absolute_zero.config import AbsoluteZeroConfig
 from asyncrl.algos.rlcr.calibration import bin_index, expected_calibration_error
@@ -74,7 +75,7 @@ def test_train_advantage_options_reach_the_estimator():
 # ---------------------------------------------------------------------------- experience replay
 def _mgr(*over) -> ExperiencePool:
     cfg = load_config(None, ["replay.enabled=true", "sampling.n=4", *over])
-    return ExperiencePool(cfg.replay, n=4, total_steps=10, seed=0)
+    return ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
 
 
 def _stored(task_id: str, entropy: float, tid: str, reward: float = 1.0) -> Trajectory:

@@ -472,7 +472,7 @@ def test_a_refused_actor_says_so_even_when_the_refusal_comes_before_its_monitor_
     start-up, such as the start-up heap's collection), it waited for ever, before it could read the
     monitor. Here attaching a monitor to a connected socket waits until the learner has refused the
     key, and the hello comes after the refused connection is gone."""
-    import asyncrl.actor.net as actor_net
+    import asyncrl.actor.link as actor_net
     from asyncrl.config import WireConfig
 
     keys = tmp_path / "keys"
@@ -500,7 +500,7 @@ def test_a_refused_actor_says_so_even_when_the_refusal_comes_before_its_monitor_
 
         monkeypatch.setattr(actor_net, "connect", connect)
         monkeypatch.setattr(zmq.Socket, "get_monitor_socket", monitor_after_the_refusal)
-        net = actor_net.ActorNet(WireConfig(curve_dir=str(keys)), addr, "a2", b"a2:1")
+        net = actor_net.ActorLink(WireConfig(curve_dir=str(keys)), addr, "a2", b"a2:1")
         deadline = time.monotonic() + 30
         while not denied and time.monotonic() < deadline:
             denied.extend(auth.keys.take_denied())

@@ -1,4 +1,4 @@
-"""The actor's side of the protocol (:class:`ActorNet`), the peer of ``asyncrl.learner.ingest.net.LearnerNet``:
+"""The actor's side of the protocol (:class:`ActorLink`), the peer of ``asyncrl.learner.ingest.server.LearnerServer``:
 its sockets, hello/welcome, learner sessions, credits, delivery (ack and resend), the weight
 subscription and replay assignments as they arrive. The actor's loop (``asyncrl.actor.actor``)
 generates; everything it says to or hears from the learner goes through here.
@@ -43,7 +43,7 @@ _CONTROL_KINDS = ("welcome", "credit", "ack", "stop")
 RELAY_FIRST_FACTOR = 6  # a relay that has never delivered is waited for this many times actor.relay_timeout_s
 
 
-class ActorNet:
+class ActorLink:
     def __init__(self, wire_cfg, control_address: str, actor_id: str, identity: bytes,
                  on_credit: Callable[[Credit], None] | None = None,
                  on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None,

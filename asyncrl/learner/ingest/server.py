@@ -124,7 +124,7 @@ def credit_timeout_s(wire_cfg) -> float:
 
 @dataclass
 class Housekeeping:
-    """What one round of upkeep found (:meth:`LearnerNet.housekeeping`), for the learner to report."""
+    """What one round of upkeep found (:meth:`LearnerServer.housekeeping`), for the learner to report."""
 
     dropped: list  # ActorState: silent past their lease (wire.lease_s); their credits return to the pool
     reclaimed: list  # (ActorState, credits): held credits without progress for credit_timeout_s
@@ -132,7 +132,7 @@ class Housekeeping:
     denied: list  # (CURVE key, time): clients refused by the authenticator
 
 
-class LearnerNet:
+class LearnerServer:
     def __init__(self, wire_cfg, on_bad_message: Callable[[str, Exception], None],
                  previous: dict[str, str] | None = None, limits: Limits | None = None,
                  sock_dir: Path | None = None):
