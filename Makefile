@@ -23,7 +23,7 @@ SHELL := /bin/bash
 # pip's own lines that say what it is doing (the rest of its output is noise)
 PIP_PROGRESS := grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true
 
-.PHONY: setup lock vllm browser bwrap slurm demo test test-here test-fast bench clean notebook
+.PHONY: setup lock vllm browser bwrap slurm demo test test-here test-fast lint lint-here format bench clean notebook
 
 $(STAMP): pyproject.toml setup.py $(LOCK)
 	@echo "[setup] $(VENV): Python packages from $(LOCK) (the first time: a few minutes, torch and ray are the big ones)"
@@ -110,6 +110,14 @@ test-here: setup vllm browser bwrap slurm
 # minutes. Leaves out the end-to-end tests (marked slow) and those that need vLLM or bubblewrap.
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not vllm and not bwrap"
+
+# ruff: the lint rules and the formatter (pyproject.toml's [tool.ruff]); `make format` rewrites in place.
+lint:
+	$(MAKE) --no-print-directory VENV=$(TEST_VENV) lint-here
+lint-here: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+format: setup
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 bench: setup
 	$(BIN)/python bench/bench_core.py

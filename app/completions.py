@@ -50,11 +50,21 @@ def training_rows(store: RunStore, step: int | None = None, query: str = "") -> 
         for t in e.get("trajectories") or []:
             if query and not _match(query, prompt, t.get("text")):
                 continue
-            rows.append({"step": e.get("step"), "prompt": prompt, "completion": t.get("text") or "",
-                         "reward": t.get("reward"), "advantage": t.get("advantage"),
-                         "tokens": t.get("num_generated"), "policy version": t.get("policy_version"),
-                         "staleness": e.get("staleness"), "kind": t.get("sample_type") or "",
-                         "replayed": bool(t.get("is_replay")), "episode": e.get("episode_id")})
+            rows.append(
+                {
+                    "step": e.get("step"),
+                    "prompt": prompt,
+                    "completion": t.get("text") or "",
+                    "reward": t.get("reward"),
+                    "advantage": t.get("advantage"),
+                    "tokens": t.get("num_generated"),
+                    "policy version": t.get("policy_version"),
+                    "staleness": e.get("staleness"),
+                    "kind": t.get("sample_type") or "",
+                    "replayed": bool(t.get("is_replay")),
+                    "episode": e.get("episode_id"),
+                }
+            )
             if len(rows) >= MAX_ROWS:
                 break
         if len(rows) >= MAX_ROWS:
@@ -82,8 +92,11 @@ def training_html(store: RunStore, step: int | None = None, query: str = "") -> 
     if shown is None and df.empty:
         if not store.records("episode"):
             mode = (store.config.get("log") or {}).get("episode_events", "all")
-            return note("No episode events logged yet" + (" (log.episode_events=none)" if mode == "none" else "")
-                        + ": completions appear with the first trained step.")
+            return note(
+                "No episode events logged yet"
+                + (" (log.episode_events=none)" if mode == "none" else "")
+                + ": completions appear with the first trained step."
+            )
         return note(f"No logged completion holds <code>{esc(query)}</code>.")
     out = df.copy()
     first = out["episode"].ne(out["episode"].shift())  # the prompt once per group
@@ -94,16 +107,26 @@ def training_html(store: RunStore, step: int | None = None, query: str = "") -> 
     out = out.drop(columns=["episode"])
     groups = int(first.sum())
     log = store.config.get("log") or {}
-    logged = (f"; episode events are sampled: every {log.get('episode_events_every', 10)}th episode without a "
-              f"decision is logged" if log.get("episode_events") == "sampled" else "")
+    logged = (
+        f"; episode events are sampled: every {log.get('episode_events_every', 10)}th episode without a "
+        f"decision is logged"
+        if log.get("episode_events") == "sampled"
+        else ""
+    )
     steps = logged_steps(store)
-    where = (f" · logged step {steps.index(shown) + 1} of {len(steps)} ({steps[0]} to {steps[-1]}; "
-             f"earlier/later step to browse)" if shown in steps else "")
-    head = (f"<b>Step {shown}: {groups} group(s), {len(df)} completion(s)</b>{where} (the advantage is the one "
-            f"each was trained with; staleness: learner version - the version that wrote it{logged})"
-            if shown is not None else
-            f"<b>{len(df)} logged completion(s) holding <code>{esc(query)}</code></b>"
-            f"{' (the newest ' + str(MAX_ROWS) + ')' if len(df) >= MAX_ROWS else ''}")
+    where = (
+        f" · logged step {steps.index(shown) + 1} of {len(steps)} ({steps[0]} to {steps[-1]}; "
+        f"earlier/later step to browse)"
+        if shown in steps
+        else ""
+    )
+    head = (
+        f"<b>Step {shown}: {groups} group(s), {len(df)} completion(s)</b>{where} (the advantage is the one "
+        f"each was trained with; staleness: learner version - the version that wrote it{logged})"
+        if shown is not None
+        else f"<b>{len(df)} logged completion(s) holding <code>{esc(query)}</code></b>"
+        f"{' (the newest ' + str(MAX_ROWS) + ')' if len(df) >= MAX_ROWS else ''}"
+    )
     return head + html_table(out, "completions-table", raw_cols=("prompt", "completion", "advantage"))
 
 
@@ -121,27 +144,40 @@ def heldout_rows(store: RunStore, step: int | None = None, query: str = "") -> t
         for s in e["samples"]:
             if query and not _match(query, s.get("prompt"), s.get("completion")):
                 continue
-            rows.append({"version": e.get("version"), "prompt": s.get("prompt") or "",
-                         "completion": s.get("completion") or "", "gold": s.get("answer"),
-                         "reward": s.get("reward"), "correct": bool(s.get("correct"))})
-    return (None if query else evals[-1].get("version")), pd.DataFrame(rows[:MAX_ROWS if query else MAX_HELDOUT_ROWS])
+            rows.append(
+                {
+                    "version": e.get("version"),
+                    "prompt": s.get("prompt") or "",
+                    "completion": s.get("completion") or "",
+                    "gold": s.get("answer"),
+                    "reward": s.get("reward"),
+                    "correct": bool(s.get("correct")),
+                }
+            )
+    return (None if query else evals[-1].get("version")), pd.DataFrame(rows[: MAX_ROWS if query else MAX_HELDOUT_ROWS])
 
 
 def heldout_html(store: RunStore, step: int | None = None, query: str = "") -> str:
     version, df = heldout_rows(store, step, query)
     if df.empty:
         if version is None and not query:
-            return note("No held-out outputs logged yet (each evaluation keeps <code>log.eval_samples</code> of "
-                        "them; an algorithm with its own evaluation shows its outputs in its own tab).")
+            return note(
+                "No held-out outputs logged yet (each evaluation keeps <code>log.eval_samples</code> of "
+                "them; an algorithm with its own evaluation shows its outputs in its own tab)."
+            )
         return note(f"No held-out output holds <code>{esc(query)}</code>.")
     out = df.copy()
     out["completion"] = [f'<span class="arl-completion">{esc(c)}</span>' for c in out["completion"]]
-    out["correct"] = ['<span class="arl-ok">correct</span>' if c else '<span class="arl-bad">wrong</span>'
-                      for c in out["correct"]]
+    out["correct"] = [
+        '<span class="arl-ok">correct</span>' if c else '<span class="arl-bad">wrong</span>' for c in out["correct"]
+    ]
     out["gold"] = [esc(g) for g in out["gold"]]
     acc = df["correct"].mean()
-    head = (f"<b>Held-out outputs at policy version {version}</b> ({len(df)} shown, {fmt(acc, 2)} of them correct)"
-            if version is not None else f"<b>{len(df)} held-out output(s) holding <code>{esc(query)}</code></b>")
+    head = (
+        f"<b>Held-out outputs at policy version {version}</b> ({len(df)} shown, {fmt(acc, 2)} of them correct)"
+        if version is not None
+        else f"<b>{len(df)} held-out output(s) holding <code>{esc(query)}</code></b>"
+    )
     return head + html_table(out, "heldout-table", raw_cols=("completion", "correct", "gold"))
 
 
@@ -153,11 +189,15 @@ class CompletionsView(AlgorithmView):
     def build(self, gr, empty: RunStore) -> None:
         with gr.Row():
             self.earlier = gr.Button("\u25c0 earlier step", scale=0, min_width=120, elem_id="completions-earlier")
-            step = gr.Number(value=0, precision=0, label="training step (0: the latest logged)", scale=1,
-                             elem_id="completions-step")
+            step = gr.Number(
+                value=0, precision=0, label="training step (0: the latest logged)", scale=1, elem_id="completions-step"
+            )
             self.later = gr.Button("later step \u25b6", scale=0, min_width=120, elem_id="completions-later")
-            search = gr.Textbox(label="search prompts and completions (every logged step and evaluation)",
-                                scale=3, elem_id="completions-search")
+            search = gr.Textbox(
+                label="search prompts and completions (every logged step and evaluation)",
+                scale=3,
+                elem_id="completions-search",
+            )
         train = gr.HTML(elem_id="completions-view")
         held = gr.HTML(elem_id="heldout-view")
         self.inputs, self.outputs = [step, search], [train, held]
@@ -173,5 +213,9 @@ class CompletionsView(AlgorithmView):
     def wire(self, gr, main_store, runs) -> None:
         step = self.inputs[0]
         for button, direction in ((self.earlier, -1), (self.later, 1)):
-            button.click(lambda pick, s, d=direction: neighbour_step(main_store(pick), int(s) if s else None, d),
-                         inputs=[runs, step], outputs=[step], show_progress="hidden")
+            button.click(
+                lambda pick, s, d=direction: neighbour_step(main_store(pick), int(s) if s else None, d),
+                inputs=[runs, step],
+                outputs=[step],
+                show_progress="hidden",
+            )

@@ -6,7 +6,6 @@ and figures come from :mod:`app.views`).
 ``gr.State``); None (nothing picked) and a plain list of run names are taken too (an algorithm
 tab's own handlers pass them)."""
 
-
 import functools
 from urllib.parse import quote
 
@@ -59,17 +58,26 @@ class Dashboard:
         names = catalog.names()
         shown = list(self.chosen(pick))
         if not names:
-            return V.note(f"No runs in <code>{V.esc(catalog.folder)}</code> yet (a run directory holds "
-                          f"config.yaml, metrics.jsonl or events.jsonl); the list updates as runs appear.")
+            return V.note(
+                f"No runs in <code>{V.esc(catalog.folder)}</code> yet (a run directory holds "
+                f"config.yaml, metrics.jsonl or events.jsonl); the list updates as runs appear."
+            )
         # every run of the folder one click away (the link opens the page on it alone)
         listed = ", ".join(f'<a href="?runs={quote(n)}" class="arl-run-link">{V.esc(n)}</a>' for n in names)
-        how = ("picked above" if _pick(pick)["sel"] else f"none picked: the first {len(shown)} by name"
-               if len(shown) < len(names) else "none picked: all of them")
-        return V.note(f"<span id=\"runs-list\">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>"
-                      f": {listed}</span>. Shown ({how}): "
-                      f"{', '.join(f'<code>{V.esc(n)}</code>' for n in shown)}; the cards, the actors table and the "
-                      f"tabs show <code>{V.esc(self.focus_name(pick))}</code> (pick another below), every chart "
-                      f"overlays all of them.")
+        how = (
+            "picked above"
+            if _pick(pick)["sel"]
+            else f"none picked: the first {len(shown)} by name"
+            if len(shown) < len(names)
+            else "none picked: all of them"
+        )
+        return V.note(
+            f'<span id="runs-list">{len(names)} run(s) in <code>{V.esc(catalog.folder)}</code>'
+            f": {listed}</span>. Shown ({how}): "
+            f"{', '.join(f'<code>{V.esc(n)}</code>' for n in shown)}; the cards, the actors table and the "
+            f"tabs show <code>{V.esc(self.focus_name(pick))}</code> (pick another below), every chart "
+            f"overlays all of them."
+        )
 
     def light(self, pick):
         """The cards and the actors table (every 2 s)."""
@@ -92,8 +100,13 @@ class Dashboard:
 
     def revision_key(self, pick) -> str:
         stores = self.chosen(pick)
-        return ("|".join(f"{n}:{s.revision}" for n, s in stores.items()) + "#" + ",".join(self.catalog.names())
-                + "@" + str(self.focus_name(pick)))
+        return (
+            "|".join(f"{n}:{s.revision}" for n, s in stores.items())
+            + "#"
+            + ",".join(self.catalog.names())
+            + "@"
+            + str(self.focus_name(pick))
+        )
 
     def heavy(self, key, pick, pins, *args):
         """Every view's content when the run changed; ``pins``: the metrics charted first (``?metrics=``);
@@ -107,14 +120,24 @@ class Dashboard:
         focus = gr.update(choices=list(stores), value=self.focus_name(pick))
         algo_out, at = [], 0
         for view in self.algo_views:
-            algo_out += self.view_outputs(view, pick, *args[at:at + len(view.inputs)])
+            algo_out += self.view_outputs(view, pick, *args[at : at + len(view.inputs)])
             at += len(view.inputs)
         (choice,) = args[at:]
         hidden = [view.id for view in self.algo_views if not view.applies(store)]
         hidden += [] if V.has_replay(store) else ["replay"]
-        return [V.runs_html(stores) if self.catalog.folder is not None else "", V.charts_json(stores, pins or []),
-                *algo_out, V.replay_html(store), V.replay_figure(store), *self.sample_outputs(pick, choice),
-                V.config_html(store), runs, focus, V.hidden_tabs_css(hidden), new_key]
+        return [
+            V.runs_html(stores) if self.catalog.folder is not None else "",
+            V.charts_json(stores, pins or []),
+            *algo_out,
+            V.replay_html(store),
+            V.replay_figure(store),
+            *self.sample_outputs(pick, choice),
+            V.config_html(store),
+            runs,
+            focus,
+            V.hidden_tabs_css(hidden),
+            new_key,
+        ]
 
     def on_load(self, request, *args):
         view = (request.query_params.get("view") if request is not None else None) or "overview"
@@ -140,18 +163,33 @@ class Dashboard:
         """The components, as attributes (their events are :meth:`wire`'s)."""
         gr, folder = self.gr, self.catalog.folder is not None
         gr.HTML(f'<h2 style="margin:0">asyncrl · {V.esc(self.title)}</h2>')
-        self.runs_dd = gr.Dropdown(self.catalog.names(), value=[], multiselect=True, visible=folder,
-                                   label="runs (none picked: the 8 written to last; all are overlaid in every chart, the "
-                                         "run shown in the cards and the tabs is picked below)", elem_id="runs-picker")
-        self.focus_dd = gr.Dropdown([], value=None, visible=folder, elem_id="focus-picker",
-                                    label="run shown in the cards, the actors table and the tabs")
+        self.runs_dd = gr.Dropdown(
+            self.catalog.names(),
+            value=[],
+            multiselect=True,
+            visible=folder,
+            label="runs (none picked: the 8 written to last; all are overlaid in every chart, the "
+            "run shown in the cards and the tabs is picked below)",
+            elem_id="runs-picker",
+        )
+        self.focus_dd = gr.Dropdown(
+            [],
+            value=None,
+            visible=folder,
+            elem_id="focus-picker",
+            label="run shown in the cards, the actors table and the tabs",
+        )
         with gr.Tabs(selected="overview") as self.tabs:
             with gr.Tab("Overview", id="overview"):
                 self.ov_html = gr.HTML(elem_id="overview")
                 self.ov_actors = gr.HTML(elem_id="actors-view")
                 self.ov_runs = gr.HTML(elem_id="runs-view")
-                self.charts = gr.HTML(value="{}", html_template='<div class="arl-charts" id="charts"></div>',
-                                      js_on_load=V.CHARTS_JS, elem_id="charts-view")
+                self.charts = gr.HTML(
+                    value="{}",
+                    html_template='<div class="arl-charts" id="charts"></div>',
+                    js_on_load=V.CHARTS_JS,
+                    elem_id="charts-view",
+                )
             self.algo_boxes = []  # per algorithm view: its note and its column
             for view in self.algo_views:
                 with gr.Tab(view.title, id=view.id):
@@ -172,8 +210,20 @@ class Dashboard:
         self.tab_style = gr.HTML("", elem_id="tab-style", padding=False, container=False)
         self.rev, self.pins, self.pick = gr.State(""), gr.State([]), gr.State({"sel": [], "focus": None})
         algo_out = [c for view, box in zip(self.algo_views, self.algo_boxes) for c in (*box, *view.outputs)]
-        self.heavy_out = [self.ov_runs, self.charts, *algo_out, self.rp_html, self.rp_plot, self.sm_choice,
-                          self.sm_html, self.cfg_html, self.runs_dd, self.focus_dd, self.tab_style, self.rev]
+        self.heavy_out = [
+            self.ov_runs,
+            self.charts,
+            *algo_out,
+            self.rp_html,
+            self.rp_plot,
+            self.sm_choice,
+            self.sm_html,
+            self.cfg_html,
+            self.runs_dd,
+            self.focus_dd,
+            self.tab_style,
+            self.rev,
+        ]
 
     def wire(self, demo) -> None:
         """The page's events: the first load, the two timers, the pickers, the views' own inputs."""
@@ -184,18 +234,38 @@ class Dashboard:
             return self.on_load(request, *args)
 
         # the first data comes with the page load (not over the queue)
-        demo.load(on_load, inputs=filters, outputs=[self.tabs, self.pick, self.pins, *cards, *self.heavy_out],
-                  queue=False, show_progress="hidden")
+        demo.load(
+            on_load,
+            inputs=filters,
+            outputs=[self.tabs, self.pick, self.pins, *cards, *self.heavy_out],
+            queue=False,
+            show_progress="hidden",
+        )
         gr.Timer(2.0).tick(self.light, inputs=[self.pick], outputs=cards, show_progress="hidden")
-        gr.Timer(5.0).tick(self.heavy, inputs=[self.rev, self.pick, self.pins, *filters], outputs=self.heavy_out,
-                           show_progress="hidden")
+        gr.Timer(5.0).tick(
+            self.heavy,
+            inputs=[self.rev, self.pick, self.pins, *filters],
+            outputs=self.heavy_out,
+            show_progress="hidden",
+        )
         for picker in (self.runs_dd, self.focus_dd):
-            picker.input(self.picked, inputs=[self.runs_dd, self.focus_dd, self.pins, *filters],
-                         outputs=[self.pick, *cards, *self.heavy_out], show_progress="hidden")
+            picker.input(
+                self.picked,
+                inputs=[self.runs_dd, self.focus_dd, self.pins, *filters],
+                outputs=[self.pick, *cards, *self.heavy_out],
+                show_progress="hidden",
+            )
         for view, box in zip(self.algo_views, self.algo_boxes):
             for c in view.inputs:
-                c.change(functools.partial(self.view_outputs, view), inputs=[self.pick, *view.inputs],
-                         outputs=[*box, *view.outputs], show_progress="hidden")
+                c.change(
+                    functools.partial(self.view_outputs, view),
+                    inputs=[self.pick, *view.inputs],
+                    outputs=[*box, *view.outputs],
+                    show_progress="hidden",
+                )
             view.wire(gr, self.main_store, self.pick)
-        self.sm_choice.input(lambda p, c: V.sample_html(self.main_store(p), c), inputs=[self.pick, self.sm_choice],
-                             outputs=[self.sm_html])
+        self.sm_choice.input(
+            lambda p, c: V.sample_html(self.main_store(p), c),
+            inputs=[self.pick, self.sm_choice],
+            outputs=[self.sm_html],
+        )

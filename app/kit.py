@@ -81,13 +81,17 @@ def html_table(df: pd.DataFrame, table_id: str | None = None, raw_cols: tuple[st
     head = "".join(f"<th>{esc(c)}</th>" for c in df.columns)
     rows = []
     for _, r in df.iterrows():
-        cells = "".join(f"<td>{r[c] if c in raw_cols else fmt(r[c]) if not isinstance(r[c], str) else esc(r[c])}</td>"
-                        for c in df.columns)
+        cells = "".join(
+            f"<td>{r[c] if c in raw_cols else fmt(r[c]) if not isinstance(r[c], str) else esc(r[c])}</td>"
+            for c in df.columns
+        )
         rows.append(f'<tr class="arl-row">{cells}</tr>')
     tid = f' id="{table_id}"' if table_id else ""
     # (a wide table scrolls, the page does not)
-    return (f'<div class="arl-scroll"><table class="arl"{tid}><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></div>')
+    return (
+        f'<div class="arl-scroll"><table class="arl"{tid}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
 
 
 def figure(n: int, cols: int = 3, height: float = 2.6) -> tuple[Figure, list]:
@@ -168,5 +172,7 @@ class AlgorithmView:
         return store.algorithm == self.algorithm
 
     def absent_note(self, store: RunStore) -> str:
-        return note(f"This run does not use {self.algorithm_title} (algorithm: "
-                    f"<b>{esc(store.algorithm or 'unknown')}</b>), so it has {self.missing}.")
+        return note(
+            f"This run does not use {self.algorithm_title} (algorithm: "
+            f"<b>{esc(store.algorithm or 'unknown')}</b>), so it has {self.missing}."
+        )

@@ -61,8 +61,12 @@ class EventSubscriber(threading.Thread):
         self.sock.connect(address)
 
     def status(self) -> dict:
-        return {"address": self.address, "received": self.received, "last": self.last,
-                "error": self.error if self.error else (f"{self.bad} malformed messages skipped" if self.bad else None)}
+        return {
+            "address": self.address,
+            "received": self.received,
+            "last": self.last,
+            "error": self.error if self.error else (f"{self.bad} malformed messages skipped" if self.bad else None),
+        }
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -95,8 +99,14 @@ class RunCatalog:
     looked up again on each call), each read by its own :class:`DirPoller` from the first time it
     is picked."""
 
-    def __init__(self, store: RunStore | None = None, name: str = "run", folder=None,
-                 max_events_per_kind: int | None = None, interval: float = 1.0):
+    def __init__(
+        self,
+        store: RunStore | None = None,
+        name: str = "run",
+        folder=None,
+        max_events_per_kind: int | None = None,
+        interval: float = 1.0,
+    ):
         if (store is None) == (folder is None):
             raise ValueError("RunCatalog wants either one run's store or a folder of runs")
         self.folder = None if folder is None else Path(folder)
@@ -122,8 +132,11 @@ class RunCatalog:
 
         def written(name: str) -> float:
             run = self.folder / name
-            times = [p.stat().st_mtime for p in (run / "events.jsonl", run / "metrics.jsonl", run / "config.yaml")
-                     if p.exists()]
+            times = [
+                p.stat().st_mtime
+                for p in (run / "events.jsonl", run / "metrics.jsonl", run / "config.yaml")
+                if p.exists()
+            ]
             return max(times, default=run.stat().st_mtime)
 
         return sorted(self.names(), key=written, reverse=True)[:n]

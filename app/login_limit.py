@@ -47,11 +47,23 @@ class LoginLimiter:
             wait = self.window_s - (now - q[0]) if len(q) >= self.max_failures else 0.0
         if wait > 0:
             self.refused += 1
-            body = json.dumps({"detail": f"too many failed logins from {client}: {len(q)} in the last "
-                                         f"{self.window_s:g} s; try again in {wait:.0f} s"}).encode()
-            await send({"type": "http.response.start", "status": 429,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(int(wait) + 1).encode()),
-                                    (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                {
+                    "detail": f"too many failed logins from {client}: {len(q)} in the last "
+                    f"{self.window_s:g} s; try again in {wait:.0f} s"
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", str(int(wait) + 1).encode()),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         status = {}

@@ -15,7 +15,6 @@ Bound to 127.0.0.1 by default; any other ``--host`` requires ``--auth user:passw
 :mod:`app.token_gate`): every local user reaches 127.0.0.1.
 """
 
-
 import os
 import signal
 import socket
@@ -38,13 +37,17 @@ class UIError(ValueError):
 def check_args(args) -> tuple[str, str] | None:
     """Validate the options; returns the ``(user, password)`` pair or None."""
     if not args.run and not args.connect:
-        raise UIError("give --run runs/<name> (a run directory) and/or --connect ADDRESS "
-                      "(a live learner's events address, see <run>/addresses.json)")
+        raise UIError(
+            "give --run runs/<name> (a run directory) and/or --connect ADDRESS "
+            "(a live learner's events address, see <run>/addresses.json)"
+        )
     if args.run and not Path(args.run).is_dir():
         raise UIError(f"run directory {args.run} does not exist")
     if args.connect and "://" not in args.connect:
-        raise UIError(f"--connect wants a ZeroMQ address (the 'events' entry of addresses.json: ipc://PATH, or "
-                      f"tcp://HOST:PORT with keys), got {args.connect!r}")
+        raise UIError(
+            f"--connect wants a ZeroMQ address (the 'events' entry of addresses.json: ipc://PATH, or "
+            f"tcp://HOST:PORT with keys), got {args.connect!r}"
+        )
     auth = None
     if args.auth is not None:
         user, sep, password = args.auth.partition(":")
@@ -58,8 +61,10 @@ def check_args(args) -> tuple[str, str] | None:
         if path and not Path(path).is_file():
             raise UIError(f"--{name.replace('_', '-')} {path}: no such file")
     if not is_loopback(args.host) and auth is None:
-        raise UIError(f"refusing to serve on {args.host!r} without a login: anything but loopback "
-                      f"(127.0.0.1, ::1, localhost) requires --auth user:password")
+        raise UIError(
+            f"refusing to serve on {args.host!r} without a login: anything but loopback "
+            f"(127.0.0.1, ::1, localhost) requires --auth user:password"
+        )
     if not 0 <= args.port <= 65535:
         raise UIError(f"--port must be in 0..65535 (0: a free port), got {args.port}")
     return auth
@@ -96,9 +101,12 @@ def serve(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"{'https' if getattr(args, 'tls_cert', None) else 'http'}://{host}:{port}/"
     url += f"?token={token}" if token else ""
-    what = (f"folder of runs {args.run}: {len(catalog.names())} run(s) to pick from" if folder else
-            f"{'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
-            f"{'live events from ' + args.connect if args.connect else ''}")
+    what = (
+        f"folder of runs {args.run}: {len(catalog.names())} run(s) to pick from"
+        if folder
+        else f"{'run ' + str(args.run) if args.run else ''}{' + ' if args.run and args.connect else ''}"
+        f"{'live events from ' + args.connect if args.connect else ''}"
+    )
     print(f"asyncrl ui: serving {url} ({what}); Ctrl-C stops", flush=True)
     stop = {"now": False}
 
@@ -152,18 +160,29 @@ def _launch(demo, args, auth, port: int) -> str | None:
     from .token_gate import TokenGate, new_token
     from .views import CHARTS_CSS, CSS, algorithm_views
 
-    tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
-           if getattr(args, "tls_cert", None) else {})
+    tls = (
+        {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_verify": False}  # (its own probe of itself)
+        if getattr(args, "tls_cert", None)
+        else {}
+    )
     middleware = [Middleware(LoginLimiter)]
     token = None
     if auth is None:  # loopback without a login: a token (other local users reach 127.0.0.1 too)
         token = os.environ.pop(UI_TOKEN_ENV, None) or new_token()
         middleware.append(Middleware(TokenGate, token=token))
     try:
-        demo.launch(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, quiet=True,
-                    share=False, css=CSS + CHARTS_CSS + "".join(v.css for v in algorithm_views()), footer_links=[],
-                    app_kwargs={"middleware": middleware},
-                    **tls)
+        demo.launch(
+            server_name=args.host,
+            server_port=port,
+            auth=auth,
+            prevent_thread_lock=True,
+            quiet=True,
+            share=False,
+            css=CSS + CHARTS_CSS + "".join(v.css for v in algorithm_views()),
+            footer_links=[],
+            app_kwargs={"middleware": middleware},
+            **tls,
+        )
     except OSError as e:
         raise UIError(f"cannot serve on {args.host}:{port} ({e}); pick another --port (0: any free port)") from None
     return token

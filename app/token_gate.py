@@ -59,8 +59,7 @@ class TokenGate:
             return await self.app(scope, receive, send)
         given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [None])[0]
         if self._matches(given):
-            cookie = (f"{name}={self.token}; Path=/; Max-Age={COOKIE_MAX_AGE_S}; HttpOnly; "
-                      f"SameSite=Strict").encode()
+            cookie = (f"{name}={self.token}; Path=/; Max-Age={COOKIE_MAX_AGE_S}; HttpOnly; SameSite=Strict").encode()
 
             async def with_cookie(message):
                 if message["type"] == "http.response.start":
@@ -72,9 +71,18 @@ class TokenGate:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = (b"this dashboard is served only with its token: open the URL that `asyncrl ui` printed "
-                b"(it ends in ?token=...)\n")
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = (
+            b"this dashboard is served only with its token: open the URL that `asyncrl ui` printed "
+            b"(it ends in ?token=...)\n"
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"text/plain; charset=utf-8"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -19,10 +19,11 @@ from matplotlib.figure import Figure
 from asyncrl.analysis import RunStore, actor_statuses, chart_data, run_state, runs_table, staleness_counts
 from asyncrl.analysis.metric_series import SUMMARY_METRICS
 from asyncrl.config import ConfigError
-from asyncrl.rundir.layout import config_snapshot
 from asyncrl.rollout.workflow import all_workflows, workflow_class
+from asyncrl.rundir.layout import config_snapshot
 
 from .kit import CSS, AlgorithmView, curves, empty_axes, esc, figure, fmt, fmt_rate, html_table, note  # noqa: F401
+
 
 # ------------------------------------------------------------------------------------- overview
 def run_status(store: RunStore, live: dict | None = None) -> str:
@@ -50,34 +51,55 @@ def overview_html(store: RunStore, live: dict | None = None) -> str:
     start = store.records("learner_start")
     total = start[-1].get("total_steps") if start else store.config.get("train", {}).get("total_steps")
     state = run_state(store)
-    cards = [("policy version", f'<span id="policy-version">{store.version}</span>'),
-             ("steps logged", f'<span id="steps">{len(m)}</span>' + (f" / {esc(total)}" if total else "")),
-             ("episodes/s", fmt_rate(last.get("episodes_per_s"))), ("tokens/s", fmt_rate(last.get("tokens_per_s"))),
-             ("samples/s", fmt_rate(last.get("samples_per_s"))), ("reward (last step)", fmt(last.get("reward_mean"))),
-             ("episodes logged", _episodes_card(store)), ("algorithm", esc(store.algorithm or "?")),
-             ("run", f'<span id="run-status" class="arl-state-{state.state}" title="{esc(state.reason)}">'
-                     f'{state.state}</span>')]
+    cards = [
+        ("policy version", f'<span id="policy-version">{store.version}</span>'),
+        ("steps logged", f'<span id="steps">{len(m)}</span>' + (f" / {esc(total)}" if total else "")),
+        ("episodes/s", fmt_rate(last.get("episodes_per_s"))),
+        ("tokens/s", fmt_rate(last.get("tokens_per_s"))),
+        ("samples/s", fmt_rate(last.get("samples_per_s"))),
+        ("reward (last step)", fmt(last.get("reward_mean"))),
+        ("episodes logged", _episodes_card(store)),
+        ("algorithm", esc(store.algorithm or "?")),
+        (
+            "run",
+            f'<span id="run-status" class="arl-state-{state.state}" title="{esc(state.reason)}">{state.state}</span>',
+        ),
+    ]
     if "env/failures" in m and len(m):
-        cards.append(("failed episodes (env)", fmt(int(pd.to_numeric(m["env/failures"], errors="coerce").fillna(0).sum()))))
+        cards.append(
+            ("failed episodes (env)", fmt(int(pd.to_numeric(m["env/failures"], errors="coerce").fillna(0).sum())))
+        )
     body = "".join(f'<div class="arl-card"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in cards)
     extra = ""
     if live is not None:
         ago = f", last {time.time() - live['last']:.1f} s ago" if live.get("last") else ""
-        extra = (f'<div class="k">live events from <code>{esc(live.get("address"))}</code>: '
-                 f'{live.get("received", 0)} received{ago}{"; " + esc(live["error"]) if live.get("error") else ""}</div>')
-    warn = "".join(note(f'<span class="arl-warning">Warning: {esc(w.get("message"))}</span>')
-                   for w in store.records("warning")[-3:])  # e.g. algo.sandbox.isolation: none
+        extra = (
+            f'<div class="k">live events from <code>{esc(live.get("address"))}</code>: '
+            f"{live.get('received', 0)} received{ago}{'; ' + esc(live['error']) if live.get('error') else ''}</div>"
+        )
+    warn = "".join(
+        note(f'<span class="arl-warning">Warning: {esc(w.get("message"))}</span>')
+        for w in store.records("warning")[-3:]
+    )  # e.g. algo.sandbox.isolation: none
     if store.warnings:
         warn += note("Skipped records: " + "<br>".join(esc(w) for w in store.warnings[-3:]))
     why = f'<div class="k" id="run-state-reason">run {state.state}: {esc(state.reason)}</div>'
     return f'<div class="arl-cards" id="overview-cards">{body}</div>{why}{extra}{warn}'
 
 
-ACTOR_COLUMNS = {"actor_id": "actor", "status": "status", "weights_version": "weights version",
-                 "lag": "versions behind the learner",
-                 "batches": "batches", "weight_updates": "weight updates", "credits": "credits",
-                 "unacked": "unacked", "capacity": "capacity", "generate_s": "generate (s)",
-                 "last_status_s_ago": "last status (s ago)"}
+ACTOR_COLUMNS = {
+    "actor_id": "actor",
+    "status": "status",
+    "weights_version": "weights version",
+    "lag": "versions behind the learner",
+    "batches": "batches",
+    "weight_updates": "weight updates",
+    "credits": "credits",
+    "unacked": "unacked",
+    "capacity": "capacity",
+    "generate_s": "generate (s)",
+    "last_status_s_ago": "last status (s ago)",
+}
 
 
 def actors_html(store: RunStore) -> str:
@@ -86,11 +108,16 @@ def actors_html(store: RunStore) -> str:
     df = actor_statuses(store)
     if df.empty:
         return note("No actor has reported its status yet.")
-    return ("<b>Actors</b>" + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
-            + note("Versions behind the learner: the learner's version now minus the weights the actor holds. "
-                   "buffer.max_staleness bounds something else: how many versions older than the step that trains "
-                   "them an episode's tokens may be (the staleness/* charts), so an actor may be further behind "
-                   "while what it sends is dropped or waits."))
+    return (
+        "<b>Actors</b>"
+        + html_table(df.rename(columns=ACTOR_COLUMNS), "actors")
+        + note(
+            "Versions behind the learner: the learner's version now minus the weights the actor holds. "
+            "buffer.max_staleness bounds something else: how many versions older than the step that trains "
+            "them an episode's tokens may be (the staleness/* charts), so an actor may be further behind "
+            "while what it sends is dropped or waits."
+        )
+    )
 
 
 def reward_metrics(store: RunStore) -> tuple[str, ...]:
@@ -108,8 +135,10 @@ def algorithm_views() -> list[AlgorithmView]:
 
     from .completions import CompletionsView
 
-    return [CompletionsView(), *(resolve_import(path, "views")() for _, wf in sorted(all_workflows().items())
-                                 for path in wf.views)]
+    return [
+        CompletionsView(),
+        *(resolve_import(path, "views")() for _, wf in sorted(all_workflows().items()) for path in wf.views),
+    ]
 
 
 def staleness_panel(ax, store: RunStore) -> None:
@@ -154,11 +183,16 @@ def runs_html(stores: dict[str, RunStore]) -> str:
         return ""
     df = runs_table(stores)
     n = len(df.columns) - 7 - len(SUMMARY_METRICS)  # (run, algorithm, state, steps, time, samples, best)
-    what = (f"; the last {n} column(s): the config keys that differ" if n > 0 else
-            "; no config key differs" if len(stores) > 1 else "")
-    return (f'<b>Runs ({len(stores)}{what})</b>'
-            + html_table(df.map(lambda v: fmt(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v),
-                         "runs-table"))
+    what = (
+        f"; the last {n} column(s): the config keys that differ"
+        if n > 0
+        else "; no config key differs"
+        if len(stores) > 1
+        else ""
+    )
+    return f"<b>Runs ({len(stores)}{what})</b>" + html_table(
+        df.map(lambda v: fmt(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v), "runs-table"
+    )
 
 
 def config_html(store: RunStore) -> str:
@@ -171,41 +205,55 @@ def config_html(store: RunStore) -> str:
         first = config_snapshot(run_dir)
         if first.exists():
             snaps.append(("config.yaml (the run's first segment)", first))
-        resumes = sorted(run_dir.glob("config.resume-*.yaml"),
-                         key=lambda p: int(p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1].isdigit() else 0)
+        resumes = sorted(
+            run_dir.glob("config.resume-*.yaml"),
+            key=lambda p: int(p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1].isdigit() else 0,
+        )
         snaps += [(f"{p.name} (the segment resumed at step {p.stem.rsplit('-', 1)[1]})", p) for p in resumes]
     if not snaps:
-        return note("No config snapshot: this view has no run directory (live events only), or the learner has "
-                    "not written <code>config.yaml</code> yet.")
+        return note(
+            "No config snapshot: this view has no run directory (live events only), or the learner has "
+            "not written <code>config.yaml</code> yet."
+        )
     parts = [_config_diff(snaps[-1][1])]
     for title, path in snaps:
         try:
             text = path.read_text()
         except OSError as e:
             text = f"(cannot read: {e})"
-        parts.append(f"<details><summary><b>{esc(title)}</b>, in full</summary>"
-                     f"<pre class=\"arl-config\">{esc(text)}</pre></details>")
+        parts.append(
+            f"<details><summary><b>{esc(title)}</b>, in full</summary>"
+            f'<pre class="arl-config">{esc(text)}</pre></details>'
+        )
     return f'<div id="config-view">{"".join(parts)}</div>'
 
 
 def _config_diff(path: Path) -> str:
     """What the snapshot at ``path`` sets apart from the defaults, the default beside each key."""
-    from asyncrl.config import load_config
     from asyncrl.analysis.config_view import show_config
+    from asyncrl.config import load_config
 
     try:
         text = show_config(load_config(path), diff=True)
     except Exception as e:  # noqa: BLE001 - a snapshot this install cannot load (another version's keys)
-        return note(f"Cannot compare <code>{esc(path.name)}</code> with the defaults: {esc(type(e).__name__)}: "
-                    f"{esc(e)}")
-    return (f"<b>What this run sets apart from the defaults</b> (<code>{esc(path.name)}</code>; "
-            f"<code>asyncrl config -c {esc(path.name)} --diff</code>)"
-            f'<pre class="arl-config" id="config-diff">{esc(text)}</pre>')
+        return note(
+            f"Cannot compare <code>{esc(path.name)}</code> with the defaults: {esc(type(e).__name__)}: {esc(e)}"
+        )
+    return (
+        f"<b>What this run sets apart from the defaults</b> (<code>{esc(path.name)}</code>; "
+        f"<code>asyncrl config -c {esc(path.name)} --diff</code>)"
+        f'<pre class="arl-config" id="config-diff">{esc(text)}</pre>'
+    )
 
 
 # ------------------------------------------------------------------------------------- replay buffer
-REPLAY_METRICS = ["replay/pool_tasks", "replay/skip_tasks", "replay/pool_trajectories", "replay/replayed_share",
-                  "replay/active"]
+REPLAY_METRICS = [
+    "replay/pool_tasks",
+    "replay/skip_tasks",
+    "replay/pool_trajectories",
+    "replay/replayed_share",
+    "replay/active",
+]
 
 
 def hidden_tabs_css(tab_ids: list[str]) -> str:
@@ -224,18 +272,28 @@ def has_replay(store: RunStore) -> bool:
 def replay_html(store: RunStore) -> str:
     parts = []
     if not has_replay(store):
-        parts.append(note("This run has no experience replay (no <code>replay/*</code> metrics and no "
-                          "<code>replay_state</code> events); below: the learner's buffer only."))
+        parts.append(
+            note(
+                "This run has no experience replay (no <code>replay/*</code> metrics and no "
+                "<code>replay_state</code> events); below: the learner's buffer only."
+            )
+        )
     states = store.records("replay_state")
     m = store.metrics
     cards = [("buffer size (episodes)", fmt(m["buffer_size"].iloc[-1]) if "buffer_size" in m and len(m) else "-")]
     if states:
         s = states[-1]
-        cards += [("pool tasks", fmt(s.get("pool_tasks"))), ("skip set tasks", fmt(s.get("skip_tasks"))),
-                  ("pool trajectories", fmt(s.get("pool_trajectories")))]
+        cards += [
+            ("pool tasks", fmt(s.get("pool_tasks"))),
+            ("skip set tasks", fmt(s.get("skip_tasks"))),
+            ("pool trajectories", fmt(s.get("pool_trajectories"))),
+        ]
     elif len(m):
-        for c, label in (("replay/pool_tasks", "pool tasks"), ("replay/skip_tasks", "skip set tasks"),
-                         ("replay/pool_trajectories", "pool trajectories")):
+        for c, label in (
+            ("replay/pool_tasks", "pool tasks"),
+            ("replay/skip_tasks", "skip set tasks"),
+            ("replay/pool_trajectories", "pool trajectories"),
+        ):
             if c in m:
                 cards.append((label, fmt(m[c].iloc[-1])))
     if "replay/replayed_share" in m and len(m):
@@ -244,8 +302,11 @@ def replay_html(store: RunStore) -> str:
     if not tr.empty:
         recent = tr[tr["step"] > tr["step"].max() - 10]
         cards.append(("replayed share (last 10 steps' logged trajectories)", fmt(recent["is_replay"].mean(), 3)))
-    parts.append('<div class="arl-cards" id="replay-cards">' + "".join(
-        f'<div class="arl-card"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in cards) + "</div>")
+    parts.append(
+        '<div class="arl-cards" id="replay-cards">'
+        + "".join(f'<div class="arl-card"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in cards)
+        + "</div>"
+    )
     return "".join(parts)
 
 
@@ -282,8 +343,13 @@ def replay_figure(store: RunStore) -> Figure:
 def sample_choices(store: RunStore) -> list[tuple[str, int]]:
     out = []
     for i, s in enumerate(store.records("sample")):
-        out.append((f"step {s.get('step')} · {s.get('sample_type')} · reward {fmt(s.get('reward'))} · "
-                    f"{s.get('num_tokens')} tokens", i))
+        out.append(
+            (
+                f"step {s.get('step')} · {s.get('sample_type')} · reward {fmt(s.get('reward'))} · "
+                f"{s.get('num_tokens')} tokens",
+                i,
+            )
+        )
     return out[::-1]
 
 
@@ -294,8 +360,10 @@ def _lp(x: Any) -> str:
 def sample_html(store: RunStore, index: int | None) -> str:
     samples = store.records("sample")
     if not samples:
-        return note("This run has no per-token samples (<code>sample</code> events): the learner writes one "
-                    "every <code>log.sample_every</code> steps (0 turns them off).")
+        return note(
+            "This run has no per-token samples (<code>sample</code> events): the learner writes one "
+            "every <code>log.sample_every</code> steps (0 turns them off)."
+        )
     s = samples[-1] if index is None or not 0 <= int(index) < len(samples) else samples[int(index)]
     toks = s.get("tokens") or []
     lm, em = s.get("loss_mask") or [], s.get("exp_mask") or []
@@ -310,17 +378,30 @@ def sample_html(store: RunStore, index: int | None) -> str:
         spans.append(f'<span class="arl-tok" style="background:{color}" title="{esc(title)}">{esc(shown)}</span>')
         if loss or exp:
             diff = None if (b is None or c is None) else c - b
-            rows.append({"pos": i + s.get("offset", 0), "token": tok, "loss_mask": loss, "exp_mask": exp,
-                         "behaviour logp": _lp(b), "current logp": _lp(c), "current - behaviour": _lp(diff)})
-    head = (f"<b>Step {s.get('step')}: {esc(s.get('sample_type'))} trajectory of episode "
-            f"<code>{esc(s.get('episode_id'))}</code></b> · behaviour policy version {s.get('policy_version')} · "
-            f"reward {fmt(s.get('reward'))} · {s.get('num_tokens')} tokens"
-            f"{' (showing the last ' + str(len(toks)) + ')' if s.get('truncated') else ''}"
-            f"{' · replayed' if s.get('is_replay') else ''}")
-    legend = ('<div style="margin:6px 0">'
-              '<span class="arl-tok" style="background:#eaeef2">context (loss mask 0)</span> '
-              '<span class="arl-tok" style="background:#aceebb">learned (loss mask 1)</span> '
-              '<span class="arl-tok" style="background:#ffd8b5">replayed (exp mask 1)</span> '
-              '· hover a token for its log-probs</div>')
+            rows.append(
+                {
+                    "pos": i + s.get("offset", 0),
+                    "token": tok,
+                    "loss_mask": loss,
+                    "exp_mask": exp,
+                    "behaviour logp": _lp(b),
+                    "current logp": _lp(c),
+                    "current - behaviour": _lp(diff),
+                }
+            )
+    head = (
+        f"<b>Step {s.get('step')}: {esc(s.get('sample_type'))} trajectory of episode "
+        f"<code>{esc(s.get('episode_id'))}</code></b> · behaviour policy version {s.get('policy_version')} · "
+        f"reward {fmt(s.get('reward'))} · {s.get('num_tokens')} tokens"
+        f"{' (showing the last ' + str(len(toks)) + ')' if s.get('truncated') else ''}"
+        f"{' · replayed' if s.get('is_replay') else ''}"
+    )
+    legend = (
+        '<div style="margin:6px 0">'
+        '<span class="arl-tok" style="background:#eaeef2">context (loss mask 0)</span> '
+        '<span class="arl-tok" style="background:#aceebb">learned (loss mask 1)</span> '
+        '<span class="arl-tok" style="background:#ffd8b5">replayed (exp mask 1)</span> '
+        "· hover a token for its log-probs</div>"
+    )
     table = html_table(pd.DataFrame(rows), "sample-tokens") if rows else ""
     return f'<div id="sample-view">{head}{legend}<div style="line-height:1.9">{"".join(spans)}</div>{table}</div>'

@@ -57,8 +57,7 @@ def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> int | None:
         print(f"[asyncrl] ignoring {PARENT_ENV}={raw!r}: expected a process id", file=sys.stderr)
         return None
     _set_pdeathsig(signal.SIGTERM)
-    thread = threading.Thread(target=_watch, args=(parent, grace_s, poll_s), name="asyncrl-parent-watch",
-                              daemon=True)
+    thread = threading.Thread(target=_watch, args=(parent, grace_s, poll_s), name="asyncrl-parent-watch", daemon=True)
     thread.start()
     return parent
 
@@ -83,8 +82,11 @@ def _watch(parent: int, grace_s: float, poll_s: float) -> None:
     except OSError:
         pass
     time.sleep(grace_s)
-    print(f"[asyncrl] pid {os.getpid()}: still running {grace_s:g} s after its parent died; exiting now",
-          file=sys.stderr, flush=True)
+    print(
+        f"[asyncrl] pid {os.getpid()}: still running {grace_s:g} s after its parent died; exiting now",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(1)
 
 

@@ -8,21 +8,57 @@ from __future__ import annotations
 # grouped by it, anything left is "other".
 _GROUP_OF = {
     "reward": ("reward_mean", "reward_std", "reward_min", "reward_max"),
-    "policy": ("loss", "pg_loss", "kl", "approx_kl", "entropy", "grad_norm", "lr", "clipfrac", "clipfrac_lower",
-               "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max", "is_weight_mean", "is_weight_max",
-               "is_weight_capped_frac", "is_weight_masked_frac", "behavior_clipfrac", "nonfinite_steps",
-               "skipped_nonfinite"),
-    "rollout": ("response_length_mean", "response_length_max", "response_length_min", "batch_tokens",
-                "batch_trajectories"),
+    "policy": (
+        "loss",
+        "pg_loss",
+        "kl",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "lr",
+        "clipfrac",
+        "clipfrac_lower",
+        "dual_clip_frac",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "is_weight_mean",
+        "is_weight_max",
+        "is_weight_capped_frac",
+        "is_weight_masked_frac",
+        "behavior_clipfrac",
+        "nonfinite_steps",
+        "skipped_nonfinite",
+    ),
+    "rollout": (
+        "response_length_mean",
+        "response_length_max",
+        "response_length_min",
+        "batch_tokens",
+        "batch_trajectories",
+    ),
     "staleness": ("staleness_mean", "staleness_max", "dropped_stale"),
     "learner": ("buffer_size", "in_flight", "episodes_acked", "bad_messages", "rejected_episodes"),
     "throughput": ("episodes_per_s", "samples_per_s", "tokens_per_s", "train_s", "wait_s", "ingest_s"),
 }
 GROUP_OF = {name: group for group, names in _GROUP_OF.items() for name in names}
 # The order groups are shown in: what a reader of an RL run looks at first
-GROUP_ORDER = ("reward", "eval", "score", "policy", "critic", "rollout", "groups", "dynamic_sampling", "staleness", "sync",
-               "replay", "learner",
-               "throughput", "env")
+GROUP_ORDER = (
+    "reward",
+    "eval",
+    "score",
+    "policy",
+    "critic",
+    "rollout",
+    "groups",
+    "dynamic_sampling",
+    "staleness",
+    "sync",
+    "replay",
+    "learner",
+    "throughput",
+    "env",
+)
 
 
 def metric_group(name: str) -> str:
@@ -41,10 +77,27 @@ def tag(name: str) -> str:
 
 # What a metric's value counts over: most are per step; these are totals since the learner started
 # (its process: a resume starts them again), and the eval metrics are per evaluation.
-CUMULATIVE = frozenset({"episodes_acked", "ingest_s", "dropped_stale", "bad_messages", "rejected_episodes",
-                        "nonfinite_steps", "dynamic_sampling/dropped_total"})
-_UNITS = {"_s": "seconds", "_frac": "fraction", "_tokens": "tokens", "tokens": "tokens",
-          "length_mean": "tokens", "length_max": "tokens", "length_min": "tokens", "lr": "learning rate"}
+CUMULATIVE = frozenset(
+    {
+        "episodes_acked",
+        "ingest_s",
+        "dropped_stale",
+        "bad_messages",
+        "rejected_episodes",
+        "nonfinite_steps",
+        "dynamic_sampling/dropped_total",
+    }
+)
+_UNITS = {
+    "_s": "seconds",
+    "_frac": "fraction",
+    "_tokens": "tokens",
+    "tokens": "tokens",
+    "length_mean": "tokens",
+    "length_max": "tokens",
+    "length_min": "tokens",
+    "lr": "learning rate",
+}
 
 
 def metric_span(name: str) -> str:
@@ -62,7 +115,7 @@ def metric_unit(name: str) -> str:
     from its name's ending; the name itself where there is none to say."""
     base = name.rsplit("/", 1)[-1]
     if base.endswith("_per_s"):
-        return base[:-len("_per_s")].replace("_", " ") + " per second"
+        return base[: -len("_per_s")].replace("_", " ") + " per second"
     if base.startswith("tokens_"):
         return "tokens"
     for end, unit in _UNITS.items():

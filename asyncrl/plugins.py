@@ -19,8 +19,9 @@ def resolve_import(spec: str, what: str) -> Any:
     elif "." in spec:
         mod_name, _, attr = spec.rpartition(".")
     else:
-        raise ConfigError(f"{what}: {spec!r} is neither a built-in name nor an import path "
-                         f"of the form 'package.module:Name'")
+        raise ConfigError(
+            f"{what}: {spec!r} is neither a built-in name nor an import path of the form 'package.module:Name'"
+        )
     _cwd_on_path()
     try:
         module = importlib.import_module(mod_name)
@@ -49,8 +50,9 @@ def local_hub_snapshot(repo_id: str, repo_type: str = "model") -> tuple[str | No
     offline with huggingface_hub's own lookup: asyncrl downloads nothing at run time."""
     from huggingface_hub import constants, snapshot_download
 
-    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
-                                               else constants.HF_HUB_CACHE)
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
+    )
     try:
         return snapshot_download(repo_id, repo_type=repo_type, cache_dir=cache, local_files_only=True), cache
     except Exception:  # noqa: BLE001 - not cached (huggingface_hub's LocalEntryNotFoundError and kin)

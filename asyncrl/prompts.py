@@ -30,8 +30,10 @@ def set_prompt_format(tokenizer, setting: str = "auto", where: str = "") -> str:
         raise ConfigError(f"tasks.prompt_format: {setting!r} is not one of {', '.join(PROMPT_FORMATS)}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if setting == "chat" and not has_template:
-        raise ConfigError(f"tasks.prompt_format is 'chat' but the tokenizer{where} has no chat template (a base "
-                         f"model?); set tasks.prompt_format=raw for plain-text prompts, or auto")
+        raise ConfigError(
+            f"tasks.prompt_format is 'chat' but the tokenizer{where} has no chat template (a base "
+            f"model?); set tasks.prompt_format=raw for plain-text prompts, or auto"
+        )
     fmt = "chat" if setting != "raw" and has_template else "raw"
     _FORMATS[tokenizer] = fmt
     return fmt
@@ -68,8 +70,11 @@ def delta_tokens(tokenizer, history: list[dict[str, str]], new: list[dict[str, s
         return list(tokenizer("\n" + _raw_text(new) + "\n", add_special_tokens=False)["input_ids"])
     prev = tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
     full = tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
-    delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
-        new, add_generation_prompt=True, tokenize=False)
+    delta = (
+        full[len(prev) :]
+        if full.startswith(prev)
+        else tokenizer.apply_chat_template(new, add_generation_prompt=True, tokenize=False)
+    )
     if history and history[-1].get("role") == "assistant":
         delta = turn_end(tokenizer) + delta
     return list(tokenizer(delta, add_special_tokens=False)["input_ids"])
@@ -92,9 +97,9 @@ def turn_end(tokenizer) -> str:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses this conversation: nothing to add
         text = ""
-    tail = text[text.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
+    tail = text[text.rfind(_SENTINEL) + len(_SENTINEL) :] if _SENTINEL in text else ""
     ends = [t for t in {getattr(tokenizer, "eos_token", None), *_eos_texts(tokenizer)} if t]
-    end = next((tail[len(t):] for t in sorted(ends, key=len, reverse=True) if tail.startswith(t)), "")
+    end = next((tail[len(t) :] for t in sorted(ends, key=len, reverse=True) if tail.startswith(t)), "")
     _TURN_ENDS[tokenizer] = end
     return end
 

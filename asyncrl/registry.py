@@ -29,8 +29,10 @@ class Registry(Mapping, Generic[T]):
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: add the object under ``name`` (a second, different object is an error)."""
+
         def deco(obj: T) -> T:
             return self.add(name, obj)
+
         return deco
 
     def add(self, name: str, obj: T) -> T:
@@ -57,8 +59,10 @@ class Registry(Mapping, Generic[T]):
             obj = self._items[spec]
             return resolve_import(obj, field) if isinstance(obj, str) else obj
         if ":" not in spec and "." not in spec:
-            raise ConfigError(f"{field}: unknown {self.kind} {spec!r}; {listed}: {', '.join(self._items)}, "
-                              f"or an import path 'pkg.module:{what}'")
+            raise ConfigError(
+                f"{field}: unknown {self.kind} {spec!r}; {listed}: {', '.join(self._items)}, "
+                f"or an import path 'pkg.module:{what}'"
+            )
         return resolve_import(spec, field)
 
     def names(self) -> list[str]:

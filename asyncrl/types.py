@@ -80,6 +80,7 @@ def new_id() -> str:
 
 # --- the data model ----------------------------------------------------------------------------
 
+
 class Task(msgspec.Struct, forbid_unknown_fields=True):
     """A prompt plus whatever the verifier needs to score a response to it."""
 
@@ -126,8 +127,7 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
             if n < 0:
                 n = len(arr)
             elif len(arr) != n:
-                raise ValueError(f"Trajectory.{name} has length {len(arr)}, expected {n} "
-                                 f"(the length of token_ids)")
+                raise ValueError(f"Trajectory.{name} has length {len(arr)}, expected {n} (the length of token_ids)")
 
     def summary(self) -> dict[str, Any]:
         """What the run log keeps of a trajectory (``episode`` and ``sample`` events): the fields in
@@ -173,8 +173,9 @@ def training_rows(trajectories) -> dict[str, list]:
     call, so collating a batch does not come back here once per row): ``token_ids``, ``loss_mask``,
     ``behavior_logprobs``, ``off_policy`` (:attr:`Trajectory.off_policy_mask`, None: all on-policy),
     ``versions`` (:meth:`Trajectory.versions_per_token`) and ``recorded_logprobs`` (None: absent)."""
-    rows: dict[str, list] = {k: [] for k in ("token_ids", "loss_mask", "behavior_logprobs", "off_policy",
-                                             "versions", "recorded_logprobs")}
+    rows: dict[str, list] = {
+        k: [] for k in ("token_ids", "loss_mask", "behavior_logprobs", "off_policy", "versions", "recorded_logprobs")
+    }
     for t in trajectories:
         rows["token_ids"].append(t.token_ids)
         rows["loss_mask"].append(t.loss_mask)
@@ -185,8 +186,17 @@ def training_rows(trajectories) -> dict[str, list]:
     return rows
 
 
-SUMMARY_FIELDS = ("id", "text", "reward", "scores", "sample_type", "group_id", "policy_version", "is_replay",
-                  "advantage")
+SUMMARY_FIELDS = (
+    "id",
+    "text",
+    "reward",
+    "scores",
+    "sample_type",
+    "group_id",
+    "policy_version",
+    "is_replay",
+    "advantage",
+)
 """The Trajectory fields a logged trajectory keeps (:meth:`Trajectory.summary`)."""
 
 
@@ -208,7 +218,7 @@ def row_versions(versions, loss_mask, fallback: int) -> tuple[int, np.ndarray | 
 def _per_token(hint) -> tuple[str, bool] | None:
     """``(dtype, optional)`` of a field marked PerToken, else None."""
     optional = get_origin(hint) is Union and type(None) in get_args(hint)
-    for t in ([a for a in get_args(hint) if a is not type(None)] if optional else [hint]):
+    for t in [a for a in get_args(hint) if a is not type(None)] if optional else [hint]:
         marks = [m for m in getattr(t, "__metadata__", ()) if isinstance(m, PerToken)]
         if marks:
             return marks[0].dtype, optional
@@ -217,7 +227,8 @@ def _per_token(hint) -> tuple[str, bool] | None:
 
 _HINTS = get_type_hints(Trajectory, include_extras=True)
 PER_TOKEN: tuple[tuple[str, str, bool], ...] = tuple(
-    (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name]))
+    (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name])
+)
 """``(field, dtype, optional)`` of Trajectory's per-token arrays, in field order."""
 _ARRAYS = tuple((name, np.dtype(dtype), optional) for name, dtype, optional in PER_TOKEN)
 

@@ -49,8 +49,18 @@ def _episode(actor: str, n: int, version: int, rng) -> list:
     for k in range(8):
         ids = rng.integers(4, 60, 24)
         mask = np.r_[np.zeros(16), np.ones(8)]
-        trajs.append(Trajectory(ids, mask, np.where(mask > 0, -1.0, 0.0), version, reward=float(k % 2),
-                                group_id=f"{actor}-{n}", task_id=f"t{n}", text="12"))
+        trajs.append(
+            Trajectory(
+                ids,
+                mask,
+                np.where(mask > 0, -1.0, 0.0),
+                version,
+                reward=float(k % 2),
+                group_id=f"{actor}-{n}",
+                task_id=f"t{n}",
+                text="12",
+            )
+        )
     return encode_episode(Episode(trajs, actor_id=actor, id=f"{actor}-{n}", created_at=time.time()))
 
 
@@ -90,8 +100,9 @@ class SimActor:
         self.ask_weights()
 
     def ask_weights(self) -> None:
-        self.weights.send_multipart(encode("subscribe", Subscribe(actor_id=self.id, have=self.weights_version)),
-                                    zmq.NOBLOCK)
+        self.weights.send_multipart(
+            encode("subscribe", Subscribe(actor_id=self.id, have=self.weights_version)), zmq.NOBLOCK
+        )
 
     def on_weights(self, frames) -> None:
         """A version from the relay (ipc: its header only; the tensors stay in the relay's shared memory)."""
@@ -100,20 +111,47 @@ class SimActor:
         self.ask_weights()
 
     def status(self) -> None:
-        self.hb.send_multipart(encode("status", Status(actor_id=self.id, identity=self.identity.decode(),
-                                                       capacity=self.capacity, version=self.version,
-                                                       unacked=len(self.pending), credits=self.credits)),
-                               zmq.NOBLOCK)
+        self.hb.send_multipart(
+            encode(
+                "status",
+                Status(
+                    actor_id=self.id,
+                    identity=self.identity.decode(),
+                    capacity=self.capacity,
+                    version=self.version,
+                    unacked=len(self.pending),
+                    credits=self.credits,
+                ),
+            ),
+            zmq.NOBLOCK,
+        )
 
 
 def start_relays(k: int, weights: str, env: dict, workdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
     """``k`` ``asyncrl relay`` processes subscribed to the learner's ``weights`` address; their ipc addresses."""
     procs, addresses = [], []
     for i in range(k):
-        p = subprocess.Popen([sys.executable, "-m", "asyncrl", "relay", "-c", "configs/quickstart.yaml",
-                              "--learner-weights", weights, "--relay-id", f"r{i}", "--sock-dir",
-                              str(workdir / f"relay-{i}")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl",
+                "relay",
+                "-c",
+                "configs/quickstart.yaml",
+                "--learner-weights",
+                weights,
+                "--relay-id",
+                f"r{i}",
+                "--sock-dir",
+                str(workdir / f"relay-{i}"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs.append(p)
         line = p.stdout.readline()
         if not line.startswith("relay listening on "):
@@ -122,8 +160,15 @@ def start_relays(k: int, weights: str, env: dict, workdir: Path) -> tuple[list[s
     return procs, addresses
 
 
-def simulate(ids: list[int], control: str, relay_addrs: list[str], window: tuple[float, float], heartbeat: float,
-             curve: str | None = None, on_window=None) -> dict:
+def simulate(
+    ids: list[int],
+    control: str,
+    relay_addrs: list[str],
+    window: tuple[float, float],
+    heartbeat: float,
+    curve: str | None = None,
+    on_window=None,
+) -> dict:
     """The simulated actors ``ids``, from now until ``window``'s end (absolute times): hello, status
     every ``heartbeat`` s, an episode per credit, acks timed; with ``relay_addrs`` each subscribes to
     one of them. Counts what happens inside ``window``; ``on_window()`` is called as it opens."""
@@ -195,19 +240,40 @@ def simulate(ids: list[int], control: str, relay_addrs: list[str], window: tuple
                 msgs_in = msgs_out = 0
                 if on_window:
                     on_window()
-        return {"msgs": msgs_in + msgs_out, "episodes": episodes, "latencies": latencies,
-                "weights_in": sum(a.weights_in for a in actors) - weights0, "cpu_ticks": _cpu(os.getpid()) - cpu0,
-                "weights_versions": [a.weights_version for a in actors], "actors": len(actors)}
+        return {
+            "msgs": msgs_in + msgs_out,
+            "episodes": episodes,
+            "latencies": latencies,
+            "weights_in": sum(a.weights_in for a in actors) - weights0,
+            "cpu_ticks": _cpu(os.getpid()) - cpu0,
+            "weights_versions": [a.weights_version for a in actors],
+            "actors": len(actors),
+        }
     finally:
         ctx.destroy(linger=0)  # every socket of the context closed, then the context (term alone waits for
         # any socket left open, e.g. one made before a failure: it hung here with 1,000 actors)
 
 
 def _learner_args(workdir: Path, name: str, n_actors: int) -> list[str]:
-    return [sys.executable, "-m", "asyncrl", "learn", "-c", "configs/quickstart.yaml", f"run_root={workdir}",
-            f"name={name}", "train.total_steps=1000000", "eval.every=0", "eval.size=8", "checkpoint.every=0",
-            "log.progress=false", "buffer.max_staleness=4", f"wire.max_actors={max(n_actors * 2, 16)}",
-            "wire.lease_s=30", "--overwrite"]
+    return [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "learn",
+        "-c",
+        "configs/quickstart.yaml",
+        f"run_root={workdir}",
+        f"name={name}",
+        "train.total_steps=1000000",
+        "eval.every=0",
+        "eval.size=8",
+        "checkpoint.every=0",
+        "log.progress=false",
+        "buffer.max_staleness=4",
+        f"wire.max_actors={max(n_actors * 2, 16)}",
+        "wire.lease_s=30",
+        "--overwrite",
+    ]
 
 
 def _wait_addresses(run_dir: Path, learner: subprocess.Popen) -> dict:
@@ -235,19 +301,28 @@ def _row(n_actors: int, relays: int, run_dir: Path, a: Snapshot, b: Snapshot, si
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
     newest = _lines(run_dir)[-1:]  # the learner's last metrics line (its version)
     versions = [v for r in sims for v in r["weights_versions"]]
-    return {"actors": n_actors, "steps_per_s": (b.steps - a.steps) / wall,
-            "control_msgs_per_s": sum(r["msgs"] for r in sims) / wall,
-            "episodes_per_s": sum(r["episodes"] for r in sims) / wall, "learner_cpu": (b.cpu - a.cpu) / tick / wall,
-            # what else shares the machine's cores: the simulators, and the relays
-            "simulator_cpu": sum(r["cpu_ticks"] for r in sims) / tick / wall,
-            "relays_cpu": (b.relays_cpu - a.relays_cpu) / tick / wall,
-            "rss_mb_start": a.rss / 1e6, "rss_mb_end": b.rss / 1e6, "ack_ms_p50": float(np.percentile(lat, 50)),
-            "ack_ms_p99": float(np.percentile(lat, 99)), "ingest_share": (b.ingest - a.ingest) / wall,
-            # with relays: each version reaches the actors through them; the learner sends it once per relay
-            "relays": relays, "weights_per_actor_per_s": sum(r["weights_in"] for r in sims) / wall / max(n_actors, 1),
-            "learner_sends_per_version": (b.sent - a.sent) / max(b.version - a.version, 1) / _weights_bytes(run_dir),
-            "actors_on_version_ge_newest_minus_2": (sum(v >= newest[0]["version"] - 2 for v in versions) / n_actors
-                                                    if relays and newest else None)}
+    return {
+        "actors": n_actors,
+        "steps_per_s": (b.steps - a.steps) / wall,
+        "control_msgs_per_s": sum(r["msgs"] for r in sims) / wall,
+        "episodes_per_s": sum(r["episodes"] for r in sims) / wall,
+        "learner_cpu": (b.cpu - a.cpu) / tick / wall,
+        # what else shares the machine's cores: the simulators, and the relays
+        "simulator_cpu": sum(r["cpu_ticks"] for r in sims) / tick / wall,
+        "relays_cpu": (b.relays_cpu - a.relays_cpu) / tick / wall,
+        "rss_mb_start": a.rss / 1e6,
+        "rss_mb_end": b.rss / 1e6,
+        "ack_ms_p50": float(np.percentile(lat, 50)),
+        "ack_ms_p99": float(np.percentile(lat, 99)),
+        "ingest_share": (b.ingest - a.ingest) / wall,
+        # with relays: each version reaches the actors through them; the learner sends it once per relay
+        "relays": relays,
+        "weights_per_actor_per_s": sum(r["weights_in"] for r in sims) / wall / max(n_actors, 1),
+        "learner_sends_per_version": (b.sent - a.sent) / max(b.version - a.version, 1) / _weights_bytes(run_dir),
+        "actors_on_version_ge_newest_minus_2": (
+            sum(v >= newest[0]["version"] - 2 for v in versions) / n_actors if relays and newest else None
+        ),
+    }
 
 
 def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path, relays: int = 0) -> dict:
@@ -255,16 +330,23 @@ def run(n_actors: int, seconds: float, heartbeat: float, workdir: Path, relays: 
     name = f"n{n_actors}"
     run_dir = workdir / name
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    learner = subprocess.Popen(_learner_args(workdir, name, n_actors), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
+    learner = subprocess.Popen(
+        _learner_args(workdir, name, n_actors), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
     relay_procs: list[subprocess.Popen] = []
     try:
         addrs = _wait_addresses(run_dir, learner)
         relay_procs, relay_addrs = start_relays(relays, addrs["weights"], env, run_dir) if relays else ([], [])
         start = time.time() + 15.0  # warm-up
         snaps: list[Snapshot] = []
-        sim = simulate(list(range(n_actors)), addrs["control"], relay_addrs, (start, start + seconds), heartbeat,
-                       on_window=lambda: snaps.append(Snapshot(run_dir, learner.pid, [p.pid for p in relay_procs])))
+        sim = simulate(
+            list(range(n_actors)),
+            addrs["control"],
+            relay_addrs,
+            (start, start + seconds),
+            heartbeat,
+            on_window=lambda: snaps.append(Snapshot(run_dir, learner.pid, [p.pid for p in relay_procs])),
+        )
         end = Snapshot(run_dir, learner.pid, [p.pid for p in relay_procs])
         return _row(n_actors, relays, run_dir, snaps[0], end, [sim])
     finally:
@@ -296,15 +378,39 @@ def run_hosts(n_actors: int, seconds: float, heartbeat: float, workdir: Path, n_
     logs = workdir / f"logs-{name}"
     logs.mkdir(exist_ok=True)
     with Hosts(n_hosts + 1) as hosts:
-        learner = hosts.run(0, [*_learner_args(workdir, name, n_actors), f"wire.host={hosts.ips[0]}",
-                                f"wire.curve_dir={keys / 'server'}"], logs / "learner.log", env=env, cwd=ROOT)
+        learner = hosts.run(
+            0,
+            [*_learner_args(workdir, name, n_actors), f"wire.host={hosts.ips[0]}", f"wire.curve_dir={keys / 'server'}"],
+            logs / "learner.log",
+            env=env,
+            cwd=ROOT,
+        )
         addrs = _wait_addresses(run_dir, learner)
         relays, relay_addrs = [], []
         for h in range(1, n_hosts + 1):
-            relays.append(hosts.run(h, [sys.executable, "-m", "asyncrl", "relay", "-c", "configs/quickstart.yaml",
-                                        "--learner-weights", addrs["weights"], "--relay-id", f"h{h}", "--sock-dir",
-                                        str(workdir / f"relay-{name}-{h}"), f"wire.curve_dir={keys}"],
-                                    logs / f"relay-{h}.log", env=env, cwd=ROOT))
+            relays.append(
+                hosts.run(
+                    h,
+                    [
+                        sys.executable,
+                        "-m",
+                        "asyncrl",
+                        "relay",
+                        "-c",
+                        "configs/quickstart.yaml",
+                        "--learner-weights",
+                        addrs["weights"],
+                        "--relay-id",
+                        f"h{h}",
+                        "--sock-dir",
+                        str(workdir / f"relay-{name}-{h}"),
+                        f"wire.curve_dir={keys}",
+                    ],
+                    logs / f"relay-{h}.log",
+                    env=env,
+                    cwd=ROOT,
+                )
+            )
         for h, p in enumerate(relays, start=1):
             deadline = time.time() + 120
             while "relay listening on " not in (logs / f"relay-{h}.log").read_text():
@@ -316,12 +422,29 @@ def run_hosts(n_actors: int, seconds: float, heartbeat: float, workdir: Path, n_
         start = time.time() + 20.0 + n_actors / 100  # warm-up (each actor's CURVE handshakes take a moment)
         sims = []
         for h in range(1, n_hosts + 1):
-            spec = {"ids": list(range(h - 1, n_actors, n_hosts)), "control": addrs["control"],
-                    "relays": [relay_addrs[h - 1]], "window": [start, start + seconds], "heartbeat": heartbeat,
-                    "curve": str(keys)}
+            spec = {
+                "ids": list(range(h - 1, n_actors, n_hosts)),
+                "control": addrs["control"],
+                "relays": [relay_addrs[h - 1]],
+                "window": [start, start + seconds],
+                "heartbeat": heartbeat,
+                "curve": str(keys),
+            }
             (workdir / f"sim-{name}-{h}.json").write_text(json.dumps(spec))
-            sims.append(hosts.run(h, [sys.executable, str(Path(__file__).resolve()), "--simulate",
-                                      str(workdir / f"sim-{name}-{h}.json")], logs / f"sim-{h}.log", env=env, cwd=ROOT))
+            sims.append(
+                hosts.run(
+                    h,
+                    [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--simulate",
+                        str(workdir / f"sim-{name}-{h}.json"),
+                    ],
+                    logs / f"sim-{h}.log",
+                    env=env,
+                    cwd=ROOT,
+                )
+            )
         relay_pids = [p.pid for p in relays]
         while time.time() < start:
             time.sleep(0.05)
@@ -334,7 +457,9 @@ def run_hosts(n_actors: int, seconds: float, heartbeat: float, workdir: Path, n_
             p.wait(timeout=300)
             out = workdir / f"sim-{name}-{h}.json.out"
             if not out.exists():
-                raise RuntimeError(f"simulator on host {h} wrote nothing: {(logs / f'sim-{h}.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"simulator on host {h} wrote nothing: {(logs / f'sim-{h}.log').read_text()[-2000:]}"
+                )
             results.append(json.loads(out.read_text()))
         row = _row(n_actors, n_hosts, run_dir, a, b, results)
         row["hosts"] = n_hosts
@@ -344,8 +469,9 @@ def run_hosts(n_actors: int, seconds: float, heartbeat: float, workdir: Path, n_
 def simulate_main(spec_path: str) -> None:
     """``--simulate SPEC``: one host's simulator (run_hosts starts it there); writes SPEC.out."""
     spec = json.loads(Path(spec_path).read_text())
-    result = simulate(spec["ids"], spec["control"], spec["relays"], tuple(spec["window"]), spec["heartbeat"],
-                      curve=spec.get("curve"))
+    result = simulate(
+        spec["ids"], spec["control"], spec["relays"], tuple(spec["window"]), spec["heartbeat"], curve=spec.get("curve")
+    )
     Path(spec_path + ".out").write_text(json.dumps(result))
 
 
@@ -391,17 +517,34 @@ def _rss(pid: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--actors", type=int, nargs="+", default=[256, 1000],
-                    help="actor counts to measure beside the one-actor baseline")
+    ap.add_argument(
+        "--actors",
+        type=int,
+        nargs="+",
+        default=[256, 1000],
+        help="actor counts to measure beside the one-actor baseline",
+    )
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between an actor's status messages")
-    ap.add_argument("--hosts", type=int, default=0, help=(
-        "spread the actors over this many network-namespace hosts (as root), each with a relay and a simulator "
-        "process, the learner on a host of its own with CURVE keys (replaces --relays)"))
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help=(
+            "spread the actors over this many network-namespace hosts (as root), each with a relay and a simulator "
+            "process, the learner on a host of its own with CURVE keys (replaces --relays)"
+        ),
+    )
     ap.add_argument("--simulate", help=argparse.SUPPRESS)
-    ap.add_argument("--relays", type=int, default=0, help=(
-        "weight relays (asyncrl relay processes, as one per host) that the simulated actors subscribe to, "
-        "spread evenly; 0: no weight subscriptions"))
+    ap.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help=(
+            "weight relays (asyncrl relay processes, as one per host) that the simulated actors subscribe to, "
+            "spread evenly; 0: no weight subscriptions"
+        ),
+    )
     a = ap.parse_args()
     if a.simulate:
         return simulate_main(a.simulate)
@@ -414,15 +557,19 @@ def main() -> None:
                 rows.append(run(n, a.seconds, a.heartbeat, Path(d), relays=min(a.relays, n)))
             print(json.dumps(rows[-1]), flush=True)
     one = rows[0]
-    print(f"\n{'actors':>7} {'steps/s':>8} {'ctl msg/s':>10} {'episodes/s':>11} {'CPU':>5} {'RSS MB start->end':>18} "
-          f"{'ack p50/p99 ms':>15} {'ingest':>7} {'relays':>6} {'sends/version':>13} {'versions/actor/s':>16} "
-          f"{'sim+relay CPU':>13}")
+    print(
+        f"\n{'actors':>7} {'steps/s':>8} {'ctl msg/s':>10} {'episodes/s':>11} {'CPU':>5} {'RSS MB start->end':>18} "
+        f"{'ack p50/p99 ms':>15} {'ingest':>7} {'relays':>6} {'sends/version':>13} {'versions/actor/s':>16} "
+        f"{'sim+relay CPU':>13}"
+    )
     for r in rows:
-        print(f"{r['actors']:7d} {r['steps_per_s']:8.2f} {r['control_msgs_per_s']:10.0f} {r['episodes_per_s']:11.1f} "
-              f"{r['learner_cpu']:5.2f} {r['rss_mb_start']:8.0f} -> {r['rss_mb_end']:6.0f} "
-              f"{r['ack_ms_p50']:7.1f}/{r['ack_ms_p99']:<7.1f} {100 * r['ingest_share']:6.1f}% {r['relays']:6d} "
-              f"{r['learner_sends_per_version']:13.2f} {r['weights_per_actor_per_s']:16.2f} "
-              f"{r['simulator_cpu']:6.2f}+{r['relays_cpu']:<6.2f}")
+        print(
+            f"{r['actors']:7d} {r['steps_per_s']:8.2f} {r['control_msgs_per_s']:10.0f} {r['episodes_per_s']:11.1f} "
+            f"{r['learner_cpu']:5.2f} {r['rss_mb_start']:8.0f} -> {r['rss_mb_end']:6.0f} "
+            f"{r['ack_ms_p50']:7.1f}/{r['ack_ms_p99']:<7.1f} {100 * r['ingest_share']:6.1f}% {r['relays']:6d} "
+            f"{r['learner_sends_per_version']:13.2f} {r['weights_per_actor_per_s']:16.2f} "
+            f"{r['simulator_cpu']:6.2f}+{r['relays_cpu']:<6.2f}"
+        )
     for many in rows[1:]:
         print(f"steps/s with {many['actors']} actors / with 1: {many['steps_per_s'] / one['steps_per_s']:.2f}x")
 

@@ -36,23 +36,33 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.learner.ingest.buffer import EpisodeQueue  # noqa: E402
-from asyncrl.rundir.record_file import encode_record  # noqa: E402
-from asyncrl.learner.ingest.server import LearnerServer  # noqa: E402
 from asyncrl.learner.ingest.peers import EpisodeValidator  # noqa: E402
+from asyncrl.learner.ingest.server import LearnerServer  # noqa: E402
 from asyncrl.lifecycle import freeze_startup_heap  # noqa: E402
+from asyncrl.rundir.record_file import encode_record  # noqa: E402
 from asyncrl.types import Episode, Task, Trajectory  # noqa: E402
-from asyncrl.wire.sockets import bind  # noqa: E402
 from asyncrl.wire.codec import decode, decode_weights, encode_episode, encode_msg, encode_weights  # noqa: E402
+from asyncrl.wire.sockets import bind  # noqa: E402
 
 
 def demo_episode(n_traj: int, prompt_len: int, gen_len: int, rng) -> Episode:
     task = Task(id="arith:12+34", prompt=[{"role": "user", "content": "12+34="}], answer=46)
     T = prompt_len + gen_len
     mask = np.r_[np.zeros(prompt_len), np.ones(gen_len)]
-    trajs = [Trajectory(token_ids=rng.integers(0, 100, T), loss_mask=mask,
-                        behavior_logprobs=-rng.random(T) * mask, policy_version=0,
-                        reward=float(i % 2), scores={"reward": float(i % 2)}, group_id="g", task_id=task.id,
-                        text="46") for i in range(n_traj)]
+    trajs = [
+        Trajectory(
+            token_ids=rng.integers(0, 100, T),
+            loss_mask=mask,
+            behavior_logprobs=-rng.random(T) * mask,
+            policy_version=0,
+            reward=float(i % 2),
+            scores={"reward": float(i % 2)},
+            group_id="g",
+            task_id=task.id,
+            text="46",
+        )
+        for i in range(n_traj)
+    ]
     return Episode(trajectories=trajs, actor_id="bench", task=task)
 
 
@@ -86,8 +96,9 @@ def _receive(address: str, n: int, shape: tuple, take) -> float:
     ctx = zmq.Context()
     go = ctx.socket(zmq.PUSH)
     go.linger = 0
-    proc = subprocess.Popen([sys.executable, __file__, "--send", address, bind(go, "127.0.0.1", 0), str(n),
-                             *map(str, shape)])
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--send", address, bind(go, "127.0.0.1", 0), str(n), *map(str, shape)]
+    )
     try:
         got = 0
         while got == 0:
@@ -108,6 +119,7 @@ def _receive(address: str, n: int, shape: tuple, take) -> float:
 def _draining(pull, handle=None, fd: int | None = None):
     """A ``take`` for :func:`_receive`: every message waiting on ``pull`` (at most 256, as in one
     learner poll), each passed to ``handle``, then one fsync of ``fd``."""
+
     def take(timeout_ms: int) -> int:
         if not pull.poll(timeout_ms):
             return 0
@@ -123,6 +135,7 @@ def _draining(pull, handle=None, fd: int | None = None):
         if fd is not None:
             os.fsync(fd)
         return got
+
     return take
 
 
@@ -170,20 +183,30 @@ def bench_ingest(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
         os.close(fd)
         raw_rate = _receive(address, n, shape, _draining(pull))
         ctx.destroy(0)
-    return {"trajectories/episode": n_traj, "bytes/episode": nbytes, "episodes": n,
-            "learner_episodes_per_s": learner_rate, "learner_MB_per_s": learner_rate * nbytes / 1e6,
-            "floor_episodes_per_s": floor_rate, "write_only_episodes_per_s": write_rate,
-            "raw_pyzmq_msgs_per_s": raw_rate, "raw_MB_per_s": raw_rate * nbytes / 1e6,
-            "ratio_learner_to_raw": learner_rate / raw_rate, "ratio_floor_to_raw": floor_rate / raw_rate,
-            "ratio_write_only_to_raw": write_rate / raw_rate}
+    return {
+        "trajectories/episode": n_traj,
+        "bytes/episode": nbytes,
+        "episodes": n,
+        "learner_episodes_per_s": learner_rate,
+        "learner_MB_per_s": learner_rate * nbytes / 1e6,
+        "floor_episodes_per_s": floor_rate,
+        "write_only_episodes_per_s": write_rate,
+        "raw_pyzmq_msgs_per_s": raw_rate,
+        "raw_MB_per_s": raw_rate * nbytes / 1e6,
+        "ratio_learner_to_raw": learner_rate / raw_rate,
+        "ratio_floor_to_raw": floor_rate / raw_rate,
+        "ratio_write_only_to_raw": write_rate / raw_rate,
+    }
 
 
 def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
     """Microseconds per episode of each stage of the learner's ingest path, timed on its own over
     ``n`` pre-received episodes (no sockets), in the order the learner runs them."""
     rng = np.random.default_rng(0)
-    received = [[zmq.Frame(bytes(memoryview(f))) for f in encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng))]
-                for _ in range(n)]
+    received = [
+        [zmq.Frame(bytes(memoryview(f))) for f in encode_episode(demo_episode(n_traj, prompt_len, gen_len, rng))]
+        for _ in range(n)
+    ]
     cfg = load_config(None)
     net = LearnerServer(cfg.wire, lambda ch, err: print("bad message:", err))
     validator = EpisodeValidator(vocab_size=128, limits=net.limits)
@@ -202,15 +225,20 @@ def ingest_stages(n: int, n_traj: int, prompt_len: int, gen_len: int) -> dict:
         write = sync = 0.0
         for i in range(0, n, 256):
             t3 = time.perf_counter()
-            for arrival in arrivals[i:i + 256]:
+            for arrival in arrivals[i : i + 256]:
                 buf.add(arrival.episode, arrival.frames)
             t4 = time.perf_counter()
             buf.sync()
             write, sync = write + t4 - t3, sync + time.perf_counter() - t4
     net.close()
     us = 1e6 / n
-    return {"trajectories/episode": n_traj, "decode_us": (t1 - t0) * us, "validate_us": (t2 - t1) * us,
-            "wal_append_us": write * us, "fsync_us": sync * us}
+    return {
+        "trajectories/episode": n_traj,
+        "decode_us": (t1 - t0) * us,
+        "validate_us": (t2 - t1) * us,
+        "wal_append_us": write * us,
+        "fsync_us": sync * us,
+    }
 
 
 def weights_probe(address: str, rounds: int) -> None:
@@ -274,13 +302,19 @@ def bench_weights(rounds: int) -> dict:
     probe.wait(timeout=60)
     net.close()
     lat = np.array([applied[v] - sent[v] for v in range(1, rounds + 1)]) * 1000
-    return {"weights_MB": nbytes / 1e6, "rounds": rounds, "publish_to_applied_ms_median": float(np.median(lat)),
-            "publish_to_applied_ms_p90": float(np.percentile(lat, 90))}
+    return {
+        "weights_MB": nbytes / 1e6,
+        "rounds": rounds,
+        "publish_to_applied_ms_median": float(np.median(lat)),
+        "publish_to_applied_ms_p90": float(np.percentile(lat, 90)),
+    }
 
 
-DEFAULT_RUNS = (("sync (max_staleness 0)", ["buffer.max_staleness=0"]),
-                ("async (max_staleness 1)", ["buffer.max_staleness=1"]),
-                ("async, 2 actors (max_staleness 2)", ["buffer.max_staleness=2", "actor.num=2"]))
+DEFAULT_RUNS = (
+    ("sync (max_staleness 0)", ["buffer.max_staleness=0"]),
+    ("async (max_staleness 1)", ["buffer.max_staleness=1"]),
+    ("async, 2 actors (max_staleness 2)", ["buffer.max_staleness=2", "actor.num=2"]),
+)
 
 
 def thread_runs(pairs: list[str]) -> list[tuple[str, list[str]]]:
@@ -289,8 +323,12 @@ def thread_runs(pairs: list[str]) -> list[tuple[str, list[str]]]:
     for pair in pairs:
         learner, _, actor = pair.partition(",")
         for label, staleness in (("sync", 0), ("async", 1)):
-            out.append((f"{label}, threads learner {learner} / actor {actor}",
-                        [f"buffer.max_staleness={staleness}", f"train.threads={learner}", f"actor.threads={actor}"]))
+            out.append(
+                (
+                    f"{label}, threads learner {learner} / actor {actor}",
+                    [f"buffer.max_staleness={staleness}", f"train.threads={learner}", f"actor.threads={actor}"],
+                )
+            )
     return out
 
 
@@ -298,9 +336,22 @@ def bench_runs(steps: int, runs=DEFAULT_RUNS) -> list[dict]:
     rows = []
     for label, overrides in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(ROOT / "configs/quickstart.yaml"),
-                   f"run_root={tmp}", "name=bench", f"train.total_steps={steps}", *overrides,
-                   "eval.every=0", "eval.size=1", "log.progress=false", "checkpoint.every=0"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncrl",
+                "run",
+                "-c",
+                str(ROOT / "configs/quickstart.yaml"),
+                f"run_root={tmp}",
+                "name=bench",
+                f"train.total_steps={steps}",
+                *overrides,
+                "eval.every=0",
+                "eval.size=1",
+                "log.progress=false",
+                "checkpoint.every=0",
+            ]
             t0 = time.time()
             subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
             wall = time.time() - t0
@@ -309,11 +360,18 @@ def bench_runs(steps: int, runs=DEFAULT_RUNS) -> list[dict]:
         start = next(e["t"] for e in events if e["kind"] == "learner_start")
         loop = metrics[-1]["t"] - start
         samples = sum(m["batch_trajectories"] for m in metrics)
-        rows.append({"mode": label, "steps": len(metrics), "process_wall_s": wall, "train_loop_wall_s": loop,
-                     "completions_per_s": samples / loop,
-                     "max_staleness_seen": max(m["staleness_max"] for m in metrics),
-                     "reward_first_10pct": float(np.mean([m["reward_mean"] for m in metrics[:max(1, steps // 10)]])),
-                     "reward_last_10pct": float(np.mean([m["reward_mean"] for m in metrics[-max(1, steps // 10):]]))})
+        rows.append(
+            {
+                "mode": label,
+                "steps": len(metrics),
+                "process_wall_s": wall,
+                "train_loop_wall_s": loop,
+                "completions_per_s": samples / loop,
+                "max_staleness_seen": max(m["staleness_max"] for m in metrics),
+                "reward_first_10pct": float(np.mean([m["reward_mean"] for m in metrics[: max(1, steps // 10)]])),
+                "reward_last_10pct": float(np.mean([m["reward_mean"] for m in metrics[-max(1, steps // 10) :]])),
+            }
+        )
     return rows
 
 
@@ -330,12 +388,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--skip-runs", action="store_true")
     ap.add_argument("--only-runs", action="store_true", help="just the quick-start runs")
-    ap.add_argument("--threads", nargs="*", metavar="LEARNER,ACTOR",
-                    help="instead of the default runs: sync and async runs for each torch thread pair, e.g. 1,1 2,1")
+    ap.add_argument(
+        "--threads",
+        nargs="*",
+        metavar="LEARNER,ACTOR",
+        help="instead of the default runs: sync and async runs for each torch thread pair, e.g. 1,1 2,1",
+    )
     ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--send", nargs=6, help=argparse.SUPPRESS)
-    ap.add_argument("--default-gc", action="store_true",
-                    help="keep Python's collector settings (asyncrl learn freezes its start-up heap: asyncrl.lifecycle)")
+    ap.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="keep Python's collector settings (asyncrl learn freezes its start-up heap: asyncrl.lifecycle)",
+    )
     args = ap.parse_args()
     if args.probe:
         weights_probe(args.probe[0], int(args.probe[1]))
@@ -346,13 +411,19 @@ def main() -> None:
     if not args.only_runs:
         if not args.default_gc:
             freeze_startup_heap()  # as asyncrl learn does once its model is built
-        _print("learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs the floor (PULL -> schema check "
-               "-> file + fsync) vs raw pyzmq; same bytes from a sender process, same run",
-               [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)])
-        _print("learner ingest stages, microseconds per episode (no sockets)",
-               [ingest_stages(args.episodes, 8, 8, 6), ingest_stages(args.episodes // 4, 64, 40, 40)])
-        _print("weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
-               [bench_weights(args.rounds)])
+        _print(
+            "learner ingest (PULL -> decode -> validate -> WAL + fsync -> ack) vs the floor (PULL -> schema check "
+            "-> file + fsync) vs raw pyzmq; same bytes from a sender process, same run",
+            [bench_ingest(args.episodes, 8, 8, 6), bench_ingest(args.episodes // 4, 64, 40, 40)],
+        )
+        _print(
+            "learner ingest stages, microseconds per episode (no sockets)",
+            [ingest_stages(args.episodes, 8, 8, 6), ingest_stages(args.episodes // 4, 64, 40, 40)],
+        )
+        _print(
+            "weight sync: publish on the learner -> applied in an actor process (embedded demo model)",
+            [bench_weights(args.rounds)],
+        )
     if not args.skip_runs:
         runs = thread_runs(args.threads) if args.threads else DEFAULT_RUNS
         _print(f"quick-start config, {args.steps} steps: async vs synchronous", bench_runs(args.steps, runs))

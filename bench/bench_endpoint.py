@@ -50,8 +50,13 @@ def bare_call(port: int, token: str, body: bytes, local) -> None:
     if c is None:
         c = local.conn = socket.create_connection(("127.0.0.1", port))
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    c.sendall((f"POST /s/{token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    c.sendall(
+        (
+            f"POST /s/{token}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
     got = b""
     while b"\r\n\r\n" not in got:
         chunk = c.recv(65536)
@@ -61,8 +66,9 @@ def bare_call(port: int, token: str, body: bytes, local) -> None:
     header, _, rest = got.partition(b"\r\n\r\n")
     if not header.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"the endpoint answered {header.splitlines()[0]!r}")
-    length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
+    length = int(
+        next(line.split(b":", 1)[1] for line in header.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    )
     while len(rest) < length:
         rest += c.recv(65536)
 
@@ -106,21 +112,26 @@ def main() -> None:
     from asyncrl.config import load_config
     from asyncrl.engine.hf import HFEngine
     from asyncrl.envs.base import make_env
-    from asyncrl.lifecycle import freeze_startup_heap
     from asyncrl.envs.tasks import task_stream
+    from asyncrl.lifecycle import freeze_startup_heap
     from asyncrl.models.loading import load_policy
     from asyncrl.rollout.workflow import RolloutContext, get_workflow
 
     torch.set_num_threads(args.threads)
     direct_cfg = load_config(args.config, args.overrides)
-    agent_cfg = load_config(args.config, [*args.overrides, "env.type=agent", "env.agent=bench.bench_endpoint:answer_agent"])
-    async_cfg = load_config(args.config, [*args.overrides, "env.type=agent",
-                                          "env.agent=bench.bench_endpoint:answer_agent_async"])
+    agent_cfg = load_config(
+        args.config, [*args.overrides, "env.type=agent", "env.agent=bench.bench_endpoint:answer_agent"]
+    )
+    async_cfg = load_config(
+        args.config, [*args.overrides, "env.type=agent", "env.agent=bench.bench_endpoint:answer_agent_async"]
+    )
     model, tok, _ = load_policy(direct_cfg.model, seed=direct_cfg.seed, prompt_format=direct_cfg.tasks.prompt_format)
     engine = HFEngine(model, tok)
     freeze_startup_heap()  # the model and libraries out of the collector's walks (as asyncrl serve does)
-    paths = {name: (get_workflow("grpo", cfg), make_env(cfg.env), cfg) for name, cfg in
-             (("direct", direct_cfg), ("endpoint", agent_cfg), ("async", async_cfg))}
+    paths = {
+        name: (get_workflow("grpo", cfg), make_env(cfg.env), cfg)
+        for name, cfg in (("direct", direct_cfg), ("endpoint", agent_cfg), ("async", async_cfg))
+    }
     stream = task_stream(direct_cfg.tasks, 0)
     per = direct_cfg.actor.tasks_per_batch
     batches = [[next(stream) for _ in range(per)] for _ in range(args.batches)]
@@ -138,21 +149,27 @@ def main() -> None:
     for name in paths:  # warm every path (the endpoint's server, the agents' thread pool and loop)
         run(name)
     ratios: dict[str, list[float]] = {"endpoint": [], "async": []}
-    print(f"{'round':>5} {'direct c/s':>11} {'sync agent':>11} {'ratio':>6} {'async agent':>12} {'ratio':>6}  "
-          f"(reward direct / sync / async)")
+    print(
+        f"{'round':>5} {'direct c/s':>11} {'sync agent':>11} {'ratio':>6} {'async agent':>12} {'ratio':>6}  "
+        f"(reward direct / sync / async)"
+    )
     for r in range(args.rounds):
         d, rd = run("direct")
         e, re_ = run("endpoint")
         a, ra = run("async")
         ratios["endpoint"].append(e / d)
         ratios["async"].append(a / d)
-        print(f"{r:>5} {d:>11.1f} {e:>11.1f} {e / d:>6.2f} {a:>12.1f} {a / d:>6.2f}  ({rd:.3f} / {re_:.3f} / {ra:.3f})",
-              flush=True)
+        print(
+            f"{r:>5} {d:>11.1f} {e:>11.1f} {e / d:>6.2f} {a:>12.1f} {a / d:>6.2f}  ({rd:.3f} / {re_:.3f} / {ra:.3f})",
+            flush=True,
+        )
     for name, label in (("endpoint", "sync openai client"), ("async", "async openai client")):
         rs = ratios[name]
-        print(f"endpoint ({label}) / direct completions/s: median {statistics.median(rs):.2f} (min {min(rs):.2f}, "
-              f"max {max(rs):.2f}) over {args.rounds} rounds of {args.batches} batches x "
-              f"{per * direct_cfg.sampling.n} completions")
+        print(
+            f"endpoint ({label}) / direct completions/s: median {statistics.median(rs):.2f} (min {min(rs):.2f}, "
+            f"max {max(rs):.2f}) over {args.rounds} rounds of {args.batches} batches x "
+            f"{per * direct_cfg.sampling.n} completions"
+        )
 
 
 def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
@@ -173,11 +190,11 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
     import torch
 
     from asyncrl.config import SamplingConfig, load_config
+    from asyncrl.endpoint.core import Endpoint
     from asyncrl.engine.hf import HFEngine
     from asyncrl.envs.agent import _ClientPool
-    from asyncrl.endpoint.core import Endpoint
-    from asyncrl.prompts import render_tokens
     from asyncrl.models.loading import load_policy
+    from asyncrl.prompts import render_tokens
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
@@ -218,8 +235,12 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         bare_call(ep.port, s.token, data, local)
         s.close()
 
-    client = subprocess.Popen([sys.executable, __file__, "--bare-client", str(ep.port)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    client = subprocess.Popen(
+        [sys.executable, __file__, "--bare-client", str(ep.port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
     def in_process_round():
         list(pool.map(lambda _: bare(), range(concurrency)))
@@ -245,11 +266,16 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         loop, serving_cpu = ((time.clock_gettime(c) - t) / calls * 1e3 for c, t in zip(clocks, c0))
         return loop, serving_cpu - engine_cpu[0] / calls * 1e3
 
-    print(f"the endpoint's own CPU per call (bare sockets, kept-alive connections, {20 * rounds * concurrency} calls, "
-          f"{concurrency} at once): its event loop thread + the serving thread less the engine", flush=True)
+    print(
+        f"the endpoint's own CPU per call (bare sockets, kept-alive connections, {20 * rounds * concurrency} calls, "
+        f"{concurrency} at once): its event loop thread + the serving thread less the engine",
+        flush=True,
+    )
     try:
-        for label, one_round in (("clients on threads of this process", in_process_round),
-                                 ("clients in a process of their own", out_of_process_round)):
+        for label, one_round in (
+            ("clients on threads of this process", in_process_round),
+            ("clients in a process of their own", out_of_process_round),
+        ):
             loop, rest = own_cpu(one_round)
             print(f"  {label:<36} {loop:.3f} + {rest:.3f} = {loop + rest:.3f} ms", flush=True)
     finally:
@@ -305,14 +331,18 @@ def per_call(args, concurrency: int = 64, rounds: int = 5) -> None:
         engine.generate([render_tokens(tok, body["messages"])] * concurrency, SamplingConfig(max_new_tokens=1))
     gen_ms = (time.perf_counter() - t0) / (rounds * concurrency) * 1e3
     print(f"ms per call, {concurrency} concurrent rollouts, one new token each (engine alone: {gen_ms:.2f} ms):")
-    for name, fn in (("bare socket, threads", lambda: threaded(bare)), ("httpx, threads", lambda: threaded(with_httpx)),
-                     ("openai client, threads", lambda: threaded(with_openai)),
-                     ("openai async client, one event loop", lambda: asyncio.run(async_openai(False))),
-                     ("openai client each (as lent), threads", lambda: threaded(with_lent_openai)),
-                     ("openai async client each (as lent)", lambda: asyncio.run(async_openai(True)))):
+    for name, fn in (
+        ("bare socket, threads", lambda: threaded(bare)),
+        ("httpx, threads", lambda: threaded(with_httpx)),
+        ("openai client, threads", lambda: threaded(with_openai)),
+        ("openai async client, one event loop", lambda: asyncio.run(async_openai(False))),
+        ("openai client each (as lent), threads", lambda: threaded(with_lent_openai)),
+        ("openai async client each (as lent)", lambda: asyncio.run(async_openai(True))),
+    ):
         print(f"  {name:<38} {fn():6.2f}", flush=True)
     stop.set()
     ep.close()
+
 
 if __name__ == "__main__":
     main()

@@ -31,10 +31,24 @@ from asyncrl.config import SamplingConfig, load_config  # noqa: E402
 
 REPS = 3
 SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=32, vocab_size=103),
-    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, head_dim=64, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=103,
+    ),
+    "qwen0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -44,8 +58,14 @@ def build_model(shape: str, path: Path, dtype: torch.dtype):
     from asyncrl.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=2048,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(path)
@@ -81,6 +101,7 @@ def bench_hf(model, tok, prompts, new_tokens: int, device: str) -> float:
     def run():
         gens = engine.generate(prompts, sampling, seed=1)
         return sum(len(g.token_ids) for g in gens), gens
+
     return best_rate(run, REPS)[0]
 
 
@@ -89,8 +110,15 @@ def bench_vllm(path: Path, tok, prompts, new_tokens: int, dtype: str, mem: float
 
     from asyncrl.engine.vllm import VLLMEngine
 
-    engine_cfg = load_config(None, ["engine.type=vllm", f"engine.dtype={dtype}", f"engine.gpu_memory_utilization={mem}",
-                                    f"engine.enforce_eager={str(eager).lower()}"]).engine
+    engine_cfg = load_config(
+        None,
+        [
+            "engine.type=vllm",
+            f"engine.dtype={dtype}",
+            f"engine.gpu_memory_utilization={mem}",
+            f"engine.enforce_eager={str(eager).lower()}",
+        ],
+    ).engine
     engine = VLLMEngine(path, tok, engine_cfg, max_model_len=len(prompts[0]) + new_tokens + 8, seed=0)
     engine.eos_ids = []  # never stop early
     sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=new_tokens)
@@ -99,6 +127,7 @@ def bench_vllm(path: Path, tok, prompts, new_tokens: int, dtype: str, mem: float
     def run():
         gens = engine.generate(prompts, sampling, seed=1)
         return sum(len(g.token_ids) for g in gens), gens
+
     asyncrl_tps, gens = best_rate(run, REPS)
     llm: LLM = engine.llm  # the same vLLM instance, driven directly
     params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
@@ -107,6 +136,7 @@ def bench_vllm(path: Path, tok, prompts, new_tokens: int, dtype: str, mem: float
     def standalone():
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), None
+
     standalone_tps = best_rate(standalone, REPS)[0]
     return {"asyncrl_vllm": asyncrl_tps, "vllm_standalone": standalone_tps, "gens": gens}
 
@@ -122,7 +152,7 @@ def mismatch(model, tok, prompts, gens, device: str) -> tuple[float, float]:
         batch = collate([Trajectory(ids, mask, np.zeros(len(ids), np.float32), 0)], torch.zeros(1), 0, device=device)
         with torch.no_grad():
             logp, _ = compute_logprobs(model.to(device), batch, 1.0)
-        diffs.append(np.abs(g.logprobs - logp[0, len(p) - 1: len(ids) - 1].float().cpu().numpy()))
+        diffs.append(np.abs(g.logprobs - logp[0, len(p) - 1 : len(ids) - 1].float().cpu().numpy()))
     d = np.concatenate(diffs)
     return float(d.mean()), float(d.max())
 
@@ -150,11 +180,14 @@ def main() -> None:
             hf = None if args.skip_hf else bench_hf(model, tok, prompts, args.new_tokens, args.device)
             v = bench_vllm(Path(d), tok, prompts, args.new_tokens, args.dtype, args.mem, eager)
             mean, mx = mismatch(model, tok, prompts, v["gens"], args.device)
-            print(f"shape={args.shape} device={args.device} dtype={args.dtype} batch={batch} "
-                  f"len={args.prompt_len}+{args.new_tokens}: hf_engine_tok_s={hf if hf is None else round(hf, 1)} "
-                  f"asyncrl_vllm_tok_s={v['asyncrl_vllm']:.1f} vllm_standalone_tok_s={v['vllm_standalone']:.1f} "
-                  f"ratio_asyncrl_to_standalone={v['asyncrl_vllm'] / v['vllm_standalone']:.3f} "
-                  f"logprob_mismatch_mean={mean:.2e} max={mx:.2e}", flush=True)
+            print(
+                f"shape={args.shape} device={args.device} dtype={args.dtype} batch={batch} "
+                f"len={args.prompt_len}+{args.new_tokens}: hf_engine_tok_s={hf if hf is None else round(hf, 1)} "
+                f"asyncrl_vllm_tok_s={v['asyncrl_vllm']:.1f} vllm_standalone_tok_s={v['vllm_standalone']:.1f} "
+                f"ratio_asyncrl_to_standalone={v['asyncrl_vllm'] / v['vllm_standalone']:.3f} "
+                f"logprob_mismatch_mean={mean:.2e} max={mx:.2e}",
+                flush=True,
+            )
             del v
             gc.collect()
 

@@ -56,8 +56,10 @@ def engine_only(rounds: int, seed: int = 0) -> list[tuple[float, float]]:
     stream = task_stream(cfg.tasks, seed)
     out = []
     for r in range(rounds):
-        batches = [[render_tokens(tok, t.prompt) for t in (next(stream) for _ in range(8)) for _ in range(8)]
-                   for _ in range(12)]
+        batches = [
+            [render_tokens(tok, t.prompt) for t in (next(stream) for _ in range(8)) for _ in range(8)]
+            for _ in range(12)
+        ]
         t0 = time.perf_counter()
         for i, b in enumerate(batches):
             engine.generate(b, cfg.sampling, seed=1000 * r + i)
@@ -84,8 +86,11 @@ def engine_only(rounds: int, seed: int = 0) -> list[tuple[float, float]]:
         engine.stop_continuous("round over")
         engine.batcher = None
         out.append((batch_cps, inflight_cps))
-        print(f"engine round {r + 1}: batch {batch_cps:.0f}, inflight {inflight_cps:.0f} completions/s "
-              f"({inflight_cps / batch_cps:.2f}x)", flush=True)
+        print(
+            f"engine round {r + 1}: batch {batch_cps:.0f}, inflight {inflight_cps:.0f} completions/s "
+            f"({inflight_cps / batch_cps:.2f}x)",
+            flush=True,
+        )
     return out
 
 
@@ -95,8 +100,9 @@ def run_summary(run_dir: Path) -> dict:
     status = [e for e in _jsonl(run_dir / "events.jsonl") if e.get("kind") == "actor_status" and e.get("up_s")]
     if status:
         out["idle_share"] = 1 - status[-1]["generate_s"] / status[-1]["up_s"]
-    out["token_past_bound"] = statistics.fmean(m.get("staleness/token_frac_past_bound", 0.0) for m in metrics) \
-        if metrics else None
+    out["token_past_bound"] = (
+        statistics.fmean(m.get("staleness/token_frac_past_bound", 0.0) for m in metrics) if metrics else None
+    )
     evals = [e for e in _jsonl(run_dir / "events.jsonl") if e.get("kind") == "eval" and "accuracy" in e]
     out["eval_by_step"] = {e["step"]: e["accuracy"] for e in evals}
     return out
@@ -105,34 +111,45 @@ def run_summary(run_dir: Path) -> dict:
 def report(results: dict[str, list[dict]], engine: list[tuple[float, float]] | None) -> None:
     if engine:
         ratios = [b / a for a, b in engine]
-        print(f"\nengine alone: batch {statistics.median(a for a, _ in engine):.0f}, inflight "
-              f"{statistics.median(b for _, b in engine):.0f} completions/s; inflight / batch median "
-              f"{statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
+        print(
+            f"\nengine alone: batch {statistics.median(a for a, _ in engine):.0f}, inflight "
+            f"{statistics.median(b for _, b in engine):.0f} completions/s; inflight / batch median "
+            f"{statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})"
+        )
     if not results:
         return
     t_eq = min(r["wall_s"] for rs in results.values() for r in rs)
     steps = sorted(set.intersection(*(set(r["eval_by_step"]) for rs in results.values() for r in rs)))
-    print(f"\n| mode | runs | completions/s | actor idle share | token lag (mean) | tokens past bound | "
-          f"held-out at step {' / '.join(map(str, steps))} (equal samples) | held-out at {t_eq:.0f} s |")
+    print(
+        f"\n| mode | runs | completions/s | actor idle share | token lag (mean) | tokens past bound | "
+        f"held-out at step {' / '.join(map(str, steps))} (equal samples) | held-out at {t_eq:.0f} s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode, rs in results.items():
         per_step = " / ".join(_mean_sd([r["eval_by_step"].get(s) for r in rs]) for s in steps)
-        print(f"| {mode} | {len(rs)} | {_mean_sd([r.get('samples_per_s') for r in rs])} | "
-              f"{_mean_sd([r.get('idle_share') for r in rs])} | {_mean_sd([r.get('token_lag_mean') for r in rs])} | "
-              f"{_mean_sd([r.get('token_past_bound') for r in rs])} | {per_step} | "
-              f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} |")
+        print(
+            f"| {mode} | {len(rs)} | {_mean_sd([r.get('samples_per_s') for r in rs])} | "
+            f"{_mean_sd([r.get('idle_share') for r in rs])} | {_mean_sd([r.get('token_lag_mean') for r in rs])} | "
+            f"{_mean_sd([r.get('token_past_bound') for r in rs])} | {per_step} | "
+            f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} |"
+        )
     if {"batch", "inflight"} <= set(results):
         pairs = list(zip(results["batch"], results["inflight"]))
         ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in pairs]
         diffs = [b["heldout"] - a["heldout"] for a, b in pairs if a.get("heldout") is not None]
-        print(f"\ninflight / batch completions/s per seed: {', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(mean {statistics.fmean(ratios):.2f})")
-        print(f"final held-out accuracy, inflight - batch per seed (equal samples): "
-              f"{', '.join(f'{d:+.3f}' for d in diffs)}")
+        print(
+            f"\ninflight / batch completions/s per seed: {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(mean {statistics.fmean(ratios):.2f})"
+        )
+        print(
+            f"final held-out accuracy, inflight - batch per seed (equal samples): "
+            f"{', '.join(f'{d:+.3f}' for d in diffs)}"
+        )
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -141,10 +158,22 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         for i, r in enumerate(results.get(mode, [])):
             label = mode if i == 0 else None
             steps = sorted(r["eval_by_step"])
-            ax_s.plot([s * 64 for s in steps], [r["eval_by_step"][s] for s in steps], color=color, alpha=0.7,
-                      marker="o", label=label)
-            ax_t.plot([t for t, _ in r["eval_curve"]], [a for _, a in r["eval_curve"]], color=color, alpha=0.7,
-                      marker="o", label=label)
+            ax_s.plot(
+                [s * 64 for s in steps],
+                [r["eval_by_step"][s] for s in steps],
+                color=color,
+                alpha=0.7,
+                marker="o",
+                label=label,
+            )
+            ax_t.plot(
+                [t for t, _ in r["eval_curve"]],
+                [a for _, a in r["eval_curve"]],
+                color=color,
+                alpha=0.7,
+                marker="o",
+                label=label,
+            )
     ax_s.set_xlabel("completions trained on")
     ax_t.set_xlabel("seconds since the first step")
     for ax in (ax_s, ax_t):
@@ -177,12 +206,24 @@ def main() -> None:
             for mode in ("batch", "inflight"):
                 name = f"{mode}-s{seed}"
                 t0 = time.time()
-                r = run_summary(run_one(name, [f"seed={seed}", f"actor.weight_update={mode}",
-                                               f"train.total_steps={args.steps}", f"eval.every={args.eval_every}"],
-                                        args))
+                r = run_summary(
+                    run_one(
+                        name,
+                        [
+                            f"seed={seed}",
+                            f"actor.weight_update={mode}",
+                            f"train.total_steps={args.steps}",
+                            f"eval.every={args.eval_every}",
+                        ],
+                        args,
+                    )
+                )
                 results.setdefault(mode, []).append(r)
-                print(f"{name}: {time.time() - t0:.0f} s, {r.get('steps')} steps, {r.get('samples_per_s') or 0:.0f} "
-                      f"completions/s, held-out {r.get('heldout')}", flush=True)
+                print(
+                    f"{name}: {time.time() - t0:.0f} s, {r.get('steps')} steps, {r.get('samples_per_s') or 0:.0f} "
+                    f"completions/s, held-out {r.get('heldout')}",
+                    flush=True,
+                )
         if args.json:
             Path(args.json).write_text(json.dumps(results, default=str))
         plot(results, Path(args.png))

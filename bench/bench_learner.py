@@ -40,8 +40,8 @@ def worker(args) -> None:
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.learner.training import distributed
     from asyncrl.learner.ingest.staleness import StalenessPolicy
+    from asyncrl.learner.training import distributed
     from asyncrl.learner.training.ranks import make_trainer
     from asyncrl.models.loading import load_policy
     from asyncrl.types import Trajectory
@@ -62,9 +62,17 @@ def worker(args) -> None:
     for i in range(args.batch):
         ids = rng.integers(4, len(tok), n)
         if not args.distinct_prompts:  # a group's completions share its prompt, as in GRPO
-            ids[:args.prompt] = prompts[i // args.group]
-        trajs.append(Trajectory(token_ids=ids, loss_mask=mask, behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask,
-                                policy_version=0, reward=float(i % 2), group_id=str(i // args.group)))
+            ids[: args.prompt] = prompts[i // args.group]
+        trajs.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=mask,
+                behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask,
+                policy_version=0,
+                reward=float(i % 2),
+                group_id=str(i // args.group),
+            )
+        )
     times = []
     for i in range(args.steps + 1):
         batch = trainer.make_batch([type("E", (), {"trajectories": trajs})()])
@@ -80,8 +88,17 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t0)
     if rank == 0:
         params = sum(p.numel() for p in distributed.unwrap(trainer.model).parameters())
-        print(json.dumps({"step_s": float(np.median(times)), "min_s": float(np.min(times)),
-                          "max_s": float(np.max(times)), "params": int(params)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step_s": float(np.median(times)),
+                    "min_s": float(np.min(times)),
+                    "max_s": float(np.max(times)),
+                    "params": int(params),
+                }
+            ),
+            flush=True,
+        )
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -90,10 +107,27 @@ def worker(args) -> None:
 def run_setup(setup: str, args) -> dict:
     shape, _, mode = setup.partition(":")
     procs, threads = (int(x) for x in shape.split("x"))
-    cmd = [sys.executable, __file__, "--worker", "--threads", str(threads), "--mode", mode or "ddp",
-           "--batch", str(args.batch), "--steps", str(args.steps), "--prompt", str(args.prompt),
-           "--response", str(args.response), "--group", str(args.group),
-           *(["--distinct-prompts"] if args.distinct_prompts else []), *[x for o in args.override for x in ("-o", o)]]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--threads",
+        str(threads),
+        "--mode",
+        mode or "ddp",
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--prompt",
+        str(args.prompt),
+        "--response",
+        str(args.response),
+        "--group",
+        str(args.group),
+        *(["--distinct-prompts"] if args.distinct_prompts else []),
+        *[x for o in args.override for x in ("-o", o)],
+    ]
     group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     running = []
     for rank in range(procs):
@@ -107,25 +141,34 @@ def run_setup(setup: str, args) -> dict:
         for p in running:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(running, outs)):
+    for rank, (p, (_out, err)) in enumerate(zip(running, outs)):
         if p.returncode != 0:
             raise SystemExit(f"{setup}: rank {rank} exited {p.returncode}:\n{err[-2000:]}")
     line = [x for x in outs[0][0].splitlines() if x.startswith("{")][-1]
-    return {"setup": setup, "procs": procs, "threads": threads, "mode": (mode or "ddp") if procs > 1 else "none",
-            **json.loads(line)}
+    return {
+        "setup": setup,
+        "procs": procs,
+        "threads": threads,
+        "mode": (mode or "ddp") if procs > 1 else "none",
+        **json.loads(line),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setups", nargs="+", default=["1x2", "1x1", "2x1:ddp", "2x1:fsdp2"],
-                    help="PROCSxTHREADS[:ddp|fsdp2] each")
+    ap.add_argument(
+        "--setups", nargs="+", default=["1x2", "1x1", "2x1:ddp", "2x1:fsdp2"], help="PROCSxTHREADS[:ddp|fsdp2] each"
+    )
     ap.add_argument("--batch", type=int, default=32, help="trajectories per step (the quick start's: 8 x 4)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--response", type=int, default=32)
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (they share its tokens)")
-    ap.add_argument("--distinct-prompts", action="store_true",
-                    help="every trajectory its own prompt (nothing for train.shared_prefix to share)")
+    ap.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="every trajectory its own prompt (nothing for train.shared_prefix to share)",
+    )
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -138,12 +181,16 @@ def main() -> None:
     rows = []
     for setup in tqdm(args.setups, desc="setups", file=sys.stderr):
         rows.append(run_setup(setup, args))
-    print(f"learner step: {args.batch} trajectories of {args.prompt} + {args.response} tokens, "
-          f"{rows[0]['params']:,} parameters, median of {args.steps} steps")
+    print(
+        f"learner step: {args.batch} trajectories of {args.prompt} + {args.response} tokens, "
+        f"{rows[0]['params']:,} parameters, median of {args.steps} steps"
+    )
     print(f"{'setup':<12} {'procs':>5} {'threads':>7} {'mode':>6} {'step s':>8} {'traj/s':>8} {'min-max s':>14}")
     for r in rows:
-        print(f"{r['setup']:<12} {r['procs']:>5} {r['threads']:>7} {r['mode']:>6} {r['step_s']:>8.3f} "
-              f"{args.batch / r['step_s']:>8.1f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f}")
+        print(
+            f"{r['setup']:<12} {r['procs']:>5} {r['threads']:>7} {r['mode']:>6} {r['step_s']:>8.3f} "
+            f"{args.batch / r['step_s']:>8.1f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f}"
+        )
 
 
 if __name__ == "__main__":

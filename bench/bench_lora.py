@@ -41,11 +41,16 @@ def one(mode: str, seed: int, args) -> dict:
     k = max(1, len(rewards) // 10)
     published = [e for e in _jsonl(run_dir / "events.jsonl") if e.get("kind") == "weights_published"]
     applied = [m["sync/applied_ms_mean"] for m in metrics if "sync/applied_ms_mean" in m]
-    r.update(reward_first=statistics.fmean(rewards[:k]), reward_last=statistics.fmean(rewards[-k:]),
-             bytes=published[-1]["bytes"] if published else None,
-             applied_ms=statistics.median(applied) if applied else None)
-    print(f"[bench_lora] {mode} seed {seed}: {json.dumps({k: v for k, v in r.items() if 'curve' not in k and k != 'reward_per_minute'})}",
-          flush=True)
+    r.update(
+        reward_first=statistics.fmean(rewards[:k]),
+        reward_last=statistics.fmean(rewards[-k:]),
+        bytes=published[-1]["bytes"] if published else None,
+        applied_ms=statistics.median(applied) if applied else None,
+    )
+    print(
+        f"[bench_lora] {mode} seed {seed}: {json.dumps({k: v for k, v in r.items() if 'curve' not in k and k != 'reward_per_minute'})}",
+        flush=True,
+    )
     return r
 
 
@@ -68,12 +73,19 @@ def main() -> None:
     for seed in a.seeds:
         for mode in results:
             results[mode].append(one(mode, seed, a))
-    print(f"\nquick start, {a.steps} steps, seeds {a.seeds}; lora: rank {a.rank}, alpha {2 * a.rank}, lr "
-          f"{a.lora_lr or 5e-5} (full: 5e-5)")
+    print(
+        f"\nquick start, {a.steps} steps, seeds {a.seeds}; lora: rank {a.rank}, alpha {2 * a.rank}, lr "
+        f"{a.lora_lr or 5e-5} (full: 5e-5)"
+    )
     print("| | full | LoRA | LoRA / full |\n|---|---|---|---|")
-    rows = [("completions/s", "samples_per_s"), ("batch reward, first 10% of steps", "reward_first"),
-            ("batch reward, last 10% of steps", "reward_last"), ("held-out greedy accuracy, end", "heldout"),
-            ("bytes per version", "bytes"), ("publish -> applied ms (median of steps)", "applied_ms")]
+    rows = [
+        ("completions/s", "samples_per_s"),
+        ("batch reward, first 10% of steps", "reward_first"),
+        ("batch reward, last 10% of steps", "reward_last"),
+        ("held-out greedy accuracy, end", "heldout"),
+        ("bytes per version", "bytes"),
+        ("publish -> applied ms (median of steps)", "applied_ms"),
+    ]
     for label, key in rows:
         f = [r[key] for r in results.get("full", []) if r.get(key) is not None]
         lo = [r[key] for r in results.get("lora", []) if r.get(key) is not None]

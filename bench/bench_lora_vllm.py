@@ -32,14 +32,26 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.weights.adapters import expected_shapes, targeted  # noqa: E402
 from asyncrl.config import LoraSettings, SamplingConfig, load_config  # noqa: E402
+from asyncrl.weights.adapters import expected_shapes, targeted  # noqa: E402
 
 SHAPES = {
-    "embedded": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=4, head_dim=32),
-    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, head_dim=64),
+    "embedded": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+    ),
+    "qwen0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 
@@ -49,8 +61,15 @@ def build(shape: str, path: Path, dtype: torch.dtype):
     from asyncrl.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    cfg = LlamaConfig(**SHAPES[shape], vocab_size=len(tok), max_position_embeddings=512, bos_token_id=2,
-                      eos_token_id=3, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        **SHAPES[shape],
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.save_pretrained(path)
@@ -66,10 +85,20 @@ def adapters(model, lora: LoraSettings, seed: int) -> dict[str, torch.Tensor]:
 def run(mode: str, args, model, tok, path: Path, lora: LoraSettings) -> tuple[float, float]:
     from asyncrl.engine.vllm import VLLMEngine
 
-    engine_cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", f"engine.dtype={args.dtype}",
-                                    f"engine.vllm_lora={mode}",
-                                    *([f"engine.kv_cache_memory_bytes={1 << 30}"] if args.device == "cpu" else
-                                      ["engine.gpu_memory_utilization=0.4"])]).engine
+    engine_cfg = load_config(
+        None,
+        [
+            "engine.type=vllm",
+            "engine.enforce_eager=true",
+            f"engine.dtype={args.dtype}",
+            f"engine.vllm_lora={mode}",
+            *(
+                [f"engine.kv_cache_memory_bytes={1 << 30}"]
+                if args.device == "cpu"
+                else ["engine.gpu_memory_utilization=0.4"]
+            ),
+        ],
+    ).engine
     engine = VLLMEngine(path, tok, engine_cfg, max_model_len=512, seed=0, lora=lora)
     times = []
     for v in range(1, args.updates + 1):

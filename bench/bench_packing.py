@@ -38,18 +38,28 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS: dict[str, tuple[str, list[str]]] = {
     "quickstart": ("configs/quickstart.yaml", []),
     "longtail": ("examples/longtail.yaml", []),
-    "raw4m": ("configs/quickstart.yaml", ["model.embedded.prompt_format=raw", "model.embedded.hidden_size=256",
-                                          "model.embedded.intermediate_size=1024", "model.embedded.num_heads=8"]),
+    "raw4m": (
+        "configs/quickstart.yaml",
+        [
+            "model.embedded.prompt_format=raw",
+            "model.embedded.hidden_size=256",
+            "model.embedded.intermediate_size=1024",
+            "model.embedded.num_heads=8",
+        ],
+    ),
 }
-VARIANTS = {"packed": ["train.packing=true", "train.skip_zero_advantage=true"],
-            "padded": ["train.packing=false", "train.skip_zero_advantage=false"],
-            "default": []}
+VARIANTS = {
+    "packed": ["train.packing=true", "train.skip_zero_advantage=true"],
+    "padded": ["train.packing=false", "train.skip_zero_advantage=false"],
+    "default": [],
+}
 TRAJ_FIELDS = ("token_ids", "loss_mask", "behavior_logprobs")
 
 
 def matmul_peak(threads: int, size: int = 1024, repeats: int = 20) -> float:
     """float32 GFLOP/s of a ``size``-square matmul on ``threads`` threads (the median of ``repeats``)."""
     import torch
+
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
     times = []
@@ -57,7 +67,7 @@ def matmul_peak(threads: int, size: int = 1024, repeats: int = 20) -> float:
         t0 = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t0)
-    return 2 * size ** 3 / statistics.median(times) / 1e9
+    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 def _rollouts(cfg, n_batches: int) -> list[list[dict]]:
@@ -77,8 +87,13 @@ def _rollouts(cfg, n_batches: int) -> list[list[dict]]:
     out = []
     for i in range(n_batches):
         episodes = workflow.rollout([next(tasks) for _ in range(cfg.train.batch_tasks)], ctx)
-        out.append([{**{f: getattr(t, f).tolist() for f in TRAJ_FIELDS}, "reward": float(t.reward),
-                     "group_id": t.group_id} for ep in episodes for t in ep.trajectories])
+        out.append(
+            [
+                {**{f: getattr(t, f).tolist() for f in TRAJ_FIELDS}, "reward": float(t.reward), "group_id": t.group_id}
+                for ep in episodes
+                for t in ep.trajectories
+            ]
+        )
         print(f"  rollouts {i + 1}/{n_batches}", flush=True)
     return out
 
@@ -87,9 +102,17 @@ def _episodes(batch: list[dict]):
     import numpy as np
 
     from asyncrl.types import Episode, Trajectory
+
     dtypes = {"token_ids": np.int32, "loss_mask": np.uint8, "behavior_logprobs": np.float32}
-    trajs = [Trajectory(**{f: np.asarray(row[f], dtype=dtypes[f]) for f in TRAJ_FIELDS}, policy_version=0,
-                        reward=row["reward"], group_id=row["group_id"]) for row in batch]
+    trajs = [
+        Trajectory(
+            **{f: np.asarray(row[f], dtype=dtypes[f]) for f in TRAJ_FIELDS},
+            policy_version=0,
+            reward=row["reward"],
+            group_id=row["group_id"],
+        )
+        for row in batch
+    ]
     return [Episode(trajectories=trajs)]
 
 
@@ -121,10 +144,15 @@ def _time_variant(cfg, batches: list[list[dict]], threads: int) -> dict:
             slots.append(stats["learner/forward_tokens"] / max(1.0 - stats["learner/padding_share"], 1e-9))
         rows.append(batch.batch_size)
     step = statistics.median(times)
-    return {"step_s": step, "tokens_per_s": sum(tokens) / sum(times), "padding_share": statistics.mean(pad),
-            "rows_skipped_share": sum(skipped) / sum(rows), "params": params,
-            "flops_per_s": 6 * params * sum(tokens) / sum(times),
-            "executed_flops_per_s": 6 * params * sum(slots) / sum(times) if slots else None}
+    return {
+        "step_s": step,
+        "tokens_per_s": sum(tokens) / sum(times),
+        "padding_share": statistics.mean(pad),
+        "rows_skipped_share": sum(skipped) / sum(rows),
+        "params": params,
+        "flops_per_s": 6 * params * sum(tokens) / sum(times),
+        "executed_flops_per_s": 6 * params * sum(slots) / sum(times) if slots else None,
+    }
 
 
 def main() -> None:
@@ -142,8 +170,10 @@ def main() -> None:
     from asyncrl.config import load_config
 
     peak = matmul_peak(args.threads)
-    print(f"matmul peak (float32, {args.threads} threads): {peak:.1f} GFLOP/s   asyncrl from "
-          f"{Path(asyncrl.__file__).parent}")
+    print(
+        f"matmul peak (float32, {args.threads} threads): {peak:.1f} GFLOP/s   asyncrl from "
+        f"{Path(asyncrl.__file__).parent}"
+    )
     args.batches.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.workloads:
@@ -161,10 +191,13 @@ def main() -> None:
             executed = r["executed_flops_per_s"]
             r["executed_peak_share"] = None if executed is None else executed / (peak * 1e9)
             results[f"{name}/{variant}"] = r
-            print(f"{name:10s} {variant:8s} step {r['step_s'] * 1e3:7.1f} ms  real tokens/s {r['tokens_per_s']:8.0f}  "
-                  f"padding {r['padding_share']:.2f}  rows skipped {r['rows_skipped_share']:.2f}  "
-                  f"real-token FLOP rate {r['peak_share']:.0%} of peak, executed "
-                  + ("-" if executed is None else f"{r['executed_peak_share']:.0%}"), flush=True)
+            print(
+                f"{name:10s} {variant:8s} step {r['step_s'] * 1e3:7.1f} ms  real tokens/s {r['tokens_per_s']:8.0f}  "
+                f"padding {r['padding_share']:.2f}  rows skipped {r['rows_skipped_share']:.2f}  "
+                f"real-token FLOP rate {r['peak_share']:.0%} of peak, executed "
+                + ("-" if executed is None else f"{r['executed_peak_share']:.0%}"),
+                flush=True,
+            )
         if {"padded", "packed"} <= set(args.variants):
             a, b = results[f"{name}/padded"], results[f"{name}/packed"]
             print(f"{name:10s} packed/padded: {a['step_s'] / b['step_s']:.2f}x faster step", flush=True)

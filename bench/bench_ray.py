@@ -46,12 +46,22 @@ def qwen05b_shapes() -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-                    p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-                    p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate_proj.weight": (inter, h),
-                    p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
-                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.q_proj.bias": (h,),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return out
 
 
@@ -84,8 +94,9 @@ class Subscriber:
             self.ask()
 
 
-def relay_bytes(state: dict[str, torch.Tensor], versions: int, relay: bool, nodes: int = 2,
-                per_node: int = 4) -> tuple[int, int]:
+def relay_bytes(
+    state: dict[str, torch.Tensor], versions: int, relay: bool, nodes: int = 2, per_node: int = 4
+) -> tuple[int, int]:
     """(bytes the learner sent for ``versions`` versions, bytes of one weights message)."""
     wire = load_config(None, []).wire
     net = LearnerServer(wire, lambda *a: None)
@@ -131,15 +142,32 @@ def relay_bytes(state: dict[str, torch.Tensor], versions: int, relay: bool, node
 
 def time_to_first_step(scheduler: str, address: str | None, env: dict, workdir: Path) -> float:
     run = workdir / scheduler
-    args = [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler", scheduler,
-            f"run_root={workdir}", f"name={scheduler}", "train.total_steps=100000", "actor.num=4",
-            "eval.size=20", "eval.every=100000"]
+    args = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        "--scheduler",
+        scheduler,
+        f"run_root={workdir}",
+        f"name={scheduler}",
+        "train.total_steps=100000",
+        "actor.num=4",
+        "eval.size=20",
+        "eval.every=100000",
+    ]
     if scheduler == "ray":
-        args += [f"launch.ray.address={address}", "launch.learner.resources={learner: 1}",
-                 "launch.actor.resources={worker: 1}"]
+        args += [
+            f"launch.ray.address={address}",
+            "launch.learner.resources={learner: 1}",
+            "launch.actor.resources={worker: 1}",
+        ]
     t0 = time.time()
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         while time.time() - t0 < 600:
             if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip():
@@ -165,8 +193,12 @@ def main() -> None:
 
     models = [("demo (embedded)", demo_state)]
     if not a.skip_qwen:
-        models.append(("Qwen2.5-0.5B shapes, bf16", lambda: {k: torch.randn(s, dtype=torch.bfloat16)
-                                                            for k, s in qwen05b_shapes().items()}))
+        models.append(
+            (
+                "Qwen2.5-0.5B shapes, bf16",
+                lambda: {k: torch.randn(s, dtype=torch.bfloat16) for k, s in qwen05b_shapes().items()},
+            )
+        )
     print(f"learner bytes per weights version, 2 nodes x 4 actors, {a.versions} versions")
     print(f"{'model':28s} {'message MB':>11s} {'no relay MB/v':>14s} {'relay MB/v':>11s} {'copies':>10s}")
     for name, make in models:
@@ -175,18 +207,29 @@ def main() -> None:
         for relay in (False, True):
             sent, size = relay_bytes(state, a.versions, relay)
             rows[relay] = sent / a.versions
-        print(f"{name:28s} {size / 1e6:11.1f} {rows[False] / 1e6:14.1f} {rows[True] / 1e6:11.1f} "
-              f"{rows[False] / size:4.1f} -> {rows[True] / size:3.1f}", flush=True)
+        print(
+            f"{name:28s} {size / 1e6:11.1f} {rows[False] / 1e6:14.1f} {rows[True] / 1e6:11.1f} "
+            f"{rows[False] / size:4.1f} -> {rows[True] / size:3.1f}",
+            flush=True,
+        )
         del state
 
     if a.skip_start:
         return
-    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-                       "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+    os.environ.update(
+        {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    )
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner": 1},
-                                                            "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"learner": 1},
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2, resources={"worker": 2}, node_ip_address="127.0.0.1")
@@ -194,8 +237,10 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with tempfile.TemporaryDirectory() as d:
             times = {s: time_to_first_step(s, cluster.address, env, Path(d)) for s in ("local", "ray")}
-        print(f"asyncrl run to the first trained step, 4 actors: local {times['local']:.1f} s, ray (3-node simulated "
-              f"cluster, started before) {times['ray']:.1f} s ({times['ray'] / times['local']:.2f}x)")
+        print(
+            f"asyncrl run to the first trained step, 4 actors: local {times['local']:.1f} s, ray (3-node simulated "
+            f"cluster, started before) {times['ray']:.1f} s ({times['ray'] / times['local']:.2f}x)"
+        )
         print(json.dumps({"first_step_s": times}))
     finally:
         cluster.shutdown()

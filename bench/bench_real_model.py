@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -51,8 +50,8 @@ def _cfg(overrides=()):
 
 
 def _prompts(cfg, tokenizer, n: int) -> list[list[int]]:
-    from asyncrl.prompts import render_tokens
     from asyncrl.envs.tasks import task_stream
+    from asyncrl.prompts import render_tokens
 
     stream = task_stream(cfg.tasks, cfg.seed)
     return [render_tokens(tokenizer, next(stream).prompt) for _ in range(n)]
@@ -75,8 +74,16 @@ def _batch(cfg, tokenizer, seed: int):
             resp = list(rng.integers(100, len(tokenizer) - 100, int(rng.integers(8, 24)))) + [tokenizer.eos_token_id]
             ids = np.array(prompt + resp, dtype=np.int64)
             mask = np.r_[np.zeros(len(prompt)), np.ones(len(resp))]
-            trajs.append(Trajectory(token_ids=ids, loss_mask=mask, behavior_logprobs=-2.0 * mask, policy_version=0,
-                                    reward=float(rng.integers(0, 2)), group_id=f"g{seed}-{g}"))
+            trajs.append(
+                Trajectory(
+                    token_ids=ids,
+                    loss_mask=mask,
+                    behavior_logprobs=-2.0 * mask,
+                    policy_version=0,
+                    reward=float(rng.integers(0, 2)),
+                    group_id=f"g{seed}-{g}",
+                )
+            )
     adv = trajectory_advantages(trajs, cfg.train.advantage, ADV_ESTIMATORS.get(cfg.train.advantage.estimator))
     return collate(trajs, torch.as_tensor(adv), tokenizer.pad_token_id)
 
@@ -110,8 +117,11 @@ def learner_steps(overrides: list[str], steps: int, timed: bool) -> dict:
         def head_pre(_m, args):
             clock["head"] = time.perf_counter()
             if args[0].requires_grad:  # the backward reaches the hidden states after the output layer's backward
-                args[0].register_hook(lambda g: parts.__setitem__("logits", parts["logits"] + time.perf_counter()
-                                                                  - clock.pop("head_bwd", time.perf_counter())))
+                args[0].register_hook(
+                    lambda g: parts.__setitem__(
+                        "logits", parts["logits"] + time.perf_counter() - clock.pop("head_bwd", time.perf_counter())
+                    )
+                )
 
         def head_post(_m, _a, out):
             parts["logits"] += time.perf_counter() - clock.pop("head")
@@ -149,9 +159,14 @@ def learner_steps(overrides: list[str], steps: int, timed: bool) -> dict:
             rows.append(dict(parts))
             tokens = int(result.stats.get("learner/forward_tokens", 0))
     mid = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]  # the median step, whole
-    out = {"step_s": totals[mid], "forward_tokens": tokens, "base_rss_mb": base_rss,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "logits_chunk_mb": cfg.train.logits_chunk_mb, "threads": torch.get_num_threads()}
+    out = {
+        "step_s": totals[mid],
+        "forward_tokens": tokens,
+        "base_rss_mb": base_rss,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "logits_chunk_mb": cfg.train.logits_chunk_mb,
+        "threads": torch.get_num_threads(),
+    }
     if timed:
         out.update(rows[mid])
     return out
@@ -185,9 +200,17 @@ def generation(engine: str, batch: int, new_tokens: int) -> dict:
         def run(seed):
             torch.manual_seed(seed)
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
-            gen = out[:, ids.shape[1]:]
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            gen = out[:, ids.shape[1] :]
             ended = (gen == tokenizer.eos_token_id).int().cumsum(1)  # tokens up to and with the first EOS
             return int(((ended == 0) | ((ended == 1) & (gen == tokenizer.eos_token_id))).sum())
     else:
@@ -202,8 +225,14 @@ def generation(engine: str, batch: int, new_tokens: int) -> dict:
         t0 = time.perf_counter()
         n = run(rep)
         best = max(best, n / (time.perf_counter() - t0))
-    return {"engine": engine, "tokens_per_s": best, "batch": batch, "new_tokens": new_tokens,
-            "threads": torch.get_num_threads(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "engine": engine,
+        "tokens_per_s": best,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "threads": torch.get_num_threads(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def _rss_mb(pid: int) -> float:
@@ -225,7 +254,7 @@ def _descendants(root: int) -> list[tuple[int, str]]:
             except OSError:
                 continue
             parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            names[int(d.name)] = stat[stat.index("(") + 1:stat.rindex(")")] + " " + cmd
+            names[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")] + " " + cmd
     out, todo = [], [root]
     while todo:
         p = todo.pop()
@@ -240,9 +269,21 @@ def real_run(steps: int, run_root: Path) -> dict:
     import signal
 
     name = "bench-real"
-    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(CONFIG), f"run_root={run_root}", f"name={name}",
-           "--overwrite", f"train.total_steps={steps}", "checkpoint.every=0", "log.progress=false",
-           "eval.every=100000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        str(CONFIG),
+        f"run_root={run_root}",
+        f"name={name}",
+        "--overwrite",
+        f"train.total_steps={steps}",
+        "checkpoint.every=0",
+        "log.progress=false",
+        "eval.every=100000",
+    ]
     t0 = time.time()
     log = open(run_root / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -263,11 +304,15 @@ def real_run(steps: int, run_root: Path) -> dict:
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     start = next(e["t"] for e in events if e["kind"] == "learner_start")
     first_eval = next((e for e in events if e["kind"] == "eval"), {})
-    return {"steps": len(metrics), "first_step_s": metrics[0]["t"] - t0 if metrics else None,
-            "learner_ready_s": start - t0, "first_eval_s": first_eval.get("eval_s"),
-            "step_s": [round(b["t"] - a["t"], 1) for a, b in zip(metrics, metrics[1:])],
-            "train_s": [round(m["train_s"], 1) for m in metrics],
-            "peak_rss_mb": {k: round(v) for k, v in peaks.items()}}
+    return {
+        "steps": len(metrics),
+        "first_step_s": metrics[0]["t"] - t0 if metrics else None,
+        "learner_ready_s": start - t0,
+        "first_eval_s": first_eval.get("eval_s"),
+        "step_s": [round(b["t"] - a["t"], 1) for a, b in zip(metrics, metrics[1:])],
+        "train_s": [round(m["train_s"], 1) for m in metrics],
+        "peak_rss_mb": {k: round(v) for k, v in peaks.items()},
+    }
 
 
 def _child(part: str, *args: str) -> dict:
@@ -280,8 +325,12 @@ def _child(part: str, *args: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["learner", "memory", "generation", "run"],
-                    choices=["learner", "memory", "generation", "run"])
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["learner", "memory", "generation", "run"],
+        choices=["learner", "memory", "generation", "run"],
+    )
     ap.add_argument("--steps", type=int, default=3, help="learner steps measured (after one warm-up)")
     ap.add_argument("--engines", nargs="+", default=["hf", "generate", "vllm"], choices=["hf", "generate", "vllm"])
     ap.add_argument("--batch", type=int, default=64)
@@ -307,15 +356,21 @@ def main() -> None:
     if "learner" in args.parts:
         r = results["learner"] = _child("learner", str(args.steps))
         other = r["step_s"] - r["forward"] - r["backward"] - r["optimizer"]
-        print(f"learner step (the median of {args.steps}, {r['forward_tokens']} forward tokens, {r['threads']} thread(s)): "
-              f"{r['step_s']:.1f} s = forward {r['forward']:.1f} s + backward {r['backward']:.1f} s + optimizer "
-              f"{r['optimizer']:.1f} s + other {other:.1f} s; of forward and backward, the output layer (logits) "
-              f"{r['logits']:.1f} s", flush=True)
+        print(
+            f"learner step (the median of {args.steps}, {r['forward_tokens']} forward tokens, {r['threads']} thread(s)): "
+            f"{r['step_s']:.1f} s = forward {r['forward']:.1f} s + backward {r['backward']:.1f} s + optimizer "
+            f"{r['optimizer']:.1f} s + other {other:.1f} s; of forward and backward, the output layer (logits) "
+            f"{r['logits']:.1f} s",
+            flush=True,
+        )
     if "memory" in args.parts:
         for mb in (0, 64):
             r = results[f"memory_{mb}"] = _child("memory", "2", f"train.logits_chunk_mb={mb}")
-            print(f"learner peak RSS, logits_chunk_mb={mb}: {r['peak_rss_mb']:.0f} MB (model loaded: "
-                  f"{r['base_rss_mb']:.0f} MB; step {r['step_s']:.1f} s)", flush=True)
+            print(
+                f"learner peak RSS, logits_chunk_mb={mb}: {r['peak_rss_mb']:.0f} MB (model loaded: "
+                f"{r['base_rss_mb']:.0f} MB; step {r['step_s']:.1f} s)",
+                flush=True,
+            )
     if "generation" in args.parts:
         for engine in args.engines:
             try:
@@ -323,13 +378,19 @@ def main() -> None:
             except SystemExit as e:
                 print(f"generation {engine}: failed: {str(e)[-500:]}", flush=True)
                 continue
-            print(f"generation {engine}: {r['tokens_per_s']:.0f} tokens/s ({args.batch} prompts x {args.new_tokens} "
-                  f"new tokens, {r['threads']} thread(s); peak RSS {r['peak_rss_mb']:.0f} MB)", flush=True)
+            print(
+                f"generation {engine}: {r['tokens_per_s']:.0f} tokens/s ({args.batch} prompts x {args.new_tokens} "
+                f"new tokens, {r['threads']} thread(s); peak RSS {r['peak_rss_mb']:.0f} MB)",
+                flush=True,
+            )
     if "run" in args.parts:
         r = results["run"] = real_run(args.run_steps, args.run_root)
-        print(f"asyncrl run: learner ready {r['learner_ready_s']:.0f} s, held-out evaluation {r['first_eval_s']:.0f} s, "
-              f"first step at {r['first_step_s']:.0f} s; steps {r['step_s']} s apart (train_s {r['train_s']}); "
-              f"peak RSS {r['peak_rss_mb']} MB", flush=True)
+        print(
+            f"asyncrl run: learner ready {r['learner_ready_s']:.0f} s, held-out evaluation {r['first_eval_s']:.0f} s, "
+            f"first step at {r['first_step_s']:.0f} s; steps {r['step_s']} s apart (train_s {r['train_s']}); "
+            f"peak RSS {r['peak_rss_mb']} MB",
+            flush=True,
+        )
     (args.run_root / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results: {args.run_root / 'results.json'}")
 

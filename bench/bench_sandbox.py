@@ -31,7 +31,7 @@ def main() -> None:
         raise SystemExit(problem)
     limits = {iso: SandboxLimits(isolation=iso, determinism_runs=1) for iso in ("none", "bwrap")}
     times: dict[str, list[float]] = {iso: [] for iso in limits}
-    for iso, lim in limits.items():  # warm-up (the bwrap probe, page cache)
+    for lim in limits.values():  # warm-up (the bwrap probe, page cache)
         assert run_python(PROGRAM, lim, check=False).output == "[3, 2, 1]"
     for _ in range(args.runs):
         for iso, lim in limits.items():
@@ -44,8 +44,10 @@ def main() -> None:
     print(f"{args.runs} runs each, one sandboxed run per call")
     for iso in limits:
         print(f"  isolation {iso:5}: median {med[iso]:6.1f} ms   mean {mean[iso]:6.1f} ms")
-    print(f"  bwrap - none: median {med['bwrap'] - med['none']:+.1f} ms; ratio bwrap/none: "
-          f"median {med['bwrap'] / med['none']:.2f}x, mean {mean['bwrap'] / mean['none']:.2f}x")
+    print(
+        f"  bwrap - none: median {med['bwrap'] - med['none']:+.1f} ms; ratio bwrap/none: "
+        f"median {med['bwrap'] / med['none']:.2f}x, mean {mean['bwrap'] / mean['none']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

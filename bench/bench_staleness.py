@@ -89,8 +89,19 @@ def _jsonl(path: Path) -> list[dict]:
 def run_one(name: str, overrides: list[str], args) -> Path:
     """One ``asyncrl run``; returns its run directory. Stopped at ``--minutes`` (SIGINT, then SIGKILL
     after a grace period) or left to finish ``--steps``; never left running."""
-    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", f"name={name}",
-           f"run_root={args.run_root}", "log.progress=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        str(args.config),
+        "--overwrite",
+        f"name={name}",
+        f"run_root={args.run_root}",
+        "log.progress=false",
+        *overrides,
+    ]
     run_dir = Path(args.run_root) / name
     log = open(Path(args.run_root) / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,20 +136,26 @@ def summarise(run_dir: Path) -> dict:
     samples = sum(m.get("batch_trajectories", 0) for m in metrics)
     span = metrics[-1]["t"] - t0
     last = evals[-1] if evals else {}
-    return {"steps": metrics[-1]["step"], "samples": samples, "samples_per_s": samples / span if span > 0 else None,
-            "reward_per_minute": [statistics.fmean(per_min[k]) for k in sorted(per_min)],
-            "reward_last_minute": statistics.fmean(per_min[max(per_min)]),
-            "heldout": last.get("accuracy"), "heldout_step": last.get("step"),
-            "heldout_start": evals[0].get("accuracy") if evals else None,
-            "token_lag_mean": statistics.fmean(m.get("staleness/token_lag_mean", 0.0) for m in metrics),
-            "token_lag_max": max(m.get("staleness/token_lag_max", 0.0) for m in metrics),
-            "is_weight_max": max((m["is_weight_max"] for m in metrics if "is_weight_max" in m), default=None),
-            "samples_per_step": samples / len(metrics),
-            "eval_by_step": {str(e["step"]): e["accuracy"] for e in evals},
-            "masked_frac": statistics.fmean(m.get("is_weight_masked_frac", 0.0) for m in metrics),
-            "capped_frac": statistics.fmean(m.get("is_weight_capped_frac", 0.0) for m in metrics),
-            "wall_s": span, "curve": [(m["t"] - t0, m["reward_mean"]) for m in metrics],
-            "eval_curve": [(e["t"] - t0, e["accuracy"]) for e in evals if "t" in e]}
+    return {
+        "steps": metrics[-1]["step"],
+        "samples": samples,
+        "samples_per_s": samples / span if span > 0 else None,
+        "reward_per_minute": [statistics.fmean(per_min[k]) for k in sorted(per_min)],
+        "reward_last_minute": statistics.fmean(per_min[max(per_min)]),
+        "heldout": last.get("accuracy"),
+        "heldout_step": last.get("step"),
+        "heldout_start": evals[0].get("accuracy") if evals else None,
+        "token_lag_mean": statistics.fmean(m.get("staleness/token_lag_mean", 0.0) for m in metrics),
+        "token_lag_max": max(m.get("staleness/token_lag_max", 0.0) for m in metrics),
+        "is_weight_max": max((m["is_weight_max"] for m in metrics if "is_weight_max" in m), default=None),
+        "samples_per_step": samples / len(metrics),
+        "eval_by_step": {str(e["step"]): e["accuracy"] for e in evals},
+        "masked_frac": statistics.fmean(m.get("is_weight_masked_frac", 0.0) for m in metrics),
+        "capped_frac": statistics.fmean(m.get("is_weight_capped_frac", 0.0) for m in metrics),
+        "wall_s": span,
+        "curve": [(m["t"] - t0, m["reward_mean"]) for m in metrics],
+        "eval_curve": [(e["t"] - t0, e["accuracy"]) for e in evals if "t" in e],
+    }
 
 
 def heldout_at(r: dict, t: float):
@@ -155,8 +172,23 @@ def _mean_sd(xs: list) -> str:
 
 
 # two-sided 95% Student t quantiles by degrees of freedom (scipy is not a dependency)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 14: 2.145, 19: 2.093, 29: 2.045}
+T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    14: 2.145,
+    19: 2.093,
+    29: 2.045,
+}
 
 
 def mean_ci(xs: list) -> tuple[float, float] | None:
@@ -197,8 +229,10 @@ def report_matched(results: dict[str, list[dict]]) -> None:
     for setting, rs in results.items():
         print(f"| {setting} | " + " | ".join(_ci([r["eval_by_step"].get(s) for r in rs]) for s in steps) + " |")
     base_name, base = next(iter(results.items()))
-    print(f"\nDifference from `{base_name}`, seed by seed (mean ± 95% CI; an interval that holds 0 "
-          f"does not tell the two apart):\n")
+    print(
+        f"\nDifference from `{base_name}`, seed by seed (mean ± 95% CI; an interval that holds 0 "
+        f"does not tell the two apart):\n"
+    )
     print("| setting | " + " | ".join(f"step {s}" for s in steps) + " |")
     print("|---|" + "---|" * len(steps))
     for setting, rs in list(results.items())[1:]:
@@ -213,18 +247,32 @@ def report(results: dict[str, list[dict]]) -> None:
     # equal wall time: every run's held-out accuracy at the time the shortest run finished
     spans = [r["wall_s"] for rs in results.values() for r in rs if r.get("wall_s")]
     t_eq = min(spans) if spans else 0.0
-    cols = ["setting", "runs", "steps", "samples/s", "reward last min", "held-out acc (step)",
-            f"held-out at {t_eq:.0f} s", "token lag mean", "token lag max", "largest rho", "capped", "masked"]
+    cols = [
+        "setting",
+        "runs",
+        "steps",
+        "samples/s",
+        "reward last min",
+        "held-out acc (step)",
+        f"held-out at {t_eq:.0f} s",
+        "token lag mean",
+        "token lag max",
+        "largest rho",
+        "capped",
+        "masked",
+    ]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for setting, rs in results.items():
         steps = [r.get("heldout_step") for r in rs]
-        print(f"| {setting} | {len(rs)} | {_mean_sd([r.get('steps') for r in rs])} | "
-              f"{_mean_sd([r.get('samples_per_s') for r in rs])} | {_mean_sd([r.get('reward_last_minute') for r in rs])} | "
-              f"{_mean_sd([r.get('heldout') for r in rs])} ({'/'.join(str(s) for s in steps)}) | "
-              f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} | "
-              f"{_mean_sd([r.get('token_lag_mean') for r in rs])} | {_mean_sd([r.get('token_lag_max') for r in rs])} | "
-              f"{_mean_sd([r.get('is_weight_max') for r in rs])} | {_mean_sd([r.get('capped_frac') for r in rs])} | "
-              f"{_mean_sd([r.get('masked_frac') for r in rs])} |")
+        print(
+            f"| {setting} | {len(rs)} | {_mean_sd([r.get('steps') for r in rs])} | "
+            f"{_mean_sd([r.get('samples_per_s') for r in rs])} | {_mean_sd([r.get('reward_last_minute') for r in rs])} | "
+            f"{_mean_sd([r.get('heldout') for r in rs])} ({'/'.join(str(s) for s in steps)}) | "
+            f"{_mean_sd([heldout_at(r, t_eq) for r in rs])} | "
+            f"{_mean_sd([r.get('token_lag_mean') for r in rs])} | {_mean_sd([r.get('token_lag_max') for r in rs])} | "
+            f"{_mean_sd([r.get('is_weight_max') for r in rs])} | {_mean_sd([r.get('capped_frac') for r in rs])} | "
+            f"{_mean_sd([r.get('masked_frac') for r in rs])} |"
+        )
     report_matched(results)
 
 
@@ -233,6 +281,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     bins, the runs' points pooled) and held-out accuracy at each evaluation (x: the evaluation's
     mean time since the first step)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -244,7 +293,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
                 bins.setdefault(int(t // 10), []).append(rew)
         if bins:
             ks = sorted(bins)
-            line, = ax_r.plot([k * 10 + 5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
+            (line,) = ax_r.plot([k * 10 + 5 for k in ks], [statistics.fmean(bins[k]) for k in ks], label=setting)
             steps = shared_steps(rs)
             if steps:  # held-out accuracy at equal samples: mean over seeds, and its 95% interval
                 k = statistics.fmean(r.get("samples_per_step", 0) for r in rs) / 1000
@@ -252,8 +301,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
                 xs = [int(s) * k for s in steps]
                 ax_e.plot(xs, [c[0] for c in cis], marker=".", color=line.get_color(), label=setting)
                 if len(rs) > 1:
-                    ax_e.fill_between(xs, [c[0] - c[1] for c in cis], [c[0] + c[1] for c in cis],
-                                      color=line.get_color(), alpha=0.12)
+                    ax_e.fill_between(
+                        xs, [c[0] - c[1] for c in cis], [c[0] + c[1] for c in cis], color=line.get_color(), alpha=0.12
+                    )
     ax_r.set_xlabel("seconds since the first step")
     ax_r.set_ylabel("batch reward (mean over seeds, 10 s bins)")
     ax_e.set_xlabel("thousands of fresh samples trained (equal samples)")
@@ -278,8 +328,13 @@ def main() -> None:
     ap.add_argument("--run-root", default=str(ROOT / "runs" / "bench_staleness"))
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: <run-root>/staleness.png)")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
-    ap.add_argument("--merge", nargs="+", type=Path, metavar="RUN_ROOT",
-                    help="no runs: print the table and draw the plot of earlier grids' results.json together")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="RUN_ROOT",
+        help="no runs: print the table and draw the plot of earlier grids' results.json together",
+    )
     args = ap.parse_args()
     if args.merge:
         results = {}
@@ -298,13 +353,23 @@ def main() -> None:
             setting = f"staleness {k}, {corr}" + (f", {args.actors} actors" if args.actors > 1 else "")
             for seed in range(args.seeds):
                 name = f"st{k}_{corr}_a{args.actors}_s{seed}"
-                over = [f"seed={seed}", f"buffer.max_staleness={k}", f"eval.every={args.eval_every}",
-                        f"actor.num={args.actors}",
-                        "checkpoint.every=0", *budget_over, *CORRECTIONS[corr], *args.set]
+                over = [
+                    f"seed={seed}",
+                    f"buffer.max_staleness={k}",
+                    f"eval.every={args.eval_every}",
+                    f"actor.num={args.actors}",
+                    "checkpoint.every=0",
+                    *budget_over,
+                    *CORRECTIONS[corr],
+                    *args.set,
+                ]
                 t0 = time.time()
                 summary = summarise(run_one(name, over, args))
-                print(f"{name}: {time.time() - t0:.0f} s, {summary.get('steps')} steps, held-out "
-                      f"{summary.get('heldout')} at step {summary.get('heldout_step')}", flush=True)
+                print(
+                    f"{name}: {time.time() - t0:.0f} s, {summary.get('steps')} steps, held-out "
+                    f"{summary.get('heldout')} at step {summary.get('heldout_step')}",
+                    flush=True,
+                )
                 results.setdefault(setting, []).append(summary)
     report(results)
     out = Path(args.run_root) / "results.json"

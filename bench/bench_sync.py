@@ -63,10 +63,20 @@ def _meta_model(name: str):
         from asyncrl.models.tiny import embedded_llama_config
         from asyncrl.models.tokenizer import build_char_tokenizer
 
-        config, dtype = embedded_llama_config(load_config(None).model.embedded, len(build_char_tokenizer())), torch.float32
+        config, dtype = (
+            embedded_llama_config(load_config(None).model.embedded, len(build_char_tokenizer())),
+            torch.float32,
+        )
     else:
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         dtype = torch.bfloat16
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config).to(dtype)
@@ -88,8 +98,16 @@ def make_state(name: str, lora: int = 0) -> dict[str, torch.Tensor]:
 
 def sync_config(transport: str, directory: str) -> SimpleNamespace:
     """The ``sync`` section both sides use (``nccl`` with the gloo backend on loopback)."""
-    return SimpleNamespace(type=transport, dir=directory, keep=2, every=1, backend="gloo", group_host="127.0.0.1",
-                           group_port=0, timeout_s=60.0)
+    return SimpleNamespace(
+        type=transport,
+        dir=directory,
+        keep=2,
+        every=1,
+        backend="gloo",
+        group_host="127.0.0.1",
+        group_port=0,
+        timeout_s=60.0,
+    )
 
 
 def receive(address: str, transport: str, directory: str, tensor_set: str, lora: str = "0") -> None:
@@ -133,8 +151,18 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
         poll = getattr(publisher, "poll", None)  # as Learner.pump calls it
         sock = zmq.Context.instance().socket(zmq.PAIR)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
-        child = subprocess.Popen([sys.executable, __file__, "--receive", f"tcp://127.0.0.1:{port}", transport,
-                                  directory, tensor_set, str(lora)])
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--receive",
+                f"tcp://127.0.0.1:{port}",
+                transport,
+                directory,
+                tensor_set,
+                str(lora),
+            ]
+        )
         try:
             if not sock.poll(300_000):
                 raise RuntimeError("the receiving process did not start")
@@ -163,17 +191,28 @@ def bench(transport: str, state: dict[str, torch.Tensor], tensor_set: str, round
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["embedded", "qwen0.5b"], choices=["embedded", "qwen0.5b"])
-    p.add_argument("--transports", nargs="+", default=["zmq", "filesystem", "ipc", "nccl"],
-                   help="sync.type values (nccl runs with the gloo backend here)")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=["zmq", "filesystem", "ipc", "nccl"],
+        help="sync.type values (nccl runs with the gloo backend here)",
+    )
     p.add_argument("--rounds", type=int, default=0, help="versions per figure (default: 30 embedded, 8 qwen0.5b)")
-    p.add_argument("--lora", nargs="+", type=int, default=[0],
-                   help="0: full weights; R: LoRA adapters of rank R merged by the receiver (e.g. --lora 0 16)")
+    p.add_argument(
+        "--lora",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="0: full weights; R: LoRA adapters of rank R merged by the receiver (e.g. --lora 0 16)",
+    )
     p.add_argument("--receive", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.receive:
         return receive(*a.receive)
-    print("| tensors | weights | MB per version | transport | publish -> applied median ms | p90 ms |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| tensors | weights | MB per version | transport | publish -> applied median ms | p90 ms |\n"
+        "|---|---|---|---|---|---|"
+    )
     for tensor_set in a.shapes:
         medians = {}
         for lora in a.lora:
@@ -184,17 +223,25 @@ def main() -> None:
             for transport in a.transports:
                 ms = bench(transport, state, tensor_set, rounds, lora)[2:]  # the first two map and allocate
                 medians[(lora, transport)] = (float(np.median(ms)), mb)
-                print(f"| {tensor_set} | {what} | {mb:.2f} | {transport} | {np.median(ms):.1f} | "
-                      f"{np.percentile(ms, 90):.1f} |", flush=True)
+                print(
+                    f"| {tensor_set} | {what} | {mb:.2f} | {transport} | {np.median(ms):.1f} | "
+                    f"{np.percentile(ms, 90):.1f} |",
+                    flush=True,
+                )
             if (lora, "zmq") in medians and (lora, "ipc") in medians:
-                print(f"| {tensor_set} | {what} | | zmq / ipc | {medians[(lora, 'zmq')][0] / medians[(lora, 'ipc')][0]:.2f}x | |",
-                      flush=True)
+                print(
+                    f"| {tensor_set} | {what} | | zmq / ipc | {medians[(lora, 'zmq')][0] / medians[(lora, 'ipc')][0]:.2f}x | |",
+                    flush=True,
+                )
         for lora in a.lora:
             for transport in a.transports:
                 if lora and (0, transport) in medians:
                     (full_ms, full_mb), (ms, mb) = medians[(0, transport)], medians[(lora, transport)]
-                    print(f"| {tensor_set} | full / LoRA r={lora} | {full_mb / mb:.1f}x bytes | {transport} | "
-                          f"{full_ms / ms:.1f}x time | |", flush=True)
+                    print(
+                        f"| {tensor_set} | full / LoRA r={lora} | {full_mb / mb:.1f}x bytes | {transport} | "
+                        f"{full_ms / ms:.1f}x time | |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

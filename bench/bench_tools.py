@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/ holds the taskset)
 
-from asyncrl.sandbox.tools import ToolSandbox  # noqa: E402
 from asyncrl.envs.verifiers_env import load_taskset  # noqa: E402
+from asyncrl.sandbox.tools import ToolSandbox  # noqa: E402
 
 
 def main() -> None:
@@ -46,8 +46,10 @@ def main() -> None:
         tool.add(i, 1)
     in_process = (time.perf_counter() - t) / args.calls
     print(f"sandboxed worker start (first call): {start_s:.2f} s")
-    print(f"per call, sandboxed: median {statistics.median(per_call) * 1e3:.3f} ms, "
-          f"p99 {sorted(per_call)[int(0.99 * len(per_call))] * 1e3:.3f} ms ({args.calls} calls)")
+    print(
+        f"per call, sandboxed: median {statistics.median(per_call) * 1e3:.3f} ms, "
+        f"p99 {sorted(per_call)[int(0.99 * len(per_call))] * 1e3:.3f} ms ({args.calls} calls)"
+    )
     print(f"per call, in process (before): {in_process * 1e6:.2f} us")
 
 

@@ -20,11 +20,10 @@ import argparse
 
 import numpy as np
 import torch
+from wire_util import measure_ingest, timed_rate  # noqa: E402 (bench/, beside this script)
 
 from asyncrl.types import Episode, Task, Trajectory
-from wire_util import measure_ingest, timed_rate  # noqa: E402 (bench/, beside this script)
-from asyncrl.wire.codec import (decode, decode_episode, decode_weights, encode_episode,
-                                encode_weights)
+from asyncrl.wire.codec import decode, decode_episode, decode_weights, encode_episode, encode_weights
 
 
 def make_episode(n_traj: int = 64, n_tokens: int = 40) -> Episode:
@@ -33,16 +32,31 @@ def make_episode(n_traj: int = 64, n_tokens: int = 40) -> Episode:
     for i in range(n_traj):
         mask = np.r_[np.zeros(n_tokens // 2), np.ones(n_tokens - n_tokens // 2)]
         replay = i % 2 == 0
-        trajs.append(Trajectory(
-            token_ids=rng.integers(0, 32000, n_tokens), loss_mask=mask,
-            behavior_logprobs=-rng.random(n_tokens) * mask, policy_version=3, reward=float(i % 2),
-            scores={"acc": float(i % 2), "format": 1.0}, sample_type="solver",
-            group_id=f"g{i // 8}", task_id=f"t{i // 8}", is_replay=replay,
-            recorded_logprobs=-rng.random(n_tokens) if replay else None,
-            exp_mask=mask if replay else None, text="<answer>42</answer>"))
+        trajs.append(
+            Trajectory(
+                token_ids=rng.integers(0, 32000, n_tokens),
+                loss_mask=mask,
+                behavior_logprobs=-rng.random(n_tokens) * mask,
+                policy_version=3,
+                reward=float(i % 2),
+                scores={"acc": float(i % 2), "format": 1.0},
+                sample_type="solver",
+                group_id=f"g{i // 8}",
+                task_id=f"t{i // 8}",
+                is_replay=replay,
+                recorded_logprobs=-rng.random(n_tokens) if replay else None,
+                exp_mask=mask if replay else None,
+                text="<answer>42</answer>",
+            )
+        )
     task = Task(id="t0", prompt=[{"role": "user", "content": "What is 20+22?"}], answer="42")
-    return Episode(trajectories=trajs, actor_id="actor-0", task=task,
-                   decision={"learnable": [True] * 8}, metrics={"unified_filter/kept": 8.0})
+    return Episode(
+        trajectories=trajs,
+        actor_id="actor-0",
+        task=task,
+        decision={"learnable": [True] * 8},
+        metrics={"unified_filter/kept": 8.0},
+    )
 
 
 def payload_mb(frames: list) -> float:
@@ -73,16 +87,24 @@ def main() -> None:
     torch.set_num_threads(1)
 
     ep = make_episode()
-    report("episode 64 x 40 tokens", encode_episode(ep),
-           lambda: decode_episode(decode(encode_episode(ep))),
-           build=lambda: encode_episode(ep), handle=lambda fr: decode_episode(decode(fr)),
-           seconds=args.seconds)
+    report(
+        "episode 64 x 40 tokens",
+        encode_episode(ep),
+        lambda: decode_episode(decode(encode_episode(ep))),
+        build=lambda: encode_episode(ep),
+        handle=lambda fr: decode_episode(decode(fr)),
+        seconds=args.seconds,
+    )
 
     weights = {"w": torch.randn(1000, 1000)}  # 1M float32 parameters
-    report("weights 1M float32", encode_weights(weights, 1),
-           lambda: decode_weights(decode(encode_weights(weights, 1))),
-           build=lambda: encode_weights(weights, 1), handle=lambda fr: decode_weights(decode(fr)),
-           seconds=args.seconds)
+    report(
+        "weights 1M float32",
+        encode_weights(weights, 1),
+        lambda: decode_weights(decode(encode_weights(weights, 1))),
+        build=lambda: encode_weights(weights, 1),
+        handle=lambda fr: decode_weights(decode(fr)),
+        seconds=args.seconds,
+    )
 
 
 if __name__ == "__main__":

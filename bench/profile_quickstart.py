@@ -38,9 +38,15 @@ STAGES: dict[str, list[tuple[str, str]]] = {
         ("WAL append + fsync", r"^EpisodeQueue\.(add|sync)|^WriteAheadLog|^Peers\._write"),
         ("ack + credits", r"^LearnerServer\.(ack|grant_credits|send_control)"),
         ("batch: advantages + collate", r"^PolicyTrainer\.make_batch|^collate|compute_advantages|^grpo_advantages"),
-        ("optimizer + clip", r"^(AdamW|Optimizer)\.|^_single_tensor_adam|^_multi_tensor_adam|^_fused_adam|clip_grad_norm"),
+        (
+            "optimizer + clip",
+            r"^(AdamW|Optimizer)\.|^_single_tensor_adam|^_multi_tensor_adam|^_fused_adam|clip_grad_norm",
+        ),
         ("backward", r"backward|^_engine_run_backward"),
-        ("forward (log-probs, loss)", r"^forward_rows|^compute_logprobs|^PolicyTrainer\._(minibatch|micro)_step|policy_loss"),
+        (
+            "forward (log-probs, loss)",
+            r"^forward_rows|^compute_logprobs|^PolicyTrainer\._(minibatch|micro)_step|policy_loss",
+        ),
         ("packing + micro-batch plan", r"^pack_rows|^_tensors|^plan_micro_batches"),
         ("publish weights", r"^Learner\.publish"),
         ("evaluation", r"^Evaluator\."),
@@ -50,7 +56,10 @@ STAGES: dict[str, list[tuple[str, str]]] = {
     "actor": [
         ("wait for the learner (credits, weights)", r"^Poller\.poll|^Socket\.poll"),
         ("apply weights", r"^Actor\.apply_weights|update_weights|load_state_dict"),
-        ("model forward", r"^(LlamaForCausalLM|LlamaModel|Qwen2ForCausalLM|Module)\.(forward|_call_impl|_wrapped_call_impl)"),
+        (
+            "model forward",
+            r"^(LlamaForCausalLM|LlamaModel|Qwen2ForCausalLM|Module)\.(forward|_call_impl|_wrapped_call_impl)",
+        ),
         ("sampling + engine loop", r"^HFEngine\.|^_sample|^VLLMEngine\."),
         ("environment + reward", r"^GuardedEnv\.|reward"),
         ("encode + send episodes", r"^encode|^Actor\.(send|_send)|send_multipart"),
@@ -141,9 +150,22 @@ def main() -> None:
         raise SystemExit("py-spy is not installed: pip install -e '.[bench]'")
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = args.out / "run"
-    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", "name=run",
-           f"run_root={args.out}", "log.progress=false", "train.total_steps=10000000", "eval.every=0",
-           "checkpoint.every=0", *args.set]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        str(args.config),
+        "--overwrite",
+        "name=run",
+        f"run_root={args.out}",
+        "log.progress=false",
+        "train.total_steps=10000000",
+        "eval.every=0",
+        "checkpoint.every=0",
+        *args.set,
+    ]
     with open(args.out / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     spies: list[subprocess.Popen] = []
@@ -151,7 +173,9 @@ def main() -> None:
         deadline = time.time() + 600
         while len(_steps(run_dir / "metrics.jsonl")) < args.warm_steps:
             if proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"the run stopped or did not train {args.warm_steps} steps; see {args.out / 'run.log'}")
+                raise SystemExit(
+                    f"the run stopped or did not train {args.warm_steps} steps; see {args.out / 'run.log'}"
+                )
             time.sleep(0.5)
         pids = _pids(run_dir, proc.pid)
         if set(pids) != {"learner", "actor"}:
@@ -159,18 +183,38 @@ def main() -> None:
         before = len(_steps(run_dir / "metrics.jsonl"))
         t0 = time.time()
         for role, pid in pids.items():
-            spies.append(subprocess.Popen(
-                [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--idle", "--nonblocking",
-                 "--format", "raw", "--rate", "200", "-o", str(args.out / f"{role}.txt")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            spies.append(
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--duration",
+                        str(int(args.seconds)),
+                        "--idle",
+                        "--nonblocking",
+                        "--format",
+                        "raw",
+                        "--rate",
+                        "200",
+                        "-o",
+                        str(args.out / f"{role}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for s in spies:
             s.wait(timeout=args.seconds + 120)
         rows = _steps(run_dir / "metrics.jsonl")
         window = [r for r in rows[before:] if r["t"] <= t0 + args.seconds]
         trajs = sum(r.get("batch_trajectories", 0) for r in window)
-        print(f"window: {args.seconds:.0f} s, {len(window)} optimizer steps ({len(window) / args.seconds:.2f}/s), "
-              f"{trajs / args.seconds:.0f} completions/s; "
-              f"learner train_s {sum(r['train_s'] for r in window):.1f} s, wait_s {sum(r['wait_s'] for r in window):.1f} s")
+        print(
+            f"window: {args.seconds:.0f} s, {len(window)} optimizer steps ({len(window) / args.seconds:.2f}/s), "
+            f"{trajs / args.seconds:.0f} completions/s; "
+            f"learner train_s {sum(r['train_s'] for r in window):.1f} s, wait_s {sum(r['wait_s'] for r in window):.1f} s"
+        )
         if window:
             st = [r.get("staleness_mean", 0.0) for r in window]
             print(f"staleness of trained episodes: mean {sum(st) / len(st):.2f}")

@@ -11,6 +11,7 @@ run and the range.
 
     python bench/quickstart_spread.py [--seeds 0 1 2] [--kernels native avx2] [--run-root /tmp/qs-spread]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-KERNELS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                                  "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+KERNELS = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,14 +37,30 @@ def one_run(run_root: Path, kernels: str, seed: int, report_only: bool = False) 
     """One quick-start run; returns its build and its figures (read from the run's files)."""
     name = f"qs-{kernels}-s{seed}"
     cache = run_root / f"models-{kernels}"
-    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(ROOT / "configs/quickstart.yaml"), "--overwrite",
-           f"seed={seed}", f"name={name}", f"run_root={run_root}", "log.progress=false",
-           f"model.embedded.cache_dir={cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        str(ROOT / "configs/quickstart.yaml"),
+        "--overwrite",
+        f"seed={seed}",
+        f"name={name}",
+        f"run_root={run_root}",
+        "log.progress=false",
+        f"model.embedded.cache_dir={cache}",
+    ]
     start = time.perf_counter()
     if not (report_only and (run_root / name / "metrics.jsonl").exists()):
         with open(run_root / f"{name}.log", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env={**os.environ, **KERNELS[kernels], "PYTHONPATH": str(ROOT)})
+            proc = subprocess.run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **KERNELS[kernels], "PYTHONPATH": str(ROOT)},
+            )
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed (exit {proc.returncode}); see {run_root / (name + '.log')}")
     run = run_root / name
@@ -50,10 +69,17 @@ def one_run(run_root: Path, kernels: str, seed: int, report_only: bool = False) 
     evals = sorted((e["step"], e["accuracy"]) for e in _rows(run / "events.jsonl") if e.get("kind") == "eval")
     tenth = max(1, len(rewards) // 10)
     info = json.loads(next(cache.glob(f"tiny-*-s{seed}-*/asyncrl_model.json")).read_text())
-    return {"run": name, "kernels": kernels, "seed": seed, "build_steps": info["steps"],
-            "reward_first": sum(rewards[:tenth]) / tenth, "reward_last": sum(rewards[-tenth:]) / tenth,
-            "heldout_first": evals[0][1] if evals else None, "heldout_last": evals[-1][1] if evals else None,
-            "wall_s": round(time.perf_counter() - start, 1) if not report_only else float("nan")}
+    return {
+        "run": name,
+        "kernels": kernels,
+        "seed": seed,
+        "build_steps": info["steps"],
+        "reward_first": sum(rewards[:tenth]) / tenth,
+        "reward_last": sum(rewards[-tenth:]) / tenth,
+        "heldout_first": evals[0][1] if evals else None,
+        "heldout_last": evals[-1][1] if evals else None,
+        "wall_s": round(time.perf_counter() - start, 1) if not report_only else float("nan"),
+    }
 
 
 def main() -> None:
@@ -65,17 +91,26 @@ def main() -> None:
     args = ap.parse_args()
     args.run_root.mkdir(parents=True, exist_ok=True)
     results = []
-    print("| kernels | seed | warm-start steps | batch reward first 10% -> last 10% | held-out greedy, step 0 -> end | wall s |")
+    print(
+        "| kernels | seed | warm-start steps | batch reward first 10% -> last 10% | held-out greedy, step 0 -> end | wall s |"
+    )
     print("|---|---|---|---|---|---|")
     for kernels in args.kernels:
         for seed in args.seeds:
             r = one_run(args.run_root, kernels, seed, args.report_only)
             results.append(r)
-            print(f"| {kernels} | {seed} | {r['build_steps']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
-                  f"{r['heldout_first']:.3f} -> {r['heldout_last']:.3f} | {r['wall_s']:.0f} |".replace("nan", "-"), flush=True)
+            print(
+                f"| {kernels} | {seed} | {r['build_steps']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
+                f"{r['heldout_first']:.3f} -> {r['heldout_last']:.3f} | {r['wall_s']:.0f} |".replace("nan", "-"),
+                flush=True,
+            )
     (args.run_root / "spread.json").write_text(json.dumps(results, indent=2))
-    for key, label in (("build_steps", "warm-start steps"), ("heldout_first", "held-out greedy at step 0"),
-                       ("heldout_last", "held-out greedy at the end"), ("reward_last", "batch reward, last 10%")):
+    for key, label in (
+        ("build_steps", "warm-start steps"),
+        ("heldout_first", "held-out greedy at step 0"),
+        ("heldout_last", "held-out greedy at the end"),
+        ("reward_last", "batch reward, last 10%"),
+    ):
         vals = [r[key] for r in results if r[key] is not None]
         print(f"{label}: {min(vals):g} .. {max(vals):g} over {len(vals)} runs")
 

@@ -33,8 +33,11 @@ def curve(run: Path) -> tuple[list[tuple[int, float, float]], list[tuple[int, in
         fresh += m["batch_trajectories"] - int(m.get("replay/replayed_trajectories", 0))
         at[m["version"]] = fresh
         rows.append((m["version"], fresh, m["reward_mean"]))
-    evals = [(e["step"], at.get(e["step"], fresh), e["accuracy"]) for e in _jsonl(run / "events.jsonl")
-             if e["kind"] == "eval"]
+    evals = [
+        (e["step"], at.get(e["step"], fresh), e["accuracy"])
+        for e in _jsonl(run / "events.jsonl")
+        if e["kind"] == "eval"
+    ]
     return rows, evals
 
 

@@ -24,20 +24,39 @@ def trace(root: Path) -> list[str]:
 
     from asyncrl.config import load_config
     from asyncrl.types import Episode, Trajectory
+
     try:
         from asyncrl.learner.training.trainer import PolicyTrainer
     except ImportError:  # a checkout from before the learner's split
         from asyncrl.learner.trainer import PolicyTrainer
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    )
     trainer = PolicyTrainer(model, type("Tok", (), {"pad_token_id": 0})(), load_config(None, []).train, 1.0)
     rng = np.random.default_rng(0)
-    trajs = [Trajectory(task_id=f"t{g}", group_id=f"t{g}", token_ids=rng.integers(1, 32, 10).astype(np.int32),
-                        loss_mask=np.array([0] * 4 + [1] * 6, dtype=np.float32),
-                        behavior_logprobs=np.array([0] * 4 + [-1.0] * 6, dtype=np.float32),
-                        policy_version=0, reward=float(i % 2)) for g in range(2) for i in range(4)]
+    trajs = [
+        Trajectory(
+            task_id=f"t{g}",
+            group_id=f"t{g}",
+            token_ids=rng.integers(1, 32, 10).astype(np.int32),
+            loss_mask=np.array([0] * 4 + [1] * 6, dtype=np.float32),
+            behavior_logprobs=np.array([0] * 4 + [-1.0] * 6, dtype=np.float32),
+            policy_version=0,
+            reward=float(i % 2),
+        )
+        for g in range(2)
+        for i in range(4)
+    ]
     episodes = [Episode(trajectories=trajs[:4]), Episode(trajectories=trajs[4:])]
     seq: list[str] = []
     prefix = str(root / "asyncrl") + "/"
@@ -45,7 +64,7 @@ def trace(root: Path) -> list[str]:
     def profile(frame, event, arg):
         name = frame.f_code.co_filename
         if event == "call" and name.startswith(prefix):
-            module = "asyncrl/" + name[len(prefix):]
+            module = "asyncrl/" + name[len(prefix) :]
             if not seq or seq[-1] != module:
                 seq.append(module)
 

@@ -47,28 +47,49 @@ sys.path.insert(0, str(ROOT))
 
 # task/model pairs raced by ``--pairs``: (config, overrides for both systems, what it is)
 PAIRS: dict[str, tuple[str, list[str], str]] = {
-    "quickstart": ("configs/quickstart.yaml", [],
-                   "two-digit addition, embedded 1.05M Llama, chat prompts (9 tokens), 6 new tokens"),
-    "raw1m": ("configs/quickstart.yaml", ["model.embedded.prompt_format=raw"],
-              "two-digit addition, 1.05M Llama warm-started on raw prompts (6 tokens, no template), 6 new tokens"),
-    "raw4m": ("configs/quickstart.yaml", ["model.embedded.prompt_format=raw", "model.embedded.hidden_size=256",
-                                          "model.embedded.intermediate_size=1024", "model.embedded.num_heads=8"],
-              "two-digit addition, 4.2M Llama (width 256, 8 heads), raw prompts, 6 new tokens"),
-    "copy48": ("examples/longtail.yaml", ["tasks.kwargs.long_share=0.5", "sampling.max_new_tokens=48"],
-               "copy a string (half of them 24-40 characters), 1.05M Llama, chat prompts, up to 48 new tokens"),
-    "smollm2": ("examples/smollm2.yaml", [],
-                "sums of two numbers 0-29 after two worked examples, SmolLM2-135M-Instruct (a real pretrained chat "
-                "model, 49k vocabulary), up to 24 new tokens"),
+    "quickstart": (
+        "configs/quickstart.yaml",
+        [],
+        "two-digit addition, embedded 1.05M Llama, chat prompts (9 tokens), 6 new tokens",
+    ),
+    "raw1m": (
+        "configs/quickstart.yaml",
+        ["model.embedded.prompt_format=raw"],
+        "two-digit addition, 1.05M Llama warm-started on raw prompts (6 tokens, no template), 6 new tokens",
+    ),
+    "raw4m": (
+        "configs/quickstart.yaml",
+        [
+            "model.embedded.prompt_format=raw",
+            "model.embedded.hidden_size=256",
+            "model.embedded.intermediate_size=1024",
+            "model.embedded.num_heads=8",
+        ],
+        "two-digit addition, 4.2M Llama (width 256, 8 heads), raw prompts, 6 new tokens",
+    ),
+    "copy48": (
+        "examples/longtail.yaml",
+        ["tasks.kwargs.long_share=0.5", "sampling.max_new_tokens=48"],
+        "copy a string (half of them 24-40 characters), 1.05M Llama, chat prompts, up to 48 new tokens",
+    ),
+    "smollm2": (
+        "examples/smollm2.yaml",
+        [],
+        "sums of two numbers 0-29 after two worked examples, SmolLM2-135M-Instruct (a real pretrained chat "
+        "model, 49k vocabulary), up to 24 new tokens",
+    ),
 }
 
 
 def _cfg(args):
     from asyncrl.config import load_config
+
     return load_config(str(args.config), args.set)
 
 
 def heldout_accuracy(cfg, model, tokenizer) -> float:
     from asyncrl.learner.evaluate import Evaluator
+
     return float(Evaluator(cfg, tokenizer).maybe_run(model, 0, force=True)["accuracy"])
 
 
@@ -87,13 +108,19 @@ def summary(name: str, steps: list[tuple[float, int, float]], accuracy: float) -
     """``steps``: (time, completions, batch reward) per optimizer step."""
     span = steps[-1][0] - steps[0][0] if len(steps) > 1 else float("nan")
     done = sum(c for _, c, _ in steps[1:])  # completions trained after the first step's timestamp
-    return {"name": name, "steps": len(steps), "completions": sum(c for _, c, _ in steps),
-            "completions_per_s": done / span if span > 0 else None,
-            "reward_per_minute": per_minute([(t, r) for t, _, r in steps]),
-            "heldout_accuracy": accuracy, "curve": [(t - steps[0][0], r) for t, _, r in steps]}
+    return {
+        "name": name,
+        "steps": len(steps),
+        "completions": sum(c for _, c, _ in steps),
+        "completions_per_s": done / span if span > 0 else None,
+        "reward_per_minute": per_minute([(t, r) for t, _, r in steps]),
+        "heldout_accuracy": accuracy,
+        "curve": [(t - steps[0][0], r) for t, _, r in steps],
+    }
 
 
 # -- TRL -----------------------------------------------------------------------------------------
+
 
 def trl_worker(args) -> None:
     """TRL's GRPOTrainer with the asyncrl config's settings; prints one JSON line."""
@@ -134,24 +161,44 @@ def trl_worker(args) -> None:
 
     t = cfg.train
     targs = GRPOConfig(
-        output_dir=str(Path(args.run_root) / "trl"), per_device_train_batch_size=t.batch_tasks * cfg.sampling.n,
-        num_generations=cfg.sampling.n, max_completion_length=cfg.sampling.max_new_tokens,
-        temperature=cfg.sampling.temperature, learning_rate=t.lr, lr_scheduler_type="constant",
-        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        epsilon=t.clip_low, epsilon_high=t.clip_high, beta=0.0, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, use_cpu=True, max_steps=10 ** 7, logging_steps=args.trl_logging_steps, report_to="none",
-        save_strategy="no", seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(Path(args.run_root) / "trl"),
+        per_device_train_batch_size=t.batch_tasks * cfg.sampling.n,
+        num_generations=cfg.sampling.n,
+        max_completion_length=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        learning_rate=t.lr,
+        lr_scheduler_type="constant",
+        adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1],
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        epsilon=t.clip_low,
+        epsilon_high=t.clip_high,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        use_cpu=True,
+        max_steps=10**7,
+        logging_steps=args.trl_logging_steps,
+        report_to="none",
+        save_strategy="no",
+        seed=cfg.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     log: list[tuple[float, int, float]] = []
     minutes = args.minutes
 
     class Clock(TrainerCallback):
         """Each optimizer step's end time (TRL calls on_step_end before on_log); a logged reward (the
         mean of the last ``logging_steps`` steps) goes to the steps since the previous log."""
+
         logged = 0  # steps in ``log`` that have their reward
 
         def on_log(self, _args, state, control, logs=None, **_):
             if logs and "reward" in logs:
-                log[self.logged:] = [(tt, c, float(logs["reward"])) for tt, c, _ in log[self.logged:]]
+                log[self.logged :] = [(tt, c, float(logs["reward"])) for tt, c, _ in log[self.logged :]]
                 self.logged = len(log)
 
         def on_step_end(self, _args, state, control, **_):
@@ -159,8 +206,14 @@ def trl_worker(args) -> None:
             if time.time() - log[0][0] >= minutes * 60:
                 control.should_training_stop = True
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=targs, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=targs,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer.train()
     log[:] = [row for row in log if row[2] is not None]  # steps after the last log carry no reward
     acc = heldout_accuracy(cfg, trainer.model, tokenizer)
@@ -169,18 +222,32 @@ def trl_worker(args) -> None:
 
 # -- asyncrl -------------------------------------------------------------------------------------
 
+
 def run_asyncrl(args) -> dict:
     """``asyncrl run`` for ``--minutes`` of training (stopped with SIGINT: it checkpoints), then the
     held-out accuracy of the checkpoint it saved."""
-    from asyncrl.rundir.layout import latest_checkpoint
     from asyncrl.models.loading import load_model, load_tokenizer
+    from asyncrl.rundir.layout import latest_checkpoint
 
     cfg = _cfg(args)
     name = "asyncrl"
     run_dir = Path(args.run_root) / name
-    cmd = [sys.executable, "-m", "asyncrl", "run", "-c", str(args.config), "--overwrite", f"name={name}",
-           f"run_root={args.run_root}", "log.progress=false", "train.total_steps=10000000", "eval.every=0",
-           "checkpoint.every=0", *args.set]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "run",
+        "-c",
+        str(args.config),
+        "--overwrite",
+        f"name={name}",
+        f"run_root={args.run_root}",
+        "log.progress=false",
+        "train.total_steps=10000000",
+        "eval.every=0",
+        "checkpoint.every=0",
+        *args.set,
+    ]
     with open(Path(args.run_root) / f"{name}.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -209,13 +276,23 @@ def run_asyncrl(args) -> dict:
 
 
 def run_trl(args) -> dict:
-    cmd = [sys.executable, __file__, "--trl-worker", "--minutes", str(args.minutes), "--config", str(args.config),
-           "--run-root", args.run_root, "--trl-logging-steps", str(args.trl_logging_steps),
-           *(["--threads", str(args.threads)] if args.threads else []),
-           *(["--set", *args.set] if args.set else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        "--minutes",
+        str(args.minutes),
+        "--config",
+        str(args.config),
+        "--run-root",
+        args.run_root,
+        "--trl-logging-steps",
+        str(args.trl_logging_steps),
+        *(["--threads", str(args.threads)] if args.threads else []),
+        *(["--set", *args.set] if args.set else []),
+    ]
     with open(Path(args.run_root) / "trl.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
         try:
             stdout, _ = proc.communicate(timeout=args.minutes * 60 + 900)
         finally:
@@ -225,7 +302,7 @@ def run_trl(args) -> dict:
     lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"the TRL run failed (exit {proc.returncode}); see {Path(args.run_root) / 'trl.log'}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def report(results: list[dict], png: Path) -> None:
@@ -238,6 +315,7 @@ def report(results: list[dict], png: Path) -> None:
         a, b = results
         print(f"{a['name']} / {b['name']}: completions/s {a['completions_per_s'] / b['completions_per_s']:.2f}x")
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -245,7 +323,7 @@ def report(results: list[dict], png: Path) -> None:
     for r in results:
         pts = r["curve"]
         k = max(1, len(pts) // 60)  # a running mean over ~1/60 of the run
-        ys = [statistics.fmean(y for _, y in pts[max(0, i - k + 1): i + 1]) for i in range(len(pts))]
+        ys = [statistics.fmean(y for _, y in pts[max(0, i - k + 1) : i + 1]) for i in range(len(pts))]
         ax.plot([t / 60 for t, _ in pts], ys, label=f"{r['name']} (held-out {r['heldout_accuracy']:.2f})")
     ax.set_xlabel("minutes of training")
     ax.set_ylabel("batch reward (running mean)")
@@ -279,15 +357,19 @@ def race_pairs(args) -> None:
         print(f"== {name}: {what}", flush=True)
         rows.append({"pair": name, "what": what, "results": race(args)})
         (root / "pairs.json").write_text(json.dumps(rows))
-    print("| pair | asyncrl completions/s | TRL completions/s | ratio | asyncrl held-out | TRL held-out |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| pair | asyncrl completions/s | TRL completions/s | ratio | asyncrl held-out | TRL held-out |\n"
+        "|---|---|---|---|---|---|"
+    )
     for row in rows:
         by = {r["name"]: r for r in row["results"]}
         a, t = by.get("asyncrl"), by.get("TRL GRPOTrainer")
         if a and t and a["completions_per_s"] and t["completions_per_s"]:
-            print(f"| {row['pair']} | {a['completions_per_s']:.0f} | {t['completions_per_s']:.0f} | "
-                  f"{a['completions_per_s'] / t['completions_per_s']:.2f}x | {a['heldout_accuracy']:.3f} | "
-                  f"{t['heldout_accuracy']:.3f} |")
+            print(
+                f"| {row['pair']} | {a['completions_per_s']:.0f} | {t['completions_per_s']:.0f} | "
+                f"{a['completions_per_s'] / t['completions_per_s']:.2f}x | {a['heldout_accuracy']:.3f} | "
+                f"{t['heldout_accuracy']:.3f} |"
+            )
     print(f"results: {root / 'pairs.json'}")
 
 
@@ -295,16 +377,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0, help="training wall time for each system")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
-    ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=None,
-                    help="race these task/model pairs one after the other (instead of --config)")
+    ap.add_argument(
+        "--pairs",
+        nargs="+",
+        choices=sorted(PAIRS),
+        default=None,
+        help="race these task/model pairs one after the other (instead of --config)",
+    )
     ap.add_argument("--only", choices=["asyncrl", "trl"], help="run just one of the two")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for TRL (default: torch's choice)")
     ap.add_argument("--run-root", default=str(ROOT / "runs" / "vs_trl"))
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--set", nargs="*", default=[], help="key=value overrides of the config, for both")
-    ap.add_argument("--trl-logging-steps", type=int, default=10,
-                    help="TRL's logging_steps (its per-log overhead is paid every k steps; every step cost it "
-                         "10%% of its throughput on the quick-start pair)")
+    ap.add_argument(
+        "--trl-logging-steps",
+        type=int,
+        default=10,
+        help="TRL's logging_steps (its per-log overhead is paid every k steps; every step cost it "
+        "10%% of its throughput on the quick-start pair)",
+    )
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trl-prompts", type=int, default=20_000, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -40,9 +40,14 @@ def _pair(ctx, transport: str, tmp: str) -> tuple:
     return pull, push
 
 
-def measure_ingest(frames: list, n: int, build: Callable[[], list] | None = None,
-                   handle: Callable[[list], Any] | None = None, timeout_s: float = 60.0,
-                   transport: str = "tcp") -> float:
+def measure_ingest(
+    frames: list,
+    n: int,
+    build: Callable[[], list] | None = None,
+    handle: Callable[[list], Any] | None = None,
+    timeout_s: float = 60.0,
+    transport: str = "tcp",
+) -> float:
     """Messages per second for ``n`` sends of ``frames`` (or of ``build()`` each time) from a
     PUSH thread to a PULL socket (over ``transport``), each received with
     ``recv_multipart(copy=False)`` and passed to ``handle``. Timing spans first send to last receive."""

@@ -29,8 +29,13 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.config import ConfigError, validate_section
-from asyncrl.rollout.conversation import (episode_metrics, failure_record, run_conversations, scored_trajectories,
-                                          start_conversations)
+from asyncrl.rollout.conversation import (
+    episode_metrics,
+    failure_record,
+    run_conversations,
+    scored_trajectories,
+    start_conversations,
+)
 from asyncrl.rollout.workflow import RolloutContext, Workflow, register_workflow
 from asyncrl.types import Episode, Task, Trajectory, new_id
 
@@ -53,38 +58,58 @@ class BestOfNWorkflow(Workflow):
         super().__init__(cfg)
         self.algo: BestOfNConfig = validate_section(BestOfNConfig, cfg.algo, "algo")
         if self.algo.keep > cfg.sampling.n:
-            raise ConfigError(f"algo.keep ({self.algo.keep}) exceeds sampling.n ({cfg.sampling.n}): "
-                              f"at most every sampled response can be kept")
+            raise ConfigError(
+                f"algo.keep ({self.algo.keep}) exceeds sampling.n ({cfg.sampling.n}): "
+                f"at most every sampled response can be kept"
+            )
 
     def rollout(self, tasks: list[Task], ctx: RolloutContext, counts: list[int] | None = None) -> list[Episode]:
         n = self.cfg.sampling.n
         version = ctx.engine.version
         episode_ids = [new_id() for _ in tasks]
         convs = start_conversations(ctx.tokenizer, ctx.env, tasks, n, group_ids=episode_ids)
-        run_conversations(ctx.engine, ctx.tokenizer, ctx.env, convs, self.cfg.sampling,
-                          self.cfg.env.max_turns, seed=ctx.seed)  # one batched engine call per turn
-        return [self._episode(task, eid, convs[i * n:(i + 1) * n], version, ctx)
-                for i, (task, eid) in enumerate(zip(tasks, episode_ids))]
+        run_conversations(
+            ctx.engine, ctx.tokenizer, ctx.env, convs, self.cfg.sampling, self.cfg.env.max_turns, seed=ctx.seed
+        )  # one batched engine call per turn
+        return [
+            self._episode(task, eid, convs[i * n : (i + 1) * n], version, ctx)
+            for i, (task, eid) in enumerate(zip(tasks, episode_ids))
+        ]
 
     def _episode(self, task: Task, eid: str, group: list, version: int, ctx: RolloutContext) -> Episode:
         """The Episode of one task: its kept responses, and a decision record of all ``n``."""
         trajs, failures = scored_trajectories(group, ctx.env, version)
         kept = self.select(trajs)
         rewards = [t.reward for t in trajs]
-        decision = {"kind": "best_of_n", "rewards": rewards, "kept": kept, "policy_version": version,
-                    **failure_record(failures, version)}
+        decision = {
+            "kind": "best_of_n",
+            "rewards": rewards,
+            "kept": kept,
+            "policy_version": version,
+            **failure_record(failures, version),
+        }
         # the learner's reward_mean covers the trained (kept) rows only: the samples' mean is ours
-        metrics = {**episode_metrics(rewards, len(failures)), "best_of_n/kept": float(len(kept)),
-                   "best_of_n/best_reward": max(rewards, default=0.0),
-                   "best_of_n/sample_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0}
-        return Episode(trajectories=[trajs[i] for i in kept], actor_id=ctx.actor_id, task=task, id=eid,
-                       created_at=time.time(), decision=decision, metrics=metrics)
+        metrics = {
+            **episode_metrics(rewards, len(failures)),
+            "best_of_n/kept": float(len(kept)),
+            "best_of_n/best_reward": max(rewards, default=0.0),
+            "best_of_n/sample_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        }
+        return Episode(
+            trajectories=[trajs[i] for i in kept],
+            actor_id=ctx.actor_id,
+            task=task,
+            id=eid,
+            created_at=time.time(),
+            decision=decision,
+            metrics=metrics,
+        )
 
     def select(self, trajs: list[Trajectory]) -> list[int]:
         """Indices (ascending) of the ``keep`` best responses with ``reward >= min_reward`` (ties:
         the earlier sample); each gets ``advantage``."""
         ranked = sorted(range(len(trajs)), key=lambda i: -trajs[i].reward)
-        kept = sorted(i for i in ranked[:self.algo.keep] if trajs[i].reward >= self.algo.min_reward)
+        kept = sorted(i for i in ranked[: self.algo.keep] if trajs[i].reward >= self.algo.min_reward)
         for i in kept:
             trajs[i].advantage = self.algo.advantage
         return kept

@@ -20,16 +20,21 @@ import json
 from asyncrl.envs.arithmetic import arithmetic_reward
 from asyncrl.sandbox.arith import ArithLimits, evaluate_expression
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression (+, -, *).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression (+, -, *).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 LIMITS = ArithLimits(max_chars=64, max_operators=4, max_bits=64)
 
 
 def parse_calc(text: str):
     """``calc:EXPR`` -> a ``calculator`` tool call; anything else is the reply's content."""
     if text.startswith("calc:"):
-        return None, [{"name": "calculator", "arguments": {"expression": text[len("calc:"):].strip()}}]
+        return None, [{"name": "calculator", "arguments": {"expression": text[len("calc:") :].strip()}}]
     return text, []
 
 
@@ -50,7 +55,9 @@ def solve(task, client, model):
             break
         for call in reply.tool_calls:
             args = json.loads(call.function.arguments or "{}")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(args.get("expression", ""))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": calculator(args.get("expression", ""))}
+            )
             calls += 1
     answer = "" if reply.tool_calls else (reply.content or "")
     return {"reward": arithmetic_reward(task, answer), "tool_calls": float(calls)}

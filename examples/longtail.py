@@ -41,8 +41,10 @@ def copy_format(rng: random.Random) -> tuple[list[dict], str]:
 def tasks(n: int = 20000, seed: int = 0, long_share: float = 0.1) -> list[Task]:
     """``n`` copy tasks, a ``long_share`` of them long."""
     rng = random.Random(seed)
-    return [Task(id=f"copy-{seed}-{i}", prompt=_prompt(s), answer=s)
-            for i, s in ((i, _string(rng, long_share)) for i in range(n))]
+    return [
+        Task(id=f"copy-{seed}-{i}", prompt=_prompt(s), answer=s)
+        for i, s in ((i, _string(rng, long_share)) for i in range(n))
+    ]
 
 
 def reward(task: Task, response: str) -> dict:

@@ -60,8 +60,7 @@ class SumEnvironment(Environment):
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self.question, self.answer = "", ""
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, question: str = "",
-              **_) -> SumObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None, question: str = "", **_) -> SumObservation:
         m = _SUM.match(question or "")
         if m is None:
             raise ValueError(f"reset needs question='A+B=' with two whole numbers; got {question!r}")
@@ -72,8 +71,9 @@ class SumEnvironment(Environment):
     def step(self, action: SumAction, **_) -> SumObservation:  # type: ignore[override]
         self._state.step_count += 1
         right = action.answer.strip() == self.answer
-        return SumObservation(question=self.question, feedback="right" if right else "wrong", done=True,
-                              reward=1.0 if right else 0.0)
+        return SumObservation(
+            question=self.question, feedback="right" if right else "wrong", done=True, reward=1.0 if right else 0.0
+        )
 
     @property
     def state(self) -> State:
@@ -94,12 +94,13 @@ class SecretPath:
         if scope["type"] in ("http", "websocket"):
             path = scope.get("path", "")
             n = len(self.prefix)
-            if not (hmac.compare_digest(path[:n], self.prefix) and path[n:n + 1] in ("", "/")):
+            if not (hmac.compare_digest(path[:n], self.prefix) and path[n : n + 1] in ("", "/")):
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                 else:
-                    await send({"type": "http.response.start", "status": 404,
-                                "headers": [(b"content-type", b"text/plain")]})
+                    await send(
+                        {"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain")]}
+                    )
                     await send({"type": "http.response.body", "body": b"not found"})
                 return
             scope = dict(scope, path=path[n:] or "/", root_path=scope.get("root_path", "") + self.prefix)
@@ -120,8 +121,10 @@ def server_url() -> str:
         try:
             url = URL_FILE.read_text().strip()
         except FileNotFoundError:
-            raise RuntimeError(f"no OpenEnv server: {URL_FILE} does not exist and OPENENV_URL is not set; start "
-                               f"it first: .venv/bin/python -m examples.openenv_add 8011") from None
+            raise RuntimeError(
+                f"no OpenEnv server: {URL_FILE} does not exist and OPENENV_URL is not set; start "
+                f"it first: .venv/bin/python -m examples.openenv_add 8011"
+            ) from None
     return url.rstrip("/")
 
 
@@ -139,8 +142,10 @@ async def play(task, client, model):
     """One episode: reset with the task's question, one policy reply as the action, the env's reward."""
     from openenv.core.generic_client import GenericEnvClient
 
-    async with _gate(), GenericEnvClient(base_url=server_url(), connect_timeout_s=TIMEOUT_S,
-                                         message_timeout_s=TIMEOUT_S) as env:
+    async with (
+        _gate(),
+        GenericEnvClient(base_url=server_url(), connect_timeout_s=TIMEOUT_S, message_timeout_s=TIMEOUT_S) as env,
+    ):
         obs = (await env.reset(question=task.prompt[-1]["content"])).observation
         messages = [{"role": "user", "content": obs["question"]}]
         reply = await client.chat.completions.create(model=model, messages=messages)
@@ -156,8 +161,10 @@ def _preflight() -> None:
             r.read()
     except (urllib.error.URLError, OSError) as e:
         where = url.split("://", 1)[-1].split("/", 1)[0]
-        raise RuntimeError(f"no OpenEnv server answers at {where} ({getattr(e, 'reason', e)}); start it first: "
-                           f".venv/bin/python -m examples.openenv_add {where.rsplit(':', 1)[-1]}") from None
+        raise RuntimeError(
+            f"no OpenEnv server answers at {where} ({getattr(e, 'reason', e)}); start it first: "
+            f".venv/bin/python -m examples.openenv_add {where.rsplit(':', 1)[-1]}"
+        ) from None
 
 
 play.preflight = _preflight
@@ -174,6 +181,7 @@ if __name__ == "__main__":
     with os.fdopen(fd, "w") as f:
         f.write(f"http://127.0.0.1:{port}/{token}\n")
     print(f"OpenEnv server 'sum' on 127.0.0.1:{port}, under a secret path written to {URL_FILE}", flush=True)
+
     def _stopped(*_):  # (uvicorn, stopped by SIGTERM, raises it again once shut down: this handler)
         URL_FILE.unlink(missing_ok=True)
         sys.exit(0)

@@ -28,6 +28,8 @@ def tasks(low: int = 0, high: int = 29, seed: int = 0) -> list[dict]:
             question = f"What is {a} + {b}?"
             if question in {q for q, _ in EXAMPLES}:
                 continue
-            out.append({"id": f"sum:{a}+{b}", "prompt": [*shots, {"role": "user", "content": question}], "answer": a + b})
+            out.append(
+                {"id": f"sum:{a}+{b}", "prompt": [*shots, {"role": "user", "content": question}], "answer": a + b}
+            )
     random.Random(seed).shuffle(out)
     return out

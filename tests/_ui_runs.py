@@ -36,8 +36,10 @@ def make_runs(tmp_path_factory, model_cache: Path) -> dict[str, Path]:
             root = tmp_path_factory.mktemp("ui-runs")
             extra = [f"model.embedded.cache_dir={model_cache}"]
             with ThreadPoolExecutor(2) as ex:
-                futures = {alg: ex.submit(demo_run, alg, root, steps=3, extra_overrides=extra, reuse=False, quick=True)
-                           for alg in ("absolute_zero", "rlcr")}
+                futures = {
+                    alg: ex.submit(demo_run, alg, root, steps=3, extra_overrides=extra, reuse=False, quick=True)
+                    for alg in ("absolute_zero", "rlcr")
+                }
                 _RUNS.update({alg: f.result() for alg, f in futures.items()})
     return dict(_RUNS)
 
@@ -45,8 +47,10 @@ def make_runs(tmp_path_factory, model_cache: Path) -> dict[str, Path]:
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("chromium is not installed; the UI test needs a real headless browser: run `make browser` "
-                    "(apt-get install chromium) and try again")
+        pytest.fail(
+            "chromium is not installed; the UI test needs a real headless browser: run `make browser` "
+            "(apt-get install chromium) and try again"
+        )
     return path
 
 
@@ -58,11 +62,21 @@ class Browser:
     def __init__(self, profile: Path, timeout: float = 120):
         profile.mkdir(parents=True, exist_ok=True)
         (profile / "DevToolsActivePort").unlink(missing_ok=True)
-        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-               f"--user-data-dir={profile}", "--window-size=1400,1600", "--remote-debugging-address=127.0.0.1",
-               "--remote-debugging-port=0", "about:blank"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        cmd = [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--window-size=1400,1600",
+            "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         self._id = 0
         try:
             port_file = profile / "DevToolsActivePort"
@@ -79,8 +93,9 @@ class Browser:
             from websockets.sync.client import connect
 
             self._stack = contextlib.ExitStack()
-            self.ws = self._stack.enter_context(connect(pages[0]["webSocketDebuggerUrl"], max_size=None,
-                                                        open_timeout=timeout))
+            self.ws = self._stack.enter_context(
+                connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=timeout)
+            )
         except BaseException:
             kill_tree(self.proc)
             raise
@@ -111,8 +126,14 @@ class Browser:
 
     def mouse(self, kind: str, x: float, y: float, clicks: int = 0) -> None:
         """A real input event (``mouseMoved``, ``mousePressed``, ``mouseReleased``) at page coordinates."""
-        self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="none" if kind == "mouseMoved" else "left",
-                  clickCount=clicks)
+        self.call(
+            "Input.dispatchMouseEvent",
+            type=kind,
+            x=x,
+            y=y,
+            button="none" if kind == "mouseMoved" else "left",
+            clickCount=clicks,
+        )
 
     def screenshot(self, out: Path) -> None:
         out.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
@@ -141,8 +162,9 @@ def ui_in_browser(run: Path, profile: Path, query: str = ""):
     assert code == 0, f"asyncrl ui exited with code {code}"
 
 
-def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "",
-             screenshot_name: str | None = None) -> str:
+def wait_dom(
+    url: str, profile: Path, check, timeout: float = 120, what: str = "", screenshot_name: str | None = None
+) -> str:
     """Open ``url`` in headless Chromium and read its DOM until ``check(dom)`` is true (the page may
     still be loading data). With ``screenshot_name``, the page as it was when the check passed is
     also saved as that file in ``test-artifacts/``."""
@@ -154,8 +176,7 @@ def wait_dom(url: str, profile: Path, check, timeout: float = 120, what: str = "
         browser.close()
 
 
-def wait_page(browser: Browser, check, timeout: float = 120, what: str = "",
-              screenshot_name: str | None = None) -> str:
+def wait_page(browser: Browser, check, timeout: float = 120, what: str = "", screenshot_name: str | None = None) -> str:
     """Read the open page's DOM until ``check(dom)`` is true; see :func:`wait_dom`."""
     deadline = time.time() + timeout
     dom = ""
@@ -169,8 +190,9 @@ def wait_page(browser: Browser, check, timeout: float = 120, what: str = "",
                 screenshot(browser, screenshot_name)
             return dom
         time.sleep(1)
-    raise AssertionError(f"{what or 'expected content'} not in the page after {timeout:.0f}s; "
-                         f"text was: {visible_text(dom)[:3000]}")
+    raise AssertionError(
+        f"{what or 'expected content'} not in the page after {timeout:.0f}s; text was: {visible_text(dom)[:3000]}"
+    )
 
 
 def screenshot(browser: Browser, name: str) -> None:
@@ -214,8 +236,10 @@ class LineReader:
             except queue.Empty:
                 continue
             if line is None:
-                raise AssertionError(f"the process exited (code {self.proc.wait()}) before printing "
-                                     f"/{pattern}/; output:\n{''.join(self.lines)[-4000:]}")
+                raise AssertionError(
+                    f"the process exited (code {self.proc.wait()}) before printing "
+                    f"/{pattern}/; output:\n{''.join(self.lines)[-4000:]}"
+                )
             self.lines.append(line)
             if m := rx.search(line):
                 return m
@@ -228,8 +252,15 @@ def start_ui(*args: str) -> tuple[subprocess.Popen, LineReader]:
 
 def start_logged(cmd: list[str]) -> tuple[subprocess.Popen, LineReader]:
     """``cmd`` in its own session (see ``stop``), its output lines collected by a LineReader."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return proc, LineReader(proc)
 
 

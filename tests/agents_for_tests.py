@@ -10,7 +10,6 @@ import zlib
 
 import httpx
 
-
 _LOG_LOCK = threading.Lock()  # agents run on many threads at once: one whole line at a time
 
 
@@ -29,11 +28,23 @@ def two_calls(task, client, model):
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "user", "content": "again"})
     second = client.chat.completions.create(model=model, messages=messages)
-    _log({"task": task.id, "calls": [
-        {"prompt": first.model_extra["prompt_token_ids"], "completion": first.choices[0].model_extra["token_ids"],
-         "text": first.choices[0].message.content},
-        {"prompt": second.model_extra["prompt_token_ids"], "completion": second.choices[0].model_extra["token_ids"],
-         "text": second.choices[0].message.content}]})
+    _log(
+        {
+            "task": task.id,
+            "calls": [
+                {
+                    "prompt": first.model_extra["prompt_token_ids"],
+                    "completion": first.choices[0].model_extra["token_ids"],
+                    "text": first.choices[0].message.content,
+                },
+                {
+                    "prompt": second.model_extra["prompt_token_ids"],
+                    "completion": second.choices[0].model_extra["token_ids"],
+                    "text": second.choices[0].message.content,
+                },
+            ],
+        }
+    )
     return {"reward": float((first.choices[0].message.content or "").strip() == str(task.answer)), "calls": 2.0}
 
 
@@ -41,15 +52,26 @@ async def two_calls_async(task, client, model):
     """``two_calls`` with the async client; the second call starts a new conversation (no shared prefix)."""
     a = await client.chat.completions.create(model=model, messages=[dict(m) for m in task.prompt])
     b = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "1+1="}])
-    _log({"task": task.id, "separate": [a.model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"],
-                                        b.model_extra["prompt_token_ids"] + b.choices[0].model_extra["token_ids"]]})
+    _log(
+        {
+            "task": task.id,
+            "separate": [
+                a.model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"],
+                b.model_extra["prompt_token_ids"] + b.choices[0].model_extra["token_ids"],
+            ],
+        }
+    )
     return float((a.choices[0].message.content or "").strip() == str(task.answer))
 
 
 def text_completion(task, base_url, api_key, model):
     """The plain completions route through httpx (no openai client)."""
-    r = httpx.post(f"{base_url}/completions", json={"model": model, "prompt": "12+34=", "max_tokens": 4},
-                   headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
+    r = httpx.post(
+        f"{base_url}/completions",
+        json={"model": model, "prompt": "12+34=", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=60,
+    )
     r.raise_for_status()
     return 1.0 if r.json()["choices"][0]["text"] else 0.0
 
@@ -103,7 +125,9 @@ async def openenv_add(task, client, model):
         suffix = task.id.rsplit(":", 1)[-1]
         seed = int(suffix) if suffix.isdigit() else zlib.crc32(task.id.encode())
         obs = (await env.reset(seed=seed)).observation
-        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": obs["question"]}])
+        reply = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": obs["question"]}]
+        )
         result = await env.step({"answer": reply.choices[0].message.content or ""})
         return {"reward": float(result.reward or 0.0), "openenv/steps": 1.0}
 
@@ -113,7 +137,9 @@ async def three_separate_calls(task, client, model):
     completions have an even length, so that rollouts of one task differ."""
     texts = []
     for k in range(3):
-        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"{k}+{task.id}"}])
+        reply = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"{k}+{task.id}"}]
+        )
         texts.append(reply.choices[0].message.content or "")
     return {"reward": sum(len(t) % 2 == 0 for t in texts) / 3.0, "calls": 3.0}
 
@@ -130,8 +156,12 @@ def every_reply_calls_add(text):
 
 
 def _client_record(task, client, reply) -> dict:
-    return {"task": task.id, "http_client": id(client._client), "base_url": str(client.base_url),
-            "ids": reply.choices[0].model_extra["token_ids"]}
+    return {
+        "task": task.id,
+        "http_client": id(client._client),
+        "base_url": str(client.base_url),
+        "ids": reply.choices[0].model_extra["token_ids"],
+    }
 
 
 def says_its_client(task, client, model):
@@ -148,10 +178,18 @@ async def says_its_client_async(task, client, model):
     return 1.0
 
 
-ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                             "parameters": {"type": "object", "properties": {
-                                                 "a": {"type": "integer"}, "b": {"type": "integer"}},
-                                                 "required": ["a", "b"]}}}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def tool_loop(task, client, model):
@@ -162,8 +200,9 @@ def tool_loop(task, client, model):
     for _ in range(3):
         reply = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL])
         message = reply.choices[0].message
-        calls.append({"prompt": reply.model_extra["prompt_token_ids"],
-                      "completion": reply.choices[0].model_extra["token_ids"]})
+        calls.append(
+            {"prompt": reply.model_extra["prompt_token_ids"], "completion": reply.choices[0].model_extra["token_ids"]}
+        )
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             break

@@ -23,7 +23,9 @@ def main(address: str, key: str, last: int) -> int:
     receiver = CollectiveReceiver(SimpleNamespace(timeout_s=60.0))
     version, want = -1, 0
     while version < last:
-        version, tensors = receiver.tensors(decode(encode("weights", Weights(version=want, group=address, group_key=key))))
+        version, tensors = receiver.tensors(
+            decode(encode("weights", Weights(version=want, group=address, group_key=key)))
+        )
         ok = all(torch.equal(tensors[k], t) for k, t in expected(version).items())
         print(f"{'got' if ok else 'bad'} {version}", flush=True)
         want = version + 1

@@ -25,15 +25,32 @@ ROOT = Path(__file__).resolve().parents[1]
 # --no-loadscope-reorder`) start them first and no long file starts when the rest are done. A hint
 # only: a file not listed runs after these, in its usual order.
 SLOW_FILES = {
-    "tests/e2e/test_ui.py": 250, "tests/e2e/test_ray.py": 200, "tests/e2e/test_ray_hosts.py": 330, "tests/e2e/test_notebooks.py": 210,
-    "tests/e2e/test_durability.py": 201, "tests/e2e/test_faults_peers.py": 194, "tests/unit/models/test_lora.py": 184,
-    "tests/unit/commands/test_bad_input.py": 129, "tests/unit/engine/test_engine_vllm.py": 123,
-    "tests/e2e/test_local_users.py": 105, "tests/e2e/test_netns.py": 97, "tests/unit/envs/test_bring_envs.py": 91,
-    "tests/e2e/test_lifecycle.py": 89, "tests/e2e/test_examples.py": 84, "tests/e2e/test_objectives_e2e.py": 60,
-    "tests/unit/commands/test_console.py": 55, "tests/e2e/test_learner_group.py": 53, "tests/e2e/test_slurm.py": 110, "tests/e2e/test_hosts.py": 35,
-    "tests/e2e/test_pipeline.py": 44, "tests/unit/envs/test_agent_env.py": 43, "tests/e2e/test_trackers.py": 38,
+    "tests/e2e/test_ui.py": 250,
+    "tests/e2e/test_ray.py": 200,
+    "tests/e2e/test_ray_hosts.py": 330,
+    "tests/e2e/test_notebooks.py": 210,
+    "tests/e2e/test_durability.py": 201,
+    "tests/e2e/test_faults_peers.py": 194,
+    "tests/unit/models/test_lora.py": 184,
+    "tests/unit/commands/test_bad_input.py": 129,
+    "tests/unit/engine/test_engine_vllm.py": 123,
+    "tests/e2e/test_local_users.py": 105,
+    "tests/e2e/test_netns.py": 97,
+    "tests/unit/envs/test_bring_envs.py": 91,
+    "tests/e2e/test_lifecycle.py": 89,
+    "tests/e2e/test_examples.py": 84,
+    "tests/e2e/test_objectives_e2e.py": 60,
+    "tests/unit/commands/test_console.py": 55,
+    "tests/e2e/test_learner_group.py": 53,
+    "tests/e2e/test_slurm.py": 110,
+    "tests/e2e/test_hosts.py": 35,
+    "tests/e2e/test_pipeline.py": 44,
+    "tests/unit/envs/test_agent_env.py": 43,
+    "tests/e2e/test_trackers.py": 38,
     "tests/e2e/test_critic_e2e.py": 82,
-    "tests/e2e/test_reproduce.py": 140, "tests/e2e/test_long_batches.py": 125, "tests/unit/models/test_gguf.py": 60,
+    "tests/e2e/test_reproduce.py": 140,
+    "tests/e2e/test_long_batches.py": 125,
+    "tests/unit/models/test_gguf.py": 60,
 }
 
 
@@ -79,11 +96,17 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_overrides(model_cache) -> list[str]:
     """Overrides that select a very small embedded model (built once, cached for the session)."""
-    overrides = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=32",
-                 "model.embedded.num_layers=1", "model.embedded.num_heads=2",
-                 "model.embedded.intermediate_size=64", "model.embedded.warmup_steps=20",
-                 "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3",
-                 "log.episode_events=all"]  # tests check every trained episode against what was sent
+    overrides = [
+        f"model.embedded.cache_dir={model_cache}",
+        "model.embedded.hidden_size=32",
+        "model.embedded.num_layers=1",
+        "model.embedded.num_heads=2",
+        "model.embedded.intermediate_size=64",
+        "model.embedded.warmup_steps=20",
+        "model.embedded.warmup_batch_size=16",
+        "model.embedded.warmup_lr=3e-3",
+        "log.episode_events=all",
+    ]  # tests check every trained episode against what was sent
     from asyncrl.config import load_config
     from asyncrl.models.tiny import build_embedded_model
 
@@ -109,9 +132,20 @@ def random_engine(tok):
     from asyncrl.engine.hf import HFEngine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=256,
-                                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+    )
     return HFEngine(model, tok)
 
 
@@ -138,6 +172,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ---- process trees: every test that starts processes stops all of them, even when it fails ----
+
 
 def _parent_map() -> dict[int, int]:
     """pid -> parent pid for every process (Linux /proc)."""
@@ -235,10 +270,12 @@ def start_cli(*args: str, log: Path | None = None, env: dict | None = None, **kw
             return proc
     if log is not None:
         with open(log, "w") as fh:
-            return subprocess.Popen(cli(*args), env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True, **kw)
-    return subprocess.Popen(cli(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, **kw)
+            return subprocess.Popen(
+                cli(*args), env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw
+            )
+    return subprocess.Popen(
+        cli(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw
+    )
 
 
 def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -253,12 +290,14 @@ def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
             if forked is not None:
                 try:
                     forked.wait(timeout=timeout)
-                    return subprocess.CompletedProcess(cli(*args), forked.returncode, out.read_text(errors="replace"),
-                                                       err.read_text(errors="replace"))
+                    return subprocess.CompletedProcess(
+                        cli(*args), forked.returncode, out.read_text(errors="replace"), err.read_text(errors="replace")
+                    )
                 finally:
                     kill_tree(forked)
-    proc = subprocess.Popen(cli(*args), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    proc = subprocess.Popen(
+        cli(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -267,6 +306,7 @@ def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
 
 
 # ---- a scripted engine: workflows driven with known replies, no model ----
+
 
 class ScriptedEngine:
     """An :class:`asyncrl.engine.base.Engine` without a model, for unit tests of workflows and the
@@ -302,6 +342,7 @@ class ScriptedEngine:
             if len(queue) < len(texts):
                 raise AssertionError(f"ScriptedEngine: {len(texts)} prompts, {len(queue)} scripted replies left")
             return [queue.pop(0) for _ in texts]
+
         return cls(tokenizer, script, **kw)
 
     @classmethod
@@ -316,6 +357,7 @@ class ScriptedEngine:
             replies = calls[done[0]]
             done[0] += 1
             return [replies[i % len(replies)] for i in range(len(texts))]
+
         return cls(tokenizer, script, **kw)
 
     def generate(self, prompts, sampling, seed=None):
@@ -333,10 +375,15 @@ class ScriptedEngine:
         ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.tokenizer.eos_token_id] if stop else [])
         if self.truncate:
             ids = ids[: sampling.max_new_tokens]
-        logprobs = (self.logprob(len(ids)) if callable(self.logprob)
-                    else np.full(len(ids), self.logprob, dtype=np.float32))
-        return Generation(np.array(ids, dtype=np.int32), logprobs, self.tokenizer.decode(ids, skip_special_tokens=True),
-                          "stop" if ids and ids[-1] in self.eos_ids else "length")
+        logprobs = (
+            self.logprob(len(ids)) if callable(self.logprob) else np.full(len(ids), self.logprob, dtype=np.float32)
+        )
+        return Generation(
+            np.array(ids, dtype=np.int32),
+            logprobs,
+            self.tokenizer.decode(ids, skip_special_tokens=True),
+            "stop" if ids and ids[-1] in self.eos_ids else "length",
+        )
 
     def update_weights(self, named_tensors, version: int) -> None:
         self.version = version
@@ -347,14 +394,31 @@ class ScriptedEngine:
 
 # A small end-to-end run: 4 tasks x 4 rollouts a step, short replies rewarded by length, no evaluation or
 # checkpoints unless a test asks (the shared settings of the process tests)
-SMALL_RUN = ["sampling.n=4", "sampling.max_new_tokens=4", "actor.tasks_per_batch=4", "train.batch_tasks=4",
-             "train.lr=1e-3", "env.reward=tests.plugins_for_tests:short_reply_reward", "eval.size=8",
-             "eval.every=0", "actor.heartbeat_s=0.2", "log.progress=false", "checkpoint.every=0"]
+SMALL_RUN = [
+    "sampling.n=4",
+    "sampling.max_new_tokens=4",
+    "actor.tasks_per_batch=4",
+    "train.batch_tasks=4",
+    "train.lr=1e-3",
+    "env.reward=tests.plugins_for_tests:short_reply_reward",
+    "eval.size=8",
+    "eval.every=0",
+    "actor.heartbeat_s=0.2",
+    "log.progress=false",
+    "checkpoint.every=0",
+]
 # Experience replay on the multi-turn calculator, with tasks that recur
-REPLAY_RUN = ["replay.enabled=true", "replay.replay_start_ratio=0.1", "replay.exp_ratio=0.5",
-              "replay.offpolicy_trajectories_per_task=1", "tasks.max_operand=3",  # 16 tasks: they recur
-              "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",  # two assistant turns each
-              "sampling.max_new_tokens=5"]
+REPLAY_RUN = [
+    "replay.enabled=true",
+    "replay.replay_start_ratio=0.1",
+    "replay.exp_ratio=0.5",
+    "replay.offpolicy_trajectories_per_task=1",
+    "tasks.max_operand=3",  # 16 tasks: they recur
+    "env.type=calculator",
+    "env.max_turns=2",
+    "env.kwargs.tool_prefix=",  # two assistant turns each
+    "sampling.max_new_tokens=5",
+]
 
 
 def initial_weights(overrides):
@@ -488,11 +552,15 @@ class ResumableRun:
             self.learner = self._start(args, f"learner{self.lives}.log")
             return self.learner
         from asyncrl.schedulers.local import free_port
+
         group = {"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for rank in range(procs):
             name = f"learner{self.lives}.log" if rank == 0 else f"learner{self.lives}-rank{rank}.log"
-            proc = start_cli(*args, log=self.logs / name,
-                             env={**subprocess_env(), **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            proc = start_cli(
+                *args,
+                log=self.logs / name,
+                env={**subprocess_env(), **group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            )
             self.procs.append(proc)
             self.group.append(proc)
         self.learner = self.group[0]
@@ -527,16 +595,19 @@ class ResumableRun:
             if condition():
                 return
             if self.learner.poll() is not None:
-                raise AssertionError(f"the learner exited ({self.learner.returncode}) before {what}: "
-                                     f"{self.log()[-2000:]}")
+                raise AssertionError(
+                    f"the learner exited ({self.learner.returncode}) before {what}: {self.log()[-2000:]}"
+                )
             time.sleep(0.05)
         raise AssertionError(f"no {what} after {timeout:.0f} s")
 
     def wait_version(self, version: int, timeout: float = 240) -> None:
         """Wait until the learner has logged a step that reached weights ``version``."""
+
         def reached() -> bool:
             m = self.metrics()
             return bool(m) and m[-1]["version"] >= version
+
         self.wait_for(reached, f"step {version}", timeout)
 
     def kill_learner(self) -> None:

@@ -7,6 +7,7 @@ distributed mode and ``loss_agg_mode``, ``<mode>_<agg>.safetensors`` (full param
 ``param/<name>`` and full gradients as ``grad/<name>``, after the step) and ``<mode>_<agg>.json``
 (the step's metrics). safetensors and JSON, never pickle, between processes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,6 @@ from safetensors.torch import save_file
 from asyncrl.learner.training import distributed
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
 from asyncrl.types import Trajectory
-
 from tests.plugins_for_tests import cpu_varlen
 
 # gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
@@ -38,9 +38,11 @@ def trajectories(vocab: int, shared_prompts: bool = False, equal_b: bool = False
     reads one copy of it, on each rank). ``equal_b``: group b's rewards are equal (advantage 0),
     so that rank 1 has no row that carries a gradient."""
     rng = np.random.default_rng(7)
-    shapes = ([(13, 8, "a", 1.0), (16, 8, "a", 0.0), (11, 8, "a", 1.0), (14, 8, "b", 0.0), (10, 8, "b", 1.0)]
-              if shared_prompts else
-              [(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0), (10, 2, "b", 0.0), (6, 3, "b", 1.0)])
+    shapes = (
+        [(13, 8, "a", 1.0), (16, 8, "a", 0.0), (11, 8, "a", 1.0), (14, 8, "b", 0.0), (10, 8, "b", 1.0)]
+        if shared_prompts
+        else [(9, 4, "a", 1.0), (12, 3, "a", 0.0), (7, 4, "a", 1.0), (10, 2, "b", 0.0), (6, 3, "b", 1.0)]
+    )
     prompts = {g: rng.integers(4, vocab, 8) for g in "ab"}
     out = []
     for i, (n, prompt, group, reward) in enumerate(shapes):
@@ -49,37 +51,58 @@ def trajectories(vocab: int, shared_prompts: bool = False, equal_b: bool = False
         ids = rng.integers(4, vocab, n)
         if shared_prompts:
             ids[:prompt] = prompts[group]
-        out.append(Trajectory(token_ids=ids, loss_mask=mask,
-                              behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask, policy_version=0,
-                              reward=reward, group_id=group,
-                              is_replay=i == 3, recorded_logprobs=(-2.0 * mask) if i == 3 else None))
+        out.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=mask,
+                behavior_logprobs=-rng.uniform(0.5, 3.0, n) * mask,
+                policy_version=0,
+                reward=reward,
+                group_id=group,
+                is_replay=i == 3,
+                recorded_logprobs=(-2.0 * mask) if i == 3 else None,
+            )
+        )
     return out
 
 
 # name -> overrides: every loss aggregation mode in one step, and two mini-batches (two optimizer
 # steps, each mini-batch split over the ranks, proximal log-probs from a full-batch forward first)
-CASES = {**{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
-         "two_minibatches": ["train.mini_batches=2"],
-         "shared_prefix": ["train.shared_prefix=true"],  # with trajectories(shared_prompts=True)
-         "padded": ["train.packing=false"],  # the padded forward (the reference layout)
-         # issue 44: micro-batches of a token budget (rank 0 runs 3, rank 1 runs 2 and one empty one), and rows
-         # left out (group b's equal rewards: one process leaves them out; rank 1, which has no other rows, runs
-         # them with a zero gradient for its metrics)
-         **{f"micro_{agg}": [f"train.loss_agg_mode={agg}", "train.micro_batch_tokens=12"] for agg in LOSS_AGG_MODES},
-         "skip_rows": ["train.kl_coef=0", "train.entropy_coef=0", "train.skip_zero_advantage=true"],
-         "lora": ["model.lora.rank=4"],  # adapters only (issue 32), B drawn non-zero so that A has gradients too
-         # issue 46: PPO with a critic (values of every row on every rank, GAE, the clipped value loss and the
-         # critic's own AdamW step on each rank's rows, over two mini-batches); its head drawn non-zero
-         "gae": ["train.advantage.estimator=gae", "train.advantage.lam=0.9", "train.advantage.gamma=0.99",
-                 "critic.lam=1.0", "critic.lr=1e-4", "critic.cliprange_value=0.2", "critic.max_grad_norm=1e6",
-                 "train.mini_batches=2"],
-         "gae_lora": ["train.advantage.estimator=gae", "model.lora.rank=4", "critic.lr=1e-3",
-                      "critic.max_grad_norm=1e6"],
-         # issue 62: the flat varlen layout (torch's kernel is CUDA's: tests.plugins_for_tests.cpu_varlen), with
-         # micro-batches, and with a critic and LoRA adapters
-         "varlen": ["train.attention=varlen", "train.micro_batch_tokens=12"],
-         "varlen_gae_lora": ["train.attention=varlen", "train.advantage.estimator=gae", "model.lora.rank=4",
-                             "critic.lr=1e-3", "critic.max_grad_norm=1e6"]}
+CASES = {
+    **{agg: [f"train.loss_agg_mode={agg}"] for agg in LOSS_AGG_MODES},
+    "two_minibatches": ["train.mini_batches=2"],
+    "shared_prefix": ["train.shared_prefix=true"],  # with trajectories(shared_prompts=True)
+    "padded": ["train.packing=false"],  # the padded forward (the reference layout)
+    # issue 44: micro-batches of a token budget (rank 0 runs 3, rank 1 runs 2 and one empty one), and rows
+    # left out (group b's equal rewards: one process leaves them out; rank 1, which has no other rows, runs
+    # them with a zero gradient for its metrics)
+    **{f"micro_{agg}": [f"train.loss_agg_mode={agg}", "train.micro_batch_tokens=12"] for agg in LOSS_AGG_MODES},
+    "skip_rows": ["train.kl_coef=0", "train.entropy_coef=0", "train.skip_zero_advantage=true"],
+    "lora": ["model.lora.rank=4"],  # adapters only (issue 32), B drawn non-zero so that A has gradients too
+    # issue 46: PPO with a critic (values of every row on every rank, GAE, the clipped value loss and the
+    # critic's own AdamW step on each rank's rows, over two mini-batches); its head drawn non-zero
+    "gae": [
+        "train.advantage.estimator=gae",
+        "train.advantage.lam=0.9",
+        "train.advantage.gamma=0.99",
+        "critic.lam=1.0",
+        "critic.lr=1e-4",
+        "critic.cliprange_value=0.2",
+        "critic.max_grad_norm=1e6",
+        "train.mini_batches=2",
+    ],
+    "gae_lora": ["train.advantage.estimator=gae", "model.lora.rank=4", "critic.lr=1e-3", "critic.max_grad_norm=1e6"],
+    # issue 62: the flat varlen layout (torch's kernel is CUDA's: tests.plugins_for_tests.cpu_varlen), with
+    # micro-batches, and with a critic and LoRA adapters
+    "varlen": ["train.attention=varlen", "train.micro_batch_tokens=12"],
+    "varlen_gae_lora": [
+        "train.attention=varlen",
+        "train.advantage.estimator=gae",
+        "model.lora.rank=4",
+        "critic.lr=1e-3",
+        "critic.max_grad_norm=1e6",
+    ],
+}
 
 
 def one_step(overrides: list[str], mode: str, case: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -120,6 +143,7 @@ def _step(cfg, model, tok, mode: str, case: str) -> tuple[dict[str, torch.Tensor
                     full = torch.randn(tuple(p.shape), generator=gen) * 0.5
                     if hasattr(p, "full_tensor"):  # FSDP2: this rank's shard of it
                         from torch.distributed.tensor import distribute_tensor
+
                         full = distribute_tensor(full, p.device_mesh, p.placements)
                     p.copy_(full)
     rows = trajectories(len(tok), shared_prompts=case == "shared_prefix", equal_b=case == "skip_rows")
@@ -163,8 +187,9 @@ def stalled_peer() -> None:
     try:
         distributed.step_totals(torch.ones(2, 3), 1)
     except Exception as exc:  # noqa: BLE001 - the point is that it raises at all, and when
-        print(f"collective failed after {time.monotonic() - started:.1f}s: {type(exc).__name__}: {exc}"[:500],
-              flush=True)
+        print(
+            f"collective failed after {time.monotonic() - started:.1f}s: {type(exc).__name__}: {exc}"[:500], flush=True
+        )
         os._exit(3)  # the group is broken: no orderly destroy
     print("collective returned without the other rank", flush=True)
 
@@ -192,7 +217,9 @@ def main() -> None:
         for case in cases:
             tensors, stats = one_step(overrides, mode, case)
             if rank == 0:
-                save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / f"{mode}_{case}.safetensors")
+                save_file(
+                    {k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / f"{mode}_{case}.safetensors"
+                )
                 (out_dir / f"{mode}_{case}.json").write_text(json.dumps(stats))
     torch.distributed.barrier()  # both ranks past every collective before the group goes
     torch.distributed.destroy_process_group()

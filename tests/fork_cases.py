@@ -33,8 +33,12 @@ def environment(d: Path) -> dict:
     with open(d / "child.log", "w") as out:
         proc = ForkedProcess(["serve", "--index", "1"], {"ONLY": "this"}, out, target=child)
     code = proc.wait(timeout=120)
-    return {"code": code, "poll": proc.poll(), **json.loads((d / "seen.json").read_text()),
-            "log": (d / "child.log").read_text()}
+    return {
+        "code": code,
+        "poll": proc.poll(),
+        **json.loads((d / "seen.json").read_text()),
+        "log": (d / "child.log").read_text(),
+    }
 
 
 def ending(d: Path, outcome: str) -> dict:
@@ -86,9 +90,14 @@ def descriptors(d: Path) -> dict:
 
     proc = ForkedProcess(["learn"], {}, None, target=child)
     code = proc.wait(timeout=120)
-    out = {"code": code, "fds": json.loads((d / "fds.json").read_text()), "private": str(d / "launcher-private"),
-           "shared": str(d / "launcher-inheritable"), "child_handler": (d / "child-handler-ran").exists(),
-           "launcher_handler": (d / "launcher-handler-ran").exists()}
+    out = {
+        "code": code,
+        "fds": json.loads((d / "fds.json").read_text()),
+        "private": str(d / "launcher-private"),
+        "shared": str(d / "launcher-inheritable"),
+        "child_handler": (d / "child-handler-ran").exists(),
+        "launcher_handler": (d / "launcher-handler-ran").exists(),
+    }
     (d / "launcher-handler-ran").unlink(missing_ok=True)  # (this process's own exit writes it again)
     private.close()
     shared.close()

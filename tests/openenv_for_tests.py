@@ -42,8 +42,12 @@ class AddEnvironment(Environment):
         self._state.step_count += 1
         right = action.answer.strip() == str(self.a + self.b)
         # a wrong answer costs its length (so tests can tell the server's reward from any other)
-        return AddObservation(question=f"{self.a}+{self.b}=", feedback="right" if right else "wrong", done=True,
-                              reward=1.0 if right else -len(action.answer.strip()) / 100)
+        return AddObservation(
+            question=f"{self.a}+{self.b}=",
+            feedback="right" if right else "wrong",
+            done=True,
+            reward=1.0 if right else -len(action.answer.strip()) / 100,
+        )
 
     @property
     def state(self) -> State:

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 
+import numpy as np
 import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
@@ -26,8 +27,6 @@ from zmq.utils.monitor import recv_monitor_message
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, encode, encode_episode
 from asyncrl.wire.messages import Hello, Subscribe
-
-import numpy as np
 
 NOBODY = 65534
 
@@ -93,7 +92,9 @@ def main(argv: list[str]) -> dict:
     drop_privileges()
     out: dict = {"uid": os.getuid()}
     if attack == "subscribe":
-        out.update(_talk(ctx, zmq.DEALER, args[0], encode("subscribe", Subscribe(actor_id="intruder", have=-1)), seconds))
+        out.update(
+            _talk(ctx, zmq.DEALER, args[0], encode("subscribe", Subscribe(actor_id="intruder", have=-1)), seconds)
+        )
     elif attack == "hello":
         out.update(_talk(ctx, zmq.DEALER, args[0], encode("hello", Hello(actor_id="intruder", capacity=8)), seconds))
     elif attack == "push":
@@ -105,8 +106,10 @@ def main(argv: list[str]) -> dict:
 
         def keys(sock):
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
-        out.update(_talk(ctx, zmq.DEALER, args[0], encode("hello", Hello(actor_id="actor-0", capacity=8)), seconds,
-                         setup=keys))
+
+        out.update(
+            _talk(ctx, zmq.DEALER, args[0], encode("hello", Hello(actor_id="actor-0", capacity=8)), seconds, setup=keys)
+        )
     elif attack == "read":
         out["readable"] = []
         for path in args:

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from asyncrl.analysis.jsonl import quiet_records
-
 from tests.conftest import ROOT, subprocess_env
 
 DEADLINE_S = 300
@@ -62,9 +61,15 @@ class Driver:
     """``asyncrl run --scheduler ray`` as a process of its own, its output collected."""
 
     def __init__(self, args: list[str], env: dict, prefix: list[str] | None = None):
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "asyncrl", "run", *args], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-m", "asyncrl", "run", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -82,7 +87,9 @@ class Driver:
             if condition():
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"asyncrl run exited ({self.proc.returncode}) waiting for {what}:\n{self.text[-4000:]}")
+                raise AssertionError(
+                    f"asyncrl run exited ({self.proc.returncode}) waiting for {what}:\n{self.text[-4000:]}"
+                )
             time.sleep(0.5)
         raise AssertionError(f"timed out waiting for {what}:\n{self.text[-4000:]}")
 
@@ -94,8 +101,9 @@ class Driver:
             time.sleep(0.2)
         hint = self.text.split("Resume with (the same cluster):\n", 1)[-1].splitlines()[0]
         # (written as the run was started: here `python -m asyncrl`, 64.4)
-        assert re.match(r"  (asyncrl|\S+ -m asyncrl|\S*/asyncrl) run ", hint) and hint.endswith(" --resume"), \
-            self.text[-2000:]
+        assert re.match(r"  (asyncrl|\S+ -m asyncrl|\S*/asyncrl) run ", hint) and hint.endswith(" --resume"), self.text[
+            -2000:
+        ]
         assert "core_worker.cc" not in self.text
 
     def actor_nodes(self, by: str = "id") -> dict[str, str]:
@@ -120,8 +128,13 @@ def _metrics(run: Path) -> list[dict]:
 @pytest.fixture
 def ray_env(monkeypatch):
     """Ray pinned to loopback with token authentication, for this process (the cluster) and the driver."""
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_DISABLE_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_DISABLE_USAGE_STATS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -62,29 +62,64 @@ class SlurmCluster:
         key = r / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self._spawn([_bin("munged"), "-F", "-f", f"--key-file={key}", f"--socket={r / 'munge.socket'}",
-                     f"--pid-file={r / 'munged.pid'}", f"--log-file={r / 'munged.log'}", f"--seed-file={r / 'munged.seed'}"],
-                    "munged.out")
+        self._spawn(
+            [
+                _bin("munged"),
+                "-F",
+                "-f",
+                f"--key-file={key}",
+                f"--socket={r / 'munge.socket'}",
+                f"--pid-file={r / 'munged.pid'}",
+                f"--log-file={r / 'munged.log'}",
+                f"--seed-file={r / 'munged.seed'}",
+            ],
+            "munged.out",
+        )
         self._wait(lambda: (r / "munge.socket").exists(), "munged's socket", timeout_s)
         spool = r / "spool" / "%n"
         for name, _, _ in self.nodes:
             (r / "spool" / name).mkdir(parents=True, exist_ok=True)
         ctl_name, ctl_addr, ctl_host = self.ctl
-        self.conf.write_text("\n".join([
-            "ClusterName=asyncrltest", f"SlurmctldHost={ctl_name}({ctl_addr})", f"SlurmctldPort={_port()}",
-            f"SlurmdPort={_port()}", "AuthType=auth/munge", f"AuthInfo=socket={r / 'munge.socket'}", "CredType=cred/munge",
-            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={spool}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd-%n.log'}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU", "MpiDefault=none", "ReturnToService=2", "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-            # (on one machine, only the loopback address; across namespace hosts srun, which tells a step
-            # daemon the address to call back, listens on every interface of its own host: lo and eth0)
-            *(["CommunicationParameters=NoInAddrAny"] if self.hosts is None else []), "KillWait=60",
-            *[f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
-              for name, addr, _ in self.nodes],
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=asyncrltest",
+                    f"SlurmctldHost={ctl_name}({ctl_addr})",
+                    f"SlurmctldPort={_port()}",
+                    f"SlurmdPort={_port()}",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={r / 'munge.socket'}",
+                    "CredType=cred/munge",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={spool}",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+                    f"SlurmctldLogFile={r / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'slurmd-%n.log'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "JobCompType=jobcomp/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    # (on one machine, only the loopback address; across namespace hosts srun, which tells a step
+                    # daemon the address to call back, listens on every interface of its own host: lo and eth0)
+                    *(["CommunicationParameters=NoInAddrAny"] if self.hosts is None else []),
+                    "KillWait=60",
+                    *[
+                        f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
+                        for name, addr, _ in self.nodes
+                    ],
+                    "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
         self._spawn([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out", ctl_host)
         for name, _, host in self.nodes:
             self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", host)
@@ -101,8 +136,11 @@ class SlurmCluster:
 
     def _spawn(self, argv: list[str], out: str, host: int | None = None) -> None:
         with open(self.root / out, "ab") as f:
-            self.procs.append(subprocess.Popen(self.argv(argv, host), stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    self.argv(argv, host), stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                )
+            )
 
     def _wait(self, cond, what: str, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
@@ -116,13 +154,21 @@ class SlurmCluster:
         raise RuntimeError(f"no {what} within {timeout_s:g} s: {self.logs()}")
 
     def logs(self) -> str:
-        return " | ".join(f"{p.name}: {p.read_text()[-600:]}" for p in sorted(self.root.glob("*.out")) + sorted(
-            self.root.glob("*.log")) if p.is_file())
+        return " | ".join(
+            f"{p.name}: {p.read_text()[-600:]}"
+            for p in sorted(self.root.glob("*.out")) + sorted(self.root.glob("*.log"))
+            if p.is_file()
+        )
 
     def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """A SLURM command, on the controller's host."""
-        return subprocess.run(self.argv([_bin(argv[0]), *argv[1:]], self.ctl[2]), capture_output=True, text=True,
-                              env=self.env, timeout=timeout)
+        return subprocess.run(
+            self.argv([_bin(argv[0]), *argv[1:]], self.ctl[2]),
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+        )
 
     def jobs(self) -> list[str]:
         return self.run("squeue", "-h", "-o", "%i").stdout.split()

@@ -72,6 +72,7 @@ class ProbeTools(vf.Toolset[vf.ToolsetConfig]):
     def whoami(self) -> str:
         """The tool process's uid and pid."""
         import os
+
         return f"{os.getuid()} {os.getpid()}"
 
     @vf.tool
@@ -84,6 +85,7 @@ class ProbeTools(vf.Toolset[vf.ToolsetConfig]):
     def dial(self, port: int) -> str:
         """Open a TCP connection to 127.0.0.1:port and send a few bytes."""
         import socket
+
         with socket.create_connection(("127.0.0.1", int(port)), timeout=2) as s:
             s.sendall(b"pwned")
         return "sent"
@@ -92,6 +94,7 @@ class ProbeTools(vf.Toolset[vf.ToolsetConfig]):
     def nap(self, seconds: float) -> str:
         """Sleep."""
         import time
+
         time.sleep(float(seconds))
         return "awake"
 
@@ -112,6 +115,7 @@ class DockerTask(AddTask):
     @classmethod
     def toolsets(cls, config):
         from verifiers.v1.runtimes import DockerConfig
+
         return [CalcTools(vf.ToolsetConfig(runtime=DockerConfig(image="python:3.11")))]
 
 

@@ -43,8 +43,13 @@ class Zygote:
     def __init__(self, status_dir: Path, env: dict):
         self.status_dir = status_dir
         status_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", str(status_dir)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def start(self, args: list[str], env: dict, log: Path, stderr: Path | None = None) -> ZygoteChild | None:
         """``asyncrl <args>`` writing to ``log`` (and its errors to ``stderr`` when given, else to ``log``)."""
@@ -94,7 +99,9 @@ def _serve(status_dir: Path) -> None:
         pid = None
         if fork.safe_to_fork():
             with open(req["log"], "w") as log:
-                pid = fork.ForkedProcess(req["args"], req["env"], log, target=functools.partial(child, req["stderr"])).pid
+                pid = fork.ForkedProcess(
+                    req["args"], req["env"], log, target=functools.partial(child, req["stderr"])
+                ).pid
             (status_dir / str(pid)).unlink(missing_ok=True)  # (a status left by an earlier process of this pid)
         sys.stdout.write(json.dumps({"pid": pid}) + "\n")
         sys.stdout.flush()

@@ -34,14 +34,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..rollout.workflow import RolloutContext, get_workflow
 from ..config import Config, SyncConfig, cpu_threads, deterministic_torch
+from ..engine import make_engine
 from ..envs.base import make_env
-from ..envs.tasks import task_stream
 from ..envs.guard import EnvFailure
 from ..envs.guard import request_stop as request_env_stop
-from ..engine import make_engine
+from ..envs.tasks import task_stream
 from ..models.loading import load_model, load_tokenizer, resolve_model_path
+from ..rollout.workflow import RolloutContext, get_workflow
 from ..types import Task
 from ..weights import make_receiver
 from ..weights.base import check_weight_values
@@ -49,12 +49,14 @@ from ..wire.codec import decode
 from ..wire.messages import Credit
 from .heartbeat import Heartbeat
 from .link import ActorLink
+
 _WEIGHTS_ASK_S = 2.0  # while waiting for newer weights, ask the learner again this often
 
 
 class Actor:
-    def __init__(self, cfg: Config, control_address: str, actor_id: str, index: int = 0,
-                 weights_address: str | None = None):
+    def __init__(
+        self, cfg: Config, control_address: str, actor_id: str, index: int = 0, weights_address: str | None = None
+    ):
         self.cfg = cfg
         self.actor_id = actor_id
         self.seed = cfg.seed * 1_000_003 + 7919 * (index + 1)
@@ -64,17 +66,26 @@ class Actor:
         self.workflow = get_workflow(cfg.algorithm, cfg)
         model_dir = resolve_model_path(cfg.model, cfg.seed, warmstart_formats=type(self.workflow).warmstart_formats)
         self.tokenizer = load_tokenizer(model_dir, cfg.tasks.prompt_format)
-        self.engine = make_engine(cfg, model_dir, self.tokenizer,
-                                  lambda: load_model(model_dir, cfg.model.dtype, cfg.engine.device))
+        self.engine = make_engine(
+            cfg, model_dir, self.tokenizer, lambda: load_model(model_dir, cfg.model.dtype, cfg.engine.device)
+        )
         self.weights_in = make_receiver(cfg.sync, cfg.wire, actor_id)
         self.env = make_env(cfg.env)
         self.tasks = task_stream(cfg.tasks, self.seed)
         # the routing identity on the learner's sockets: the pid is public (ps), the random part is told only
         # to the learner, so no other process can take this actor's identity (and its acks and credits) over
         self.identity = f"{actor_id}:{os.getpid()}:{secrets.token_hex(8)}".encode()
-        self.net = ActorLink(cfg.wire, control_address, actor_id, self.identity, on_credit=self._on_replay_work,
-                            on_welcome=self._on_welcome, weights_address=weights_address,
-                            relay_timeout_s=cfg.actor.relay_timeout_s, on_relay_lost=self._on_relay_lost)
+        self.net = ActorLink(
+            cfg.wire,
+            control_address,
+            actor_id,
+            self.identity,
+            on_credit=self._on_replay_work,
+            on_welcome=self._on_welcome,
+            weights_address=weights_address,
+            relay_timeout_s=cfg.actor.relay_timeout_s,
+            on_relay_lost=self._on_relay_lost,
+        )
         self._waiting_since: float | None = None  # waiting for weights the credits need since
         self.heartbeat = Heartbeat(self, control_address)
         self._weights_session = None  # the learner session whose weights the engine holds
@@ -248,8 +259,13 @@ class Actor:
                 self.net.check_relay()
                 next_hello = self._hello_again(next_hello)
                 self.apply_weights(0)
-                if (not self.stopping and self.session is not None and self.credits > 0
-                        and len(running) < slots and self._weights_ok(0)):
+                if (
+                    not self.stopping
+                    and self.session is not None
+                    and self.credits > 0
+                    and len(running) < slots
+                    and self._weights_ok(0)
+                ):
                     batch = self._take_batch(size)
                     running.append((pool.submit(self._rollout_batch, *batch), len(batch[0]), self.session))
                 t0 = time.time()
@@ -271,13 +287,17 @@ class Actor:
         """Replay fields of a credit message: assigned tasks and skip-set changes (typed and bounded
         by the decoder; an assignment with more rollouts than sampling.n is reported and dropped)."""
         if body.replay and not self.workflow.supports_replay:
-            print(f"[{self.actor_id}] the learner assigned replay tasks but workflow "
-                  f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
-                  flush=True)
+            print(
+                f"[{self.actor_id}] the learner assigned replay tasks but workflow "
+                f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
+                flush=True,
+            )
         for i, item in enumerate(body.replay):
             if item.n > self.cfg.sampling.n:
-                self._report_bad("credit", ValueError(f"replay task {i}: n={item.n}, expected at most "
-                                                      f"sampling.n ({self.cfg.sampling.n})"))
+                self._report_bad(
+                    "credit",
+                    ValueError(f"replay task {i}: n={item.n}, expected at most sampling.n ({self.cfg.sampling.n})"),
+                )
                 continue
             self.assigned.append((item.task, item.n, item.k))
         w = body.withhold
@@ -358,8 +378,11 @@ class Actor:
         return episodes
 
     def close(self) -> None:
-        print(f"[{self.actor_id}] stopping: {self.batches} batches generated, {self.weight_updates} weight "
-              f"updates, {len(self.net.unacked)} episodes not acknowledged", flush=True)
+        print(
+            f"[{self.actor_id}] stopping: {self.batches} batches generated, {self.weight_updates} weight "
+            f"updates, {len(self.net.unacked)} episodes not acknowledged",
+            flush=True,
+        )
         self.heartbeat.stop()  # its last status says stopping
         self.net.close()
         self.weights_in.close()

@@ -27,7 +27,11 @@ class Heartbeat(threading.Thread):
         super().__init__(daemon=True, name=f"{actor.actor_id}-heartbeat")
         self.actor, self.address = actor, address
         cfg = actor.cfg.actor
-        self.interval, self.timeout, self.exit_after = cfg.heartbeat_s, cfg.learner_timeout_s, cfg.exit_after_learner_gone_s
+        self.interval, self.timeout, self.exit_after = (
+            cfg.heartbeat_s,
+            cfg.learner_timeout_s,
+            cfg.exit_after_learner_gone_s,
+        )
         self.last_word = time.monotonic()
         self.session: str | None = None
         self.gone_reason: str | None = None
@@ -69,11 +73,21 @@ class Heartbeat(threading.Thread):
 
     def _send(self, sock: zmq.Socket) -> None:
         a = self.actor
-        status = Status(actor_id=a.actor_id, identity=a.identity.decode(), pid=os.getpid(),
-                        capacity=a.cfg.actor.tasks_per_batch, version=max(a.engine.version, -1),
-                        batches=a.batches, weight_updates=a.weight_updates, unacked=len(a.unacked),
-                        credits=max(a.credits, 0), generate_s=a._gen_s, up_s=time.time() - a.started,
-                        tokens=int(getattr(a.engine, "tokens_generated", 0)), stopping=a.stopping)
+        status = Status(
+            actor_id=a.actor_id,
+            identity=a.identity.decode(),
+            pid=os.getpid(),
+            capacity=a.cfg.actor.tasks_per_batch,
+            version=max(a.engine.version, -1),
+            batches=a.batches,
+            weight_updates=a.weight_updates,
+            unacked=len(a.unacked),
+            credits=max(a.credits, 0),
+            generate_s=a._gen_s,
+            up_s=time.time() - a.started,
+            tokens=int(getattr(a.engine, "tokens_generated", 0)),
+            stopping=a.stopping,
+        )
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)
         except zmq.Again:  # not connected (the learner is down): nothing to queue
@@ -88,8 +102,11 @@ class Heartbeat(threading.Thread):
             return
         now = time.monotonic()
         if self._warned_at is not None:
-            print(f"[{self.actor.actor_id}] the learner is back (session {msg.body.session[:8]}) after "
-                  f"{now - self.last_word:.0f} s without word", flush=True)
+            print(
+                f"[{self.actor.actor_id}] the learner is back (session {msg.body.session[:8]}) after "
+                f"{now - self.last_word:.0f} s without word",
+                flush=True,
+            )
             self._warned_at = None
         self.last_word, self.session = now, msg.body.session
 
@@ -98,13 +115,21 @@ class Heartbeat(threading.Thread):
         silent = now - self.last_word
         if silent >= self.timeout and (self._warned_at is None or now - self._warned_at >= 10 * self.timeout):
             self._warned_at = now
-            until = (f"exiting after {self.exit_after:g} s (actor.exit_after_learner_gone_s)" if self.exit_after
-                     else "stop with Ctrl-C")
-            print(f"[{self.actor.actor_id}] no word from the learner at {self.address} for {silent:.0f} s; "
-                  f"waiting for it to come back (a restarted learner resumes; {len(self.actor.unacked)} "
-                  f"unacknowledged episodes are kept for it) - {until}", flush=True)
+            until = (
+                f"exiting after {self.exit_after:g} s (actor.exit_after_learner_gone_s)"
+                if self.exit_after
+                else "stop with Ctrl-C"
+            )
+            print(
+                f"[{self.actor.actor_id}] no word from the learner at {self.address} for {silent:.0f} s; "
+                f"waiting for it to come back (a restarted learner resumes; {len(self.actor.unacked)} "
+                f"unacknowledged episodes are kept for it) - {until}",
+                flush=True,
+            )
         if self.exit_after is not None and silent >= self.exit_after and self.gone_reason is None:
-            self.gone_reason = (f"no word from the learner at {self.address} for {silent:.0f} s "
-                                f"(actor.exit_after_learner_gone_s={self.exit_after:g}); "
-                                f"{len(self.actor.unacked)} unacknowledged episodes dropped")
+            self.gone_reason = (
+                f"no word from the learner at {self.address} for {silent:.0f} s "
+                f"(actor.exit_after_learner_gone_s={self.exit_after:g}); "
+                f"{len(self.actor.unacked)} unacknowledged episodes dropped"
+            )
             self.actor.stopping = True  # the main loop ends after its batch

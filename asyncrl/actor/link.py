@@ -44,10 +44,18 @@ RELAY_FIRST_FACTOR = 6  # a relay that has never delivered is waited for this ma
 
 
 class ActorLink:
-    def __init__(self, wire_cfg, control_address: str, actor_id: str, identity: bytes,
-                 on_credit: Callable[[Credit], None] | None = None,
-                 on_welcome: Callable[[bool], None] | None = None, weights_address: str | None = None,
-                 relay_timeout_s: float = 10.0, on_relay_lost: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        wire_cfg,
+        control_address: str,
+        actor_id: str,
+        identity: bytes,
+        on_credit: Callable[[Credit], None] | None = None,
+        on_welcome: Callable[[bool], None] | None = None,
+        weights_address: str | None = None,
+        relay_timeout_s: float = 10.0,
+        on_relay_lost: Callable[[], None] | None = None,
+    ):
         self.wire_cfg, self.actor_id, self.identity = wire_cfg, actor_id, identity
         self.weights_address = weights_address  # a node's weight relay (asyncrl.weights.relay) instead of the learner
         self.relay_timeout_s, self.on_relay_lost = relay_timeout_s, on_relay_lost
@@ -58,7 +66,8 @@ class ActorLink:
         self.on_credit, self.on_welcome = on_credit, on_welcome
         self.ctx = zmq.Context.instance()
         self.control, self._auth_monitor = self._monitored(
-            zmq.DEALER, control_address, zmq.EVENT_HANDSHAKE_FAILED_AUTH if wire_cfg.curve_dir else None)
+            zmq.DEALER, control_address, zmq.EVENT_HANDSHAKE_FAILED_AUTH if wire_cfg.curve_dir else None
+        )
         self._refused_said = False
         self.episodes: zmq.Socket | None = None
         self.weights: zmq.Socket | None = None
@@ -99,8 +108,11 @@ class ActorLink:
         Never waits: a blocking send here held a refused actor for ever, before it could say why.
         The actor says hello again every second until it is welcomed."""
         try:
-            send_frames(self.control, encode("hello", Hello(actor_id=self.actor_id, capacity=capacity,
-                                                            version=max(version, -1), pid=pid)), flags=zmq.NOBLOCK)
+            send_frames(
+                self.control,
+                encode("hello", Hello(actor_id=self.actor_id, capacity=capacity, version=max(version, -1), pid=pid)),
+                flags=zmq.NOBLOCK,
+            )
         except zmq.Again:
             self._check_refused()
             return False
@@ -110,8 +122,12 @@ class ActorLink:
         """Handle every control message that has arrived (waiting up to ``timeout_ms`` for one)."""
         self._check_refused()
         if self.control.poll(timeout_ms):
-            drain(self.control, lambda fr: self._on_control(decode(fr, kinds=_CONTROL_KINDS)), limit=1000,
-                  on_error=lambda e: self.report_bad("control", e))
+            drain(
+                self.control,
+                lambda fr: self._on_control(decode(fr, kinds=_CONTROL_KINDS)),
+                limit=1000,
+                on_error=lambda e: self.report_bad("control", e),
+            )
 
     def _check_refused(self) -> None:
         if self._auth_monitor is None:
@@ -128,8 +144,10 @@ class ActorLink:
         self.bad[channel] += 1
         n = self.bad[channel]
         if n <= 3 or n % 100 == 0:
-            print(f"[{self.actor_id}] dropped a bad {channel} message ({n} so far): "
-                  f"{type(error).__name__}: {error}", flush=True)
+            print(
+                f"[{self.actor_id}] dropped a bad {channel} message ({n} so far): {type(error).__name__}: {error}",
+                flush=True,
+            )
 
     def _on_control(self, msg: Message) -> None:
         body = msg.body
@@ -142,8 +160,11 @@ class ActorLink:
                 if self.unacked.pop(r.id, None) is not None:
                     self.rejected += 1
                     if self.rejected <= 3 or self.rejected % 100 == 0:
-                        print(f"[{self.actor_id}] the learner rejected episode {r.id} ({self.rejected} so "
-                              f"far; dropped, not sent again): {r.reason}", flush=True)
+                        print(
+                            f"[{self.actor_id}] the learner rejected episode {r.id} ({self.rejected} so "
+                            f"far; dropped, not sent again): {r.reason}",
+                            flush=True,
+                        )
         elif isinstance(body, Credit):
             self.credits += body.n
             self.min_version = max(self.min_version, body.min_version)
@@ -165,7 +186,8 @@ class ActorLink:
                     self.weights = self._socket(zmq.DEALER, body.addresses["weights"])
                 else:  # the relay's private ipc socket (this user only): no CURVE
                     self.weights, self._relay_monitor = self._monitored(
-                        zmq.DEALER, self.weights_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, curve=False)
+                        zmq.DEALER, self.weights_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, curve=False
+                    )
                     self._relay_down_since = time.monotonic()
             except Exception:
                 episodes.close(0)
@@ -195,8 +217,13 @@ class ActorLink:
         """Tell the learner which of its versions this actor holds (-1: none of this session). It
         sends anything newer, one version at a time, so this also lets the next one go."""
         self.asked_weights_at = time.monotonic()
-        send_frames(self.weights, encode("subscribe", Subscribe(actor_id=self.actor_id, have=max(have, -1),
-                                                              applied_at=applied_at if have >= 0 else None)))
+        send_frames(
+            self.weights,
+            encode(
+                "subscribe",
+                Subscribe(actor_id=self.actor_id, have=max(have, -1), applied_at=applied_at if have >= 0 else None),
+            ),
+        )
 
     def check_relay(self, waiting_s: float = 0.0) -> bool:
         """With a relay: fall back to the learner's weights channel when the relay has been
@@ -215,11 +242,16 @@ class ActorLink:
         wait_limit = self.relay_timeout_s * (1 if self._relay_delivered else RELAY_FIRST_FACTOR)
         if (down_s <= self.relay_timeout_s and waiting_s <= wait_limit) or self.learner_weights is None:
             return False
-        why = (f"unreachable for {down_s:.0f} s" if down_s > self.relay_timeout_s
-               else f"has not sent the weights this actor waits for in {waiting_s:.0f} s")
-        print(f"[{self.actor_id}] the weights relay at {self.weights_address} {why} (actor.relay_timeout_s="
-              f"{self.relay_timeout_s:g}); taking weights from the learner at {self.learner_weights} from now on",
-              flush=True)
+        why = (
+            f"unreachable for {down_s:.0f} s"
+            if down_s > self.relay_timeout_s
+            else f"has not sent the weights this actor waits for in {waiting_s:.0f} s"
+        )
+        print(
+            f"[{self.actor_id}] the weights relay at {self.weights_address} {why} (actor.relay_timeout_s="
+            f"{self.relay_timeout_s:g}); taking weights from the learner at {self.learner_weights} from now on",
+            flush=True,
+        )
         self._drop_relay_monitor()
         self.weights.close(0)
         self.weights_address = None

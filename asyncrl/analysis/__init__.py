@@ -27,16 +27,54 @@ notebooks are :func:`asyncrl.analysis.demo_runs.demo_run`.
 from __future__ import annotations
 
 from ..metric_names import metric_group, tag
-from .metric_series import chart_data, run_axes, runs_table
 from .curves import curves_frame, eval_series, metric_columns, smooth
-from .frames import (actors_frame, calibration_summary, evals_frame, events_frames, episodes_frame, metrics_frame,
-                     reliability_frame, staleness_counts, trajectories_frame)
+from .frames import (
+    actors_frame,
+    calibration_summary,
+    episodes_frame,
+    evals_frame,
+    events_frames,
+    metrics_frame,
+    reliability_frame,
+    staleness_counts,
+    trajectories_frame,
+)
 from .jsonl import TruncatedRecordWarning, read_records
+from .metric_series import chart_data, run_axes, runs_table
 from .state import NA, RunState, actor_statuses, is_run_dir, list_runs, run_state
 from .store import Run, RunReader, RunStore, load_events, load_metrics, load_run
 
-__all__ = ["TruncatedRecordWarning", "RunStore", "RunReader", "Run", "load_run", "load_events",
-           "load_metrics", "read_records", "metrics_frame", "events_frames", "episodes_frame",
-           "trajectories_frame", "evals_frame", "reliability_frame", "actors_frame", "staleness_counts",
-           "RunState", "run_state", "is_run_dir", "list_runs", "metric_columns", "smooth", "curves_frame",
-           "eval_series", "calibration_summary", "NA", "chart_data", "actor_statuses", "metric_group", "run_axes", "runs_table", "tag"]
+__all__ = [
+    "TruncatedRecordWarning",
+    "RunStore",
+    "RunReader",
+    "Run",
+    "load_run",
+    "load_events",
+    "load_metrics",
+    "read_records",
+    "metrics_frame",
+    "events_frames",
+    "episodes_frame",
+    "trajectories_frame",
+    "evals_frame",
+    "reliability_frame",
+    "actors_frame",
+    "staleness_counts",
+    "RunState",
+    "run_state",
+    "is_run_dir",
+    "list_runs",
+    "metric_columns",
+    "smooth",
+    "curves_frame",
+    "eval_series",
+    "calibration_summary",
+    "NA",
+    "chart_data",
+    "actor_statuses",
+    "metric_group",
+    "run_axes",
+    "runs_table",
+    "tag",
+]

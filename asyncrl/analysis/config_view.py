@@ -58,7 +58,7 @@ def show_config(cfg: Config, diff: bool = False) -> str:
         for path, _, _, value, default, desc, _ in changed:
             lines.append(f"{path}: {_scalar(value)}  # default {_scalar(default)}. {desc}".rstrip())
         return "\n".join(lines) if lines else "# every key has its default value"
-    for path, depth, name, value, _, desc, section in rows:
+    for _path, depth, name, value, _, desc, section in rows:
         pad = "  " * depth
         if section:
             lines.append(f"{pad}{name}:" + (f"  # {desc}" if desc else ""))

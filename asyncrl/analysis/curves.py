@@ -45,7 +45,7 @@ def smooth(values: pd.Series, weight: float) -> pd.Series:
             out.append(np.nan)
             continue
         last, n = last * weight + (1 - weight) * x, n + 1
-        out.append(last / (1 - weight ** n))
+        out.append(last / (1 - weight**n))
     return pd.Series(out, index=v.index)
 
 
@@ -68,7 +68,7 @@ def curves_frame(runs: dict[str, "RunStore"], names: list[str], smoothing: float
     for run, store in runs.items():
         m = store.metrics
         for name in names:
-            s = eval_series(store, name[len("eval/"):]) if name.startswith("eval/") else None
+            s = eval_series(store, name[len("eval/") :]) if name.startswith("eval/") else None
             if s is None or s.empty:  # eval/* from the eval events: the evaluation before training too
                 if name not in m:
                     continue

@@ -4,6 +4,7 @@ and calibration summaries. The algorithms' own tables are in ``asyncrl.algos.*.a
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import pandas as pd
 
@@ -36,14 +37,23 @@ def episodes_frame(episodes: list[dict]) -> pd.DataFrame:
         trajs = e.get("trajectories") or []
         learn = [t for t in trajs if t.get("sample_type") != "proposer"]
         d = e.get("decision") or {}
-        rows.append({"step": e.get("step"), "t": e.get("t"), "episode_id": e.get("episode_id"),
-                     "actor_id": e.get("actor_id"), "task_id": e.get("task_id"),
-                     "prompt": prompt_text(e.get("prompt")), "policy_version": e.get("policy_version"),
-                     "staleness": e.get("staleness"), "num_trajectories": len(trajs),
-                     "num_replay": sum(bool(t.get("is_replay")) for t in trajs),
-                     "reward_mean": float(np.mean([t.get("reward") or 0.0 for t in learn])) if learn else np.nan,
-                     "algorithm": d.get("algorithm"),
-                     **{f"m:{k}": v for k, v in (e.get("metrics") or {}).items()}})
+        rows.append(
+            {
+                "step": e.get("step"),
+                "t": e.get("t"),
+                "episode_id": e.get("episode_id"),
+                "actor_id": e.get("actor_id"),
+                "task_id": e.get("task_id"),
+                "prompt": prompt_text(e.get("prompt")),
+                "policy_version": e.get("policy_version"),
+                "staleness": e.get("staleness"),
+                "num_trajectories": len(trajs),
+                "num_replay": sum(bool(t.get("is_replay")) for t in trajs),
+                "reward_mean": float(np.mean([t.get("reward") or 0.0 for t in learn])) if learn else np.nan,
+                "algorithm": d.get("algorithm"),
+                **{f"m:{k}": v for k, v in (e.get("metrics") or {}).items()},
+            }
+        )
     return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", "policy_version", "staleness"])
 
 
@@ -52,11 +62,15 @@ def trajectories_frame(episodes: list[dict]) -> pd.DataFrame:
     rows = []
     for e in episodes:
         for t in e.get("trajectories") or []:
-            rows.append({"step": e.get("step"), "episode_id": e.get("episode_id"),
-                         "episode_policy_version": e.get("policy_version"), **{k: v for k, v in t.items()}})
+            rows.append(
+                {
+                    "step": e.get("step"),
+                    "episode_id": e.get("episode_id"),
+                    "episode_policy_version": e.get("policy_version"),
+                    **{k: v for k, v in t.items()},
+                }
+            )
     return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", *SUMMARY_FIELDS])
-
-
 
 
 def evals_frame(evals: list[dict]) -> pd.DataFrame:
@@ -85,14 +99,26 @@ def actors_frame(statuses: list[dict], learner_version: int, now: float | None =
         version = s.get("version")
         age = now - float(s.get("t") or now)
         state = "stopping" if s.get("stopping") else ("silent" if age > 30 else "active")
-        rows.append({"actor_id": actor_id, "status": state, "weights_version": version,
-                     "lag": learner_version - version if isinstance(version, int) else None,
-                     "batches": s.get("batches"), "weight_updates": s.get("weight_updates"),
-                     "credits": s.get("credits"), "unacked": s.get("unacked"), "capacity": s.get("capacity"),
-                     "generate_s": s.get("generate_s"),
-                     "idle_share": (round(1 - s["generate_s"] / s["up_s"], 3) if s.get("up_s") and s.get("generate_s")
-                                    is not None else None),
-                     "last_status_s_ago": round(age, 1)})
+        rows.append(
+            {
+                "actor_id": actor_id,
+                "status": state,
+                "weights_version": version,
+                "lag": learner_version - version if isinstance(version, int) else None,
+                "batches": s.get("batches"),
+                "weight_updates": s.get("weight_updates"),
+                "credits": s.get("credits"),
+                "unacked": s.get("unacked"),
+                "capacity": s.get("capacity"),
+                "generate_s": s.get("generate_s"),
+                "idle_share": (
+                    round(1 - s["generate_s"] / s["up_s"], 3)
+                    if s.get("up_s") and s.get("generate_s") is not None
+                    else None
+                ),
+                "last_status_s_ago": round(age, 1),
+            }
+        )
     return pd.DataFrame(rows, columns=None if rows else ["actor_id", "status", "weights_version", "lag"])
 
 
@@ -101,7 +127,6 @@ def staleness_counts(episodes: pd.DataFrame) -> pd.Series:
     if episodes.empty or "staleness" not in episodes:
         return pd.Series(dtype="int64")
     return episodes["staleness"].dropna().astype(int).value_counts().sort_index()
-
 
 
 def calibration_summary(eval_record: dict) -> dict:
@@ -116,5 +141,3 @@ def calibration_summary(eval_record: dict) -> dict:
         v = eval_record.get(k)
         out[k] = None if parsed == 0 or v is None or (isinstance(v, float) and np.isnan(v)) else float(v)
     return out
-
-

@@ -22,8 +22,10 @@ def _parse_lines(data: bytes, path: Path, first_line: int) -> tuple[list[dict], 
         try:
             rec = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            problems.append(f"{path}: line {first_line + i} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}); "
-                            f"skipped (a record cut short?)")
+            problems.append(
+                f"{path}: line {first_line + i} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}); "
+                f"skipped (a record cut short?)"
+            )
             continue
         if not isinstance(rec, dict):
             problems.append(f"{path}: line {first_line + i} is a JSON {type(rec).__name__}, not an object; skipped")
@@ -70,10 +72,13 @@ def read_records(path: str | Path) -> list[dict]:
     for p in problems:
         warnings.warn(p, TruncatedRecordWarning, stacklevel=2)
     if tail.partial:
-        warnings.warn(f"{path}: skipped an unfinished last line ({tail.partial} bytes; the run is "
-                      f"still writing it, or it was cut short)", TruncatedRecordWarning, stacklevel=2)
+        warnings.warn(
+            f"{path}: skipped an unfinished last line ({tail.partial} bytes; the run is "
+            f"still writing it, or it was cut short)",
+            TruncatedRecordWarning,
+            stacklevel=2,
+        )
     return records
-
 
 
 def quiet_records(path: Path) -> list[dict]:

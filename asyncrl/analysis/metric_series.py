@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 
 NOT_CHARTED = {"eval/version", "eval/step"}  # the x axis itself
 MAX_POINTS = 2000  # a longer series is thinned evenly (its first and last points kept)
-COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#e16f24", "#1b7c83", "#bf3989", "#57606a",
-          "#6639ba")
+COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#e16f24", "#1b7c83", "#bf3989", "#57606a", "#6639ba")
 
 
 def _group_key(group: str) -> tuple:
@@ -41,8 +40,11 @@ def run_axes(store: "RunStore") -> pd.DataFrame:
     t = pd.to_numeric(m["t"], errors="coerce").astype(float) if "t" in m else pd.Series(np.nan, index=m.index)
     starts = [r.get("t") for r in store.records("learner_start") if isinstance(r.get("t"), (int, float))]
     t0 = float(starts[0]) if starts else (float(t.dropna().iloc[0]) - 1e-9 if t.notna().any() else np.nan)
-    samples = (pd.to_numeric(m["batch_trajectories"], errors="coerce").fillna(0).cumsum()
-               if "batch_trajectories" in m else pd.Series(np.nan, index=m.index))
+    samples = (
+        pd.to_numeric(m["batch_trajectories"], errors="coerce").fillna(0).cumsum()
+        if "batch_trajectories" in m
+        else pd.Series(np.nan, index=m.index)
+    )
     out = pd.DataFrame({"step": step, "time": (t - t0).clip(lower=0), "samples": samples.astype(float)})
     out = pd.concat([pd.DataFrame({"step": [0.0], "time": [0.0], "samples": [0.0]}), out], ignore_index=True)
     return out.dropna(subset=["step"]).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
@@ -53,7 +55,7 @@ def _series(store: "RunStore", name: str) -> tuple[np.ndarray, np.ndarray]:
     one before training included, so the held-out series is connected whatever the run's length)."""
     m = store.metrics
     if name.startswith("eval/"):
-        s = eval_series(store, name[len("eval/"):])
+        s = eval_series(store, name[len("eval/") :])
         if not s.empty:
             return s["step"].to_numpy(float), s["value"].to_numpy(float)
     if name not in m or "step" not in m:
@@ -85,8 +87,9 @@ def _constant(values: list[np.ndarray]) -> float | None:
     return float(vals[0]) if len(vals) and np.all(vals == vals[0]) else None
 
 
-def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] = (),
-               group_of: dict[str, str] | None = None) -> dict:
+def chart_data(
+    runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] = (), group_of: dict[str, str] | None = None
+) -> dict:
     """Every numeric metric of every run in ``runs`` as one chart each, grouped by
     :func:`metric_group` or ``group_of`` (e.g. an algorithm's own reward metrics into ``reward``;
     ``pinned`` metrics first, in a group of their own).
@@ -100,13 +103,19 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
     for store in runs.values():
         names.update(metric_columns(store.metrics))
         if not store.evals().empty:
-            names.update(f"eval/{c}" for c in store.evals().columns  # accuracy beside pass@j and avg@k
-                         if c in ("accuracy", "reward_mean") or c.startswith(("pass@", "avg@")))
+            names.update(
+                f"eval/{c}"
+                for c in store.evals().columns  # accuracy beside pass@j and avg@k
+                if c in ("accuracy", "reward_mean") or c.startswith(("pass@", "avg@"))
+            )
     axes = {}
     for run, store in runs.items():  # x -> wall time and samples, by interpolation over the logged steps
         ax = run_axes(store)
-        axes[run] = (ax["step"].to_numpy(float), ax["time"].to_numpy(float) if ax["time"].notna().any() else None,
-                     ax["samples"].to_numpy(float) if ax["samples"].notna().all() else None)
+        axes[run] = (
+            ax["step"].to_numpy(float),
+            ax["time"].to_numpy(float) if ax["time"].notna().any() else None,
+            ax["samples"].to_numpy(float) if ax["samples"].notna().all() else None,
+        )
     run_list = [{"name": run, "color": COLORS[i % len(COLORS)]} for i, run in enumerate(runs)]
     names -= NOT_CHARTED
     pinned = [p for p in pinned if p in names]
@@ -126,8 +135,13 @@ def chart_data(runs: dict[str, "RunStore"], pinned: list[str] | tuple[str, ...] 
         const = _constant(values) if name not in pinned else None
         if const is not None and sum(len(v) for v in values) > 1:
             steps = max(len(v) for v in values)
-            g["flat"].append({"metric": name, "why": f"{_num(const)} at every logged step ({steps} steps)"
-                              + (f", in all {len(found)} runs" if len(found) > 1 else "")})
+            g["flat"].append(
+                {
+                    "metric": name,
+                    "why": f"{_num(const)} at every logged step ({steps} steps)"
+                    + (f", in all {len(found)} runs" if len(found) > 1 else ""),
+                }
+            )
             continue
         series = []
         for i, run, x, y in found:
@@ -165,9 +179,14 @@ def runs_table(runs: dict[str, "RunStore"]) -> pd.DataFrame:
     rows, configs = [], {}
     for run, store in runs.items():
         ax = run_axes(store)
-        row = {"run": run, "algorithm": store.algorithm or "?", "state": run_state(store).state,
-               "steps": len(store.metrics), "wall time (s)": _num(float(ax["time"].iloc[-1])) if len(ax) else None,
-               "samples": _num(float(ax["samples"].iloc[-1])) if len(ax) else None}
+        row = {
+            "run": run,
+            "algorithm": store.algorithm or "?",
+            "state": run_state(store).state,
+            "steps": len(store.metrics),
+            "wall time (s)": _num(float(ax["time"].iloc[-1])) if len(ax) else None,
+            "samples": _num(float(ax["samples"].iloc[-1])) if len(ax) else None,
+        }
         for name in SUMMARY_METRICS:
             _, y = _series(store, name)
             row[name] = _num(float(y[-1])) if len(y) else None

@@ -25,5 +25,12 @@ def paired_change(before: dict, after: dict) -> dict | None:
     mean = sum(d) / n
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
     half = 1.96 * sd / math.sqrt(n)
-    return {"before": sum(a[i] for i in ids) / n, "after": sum(b[i] for i in ids) / n, "change": mean,
-            "ci95": (mean - half, mean + half), "n": n, "gained": d.count(1), "lost": d.count(-1)}
+    return {
+        "before": sum(a[i] for i in ids) / n,
+        "after": sum(b[i] for i in ids) / n,
+        "change": mean,
+        "ci95": (mean - half, mean + half),
+        "n": n,
+        "gained": d.count(1),
+        "lost": d.count(-1),
+    }

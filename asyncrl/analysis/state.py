@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..rundir.layout import PID_FILE, RUN_MARKERS
 from ..lifecycle import pid_alive
+from ..rundir.layout import PID_FILE, RUN_MARKERS
 
 if TYPE_CHECKING:
     from .store import RunStore
@@ -59,8 +59,11 @@ def run_state(store: "RunStore", now: float | None = None) -> RunState:
     replayed = store.records("replay")  # an asyncrl replay's output: no learner, its own end record
     if replayed and not starts:
         r = replayed[-1]
-        return RunState("finished", f"a replay of {r.get('source', 'a run')} ({r.get('steps', '?')} steps; "
-                                    f"{'bit for bit' if r.get('identical') else 'see replay.json'})")
+        return RunState(
+            "finished",
+            f"a replay of {r.get('source', 'a run')} ({r.get('steps', '?')} steps; "
+            f"{'bit for bit' if r.get('identical') else 'see replay.json'})",
+        )
     if store.run_dir is None:  # only the live events socket
         if not store.revision:
             return RunState("waiting", "no event received yet")
@@ -70,14 +73,18 @@ def run_state(store: "RunStore", now: float | None = None) -> RunState:
         return RunState("running", f"last event {age:.0f} s ago")
     pid = _learner_pid(store.run_dir)
     if pid is not None and pid_alive(pid):
-        return RunState("running" if starts else "waiting",
-                        f"learner pid {pid} is alive" + ("" if starts else " (starting: loading the model)"))
+        return RunState(
+            "running" if starts else "waiting",
+            f"learner pid {pid} is alive" + ("" if starts else " (starting: loading the model)"),
+        )
     if not starts and not store.metric_records():
         return RunState("waiting", "no learner has started in this directory yet")
     if pid is not None:
         return RunState("crashed", f"no learner_stop event and the learner (pid {pid}) is gone (killed?)")
-    return RunState("crashed", "no learner_stop event and no learner holds the run (it exited without "
-                               "stopping cleanly; see its output)")
+    return RunState(
+        "crashed",
+        "no learner_stop event and no learner holds the run (it exited without stopping cleanly; see its output)",
+    )
 
 
 # ------------------------------------------------------------------------------------- runs and curves

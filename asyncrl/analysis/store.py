@@ -13,8 +13,15 @@ import pandas as pd
 
 from ..rundir.layout import EVENTS, METRICS, config_snapshot
 from ..rundir.runlog import EVENTS_SCHEMA
-from .frames import (actors_frame, episodes_frame, events_frames, evals_frame, kind_frame, metrics_frame,
-                     trajectories_frame)
+from .frames import (
+    actors_frame,
+    episodes_frame,
+    evals_frame,
+    events_frames,
+    kind_frame,
+    metrics_frame,
+    trajectories_frame,
+)
 from .jsonl import TruncatedRecordWarning, _Tail, read_records
 
 
@@ -55,8 +62,9 @@ class RunStore:
                 if rec.get("schema", EVENTS_SCHEMA) != EVENTS_SCHEMA:
                     self._warn(f"event schema {rec.get('schema')!r} differs from {EVENTS_SCHEMA}; fields may differ")
                 if rec["kind"] == "metrics":  # the live stream's per-step metrics
-                    added += self.add_metrics([{"step": rec.get("step"), "t": rec.get("t"),
-                                                **(rec.get("metrics") or {})}])
+                    added += self.add_metrics(
+                        [{"step": rec.get("step"), "t": rec.get("t"), **(rec.get("metrics") or {})}]
+                    )
                     continue
                 key = _event_key(rec)
                 if key in self._seen:
@@ -249,8 +257,12 @@ class Run(RunStore):
         for w in caught:
             warnings.warn(str(w.message), w.category, stacklevel=2)
         if partial:
-            warnings.warn(f"{self.dir}: skipped an unfinished last line ({partial} bytes; the run is still "
-                          f"writing it, or it was cut short)", TruncatedRecordWarning, stacklevel=2)
+            warnings.warn(
+                f"{self.dir}: skipped an unfinished last line ({partial} bytes; the run is still "
+                f"writing it, or it was cut short)",
+                TruncatedRecordWarning,
+                stacklevel=2,
+            )
         return added
 
 
@@ -268,7 +280,9 @@ def load_events(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         if isinstance(rec.get("kind"), str):
             by_kind[rec["kind"]].append(rec)
         else:
-            warnings.warn(f"an event without a 'kind' was skipped: {str(rec)[:120]}", TruncatedRecordWarning)
+            warnings.warn(
+                f"an event without a 'kind' was skipped: {str(rec)[:120]}", TruncatedRecordWarning, stacklevel=2
+            )
     return events_frames(by_kind)
 
 
@@ -277,4 +291,3 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     return metrics_frame(read_records(Path(run_dir) / METRICS))
-

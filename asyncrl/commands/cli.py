@@ -12,13 +12,12 @@ from pathlib import Path
 from asyncrl.app.args import add_ui_arguments
 
 from ..config import ConfigError, load_config
-from ..wire.sockets import WireSecurityError
 from ..lifecycle import freeze_startup_heap, tolerate_closed_output, warn_once_per_message, watch_parent
-from .preflight import preflight
 from ..rundir import layout
 from ..rundir.claim import check_writable
 from ..rundir.runlog import check_trackers
-
+from ..wire.sockets import WireSecurityError
+from .preflight import preflight
 
 CONFIG_KEYS_HELP = "every config key, its value and what it does: asyncrl config -c FILE [KEY=VALUE ...] [--diff]"
 
@@ -27,8 +26,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     if p.epilog is None and p.prog.split()[-1] != "config":
         p.epilog = CONFIG_KEYS_HELP
     p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml); defaults if omitted")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. -o train.lr=1e-5 (repeatable)")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. -o train.lr=1e-5 (repeatable)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
 
 
@@ -47,10 +52,16 @@ def cmd_init_model(args) -> int:
 
 def _add_start_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true",
-                   help="continue the run in the run dir from its newest intact checkpoint (checkpoint.resume=true)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="delete the previous run's files in the run dir first, then start fresh")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the run dir from its newest intact checkpoint (checkpoint.resume=true)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the previous run's files in the run dir first, then start fresh",
+    )
 
 
 def _start_refused(args, error: Exception) -> int:
@@ -60,9 +71,9 @@ def _start_refused(args, error: Exception) -> int:
 
 
 def _start_errors() -> tuple[type[Exception], ...]:
-    from ..rundir.record_file import RecordError
-    from ..rundir.layout import CheckpointError
     from ..rundir.claim import RunDirError
+    from ..rundir.layout import CheckpointError
+    from ..rundir.record_file import RecordError
 
     return RunDirError, CheckpointError, RecordError
 
@@ -104,17 +115,20 @@ def _learner_group(cfg):
     mode = distributed.resolve_mode(cfg.train.distributed, world)
     if world == 1:
         if cfg.train.distributed != "none":
-            print(f"[learner] train.distributed={cfg.train.distributed} but one learner process: training as one "
-                  f"process (start several with asyncrl run --learner-procs N, torchrun or accelerate launch)",
-                  flush=True)
+            print(
+                f"[learner] train.distributed={cfg.train.distributed} but one learner process: training as one "
+                f"process (start several with asyncrl run --learner-procs N, torchrun or accelerate launch)",
+                flush=True,
+            )
         return Ranks(None, "none")
     if cfg.train.device == "cuda":  # one GPU per rank
         cfg.train.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     rank, _ = distributed.init_from_env(cfg.train.distributed_timeout_s, curve_dir=cfg.wire.curve_dir)
     control = distributed.Control()
     if rank == 0:
-        print(f"[learner] {world} learner processes ({mode}); rank 0 owns the sockets, buffer and checkpoints",
-              flush=True)
+        print(
+            f"[learner] {world} learner processes ({mode}); rank 0 owns the sockets, buffer and checkpoints", flush=True
+        )
         return Ranks(control, mode)
     return follow(cfg, control, mode)
 
@@ -123,10 +137,12 @@ def _check_weights_address(address: str | None) -> None:
     """``--weights-address``: a node's weights relay, ``ipc://`` and the absolute path of its socket."""
     if address is None:
         return
-    path = address[len("ipc://"):] if address.startswith("ipc://") else None
+    path = address[len("ipc://") :] if address.startswith("ipc://") else None
     if not path or not os.path.isabs(path) or "\0" in path:
-        raise ConfigError(f"--weights-address {address!r}: expected ipc:// and the absolute path of a weights relay's "
-                          f"socket (asyncrl run passes it; leave it out to take weights from the learner)")
+        raise ConfigError(
+            f"--weights-address {address!r}: expected ipc:// and the absolute path of a weights relay's "
+            f"socket (asyncrl run passes it; leave it out to take weights from the learner)"
+        )
 
 
 def cmd_serve(args) -> int:
@@ -136,6 +152,7 @@ def cmd_serve(args) -> int:
     cfg, _ = _load(args)
     _check_weights_address(args.weights_address)
     from ..schedulers.slurm import BUNDLE_ENV, materialize_bundle
+
     if os.environ.get(BUNDLE_ENV):  # (started by the SLURM scheduler on another node: its own CURVE bundle)
         cfg.wire.curve_dir = materialize_bundle(os.environ.pop(BUNDLE_ENV))
     preflight(cfg)
@@ -162,8 +179,11 @@ def _wait_for_control(addr_file: Path, report_s: float = 60.0) -> str:
         now = time.monotonic()
         if t0 is None:
             t0 = said = now
-            print(f"asyncrl serve: waiting for the learner's addresses in {addr_file} (start `asyncrl learn` "
-                  f"with the same run name, or give --connect ADDRESS); Ctrl-C stops", flush=True)
+            print(
+                f"asyncrl serve: waiting for the learner's addresses in {addr_file} (start `asyncrl learn` "
+                f"with the same run name, or give --connect ADDRESS); Ctrl-C stops",
+                flush=True,
+            )
         elif now - said >= report_s:
             said = now
             print(f"asyncrl serve: still waiting for {addr_file} after {now - t0:.0f} s", flush=True)
@@ -191,6 +211,7 @@ def cmd_run(args) -> int:
     heldout = preflight(cfg).heldout  # (checks the tasks; printed once nothing refuses the run)
     if cfg.launch.scheduler == "slurm" and (args.dry_run or not os.environ.get("SLURM_JOB_ID")):
         from ..schedulers.slurm import submit  # (the run directory is claimed by the job, on its first node)
+
         try:
             return submit(cfg, dry_run=args.dry_run, overwrite=args.overwrite, learner_procs=args.learner_procs)
         except SchedulerError as e:
@@ -218,15 +239,18 @@ def _dry_run(cfg, heldout: str, args) -> int:
     """``asyncrl run --dry-run`` with the local or Ray scheduler: the config and its set-up checked
     (preflight), what the run directory would do (start fresh, resume, or refuse), and the command
     that starts it; nothing is started or written. Exit code 2 when the start would be refused."""
-    from ..schedulers.local import this_command
     from ..rundir.claim import RunDirError, plan_start, state_found  # (both only read)
+    from ..schedulers.local import this_command
 
     run_dir = Path(cfg.run_dir).resolve()
     where = "on a Ray cluster" if cfg.launch.scheduler == "ray" else "on this machine"
     print(f"[asyncrl] {heldout}", flush=True)
-    print(f"[asyncrl] dry run: the config and its set-up passed the checks; nothing was started or written. It "
-          f"would start {args.learner_procs} learner process(es) and {cfg.actor.num} actor(s) {where} for "
-          f"{cfg.train.total_steps} steps, in {run_dir}", flush=True)
+    print(
+        f"[asyncrl] dry run: the config and its set-up passed the checks; nothing was started or written. It "
+        f"would start {args.learner_procs} learner process(es) and {cfg.actor.num} actor(s) {where} for "
+        f"{cfg.train.total_steps} steps, in {run_dir}",
+        flush=True,
+    )
     code, state = 0, state_found(cfg.run_dir)
     if args.overwrite and state:
         print(f"[asyncrl] --overwrite would delete what {run_dir} holds ({'; '.join(state)})", flush=True)
@@ -267,13 +291,19 @@ def cmd_keys(args) -> int:
     names = args.names or [str(i) for i in range(args.actors)]
     bundles = make_curve_keys(args.out, names)
     server = bundles.pop("server")
-    print(f"CURVE keys in {args.out}:\n  {server}  the learner's pair and the actor keys it admits "
-          f"(stays on the learner's machine): -o wire.curve_dir={server}")
+    print(
+        f"CURVE keys in {args.out}:\n  {server}  the learner's pair and the actor keys it admits "
+        f"(stays on the learner's machine): -o wire.curve_dir={server}"
+    )
     for name, path in bundles.items():
-        print(f"  {path}  {name}'s pair and the learner's public key (copy to that actor's machine): "
-              f"-o wire.curve_dir={path}")
-    print(f"On one machine (asyncrl run), -o wire.curve_dir={args.out} gives each process its own bundle. "
-          f"Run this again with more --names to add actors; the server pair is kept.")
+        print(
+            f"  {path}  {name}'s pair and the learner's public key (copy to that actor's machine): "
+            f"-o wire.curve_dir={path}"
+        )
+    print(
+        f"On one machine (asyncrl run), -o wire.curve_dir={args.out} gives each process its own bundle. "
+        f"Run this again with more --names to add actors; the server pair is kept."
+    )
     return 0
 
 
@@ -284,16 +314,29 @@ def cmd_export(args) -> int:
         from ..models.value import export_run_critic
         from ..rollout.workflow import workflow_class
 
-        ckpt, out = export_run_critic(Path(args.run), Path(args.out) if args.out else None, step=args.step,
-                                      formats_of=lambda algorithm: workflow_class(algorithm).warmstart_formats)
-        print(f"asyncrl export: the critic of {ckpt} -> {out} (a Hugging Face token-classification model with one "
-              f"label, the value: AutoModelForTokenClassification.from_pretrained({str(out)!r}))")
+        ckpt, out = export_run_critic(
+            Path(args.run),
+            Path(args.out) if args.out else None,
+            step=args.step,
+            formats_of=lambda algorithm: workflow_class(algorithm).warmstart_formats,
+        )
+        print(
+            f"asyncrl export: the critic of {ckpt} -> {out} (a Hugging Face token-classification model with one "
+            f"label, the value: AutoModelForTokenClassification.from_pretrained({str(out)!r}))"
+        )
         return 0
     done = export_run(Path(args.run), Path(args.out) if args.out else None, merge=args.merge, step=args.step)
-    how = (", LoRA adapters merged into the base model" if done.merged else
-           ", full weights copied (the run trained no adapters: --merge had nothing to merge)" if args.merge else "")
-    print(f"asyncrl export: {done.checkpoint} -> {done.out} (a Hugging Face model directory{how}: "
-          f"AutoModelForCausalLM.from_pretrained({str(done.out)!r}))")
+    how = (
+        ", LoRA adapters merged into the base model"
+        if done.merged
+        else ", full weights copied (the run trained no adapters: --merge had nothing to merge)"
+        if args.merge
+        else ""
+    )
+    print(
+        f"asyncrl export: {done.checkpoint} -> {done.out} (a Hugging Face model directory{how}: "
+        f"AutoModelForCausalLM.from_pretrained({str(done.out)!r}))"
+    )
     return 0
 
 
@@ -311,8 +354,10 @@ def cmd_replay(args) -> int:
         print(f"  weights identical bit for bit to the run's at every checkpoint: steps {same}")
     else:
         for c in differ:
-            print(f"  step {c['step']}: {len(c['differing'])} of {c['tensors']} tensors differ from the run's "
-                  f"(max |diff| {c['max_abs_diff']:.3g}; e.g. {c['differing'][:3]})")
+            print(
+                f"  step {c['step']}: {len(c['differing'])} of {c['tensors']} tensors differ from the run's "
+                f"(max |diff| {c['max_abs_diff']:.3g}; e.g. {c['differing'][:3]})"
+            )
     return 0 if report["overrides"] or not differ else 1
 
 
@@ -344,20 +389,29 @@ def _add_process_commands(sub) -> None:
     p.set_defaults(fn=cmd_learn)
     p = sub.add_parser("serve", help="run a rollout actor")
     _add_config_args(p)
-    p.add_argument("--connect", help="the learner's control address (addresses.json 'control': ipc://PATH on "
-                   "its host, tcp://HOST:PORT with CURVE keys)")
+    p.add_argument(
+        "--connect",
+        help="the learner's control address (addresses.json 'control': ipc://PATH on "
+        "its host, tcp://HOST:PORT with CURVE keys)",
+    )
     p.add_argument("--run-dir", help="read the learner's addresses from RUN_DIR/addresses.json")
     p.add_argument("--actor-id", default="actor-0")
     p.add_argument("--index", type=int, default=0, help="actor index (seeds its task stream)")
-    p.add_argument("--weights-address", help="take weights from this node's relay (asyncrl relay: the ipc:// "
-                   "address it prints) instead of the learner; use with -o sync.type=ipc")
+    p.add_argument(
+        "--weights-address",
+        help="take weights from this node's relay (asyncrl relay: the ipc:// "
+        "address it prints) instead of the learner; use with -o sync.type=ipc",
+    )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("relay", help="one weights copy per node: relay the learner's weights to this node's actors")
     _add_config_args(p)
     p.add_argument("--learner-weights", required=True, help="the learner's weights address (addresses.json 'weights')")
     p.add_argument("--relay-id", default="0", help="its name (and CURVE bundle name, off loopback)")
-    p.add_argument("--sock-dir", help="private directory (made mode 0700) of the ipc socket this node's actors "
-                   "connect to (default: a new temporary one)")
+    p.add_argument(
+        "--sock-dir",
+        help="private directory (made mode 0700) of the ipc socket this node's actors "
+        "connect to (default: a new temporary one)",
+    )
     p.set_defaults(fn=cmd_relay)
 
 
@@ -370,30 +424,48 @@ def _add_run_command(sub) -> None:
     p.add_argument("--actors", type=int, help="number of actor processes (actor.num)")
     _add_start_args(p)
     p.add_argument("--ui", action="store_true", help="also start the Gradio app")
-    p.add_argument("--scheduler", choices=list(SCHEDULERS),
-                   help="where the processes run (launch.scheduler): local child processes (default), a Ray cluster, "
-                        "or a SLURM job (submitted; inside an allocation, run there)")
-    p.add_argument("--dry-run", action="store_true", help="check the config and set-up (preflight) and say what would "
-                   "start, starting nothing; with --scheduler slurm, write the sbatch script and say how to submit it")
-    p.add_argument("--learner-procs", type=int, default=1, metavar="N",
-                   help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
-                        "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)")
+    p.add_argument(
+        "--scheduler",
+        choices=list(SCHEDULERS),
+        help="where the processes run (launch.scheduler): local child processes (default), a Ray cluster, "
+        "or a SLURM job (submitted; inside an allocation, run there)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and set-up (preflight) and say what would "
+        "start, starting nothing; with --scheduler slurm, write the sbatch script and say how to submit it",
+    )
+    p.add_argument(
+        "--learner-procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="learner processes (default 1): N > 1 trains with DDP, or FSDP2 with "
+        "train.distributed=fsdp2 (rank 0 owns the sockets, buffer and checkpoints)",
+    )
     p.set_defaults(fn=cmd_run)
 
 
 def _add_tool_commands(sub) -> None:
     """``config``, ``keys``, ``export``, ``ui``: commands that start no run."""
-    p = sub.add_parser("config", help="print the resolved config (every key, with its description)",
-                       description="The config a run would use (the file, then the overrides, over the defaults), "
-                                   "as YAML with each key's description. --diff: only the keys that differ from "
-                                   "the defaults.")
+    p = sub.add_parser(
+        "config",
+        help="print the resolved config (every key, with its description)",
+        description="The config a run would use (the file, then the overrides, over the defaults), "
+        "as YAML with each key's description. --diff: only the keys that differ from "
+        "the defaults.",
+    )
     _add_config_args(p)
     p.add_argument("--diff", action="store_true", help="only the keys that differ from the defaults")
     p.set_defaults(fn=cmd_config)
-    p = sub.add_parser("probe", help="sample the model on some training tasks: does GRPO have signal there?",
-                       description="Sample the run's model on training tasks as an actor would (sampling.n each) "
-                                   "and greedily, and say how many groups mix right and wrong replies (what GRPO "
-                                   "learns from). Trains nothing, starts no process.")
+    p = sub.add_parser(
+        "probe",
+        help="sample the model on some training tasks: does GRPO have signal there?",
+        description="Sample the run's model on training tasks as an actor would (sampling.n each) "
+        "and greedily, and say how many groups mix right and wrong replies (what GRPO "
+        "learns from). Trains nothing, starts no process.",
+    )
     _add_config_args(p)
     p.add_argument("--tasks", type=int, default=32, help="training tasks to sample (default 32)")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
@@ -408,9 +480,14 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--merge", action="store_true", help="merge LoRA adapters (model.lora) into the base model")
     p.add_argument("--out", help="output directory (default <run>/export/step_<N>)")
     p.add_argument("--step", type=int, help="this checkpoint (default: the newest intact one)")
-    p.add_argument("--critic", action="store_true", help=(
-        "export the run's critic (train.advantage.estimator gae) instead, as a token-classification model "
-        "with one label (default --out: <run>/export/step_<N>_critic)"))
+    p.add_argument(
+        "--critic",
+        action="store_true",
+        help=(
+            "export the run's critic (train.advantage.estimator gae) instead, as a token-classification model "
+            "with one label (default --out: <run>/export/step_<N>_critic)"
+        ),
+    )
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("replay", help="train a run's archived episodes again (log.archive_episodes), no actors")
     p.add_argument("run", help="the run directory (runs/<name>)")

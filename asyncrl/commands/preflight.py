@@ -39,14 +39,16 @@ class Preflight:
 
 
 def preflight(cfg: Config) -> Preflight:
-    from ..rollout.workflow import get_workflow
     from ..envs.base import make_env
     from ..envs.tasks import describe_heldout, split_tasks
+    from ..rollout.workflow import get_workflow
 
     workflow = get_workflow(cfg.algorithm, cfg)
     if cfg.replay.enabled and not workflow.supports_replay:
-        raise ConfigError(f"replay.enabled needs a workflow that takes per-task rollout counts; algorithm "
-                          f"{cfg.algorithm!r} does not: use algorithm grpo or set replay.enabled=false")
+        raise ConfigError(
+            f"replay.enabled needs a workflow that takes per-task rollout counts; algorithm "
+            f"{cfg.algorithm!r} does not: use algorithm grpo or set replay.enabled=false"
+        )
     env = make_env(cfg.env)
     if callable(getattr(env, "preflight", None)):
         env.preflight()
@@ -59,8 +61,7 @@ def preflight(cfg: Config) -> Preflight:
         from ..engine.vllm import check_engine_config
 
         check_engine_config(cfg)
-    return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train),
-                     len(heldout))
+    return Preflight(describe_heldout(cfg.tasks, heldout, train), None if train is None else len(train), len(heldout))
 
 
 def _check_lora(cfg: Config) -> None:
@@ -68,9 +69,9 @@ def _check_lora(cfg: Config) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..weights.adapters import targeted
     from ..models.tiny import embedded_llama_config
     from ..models.tokenizer import build_char_tokenizer
+    from ..weights.adapters import targeted
 
     if cfg.model.embedded_default:
         config = embedded_llama_config(cfg.model.embedded, len(build_char_tokenizer()))
@@ -91,17 +92,24 @@ def _check_model_and_prompts(cfg: Config, tasks: list) -> None:
     if limit is None and context is not None:
         limit = context - cfg.sampling.max_new_tokens
         if limit < 1:
-            raise ConfigError(f"sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) leaves no room for a prompt "
-                              f"in the model's context of {context} tokens{where}")
+            raise ConfigError(
+                f"sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) leaves no room for a prompt "
+                f"in the model's context of {context} tokens{where}"
+            )
     if limit is None:
         return
     for task in tasks:
         n = len(render_tokens(tokenizer, task.prompt))
         if n > limit:
-            source = "tasks.max_prompt_tokens" if cfg.tasks.max_prompt_tokens else \
-                f"the model's context ({context}) minus sampling.max_new_tokens ({cfg.sampling.max_new_tokens})"
-            raise ConfigError(f"task {task.id}: its prompt is {n:,} tokens, more than {limit:,} ({source}); "
-                              f"shorten it or drop it from the task file")
+            source = (
+                "tasks.max_prompt_tokens"
+                if cfg.tasks.max_prompt_tokens
+                else f"the model's context ({context}) minus sampling.max_new_tokens ({cfg.sampling.max_new_tokens})"
+            )
+            raise ConfigError(
+                f"task {task.id}: its prompt is {n:,} tokens, more than {limit:,} ({source}); "
+                f"shorten it or drop it from the task file"
+            )
 
 
 def _tokenizer_and_context(cfg: Config):
@@ -126,6 +134,12 @@ def _tokenizer_and_context(cfg: Config):
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"model.path {path}: config.json is unreadable ({e})") from None
-    context = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_seq_len")
-                    if isinstance(config.get(k), int)), None)
+    context = next(
+        (
+            config[k]
+            for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+            if isinstance(config.get(k), int)
+        ),
+        None,
+    )
     return tokenizer, context, f" in {path}"

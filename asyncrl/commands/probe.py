@@ -34,8 +34,10 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
     env = make_env(cfg.env, stop_on_failures=False)
     tasks = _training_tasks(cfg, num_tasks)
     n, s = cfg.sampling.n, cfg.sampling
-    out(f"[probe] {path.name}: {len(tasks)} training tasks x {n} samples (temperature {s.temperature:g}, "
-        f"{s.max_new_tokens} new tokens), then greedy")
+    out(
+        f"[probe] {path.name}: {len(tasks)} training tasks x {n} samples (temperature {s.temperature:g}, "
+        f"{s.max_new_tokens} new tokens), then greedy"
+    )
 
     def run(k: int, sampling: SamplingConfig, seed: int):
         convs = start_conversations(tokenizer, env, tasks, k, group_ids=[t.id for t in tasks])
@@ -45,8 +47,9 @@ def probe(cfg: Config, num_tasks: int = 32, out=print) -> dict:
         return one_per_rollout(trajs), failures, time.time() - t0
 
     sampled, failed, sample_s = run(n, s, cfg.seed)
-    greedy_cfg = SamplingConfig(n=1, temperature=GREEDY_TEMPERATURE, top_p=1.0, max_new_tokens=s.max_new_tokens,
-                                stop=s.stop)
+    greedy_cfg = SamplingConfig(
+        n=1, temperature=GREEDY_TEMPERATURE, top_p=1.0, max_new_tokens=s.max_new_tokens, stop=s.stop
+    )
     greedy, _, greedy_s = run(1, greedy_cfg, cfg.seed + 1)
     result = _figures(tasks, n, sampled, failed, greedy, sample_s, greedy_s)
     _say(result, n, sampled, failed, out)
@@ -79,7 +82,11 @@ def _figures(tasks: list, n: int, sampled: list, failed: list, greedy: list, sam
     right = [sum(x >= 1.0 for x in r) for r in groups]
     tokens = sum(len(t.token_ids) - int((t.loss_mask == 0).sum()) for t in sampled)
     result = {
-        "tasks": len(tasks), "samples": len(sampled), "failures": len(failed), "groups": len(groups), "groups_mixed": mixed,
+        "tasks": len(tasks),
+        "samples": len(sampled),
+        "failures": len(failed),
+        "groups": len(groups),
+        "groups_mixed": mixed,
         "sampled_reward": sum(t.reward for t in sampled) / max(len(sampled), 1),
         "sampled_accuracy": sum(t.reward >= 1.0 for t in sampled) / max(len(sampled), 1),
         "groups_with_signal": mixed / max(len(groups), 1),
@@ -87,7 +94,9 @@ def _figures(tasks: list, n: int, sampled: list, failed: list, greedy: list, sam
         "greedy_accuracy": sum(t.reward >= 1.0 for t in greedy) / max(len(greedy), 1),
         "stopped_share": sum((t.metadata.get("finish_reasons") or ["length"])[-1] == "stop" for t in sampled)
         / max(len(sampled), 1),
-        "tokens_per_s": tokens / max(sample_s, 1e-9), "sample_s": sample_s, "greedy_s": greedy_s,
+        "tokens_per_s": tokens / max(sample_s, 1e-9),
+        "sample_s": sample_s,
+        "greedy_s": greedy_s,
     }
     return result
 
@@ -95,18 +104,28 @@ def _figures(tasks: list, n: int, sampled: list, failed: list, greedy: list, sam
 def _say(result: dict, n: int, sampled: list, failed: list, out) -> None:
     """The figures in four lines, three samples to read, and a verdict."""
     mixed, groups, sample_s, greedy_s = result["groups_mixed"], result["groups"], result["sample_s"], result["greedy_s"]
-    out(f"[probe] sampled: reward {result['sampled_reward']:.3f}, accuracy {result['sampled_accuracy']:.3f}, "
-        f"pass@{n} {result[f'pass@{n}']:.3f}; greedy accuracy {result['greedy_accuracy']:.3f}")
-    out(f"[probe] groups whose {n} rewards differ (what GRPO learns from): {mixed} of {groups} "
+    out(
+        f"[probe] sampled: reward {result['sampled_reward']:.3f}, accuracy {result['sampled_accuracy']:.3f}, "
+        f"pass@{n} {result[f'pass@{n}']:.3f}; greedy accuracy {result['greedy_accuracy']:.3f}"
+    )
+    out(
+        f"[probe] groups whose {n} rewards differ (what GRPO learns from): {mixed} of {groups} "
         f"({100 * result['groups_with_signal']:.0f}%); replies that ended (EOS or a stop string) "
-        f"{100 * result['stopped_share']:.0f}%, the rest hit sampling.max_new_tokens")
-    out(f"[probe] {len(sampled)} samples in {sample_s:.0f} s ({result['tokens_per_s']:.0f} generated tokens/s), "
-        f"greedy in {greedy_s:.0f} s" + (f"; {len(failed)} rollouts failed" if failed else ""))
+        f"{100 * result['stopped_share']:.0f}%, the rest hit sampling.max_new_tokens"
+    )
+    out(
+        f"[probe] {len(sampled)} samples in {sample_s:.0f} s ({result['tokens_per_s']:.0f} generated tokens/s), "
+        f"greedy in {greedy_s:.0f} s" + (f"; {len(failed)} rollouts failed" if failed else "")
+    )
     for t in sampled[:: max(1, len(sampled) // 3)][:3]:
         out(f"[probe]   e.g. reward {t.reward:g}: {t.text[:120]!r}")
     share = result["groups_with_signal"]
-    verdict = ("little to learn from: most groups are all wrong (an easier task, a longer sampling.max_new_tokens, "
-               "a clearer answer format in the prompt or the reward) or all right (a harder task)"
-               if share < 0.25 else "GRPO has signal here" if share >= 0.5 else
-               "some signal: expect slow progress; a task where more groups mix right and wrong learns faster")
+    verdict = (
+        "little to learn from: most groups are all wrong (an easier task, a longer sampling.max_new_tokens, "
+        "a clearer answer format in the prompt or the reward) or all right (a harder task)"
+        if share < 0.25
+        else "GRPO has signal here"
+        if share >= 0.5
+        else "some signal: expect slow progress; a task where more groups mix right and wrong learns faster"
+    )
     out(f"[probe] {verdict}")

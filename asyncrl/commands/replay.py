@@ -46,8 +46,10 @@ def _plan(run: Path, to: int | None, overrides: list[str], name: str | None, ove
 
     meta = read_meta(run)
     if meta.get("distributed", "none") != "none":
-        raise ConfigError(f"{run} was trained by a learner group (train.distributed={meta['distributed']}); asyncrl "
-                          f"replay trains in one process, which does not reproduce a group's reductions bit for bit")
+        raise ConfigError(
+            f"{run} was trained by a learner group (train.distributed={meta['distributed']}); asyncrl "
+            f"replay trains in one process, which does not reproduce a group's reductions bit for bit"
+        )
     if not (run / CONFIG).exists():
         raise ConfigError(f"{run / CONFIG} is missing: not a run directory")
     cfg = load_config(run / CONFIG, [*overrides, "log.archive_episodes=false"])
@@ -55,8 +57,10 @@ def _plan(run: Path, to: int | None, overrides: list[str], name: str | None, ove
     end = (max(steps) + 1 if steps else 0) if to is None else to
     missing = sorted(set(range(end)) - set(steps))
     if end < 1 or missing:
-        raise ConfigError(f"{run}: the archive holds steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}"
-                          f"{f', missing {missing[:5]}' if missing else ''}; cannot replay up to step {end}")
+        raise ConfigError(
+            f"{run}: the archive holds steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}"
+            f"{f', missing {missing[:5]}' if missing else ''}; cannot replay up to step {end}"
+        )
     verify_steps(run, range(end))  # a damaged record stops the replay before it starts
     out = run.parent / (name or (f"{run.name}-replay" if not overrides else f"{run.name}-whatif"))
     if out.exists():
@@ -66,8 +70,14 @@ def _plan(run: Path, to: int | None, overrides: list[str], name: str | None, ove
     return meta, cfg, end, out
 
 
-def replay(run: Path, to: int | None = None, overrides: list[str] | None = None, name: str | None = None,
-           overwrite: bool = False, say=print) -> dict:
+def replay(
+    run: Path,
+    to: int | None = None,
+    overrides: list[str] | None = None,
+    name: str | None = None,
+    overwrite: bool = False,
+    say=print,
+) -> dict:
     """Replay ``run`` up to step ``to`` (default: every archived step); returns the report."""
     import torch
 
@@ -86,8 +96,9 @@ def replay(run: Path, to: int | None = None, overrides: list[str] | None = None,
     torch.set_num_threads(int(meta["threads"]))
     deterministic_torch(cfg)
     workflow = workflow_class(cfg.algorithm)
-    model, tokenizer, model_dir = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
-                                              warmstart_formats=workflow.warmstart_formats)
+    model, tokenizer, model_dir = load_policy(
+        cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format, warmstart_formats=workflow.warmstart_formats
+    )
     model = with_adapters(model, cfg.model, cfg.seed, base=model_dir)
     staleness = StalenessPolicy.from_config(cfg)
     ranks = Ranks(None, "none")
@@ -105,9 +116,16 @@ def replay(run: Path, to: int | None = None, overrides: list[str] | None = None,
         truncated = staleness.truncate(batch, version) if batch is not None else 0
         result = ranks.step(batch, keep_rows=keep_rows, version=version) if batch is not None else None
         rewards = [t.reward for ep in episodes for t in ep.trajectories if workflow.counts_for_reward(t)]
-        log.metric(version + 1, {"version": version + 1, "reward_mean": sum(rewards) / max(len(rewards), 1),
-                                 "batch_trajectories": batch.batch_size if batch is not None else 0,
-                                 "staleness/tokens_truncated": truncated, **(result.stats if result else {})})
+        log.metric(
+            version + 1,
+            {
+                "version": version + 1,
+                "reward_mean": sum(rewards) / max(len(rewards), 1),
+                "batch_trajectories": batch.batch_size if batch is not None else 0,
+                "staleness/tokens_truncated": truncated,
+                **(result.stats if result else {}),
+            },
+        )
         if version + 1 in saved:
             report["checkpoints"].append(_check(version + 1, saved[version + 1], ranks.plain, out, read_checkpoint))
         if (version + 1) % 10 == 0 or version + 1 == end:

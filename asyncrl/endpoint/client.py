@@ -81,8 +81,9 @@ def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
 def _origin(request: httpx.Request) -> tuple[str, int]:
     url = request.url
     if url.scheme != "http":
-        raise httpx.UnsupportedProtocol(f"the agent's client speaks plain http to its endpoint, not {url.scheme!r}",
-                                        request=request)
+        raise httpx.UnsupportedProtocol(
+            f"the agent's client speaks plain http to its endpoint, not {url.scheme!r}", request=request
+        )
     return url.host, url.port or 80
 
 
@@ -92,11 +93,17 @@ def _timeouts(request: httpx.Request) -> tuple[float | None, float | None, float
 
 
 def _response(request: httpx.Request, state: _Parse, stream) -> httpx.Response:
-    return httpx.Response(state.parser.get_status_code(), headers=state.headers, stream=stream, request=request,
-                          extensions={"http_version": b"HTTP/1.1"})
+    return httpx.Response(
+        state.parser.get_status_code(),
+        headers=state.headers,
+        stream=stream,
+        request=request,
+        extensions={"http_version": b"HTTP/1.1"},
+    )
 
 
 # ---- threads (httpx.Client) -------------------------------------------------------------------
+
 
 def _stale(sock: socket.socket) -> bool:
     """An idle connection the server closed (or that has stray bytes): readable before any request."""
@@ -123,8 +130,9 @@ class LoopbackTransport(httpx.BaseTransport):
         try:
             sock = socket.create_connection(origin, timeout=timeout)
         except socket.timeout:
-            raise httpx.ConnectTimeout(f"no connection to {origin[0]}:{origin[1]} within {timeout} s",
-                                       request=request) from None
+            raise httpx.ConnectTimeout(
+                f"no connection to {origin[0]}:{origin[1]} within {timeout} s", request=request
+            ) from None
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {e}", request=request) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -137,7 +145,9 @@ class LoopbackTransport(httpx.BaseTransport):
             sock.connect(self.uds)
         except OSError as e:
             sock.close()
-            raise httpx.ConnectError(f"cannot connect to the endpoint's socket {self.uds}: {e}", request=request) from None
+            raise httpx.ConnectError(
+                f"cannot connect to the endpoint's socket {self.uds}: {e}", request=request
+            ) from None
         return sock
 
     def _checkout(self, origin) -> socket.socket | None:
@@ -172,8 +182,9 @@ class LoopbackTransport(httpx.BaseTransport):
         try:
             return self._exchange(request, origin, sock, data, read_s, write_s)
         except _Closed:
-            raise httpx.RemoteProtocolError("the endpoint closed the connection without answering",
-                                            request=request) from None
+            raise httpx.RemoteProtocolError(
+                "the endpoint closed the connection without answering", request=request
+            ) from None
 
     def _exchange(self, request, origin, sock, data: bytes, read_s, write_s) -> httpx.Response:
         state = _Parse()
@@ -257,6 +268,7 @@ class _Body(httpx.SyncByteStream):
 
 # ---- one event loop (httpx.AsyncClient) -------------------------------------------------------
 
+
 class AsyncLoopbackTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=AsyncLoopbackTransport())``: see the module doc. Its connections
     belong to the event loop that made them (one client per loop, as for any async client)."""
@@ -274,8 +286,9 @@ class AsyncLoopbackTransport(httpx.AsyncBaseTransport):
                 else:
                     reader, writer = await asyncio.open_connection(*origin, limit=_CHUNK)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"no connection to {origin[0]}:{origin[1]} within {timeout} s",
-                                       request=request) from None
+            raise httpx.ConnectTimeout(
+                f"no connection to {origin[0]}:{origin[1]} within {timeout} s", request=request
+            ) from None
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {e}", request=request) from None
         return reader, writer  # (asyncio sets TCP_NODELAY)
@@ -310,8 +323,9 @@ class AsyncLoopbackTransport(httpx.AsyncBaseTransport):
         try:
             return await self._exchange(request, origin, conn, data, read_s, write_s)
         except _Closed:
-            raise httpx.RemoteProtocolError("the endpoint closed the connection without answering",
-                                            request=request) from None
+            raise httpx.RemoteProtocolError(
+                "the endpoint closed the connection without answering", request=request
+            ) from None
 
     async def _exchange(self, request, origin, conn, data: bytes, read_s, write_s) -> httpx.Response:
         reader, writer = conn

@@ -54,10 +54,10 @@ import msgspec
 
 from ..config import ConfigError, SamplingConfig
 from ..engine.base import token_versions
+from ..plugins import resolve_import
+from ..prompts import delta_tokens, prompt_format, render_tokens
 from . import responses
 from .server import Server, decode_json, fresh_id, read_body, send_events, send_json
-from ..prompts import delta_tokens, prompt_format, render_tokens
-from ..plugins import resolve_import
 
 MAX_BODY_BYTES = 8 << 20
 MAX_CONNECTIONS = 4096  # open at once; more are answered 503 and closed
@@ -77,8 +77,7 @@ ToolParser = Callable[[str], "tuple[str | None, list[dict[str, Any]]]"]
 class EndpointError(Exception):
     """An OpenAI-style error answer: HTTP ``status``, ``code`` and a one-line message."""
 
-    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error",
-                 close: bool = False):
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error", close: bool = False):
         super().__init__(message)
         self.status, self.code, self.kind, self.close = status, code, kind, close
 
@@ -127,6 +126,7 @@ def tool_parser(spec: str) -> ToolParser | None:
 
 # ---- messages ---------------------------------------------------------------------------------
 
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -136,12 +136,16 @@ def _content_text(content: Any, where: str) -> str:
         parts = []
         for p in content:
             if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise EndpointError(400, "invalid_content", f"{where}: only text content parts are supported, "
-                                                            f"got {str(p)[:80]}")
+                raise EndpointError(
+                    400, "invalid_content", f"{where}: only text content parts are supported, got {str(p)[:80]}"
+                )
             parts.append(p["text"])
         return "".join(parts)
-    raise EndpointError(400, "invalid_content", f"{where}: content must be a string, a list of text parts or "
-                                                f"null, got {type(content).__name__}")
+    raise EndpointError(
+        400,
+        "invalid_content",
+        f"{where}: content must be a string, a list of text parts or null, got {type(content).__name__}",
+    )
 
 
 def _norm_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -220,6 +224,7 @@ def render_prompt(tokenizer, messages: list[dict], tools: list | None, cache: di
 
 
 # ---- sessions ---------------------------------------------------------------------------------
+
 
 @dataclass
 class Segment:
@@ -345,7 +350,11 @@ class Session:
     def find_text_base(self, prompt: str) -> Segment | None:
         best = None
         for seg in self.segments:
-            if seg.text is not None and prompt.startswith(seg.text) and (best is None or len(seg.text) > len(best.text)):
+            if (
+                seg.text is not None
+                and prompt.startswith(seg.text)
+                and (best is None or len(seg.text) > len(best.text))
+            ):
                 best = seg
         return best
 
@@ -353,8 +362,15 @@ class Session:
 class Endpoint:
     """The HTTP server (one per process, started on first use) and its queue of calls."""
 
-    def __init__(self, tokenizer, model_name: str, sampling: SamplingConfig, eos_ids, parser: ToolParser | None,
-                 request_timeout_s: float | None):
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        sampling: SamplingConfig,
+        eos_ids,
+        parser: ToolParser | None,
+        request_timeout_s: float | None,
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.configure(sampling, eos_ids)
@@ -386,8 +402,11 @@ class Endpoint:
         s = Session(self, budget)
         with self.cond:
             if len(self.sessions) >= MAX_SESSIONS:
-                raise EndpointError(503, "too_many_sessions", f"{MAX_SESSIONS} rollouts already hold a session on "
-                                                              f"this actor's endpoint; no more are opened")
+                raise EndpointError(
+                    503,
+                    "too_many_sessions",
+                    f"{MAX_SESSIONS} rollouts already hold a session on this actor's endpoint; no more are opened",
+                )
             self.sessions[s.token] = s
         return s
 
@@ -455,20 +474,29 @@ class Endpoint:
         for c in calls:
             groups.setdefault((c.max_tokens, tuple(c.stop)), []).append(c)
         for k, ((max_tokens, stop), group) in enumerate(groups.items()):
-            sampling = SamplingConfig(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                      max_new_tokens=max_tokens, stop=list(stop))
+            sampling = SamplingConfig(
+                n=1,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                max_new_tokens=max_tokens,
+                stop=list(stop),
+            )
             prompts = [c.prompt_ids for c in group for _ in range(c.n)]
             try:
                 gens = engine.generate(prompts, sampling, seed=None if seed is None else seed + k)
             except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the engine takes: that call fails
                 for c in group:
-                    c.error = EndpointError(400, "generation_failed", f"the engine could not generate: "
-                                                                      f"{type(e).__name__}: {str(e)[:300]}", "server_error")
+                    c.error = EndpointError(
+                        400,
+                        "generation_failed",
+                        f"the engine could not generate: {type(e).__name__}: {str(e)[:300]}",
+                        "server_error",
+                    )
                 finish_calls(group)
                 continue
             i = 0
             for c in group:
-                c.generations = gens[i:i + c.n]
+                c.generations = gens[i : i + c.n]
                 i += c.n
                 self._record(c, engine.version)
             finish_calls(group)
@@ -484,22 +512,25 @@ class Endpoint:
                 # extend in place only the first sample, and only if nothing extended the base meanwhile
                 if base is not None and j == 0 and len(base.ids) == c.base_len:
                     seg = base
-                    extra = c.prompt_ids[len(seg.ids):]
+                    extra = c.prompt_ids[len(seg.ids) :]
                     seg.ids += extra
                     seg.mask += [0] * len(extra)
                     seg.logprobs += [0.0] * len(extra)
                     seg.versions += [-1] * len(extra)
                 else:
                     n_prompt = len(c.prompt_ids)
-                    prefix_mask = base.mask[:c.base_len] if base is not None else []
-                    prefix_lp = base.logprobs[:c.base_len] if base is not None else []
-                    prefix_v = base.versions[:c.base_len] if base is not None else []
-                    seg = Segment(ids=list(c.prompt_ids), mask=prefix_mask + [0] * (n_prompt - len(prefix_mask)),
-                                  logprobs=prefix_lp + [0.0] * (n_prompt - len(prefix_lp)),
-                                  versions=prefix_v + [-1] * (n_prompt - len(prefix_v)),
-                                  texts=list(base.texts) if base is not None else [],
-                                  finish_reasons=list(base.finish_reasons) if base is not None else [],
-                                  calls=base.calls if base is not None else 0)
+                    prefix_mask = base.mask[: c.base_len] if base is not None else []
+                    prefix_lp = base.logprobs[: c.base_len] if base is not None else []
+                    prefix_v = base.versions[: c.base_len] if base is not None else []
+                    seg = Segment(
+                        ids=list(c.prompt_ids),
+                        mask=prefix_mask + [0] * (n_prompt - len(prefix_mask)),
+                        logprobs=prefix_lp + [0.0] * (n_prompt - len(prefix_lp)),
+                        versions=prefix_v + [-1] * (n_prompt - len(prefix_v)),
+                        texts=list(base.texts) if base is not None else [],
+                        finish_reasons=list(base.finish_reasons) if base is not None else [],
+                        calls=base.calls if base is not None else 0,
+                    )
                     s.segments.append(seg)
                 seg.ids += gen_ids
                 seg.mask += [1] * len(gen_ids)
@@ -540,8 +571,9 @@ class Endpoint:
         ``waiter``: ``(event loop, future)`` resolved when the call is done."""
         model = body.get("model")
         if model != self.model_name:
-            raise EndpointError(404, "model_not_found", f"the model {model!r} does not exist; this endpoint serves "
-                                                        f"{self.model_name!r}")
+            raise EndpointError(
+                404, "model_not_found", f"the model {model!r} does not exist; this endpoint serves {self.model_name!r}"
+            )
         n, max_tokens, stop = _sampling_args(body, kind, self.sampling.max_new_tokens)
         cap = self.sampling.max_new_tokens
         if kind == "responses":
@@ -556,8 +588,11 @@ class Endpoint:
             if s.closed:
                 raise EndpointError(400, "episode_ended", "the episode this call belongs to has ended")
             if s.budget is not None and s.calls >= s.budget:
-                raise EndpointError(400, "call_budget_spent", f"this episode has made its {s.budget} calls "
-                                                              f"(env.max_turns); no more are answered")
+                raise EndpointError(
+                    400,
+                    "call_budget_spent",
+                    f"this episode has made its {s.budget} calls (env.max_turns); no more are answered",
+                )
             if kind == "responses":
                 history = self._responses_messages(s, body)
                 call = self._chat_call(s, history, tools)
@@ -571,9 +606,13 @@ class Endpoint:
                 call.logprobs = body.get("logprobs") not in (None, False)
             context = self.context_tokens
             if context and len(call.prompt_ids) + min(max_tokens, cap) > context:
-                raise EndpointError(400, "context_length_exceeded", f"the prompt is {len(call.prompt_ids)} tokens and "
-                                    f"the answer may take {min(max_tokens, cap)}: more than the model's context of "
-                                    f"{context} tokens")
+                raise EndpointError(
+                    400,
+                    "context_length_exceeded",
+                    f"the prompt is {len(call.prompt_ids)} tokens and "
+                    f"the answer may take {min(max_tokens, cap)}: more than the model's context of "
+                    f"{context} tokens",
+                )
             s.calls += 1
         call.kind, call.stream, call.waiter = kind, bool(body.get("stream")), waiter
         call.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -595,9 +634,13 @@ class Endpoint:
         if prev_id is not None:
             previous = s.responses.get(prev_id) if isinstance(prev_id, str) else None
             if previous is None:
-                raise EndpointError(404, "previous_response_not_found", f"previous_response_id {str(prev_id)[:60]!r} "
-                                                                        f"is not a response of this episode (the last "
-                                                                        f"{MAX_RESPONSES} are kept)")
+                raise EndpointError(
+                    404,
+                    "previous_response_not_found",
+                    f"previous_response_id {str(prev_id)[:60]!r} "
+                    f"is not a response of this episode (the last "
+                    f"{MAX_RESPONSES} are kept)",
+                )
         return responses.chat_messages(body, previous, EndpointError)
 
     def _chat_call(self, s: Session, raw_messages: Any, tools) -> Call:
@@ -609,8 +652,9 @@ class Endpoint:
             ids = list(base.ids)
             if self.eos is not None and (not ids or ids[-1] not in self.eos_ids):
                 ids.append(self.eos)  # close a turn that ended on a stop string or the length cap
-            ids += delta_tokens(self.tokenizer, _template_messages(base.messages),
-                                _template_messages(messages[len(base.messages):]))
+            ids += delta_tokens(
+                self.tokenizer, _template_messages(base.messages), _template_messages(messages[len(base.messages) :])
+            )
         return Call(s, ids, 0, [], 1, True, base, len(base.ids) if base else 0, messages=messages, tools=bool(tools))
 
     def _text_call(self, s: Session, body: dict) -> Call:
@@ -628,7 +672,7 @@ class Endpoint:
         if base is None:
             ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:
-            ids = list(base.ids) + list(self.tokenizer(prompt[len(base.text):], add_special_tokens=False)["input_ids"])
+            ids = list(base.ids) + list(self.tokenizer(prompt[len(base.text) :], add_special_tokens=False)["input_ids"])
         return Call(s, ids, 0, [], 1, False, base, len(base.ids) if base else 0, prompt_text=prompt)
 
     # -- answers --------------------------------------------------------------------------------
@@ -639,8 +683,10 @@ class Endpoint:
         return {"content": self._logprob_items(ids, lps), "refusal": None}
 
     def _logprob_items(self, ids: list[int], lps: list[float]) -> list[dict]:
-        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(self._pieces(ids), lps)]
+        return [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(self._pieces(ids), lps)
+        ]
 
     def _text_logprobs(self, ids: list[int], lps: list[float]) -> dict:
         pieces = self._pieces(ids)
@@ -660,16 +706,29 @@ class Endpoint:
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if not calls:
             return msg, g.finish_reason
-        msg["tool_calls"] = [{"id": fresh_id("call_"), "type": "function",
-                              "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}} for t in calls]
+        msg["tool_calls"] = [
+            {
+                "id": fresh_id("call_"),
+                "type": "function",
+                "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])},
+            }
+            for t in calls
+        ]
         return msg, "tool_calls"
 
     def response(self, c: Call) -> dict:
         """The answer to a finished call, in its route's shape."""
         if c.kind == "responses":
             rid = fresh_id("resp_")
-            resp, reply = responses.response_body(c, c.generations[0], self.parse_tools, self.model_name, c.body,
-                                                      self._logprob_items if c.logprobs else None, rid)
+            resp, reply = responses.response_body(
+                c,
+                c.generations[0],
+                self.parse_tools,
+                self.model_name,
+                c.body,
+                self._logprob_items if c.logprobs else None,
+                rid,
+            )
             s = c.session
             with s.lock:
                 s.responses[rid] = [*c.history, reply]
@@ -690,9 +749,15 @@ class Endpoint:
                 if c.logprobs:
                     choice["logprobs"] = self._text_logprobs(ids, lps)
             choices.append(choice)
-        return {"id": fresh_id("chatcmpl-" if chat else "cmpl-"),
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self._usage(c), "prompt_token_ids": c.prompt_ids}
+        return {
+            "id": fresh_id("chatcmpl-" if chat else "cmpl-"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self._usage(c),
+            "prompt_token_ids": c.prompt_ids,
+        }
 
     def stream(self, c: Call) -> list[tuple[str | None, Any]]:
         """The server-sent events of a finished call asked with ``stream: true``: OpenAI's chunks
@@ -702,8 +767,12 @@ class Endpoint:
         if c.kind == "responses":
             return responses.stream_events(resp)
         chat = c.kind == "chat"
-        head = {"id": resp["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": resp["created"], "model": self.model_name}
+        head = {
+            "id": resp["id"],
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": resp["created"],
+            "model": self.model_name,
+        }
         out: list[tuple[str | None, Any]] = []
 
         def chunk(choice: dict, **extra) -> None:
@@ -712,20 +781,32 @@ class Endpoint:
         for ch in resp["choices"]:
             i, ids = ch["index"], ch["token_ids"]
             if not chat:
-                chunk({"index": i, "text": ch["text"], "logprobs": ch["logprobs"], "finish_reason": None, "token_ids": ids},
-                      **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}))
+                chunk(
+                    {
+                        "index": i,
+                        "text": ch["text"],
+                        "logprobs": ch["logprobs"],
+                        "finish_reason": None,
+                        "token_ids": ids,
+                    },
+                    **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}),
+                )
                 chunk({"index": i, "text": "", "logprobs": None, "finish_reason": ch["finish_reason"]})
                 continue
             msg = ch["message"]
-            chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
-                  **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}))
+            chunk(
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                **({"prompt_token_ids": c.prompt_ids} if i == 0 else {}),
+            )
             calls = msg.get("tool_calls") or []
             tokens = {"logprobs": ch["logprobs"], "token_ids": ids}
             if msg["content"] or not calls:  # the text, with the sampled ids (and log-probs when asked)
                 chunk({"index": i, "delta": {"content": msg["content"] or ""}, "finish_reason": None, **tokens})
                 tokens = {"logprobs": None}
             for k, tc in enumerate(calls):
-                chunk({"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "logprobs": None, "finish_reason": None})
+                chunk(
+                    {"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "logprobs": None, "finish_reason": None}
+                )
             chunk({"index": i, "delta": {}, "finish_reason": ch["finish_reason"], **tokens})
         if c.include_usage:
             out.append((None, {**head, "choices": [], "usage": resp["usage"]}))
@@ -748,8 +829,11 @@ def _sampling_args(body: dict, kind: str, cap: int) -> tuple[int, int, list[str]
     n = 1 if body.get("n") is None or kind == "responses" else body["n"]
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise EndpointError(400, "invalid_n", f"'n' must be an integer from 1 to {MAX_N}, got {n!r}")
-    max_tokens = (body.get("max_output_tokens") if kind == "responses" else
-                  body.get("max_completion_tokens", body.get("max_tokens"))) or cap
+    max_tokens = (
+        body.get("max_output_tokens")
+        if kind == "responses"
+        else body.get("max_completion_tokens", body.get("max_tokens"))
+    ) or cap
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise EndpointError(400, "invalid_max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     stop = (body.get("stop") if kind != "responses" else None) or []
@@ -770,9 +854,13 @@ def _check_size(body: dict, max_chars: int) -> None:
         if isinstance(value, str):
             chars += len(value)
             if chars > max_chars:
-                raise EndpointError(400, "prompt_too_long", f"the request holds more than {max_chars:,} characters of "
-                                                            f"text (16 a token of the model's context, at least "
-                                                            f"{MIN_PROMPT_CHARS:,})")
+                raise EndpointError(
+                    400,
+                    "prompt_too_long",
+                    f"the request holds more than {max_chars:,} characters of "
+                    f"text (16 a token of the model's context, at least "
+                    f"{MIN_PROMPT_CHARS:,})",
+                )
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -780,8 +868,11 @@ def _check_size(body: dict, max_chars: int) -> None:
             raise EndpointError(400, "too_deep", f"the request nests deeper than {MAX_DEPTH} levels")
         items += len(value)
         if items > MAX_ITEMS:
-            raise EndpointError(400, "too_many_items", f"the request holds more than {MAX_ITEMS:,} messages, parts, "
-                                                       f"keys and list items in all")
+            raise EndpointError(
+                400,
+                "too_many_items",
+                f"the request holds more than {MAX_ITEMS:,} messages, parts, keys and list items in all",
+            )
         if isinstance(value, dict):
             chars += sum(len(k) for k in value if isinstance(k, str))
             stack.extend((v, depth + 1) for v in value.values())
@@ -792,8 +883,9 @@ def _check_size(body: dict, max_chars: int) -> None:
 def _route(path: str) -> tuple[str, str]:
     parts = path.strip("/").split("/")
     if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
-        raise EndpointError(404, "not_found", f"unknown path {path[:80]!r}; use the base URL the rollout was "
-                                              f"given (.../s/<session>/v1)")
+        raise EndpointError(
+            404, "not_found", f"unknown path {path[:80]!r}; use the base URL the rollout was given (.../s/<session>/v1)"
+        )
     return parts[1], "/".join(parts[3:])
 
 
@@ -815,15 +907,21 @@ class _App:
                 ep.session(token)
                 if route != "models":
                     raise EndpointError(404, "not_found", f"GET {route!r}: only /v1/models is served by GET")
-                return await send_json(send, 200, {"object": "list", "data": [
-                    {"id": ep.model_name, "object": "model", "owned_by": "asyncrl"}]})
+                return await send_json(
+                    send,
+                    200,
+                    {"object": "list", "data": [{"id": ep.model_name, "object": "model", "owned_by": "asyncrl"}]},
+                )
             if scope["method"] != "POST":
                 raise EndpointError(405, "method_not_allowed", f"{scope['method']} is not served; use POST or GET")
             raw = await read_body(scope, receive, _closing, MAX_BODY_BYTES, READ_TIMEOUT_S)
             kind = _ROUTES.get(route)
             if kind is None:
-                raise EndpointError(404, "not_found", f"POST {route!r}: served are /v1/chat/completions, "
-                                                      f"/v1/completions and /v1/responses")
+                raise EndpointError(
+                    404,
+                    "not_found",
+                    f"POST {route!r}: served are /v1/chat/completions, /v1/completions and /v1/responses",
+                )
             session = ep.session(token)
             body = decode_json(raw, EndpointError)
             loop = asyncio.get_running_loop()
@@ -834,8 +932,12 @@ class _App:
             try:
                 await done
             except TimeoutError:
-                raise EndpointError(408, "timeout", f"no completion within {ep.request_timeout_s:g} s "
-                                                    f"(env.kwargs.request_timeout_s)", "server_error") from None
+                raise EndpointError(
+                    408,
+                    "timeout",
+                    f"no completion within {ep.request_timeout_s:g} s (env.kwargs.request_timeout_s)",
+                    "server_error",
+                ) from None
             if call.error is not None:
                 raise call.error
             if call.stream:
@@ -848,5 +950,8 @@ class _App:
                     session.rejected.append(f"{e.code}: {e}")
             await send_json(send, e.status, e.body(), close=e.close)
         except Exception as e:  # noqa: BLE001 - never a crash: an internal error is a 500 answer
-            await send_json(send, 500, EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}",
-                                                     "server_error").body())
+            await send_json(
+                send,
+                500,
+                EndpointError(500, "internal_error", f"{type(e).__name__}: {str(e)[:300]}", "server_error").body(),
+            )

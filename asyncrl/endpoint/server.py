@@ -60,9 +60,11 @@ def fresh_id(prefix: str) -> str:
 def _protocol_base():
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
         return HttpToolsProtocol
     except ImportError:  # httptools is not installed: uvicorn's pure-Python parser
         from uvicorn.protocols.http.h11_impl import H11Protocol
+
         return H11Protocol
 
 
@@ -187,8 +189,11 @@ class _Guards:
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value) + 4
         if len(self.headers) >= MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
-            self._head_refused = (f"more than {MAX_HEADERS} header lines" if len(self.headers) >= MAX_HEADERS
-                                  else f"request headers over {MAX_HEAD_BYTES:,} bytes")
+            self._head_refused = (
+                f"more than {MAX_HEADERS} header lines"
+                if len(self.headers) >= MAX_HEADERS
+                else f"request headers over {MAX_HEAD_BYTES:,} bytes"
+            )
             raise _HeadRefused(self._head_refused)  # (stops the parser; answered in send_400_response)
         super().on_header(name, value)
 
@@ -200,9 +205,10 @@ class _Guards:
         self._head_refused = why
         body = f"{why}; at most {MAX_HEADERS} header lines and {MAX_HEAD_BYTES:,} bytes".encode()
         if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\n"
-                                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
-                                 + body)
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+            )
             self.transport.close()
         self._dropped.say(f"refused a request: {why}")
 
@@ -250,9 +256,17 @@ def _make_protocol(dropped: _Dropped, max_connections: int, read_timeout_s: floa
     """uvicorn's protocol class (httptools, else h11) with :class:`_Guards` before it."""
     base = _protocol_base()
     complete = _response_complete_without_timer if hasattr(base, "_start_asgi_task") else base.on_response_complete
-    return type("Protocol", (_Guards, base), {"_dropped": dropped, "_max_connections": max_connections,
-                                              "_read_timeout_s": read_timeout_s, "_counts": counts,
-                                              "on_response_complete": complete})
+    return type(
+        "Protocol",
+        (_Guards, base),
+        {
+            "_dropped": dropped,
+            "_max_connections": max_connections,
+            "_read_timeout_s": read_timeout_s,
+            "_counts": counts,
+            "on_response_complete": complete,
+        },
+    )
 
 
 class Server:
@@ -278,10 +292,20 @@ class Server:
         self.uds.bind(self.uds_path)
         self.uds.listen(4096)
         protocol = _make_protocol(self.dropped, max_connections, read_timeout_s, {})
-        config = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", log_config=None,
-                                log_level="critical", access_log=False, timeout_keep_alive=int(max(read_timeout_s, 1)),
-                                timeout_graceful_shutdown=1, server_header=False, date_header=False,
-                                proxy_headers=False)
+        config = uvicorn.Config(
+            app,
+            http=protocol,
+            loop="asyncio",
+            lifespan="off",
+            log_config=None,
+            log_level="critical",
+            access_log=False,
+            timeout_keep_alive=int(max(read_timeout_s, 1)),
+            timeout_graceful_shutdown=1,
+            server_header=False,
+            date_header=False,
+            proxy_headers=False,
+        )
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
         self.uvicorn = uvicorn.Server(config)
@@ -317,10 +341,16 @@ class Server:
 
 # ---- the ASGI application ---------------------------------------------------------------------
 
+
 async def send_json(send, status: int, body: Any, close: bool = False) -> None:
     data = _encode(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": _JSON + [(b"content-length", str(len(data)).encode())] + (_CLOSE if close else [])})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": _JSON + [(b"content-length", str(len(data)).encode())] + (_CLOSE if close else []),
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 

@@ -29,14 +29,23 @@ def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:
 
     require_vllm()
     context = _context_length(model_dir)
-    return VLLMEngine(model_dir, tokenizer, cfg.engine, max_model_len=cfg.engine.max_model_len or context,
-                      seed=cfg.seed, dtype=cfg.model.dtype, lora=cfg.model.lora)
+    return VLLMEngine(
+        model_dir,
+        tokenizer,
+        cfg.engine,
+        max_model_len=cfg.engine.max_model_len or context,
+        seed=cfg.seed,
+        dtype=cfg.model.dtype,
+        lora=cfg.model.lora,
+    )
 
 
 ENGINES: Registry[Callable[..., Engine]] = Registry("engine", {"hf": _hf, "vllm": _vllm})
 
 
-def make_engine(cfg: Config, model_dir: str | Path, tokenizer, load_model: Callable[[], object] | None = None) -> Engine:
+def make_engine(
+    cfg: Config, model_dir: str | Path, tokenizer, load_model: Callable[[], object] | None = None
+) -> Engine:
     """The ``engine.type`` engine over the model in ``model_dir``; ``load_model()`` returns the
     loaded model for an engine that runs one in this process (``hf``), called only by such."""
     factory = ENGINES.resolve(cfg.engine.type, "engine.type", what="factory")

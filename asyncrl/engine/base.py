@@ -39,14 +39,16 @@ class Generation:
         if self.versions is not None:
             self.versions = np.ascontiguousarray(self.versions, dtype=np.int32)
             if self.versions.shape != self.token_ids.shape:
-                raise ValueError(f"Generation: versions {self.versions.shape} must match token_ids "
-                                 f"{self.token_ids.shape}")
+                raise ValueError(
+                    f"Generation: versions {self.versions.shape} must match token_ids {self.token_ids.shape}"
+                )
         if self.token_ids.shape != self.logprobs.shape or self.token_ids.ndim != 1:
-            raise ValueError(f"Generation: token_ids {self.token_ids.shape} and logprobs "
-                             f"{self.logprobs.shape} must be 1-D of the same length")
+            raise ValueError(
+                f"Generation: token_ids {self.token_ids.shape} and logprobs "
+                f"{self.logprobs.shape} must be 1-D of the same length"
+            )
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, "
-                             f"got {self.finish_reason!r}")
+            raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
 def token_versions(gen: Generation, version: int) -> list[int]:
@@ -63,8 +65,7 @@ class Engine(Protocol):
     # optional: ``tokens_generated``, an int counting generated tokens as they come. The actor's heartbeat
     # reports it, and the learner keeps an actor's credits while it advances (a batch that takes minutes)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 seed: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
         """One ``Generation`` per prompt (callers repeat a prompt ``n`` times for a group)."""
         ...
 

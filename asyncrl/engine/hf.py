@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..weights.base import check_weight_values
-from ..weights.adapters import MergedAdapters
 from ..config import LoraSettings, SamplingConfig
-from .kv import cache_arg, cache_of
+from ..weights.adapters import MergedAdapters
+from ..weights.base import check_weight_values
 from .base import Generation
-from .continuous import Row, ContinuousBatcher
+from .continuous import ContinuousBatcher, Row
+from .kv import cache_arg, cache_of
 
 KV_ON_UPDATE = ("recompute", "keep")
 
@@ -52,8 +52,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long, device="cpu")
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long, device="cpu")
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -94,8 +94,7 @@ class HFEngine:
 
     # ----------------------------------------------------------------------------- generation
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 seed: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
         """Sample one continuation per prompt (token-id lists). Deterministic for a given ``seed``.
 
         Generation ends at an EOS token (kept as the last token) or right after the token that
@@ -114,12 +113,19 @@ class HFEngine:
             gen.manual_seed(int(seed))
         first: dict[tuple, int] = {}
         rows = [first.setdefault(tuple(p), len(first)) for p in prompts]  # a group's n samples: one prompt
-        out = self._sample(ids.to(self.device), mask.to(self.device), sampling, gen,
-                           shared=rows if len(first) < len(prompts) else None)
+        out = self._sample(
+            ids.to(self.device), mask.to(self.device), sampling, gen, shared=rows if len(first) < len(prompts) else None
+        )
         return [self._to_generation(out, i) for i in range(len(prompts))]
 
-    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
-                gen: torch.Generator | None, shared: list[int] | None = None) -> _Batch:
+    def _sample(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        sampling: SamplingConfig,
+        gen: torch.Generator | None,
+        shared: list[int] | None = None,
+    ) -> _Batch:
         """The KV-cache loop. ``ids``/``mask``: [B, P] left-padded. Returns tokens/logprobs [B, T].
         ``shared[b]``: row b's prompt is the ``shared[b]``-th distinct one: each distinct prompt is
         prefilled once and its cache copied to its rows (a group's samples; the prefill is most of a
@@ -136,14 +142,25 @@ class HFEngine:
             if t == 0 and shared is not None:
                 rows = torch.tensor(shared, device=self.device)
                 unique = torch.tensor([shared.index(k) for k in range(max(shared) + 1)], device=self.device)
-                out = self.model(input_ids=ids[unique], attention_mask=mask[unique], position_ids=positions[unique],
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=ids[unique],
+                    attention_mask=mask[unique],
+                    position_ids=positions[unique],
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 cache = cache_of(out)
                 cache.batch_select_indices(rows)
                 logits = out.logits[rows, -1]
             else:
-                out = self.model(input_ids=inp, attention_mask=mask, position_ids=positions,
-                                 **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=inp,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **cache_arg(self.model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 cache = cache_of(out)
                 logits = out.logits[:, -1]
             logp = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
@@ -260,8 +277,7 @@ class HFEngine:
         ids, mask = left_pad([r.prompt + r.tokens for r in rows], self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         self.rebuilds += 1
         return rows, out.logits[:, -1], (cache_of(out), mask, positions[:, -1:])
 
@@ -270,8 +286,14 @@ class HFEngine:
         cache, mask, positions, last = self._state
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         positions = positions + 1
-        out = self.model(input_ids=last[:, None], attention_mask=mask, position_ids=positions,
-                         **cache_arg(self.model, cache), use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_arg(self.model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return self._live, out.logits[:, -1], (cache_of(out), mask, positions)
 
     def _select(self, keep: list[int]) -> None:
@@ -326,8 +348,9 @@ def _merge(parts: list[tuple]) -> tuple:
         for i, layer in enumerate(cache.layers):
             for name in ("keys", "values"):
                 tensors = [getattr(p[2][0].layers[i], name) for p in parts]
-                setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
-                                                for t in tensors]))
+                setattr(
+                    layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors])
+                )
     lead = int((mask.cumsum(-1) == 0).sum(-1).min())  # padding columns shared by every row
     if lead:
         mask = mask[:, lead:]
@@ -336,21 +359,26 @@ def _merge(parts: list[tuple]) -> tuple:
     return rows, logits, (cache, mask, positions)
 
 
-def _check_weights(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
-                   required: set[str]) -> None:
+def _check_weights(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], required: set[str]) -> None:
     unknown = sorted(set(named) - set(targets))
     if unknown:
-        raise ValueError(f"update_weights: unknown parameter names {unknown[:5]}"
-                         f"{' ...' if len(unknown) > 5 else ''}; the model has e.g. {sorted(required)[:3]}")
+        raise ValueError(
+            f"update_weights: unknown parameter names {unknown[:5]}"
+            f"{' ...' if len(unknown) > 5 else ''}; the model has e.g. {sorted(required)[:3]}"
+        )
     covered = {n for n in required if n in named or _tied_alias_given(n, named, targets)}
     missing = sorted(required - covered)
     if missing:
-        raise ValueError(f"update_weights: missing parameters {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''} ({len(missing)} of {len(required)})")
+        raise ValueError(
+            f"update_weights: missing parameters {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} of {len(required)})"
+        )
     for name, tensor in named.items():
         if tuple(tensor.shape) != tuple(targets[name].shape):
-            raise ValueError(f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                             f"the model has {tuple(targets[name].shape)}")
+            raise ValueError(
+                f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                f"the model has {tuple(targets[name].shape)}"
+            )
 
 
 def _tied_alias_given(name: str, named: dict, targets: dict) -> bool:
@@ -362,8 +390,7 @@ def _tied_alias_given(name: str, named: dict, targets: dict) -> bool:
 def _eos_ids(model, tokenizer) -> set[int]:
     """EOS token ids from the tokenizer and the model's generation config."""
     ids: set[int] = set()
-    for src in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None),
-                                                 "eos_token_id", None)):
+    for src in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif src is not None:

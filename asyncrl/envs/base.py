@@ -55,9 +55,15 @@ def exact_match_reward(task: Task, response: str) -> float:
     return float(any(normalize_answer(response) == normalize_answer(str(g)) for g in golds))
 
 
-REWARDS: Registry[RewardFn] = Registry("reward", {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward,
-                                                  "last_number": "asyncrl.envs.answer_checks:last_number_reward",
-                                                  "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_reward"})
+REWARDS: Registry[RewardFn] = Registry(
+    "reward",
+    {
+        "arithmetic": arithmetic_reward,
+        "exact_match": exact_match_reward,
+        "last_number": "asyncrl.envs.answer_checks:last_number_reward",
+        "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_reward",
+    },
+)
 
 
 def get_reward_fn(spec: str) -> RewardFn:
@@ -88,10 +94,15 @@ class SingleTurnEnv:
 
 
 # built-in environments: a class, or an import path loaded on first use
-ENVS: Registry["type | str"] = Registry("environment", {"single_turn": SingleTurnEnv,
-                                                        "calculator": "asyncrl.envs.calculator:CalculatorEnv",
-                                                        "agent": "asyncrl.envs.agent:AgentEnv",
-                                                        "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv"})
+ENVS: Registry["type | str"] = Registry(
+    "environment",
+    {
+        "single_turn": SingleTurnEnv,
+        "calculator": "asyncrl.envs.calculator:CalculatorEnv",
+        "agent": "asyncrl.envs.agent:AgentEnv",
+        "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv",
+    },
+)
 
 
 def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
@@ -106,13 +117,13 @@ def make_env(env_cfg, stop_on_failures: bool = True) -> "GuardedEnv":
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's class rejected its arguments
-        raise ConfigError(f"env.type {spec!r}: constructing it with reward={env_cfg.reward!r}, max_turns="
-                          f"{env_cfg.max_turns} and env.kwargs {sorted(env_cfg.kwargs)} raised "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"env.type {spec!r}: constructing it with reward={env_cfg.reward!r}, max_turns="
+            f"{env_cfg.max_turns} and env.kwargs {sorted(env_cfg.kwargs)} raised "
+            f"{type(e).__name__}: {e}"
+        ) from None
     for method in ("reset", "step", "evaluate"):
         if not callable(getattr(env, method, None)):
             raise ConfigError(f"env.type {spec!r}: the environment has no {method}() method")
-    name = (f"env.reward {env_cfg.reward}" if spec == "single_turn"
-            else f"env.type {spec} (env.reward {env_cfg.reward})")
-    return GuardedEnv(env, name, env_cfg.call_timeout_s,
-                      env_cfg.max_failure_rate if stop_on_failures else None)
+    name = f"env.reward {env_cfg.reward}" if spec == "single_turn" else f"env.type {spec} (env.reward {env_cfg.reward})"
+    return GuardedEnv(env, name, env_cfg.call_timeout_s, env_cfg.max_failure_rate if stop_on_failures else None)

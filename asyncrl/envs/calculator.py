@@ -18,15 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..types import Task
 from ..sandbox.arith import ArithLimits, evaluate_expression
+from ..types import Task
 
 DEFAULT_PREFIX = "calc:"
 
 
 class CalculatorEnv:
-    def __init__(self, reward: str = "arithmetic", max_turns: int = 3, tool_prefix: str = DEFAULT_PREFIX,
-                 max_calls: int = 1, **_: Any):
+    def __init__(
+        self,
+        reward: str = "arithmetic",
+        max_turns: int = 3,
+        tool_prefix: str = DEFAULT_PREFIX,
+        max_calls: int = 1,
+        **_: Any,
+    ):
         from .base import get_reward_fn  # base imports this module lazily (ENVS): no cycle
 
         if not isinstance(tool_prefix, str):
@@ -49,7 +55,7 @@ class CalculatorEnv:
         return calls_so_far < self.max_calls and response.startswith(self.prefix)
 
     def tool_result(self, response: str) -> str:
-        res = evaluate_expression(response[len(self.prefix):].strip(), self.limits)
+        res = evaluate_expression(response[len(self.prefix) :].strip(), self.limits)
         return str(res.value) if res.ok else "error"
 
     def step(self, task: Task, history: list[dict[str, str]], response: str):
@@ -81,5 +87,6 @@ def calculator_warmstart_example(rng) -> tuple[list[dict[str, str]], str]:
     call = DEFAULT_PREFIX + q.rstrip("=")
     if rng.random() < 0.5:
         return [dict(m) for m in task.prompt], call
-    return [*task.prompt, {"role": "assistant", "content": call}, {"role": "user", "content": str(task.answer)}], \
-        str(task.answer)
+    return [*task.prompt, {"role": "assistant", "content": call}, {"role": "user", "content": str(task.answer)}], str(
+        task.answer
+    )

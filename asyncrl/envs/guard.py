@@ -77,8 +77,9 @@ class CallTimeout(EnvFailure):
     """A guarded call that gave no result within ``env.call_timeout_s`` (or its caller's budget)."""
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str,
-                      tick: Callable[[], Any] | None = None) -> Any:
+def call_with_timeout(
+    fn: Callable[[], Any], timeout_s: float | None, what: str, tick: Callable[[], Any] | None = None
+) -> Any:
     """``fn()`` on the calling thread's worker thread, waited for at most ``timeout_s`` seconds
     (None: no limit) and abandoned when :func:`request_stop` is called. Exceptions propagate; a
     timeout (CallTimeout) or a stop raises EnvFailure naming ``what`` (and the next call gets a new
@@ -231,6 +232,8 @@ class GuardedEnv:
             return
         rate = sum(self._recent) / len(self._recent)
         if rate > self.max_failure_rate:
-            raise TooManyFailures(f"{sum(self._recent)} of the last {len(self._recent)} calls of {self.name} failed "
-                                  f"(more than env.max_failure_rate={self.max_failure_rate:g}); last error: "
-                                  f"{self.last_error}")
+            raise TooManyFailures(
+                f"{sum(self._recent)} of the last {len(self._recent)} calls of {self.name} failed "
+                f"(more than env.max_failure_rate={self.max_failure_rate:g}); last error: "
+                f"{self.last_error}"
+            )

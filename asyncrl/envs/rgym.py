@@ -31,7 +31,9 @@ def _require():
     try:
         import reasoning_gym
     except ImportError:
-        raise ConfigError("tasks.type=reasoning_gym needs the reasoning-gym package: pip install 'asyncrl[envs]'") from None
+        raise ConfigError(
+            "tasks.type=reasoning_gym needs the reasoning-gym package: pip install 'asyncrl[envs]'"
+        ) from None
     return reasoning_gym
 
 
@@ -42,8 +44,10 @@ def _specs(datasets: Any) -> list[tuple[str, float, dict]]:
     if isinstance(datasets, list):
         datasets = {name: 1.0 for name in datasets}
     if not isinstance(datasets, dict) or not datasets:
-        raise ConfigError("tasks.kwargs.datasets: expected a dataset name, a list of names or a mapping name -> "
-                          f"weight (or name -> {{weight, config...}}), got {datasets!r}")
+        raise ConfigError(
+            "tasks.kwargs.datasets: expected a dataset name, a list of names or a mapping name -> "
+            f"weight (or name -> {{weight, config...}}), got {datasets!r}"
+        )
     out = []
     for name, spec in datasets.items():
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
@@ -65,8 +69,10 @@ def _draw(rg, specs, size: int, seed: int) -> list[dict]:
     names = sorted(getattr(rg.factory, "DATASETS", {}))
     for name, _, config in specs:
         if names and name not in names:
-            raise ConfigError(f"tasks.kwargs.datasets: reasoning-gym has no dataset {name!r} (it has {len(names)}, "
-                              f"e.g. {', '.join(names[:8])})")
+            raise ConfigError(
+                f"tasks.kwargs.datasets: reasoning-gym has no dataset {name!r} (it has {len(names)}, "
+                f"e.g. {', '.join(names[:8])})"
+            )
         try:
             rg.create_dataset(name, size=1, seed=0, **config)
         except (TypeError, ValueError, AssertionError) as e:
@@ -75,16 +81,19 @@ def _draw(rg, specs, size: int, seed: int) -> list[dict]:
         name, _, config = specs[0]
         ds = rg.create_dataset(name, size=size, seed=seed, **config)
     else:
-        ds = rg.create_dataset("composite", size=size, seed=seed,
-                               datasets=[DatasetSpec(n, w, c) for n, w, c in specs])
+        ds = rg.create_dataset("composite", size=size, seed=seed, datasets=[DatasetSpec(n, w, c) for n, w, c in specs])
     return [ds[i] for i in range(size)]
 
 
 def _task(entry: dict, split: str, i: int) -> Task:
     meta = entry.get("metadata") or {}
     name = meta.get("source_dataset", "reasoning_gym")
-    return Task(id=f"rg:{name}:{split}:{i}", prompt=[{"role": "user", "content": str(entry["question"])}],
-                answer=entry.get("answer"), metadata={"dataset": name, "entry": _plain(entry)})
+    return Task(
+        id=f"rg:{name}:{split}:{i}",
+        prompt=[{"role": "user", "content": str(entry["question"])}],
+        answer=entry.get("answer"),
+        metadata={"dataset": name, "entry": _plain(entry)},
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -104,21 +113,33 @@ def reasoning_gym_split(cfg) -> tuple[list[Task], list[Task]]:
     kw = dict(cfg.kwargs)
     unknown = sorted(set(kw) - {"datasets", "size", "seed"})
     if unknown:
-        raise ConfigError(f"tasks.kwargs: unknown key(s) {unknown} for tasks.type=reasoning_gym; expected datasets, "
-                          f"size, seed")
+        raise ConfigError(
+            f"tasks.kwargs: unknown key(s) {unknown} for tasks.type=reasoning_gym; expected datasets, size, seed"
+        )
     if "datasets" not in kw:
         raise ConfigError("tasks.type=reasoning_gym needs tasks.kwargs.datasets (e.g. {basic_arithmetic: 1})")
     specs = _specs(kw["datasets"])
     size, seed = int(kw.get("size", DEFAULT_SIZE)), int(kw.get("seed", 0))
     if size < 1:
         raise ConfigError(f"tasks.kwargs.size must be >= 1, got {size}")
-    heldout = [_task(e, "eval", i) for i, e in
-               enumerate(_draw(rg, specs, cfg.eval_size, cfg.holdout_seed + _EVAL_SEED_OFFSET))] if cfg.eval_size else []
+    heldout = (
+        [
+            _task(e, "eval", i)
+            for i, e in enumerate(_draw(rg, specs, cfg.eval_size, cfg.holdout_seed + _EVAL_SEED_OFFSET))
+        ]
+        if cfg.eval_size
+        else []
+    )
     held_questions = {t.prompt[0]["content"] for t in heldout}
-    train = [t for t in (_task(e, "train", i) for i, e in enumerate(_draw(rg, specs, size, seed)))
-             if t.prompt[0]["content"] not in held_questions]
+    train = [
+        t
+        for t in (_task(e, "train", i) for i, e in enumerate(_draw(rg, specs, size, seed)))
+        if t.prompt[0]["content"] not in held_questions
+    ]
     if not train:
-        raise ConfigError("tasks.type=reasoning_gym: every training task is also a held-out task; raise tasks.kwargs.size")
+        raise ConfigError(
+            "tasks.type=reasoning_gym: every training task is also a held-out task; raise tasks.kwargs.size"
+        )
     return train, heldout
 
 
@@ -137,7 +158,9 @@ def reasoning_gym_reward(task: Task, response: str) -> float:
     rg = _require()
     entry = (task.metadata or {}).get("entry")
     if not isinstance(entry, dict):
-        raise ValueError(f"task {task.id} has no reasoning-gym entry in its metadata (env.reward=reasoning_gym needs "
-                         f"tasks.type=reasoning_gym)")
+        raise ValueError(
+            f"task {task.id} has no reasoning-gym entry in its metadata (env.reward=reasoning_gym needs "
+            f"tasks.type=reasoning_gym)"
+        )
     score = rg.get_score_answer_fn(task.metadata["dataset"])(extract_answer(response), entry)
     return float(score)

@@ -39,28 +39,40 @@ _EVAL_SEED_OFFSET = 1_000_003  # the arithmetic held-out draw: holdout_seed + th
 
 # ---- reading and validating -------------------------------------------------------------------
 
+
 def _task_from_record(rec: Any, where: str, cfg, src: str, idx: int) -> Task:
     """A Task from one record; ConfigError naming ``where`` (``file:line``) when it is malformed."""
     if not isinstance(rec, dict):
-        raise ConfigError(f"{where}: a task record must be a JSON object with {cfg.prompt_field!r}, got "
-                          f"{type(rec).__name__}")
+        raise ConfigError(
+            f"{where}: a task record must be a JSON object with {cfg.prompt_field!r}, got {type(rec).__name__}"
+        )
     if cfg.prompt_field not in rec:
-        raise ConfigError(f"{where}: no field {cfg.prompt_field!r} (tasks.prompt_field); fields present: "
-                          f"{sorted(rec)[:20]}")
+        raise ConfigError(
+            f"{where}: no field {cfg.prompt_field!r} (tasks.prompt_field); fields present: {sorted(rec)[:20]}"
+        )
     prompt = rec[cfg.prompt_field]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    elif not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt)):
-        raise ConfigError(f"{where}: {cfg.prompt_field!r} must be a string or a non-empty list of "
-                          f"{{role, content}} messages with string values")
+    elif not (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    ):
+        raise ConfigError(
+            f"{where}: {cfg.prompt_field!r} must be a string or a non-empty list of "
+            f"{{role, content}} messages with string values"
+        )
     if cfg.require_answer and rec.get(cfg.answer_field) is None:
-        raise ConfigError(f"{where}: no {cfg.answer_field!r} (tasks.answer_field), which the reward needs; "
-                          f"add it, or set tasks.require_answer=false if your reward does not use it")
+        raise ConfigError(
+            f"{where}: no {cfg.answer_field!r} (tasks.answer_field), which the reward needs; "
+            f"add it, or set tasks.require_answer=false if your reward does not use it"
+        )
     meta = {k: v for k, v in rec.items() if k not in (cfg.prompt_field, cfg.answer_field, "id")}
-    return Task(id=str(rec.get("id", f"{Path(src).stem}:{idx}")), prompt=prompt,
-                answer=rec.get(cfg.answer_field), metadata=meta)
+    return Task(
+        id=str(rec.get("id", f"{Path(src).stem}:{idx}")), prompt=prompt, answer=rec.get(cfg.answer_field), metadata=meta
+    )
 
 
 def _jsonl_records(p: Path, max_bytes: int) -> Iterator[tuple[str, Any]]:
@@ -68,20 +80,24 @@ def _jsonl_records(p: Path, max_bytes: int) -> Iterator[tuple[str, Any]]:
         for lineno, raw in enumerate(f, 1):
             where = f"{p}:{lineno}"
             if len(raw) > max_bytes:
-                raise ConfigError(f"{where}: record of {len(raw):,} bytes, more than tasks.max_record_bytes "
-                                  f"({max_bytes:,})")
+                raise ConfigError(
+                    f"{where}: record of {len(raw):,} bytes, more than tasks.max_record_bytes ({max_bytes:,})"
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                  f"expected a UTF-8 encoded JSON object per line") from None
+                raise ConfigError(
+                    f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    f"expected a UTF-8 encoded JSON object per line"
+                ) from None
             if not line.strip():
                 continue
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON "
-                                  f"object per line") from None
+                raise ConfigError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+                ) from None
 
 
 def _whole_file_records(p: Path, max_bytes: int) -> Iterator[tuple[str, Any]]:
@@ -123,8 +139,12 @@ def load_task_file(path: str, cfg) -> list[Task]:
         raise ConfigError(f"tasks file {p} holds no tasks")
     empty = [where for where, t in zip(wheres, tasks) if not "".join(m["content"] for m in t.prompt).strip()]
     if empty:
-        print(f"[asyncrl] warning: {len(empty)} empty prompt(s) in {p} (the model sees only the chat template): "
-              f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}", file=sys.stderr, flush=True)
+        print(
+            f"[asyncrl] warning: {len(empty)} empty prompt(s) in {p} (the model sees only the chat template): "
+            f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
     return tasks
 
 
@@ -150,24 +170,34 @@ def _hf_dataset_tasks(cfg) -> list[Task]:
     if not root.is_dir():
         snapshot, cache = local_hub_snapshot(cfg.path, repo_type="dataset")
         if snapshot is None:
-            raise ConfigError(f"tasks.path {cfg.path!r} is not a local directory and not a dataset in the local Hugging "
-                              f"Face cache ({cache}); nothing is downloaded at run time: get it where there is network "
-                              f"with `hf download --repo-type dataset {cfg.path}`, or give a local directory")
+            raise ConfigError(
+                f"tasks.path {cfg.path!r} is not a local directory and not a dataset in the local Hugging "
+                f"Face cache ({cache}); nothing is downloaded at run time: get it where there is network "
+                f"with `hf download --repo-type dataset {cfg.path}`, or give a local directory"
+            )
         root = Path(snapshot)
     data = sorted(p for p in root.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
     files = [p for p in data if p.name.startswith(f"{split}-") or p.stem == split or p.name.startswith(f"{split}.")]
     if not files:
         shown = ", ".join(str(p.relative_to(root)) for p in data[:8]) or "none"
-        raise ConfigError(f"tasks.path {cfg.path!r}: no data file of split {split!r} (tasks.kwargs.split); data files "
-                          f"there: {shown}")
+        raise ConfigError(
+            f"tasks.path {cfg.path!r}: no data file of split {split!r} (tasks.kwargs.split); data files there: {shown}"
+        )
     return [t for f in files for t in load_task_file(str(f), cfg)]
 
 
 # ``tasks.type``: a source is ``fn(tasks_cfg) -> all its tasks``, or None for a generated (endless) stream;
 # a source with a library behind it is imported when named
-TASK_SOURCES: Registry[Callable[..., "list[Task] | None"] | str] = Registry("task source", {
-    "arithmetic": lambda cfg: None, "file": _file_tasks, "hf_dataset": _hf_dataset_tasks,
-    "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_tasks", "verifiers": "asyncrl.envs.verifiers_env:verifiers_source"})
+TASK_SOURCES: Registry[Callable[..., "list[Task] | None"] | str] = Registry(
+    "task source",
+    {
+        "arithmetic": lambda cfg: None,
+        "file": _file_tasks,
+        "hf_dataset": _hf_dataset_tasks,
+        "reasoning_gym": "asyncrl.envs.rgym:reasoning_gym_tasks",
+        "verifiers": "asyncrl.envs.verifiers_env:verifiers_source",
+    },
+)
 
 
 def source_tasks(cfg) -> list[Task] | None:
@@ -177,14 +207,17 @@ def source_tasks(cfg) -> list[Task] | None:
         return TASK_SOURCES.resolve(kind, "tasks.type")(cfg)
     fn = TASK_SOURCES.resolve(kind, "tasks.type", what="function")
     items = list(fn(**cfg.kwargs))
-    tasks = [t if isinstance(t, Task) else _task_from_record(t, f"{kind} item {i}", cfg, kind, i)
-             for i, t in enumerate(items)]
+    tasks = [
+        t if isinstance(t, Task) else _task_from_record(t, f"{kind} item {i}", cfg, kind, i)
+        for i, t in enumerate(items)
+    ]
     if not tasks:
         raise ConfigError(f"tasks.type {kind}: the function returned no tasks")
     return tasks
 
 
 # ---- the split --------------------------------------------------------------------------------
+
 
 def split_tasks(cfg) -> tuple[list[Task] | None, list[Task]]:
     """``(training tasks, held-out tasks)``; training is None for ``arithmetic`` (a generated
@@ -219,14 +252,20 @@ def describe_heldout(cfg, heldout: list[Task], train: list[Task] | None) -> str:
     if cfg.eval_path:
         return f"held-out: {len(heldout)} tasks from {cfg.eval_path} (tasks.eval_path)"
     if cfg.type == "reasoning_gym":
-        return (f"held-out: {len(heldout)} reasoning-gym tasks drawn with seed {cfg.holdout_seed + 1_000_003}; "
-                f"training tasks with the same question removed")
+        return (
+            f"held-out: {len(heldout)} reasoning-gym tasks drawn with seed {cfg.holdout_seed + 1_000_003}; "
+            f"training tasks with the same question removed"
+        )
     if train is None:
-        return (f"held-out: {len(heldout)} distinct arithmetic problems drawn with seed "
-                f"{cfg.holdout_seed + _EVAL_SEED_OFFSET}, removed from the training stream")
+        return (
+            f"held-out: {len(heldout)} distinct arithmetic problems drawn with seed "
+            f"{cfg.holdout_seed + _EVAL_SEED_OFFSET}, removed from the training stream"
+        )
     total = len(train) + len(heldout)
-    return (f"held-out: {len(heldout)} of {total} tasks carved from {cfg.path or cfg.type} (tasks.holdout_fraction="
-            f"{cfg.holdout_fraction:g}, tasks.holdout_seed={cfg.holdout_seed}), not trained on")
+    return (
+        f"held-out: {len(heldout)} of {total} tasks carved from {cfg.path or cfg.type} (tasks.holdout_fraction="
+        f"{cfg.holdout_fraction:g}, tasks.holdout_seed={cfg.holdout_seed}), not trained on"
+    )
 
 
 def task_stream(cfg, seed: int) -> Iterator[Task]:

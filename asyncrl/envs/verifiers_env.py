@@ -35,9 +35,9 @@ from typing import Any
 
 from ..config import ConfigError
 from ..plugins import resolve_import
+from ..sandbox.tools import ToolSandbox, check_toolsets
 from ..types import Task
 from .agent import DEFAULT_MODEL_NAME, AgentEnv
-from ..sandbox.tools import ToolSandbox, check_toolsets
 
 DEFAULT_SIZE = 10_000
 
@@ -46,8 +46,9 @@ def require_verifiers():
     try:
         import verifiers.v1 as vf
     except ImportError:
-        raise ConfigError("env.type=verifiers needs the verifiers package (v1 API, verifiers>=0.4): "
-                          "pip install 'asyncrl[envs]'") from None
+        raise ConfigError(
+            "env.type=verifiers needs the verifiers package (v1 API, verifiers>=0.4): pip install 'asyncrl[envs]'"
+        ) from None
     return vf
 
 
@@ -58,24 +59,29 @@ def load_taskset(spec: str, config: dict | None):
     from verifiers.v1.utils.loaders import taskset_class
 
     if not spec:
-        raise ConfigError("env.type=verifiers (or tasks.type=verifiers) needs its taskset: env.kwargs.taskset="
-                          "'pkg.module:TasksetClass' or an installed verifiers environment id (tasks.kwargs.taskset "
-                          "is the same key; e.g. examples/verifiers.yaml)")
+        raise ConfigError(
+            "env.type=verifiers (or tasks.type=verifiers) needs its taskset: env.kwargs.taskset="
+            "'pkg.module:TasksetClass' or an installed verifiers environment id (tasks.kwargs.taskset "
+            "is the same key; e.g. examples/verifiers.yaml)"
+        )
     if ":" in spec:
         cls = resolve_import(spec, "env.kwargs.taskset")
     else:
         try:
             cls = taskset_class(spec)
         except Exception as e:  # noqa: BLE001 - verifiers raises several kinds for an unknown id
-            raise ConfigError(f"env.kwargs.taskset: verifiers could not load the environment {spec!r}: "
-                              f"{type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"env.kwargs.taskset: verifiers could not load the environment {spec!r}: {type(e).__name__}: {e}"
+            ) from None
     if not (isinstance(cls, type) and issubclass(cls, vf.Taskset)):
         raise ConfigError(f"env.kwargs.taskset {spec!r} is not a verifiers Taskset class (vf.Taskset)")
     config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
     try:
         cfg = config_cls(**(config or {}))
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: say which fields
-        raise ConfigError(f"env.kwargs.config for {spec}: {config_cls.__name__} refused it: {e}".splitlines()[0]) from None
+        raise ConfigError(
+            f"env.kwargs.config for {spec}: {config_cls.__name__} refused it: {e}".splitlines()[0]
+        ) from None
     return cls(cfg)
 
 
@@ -108,8 +114,14 @@ def verifiers_tasks(kwargs: dict) -> list[Task]:
     out = []
     for vtask in taskset.take(size) if not taskset.bounded else taskset:
         idx = vtask.data.idx
-        out.append(Task(id=f"vf:{vtask.data.id or idx}", prompt=_messages(vtask), answer=None,
-                        metadata={"vf_idx": idx, "vf_key": vtask.key}))
+        out.append(
+            Task(
+                id=f"vf:{vtask.data.id or idx}",
+                prompt=_messages(vtask),
+                answer=None,
+                metadata={"vf_idx": idx, "vf_key": vtask.key},
+            )
+        )
         if len(out) >= size:
             break
     if not out:
@@ -124,16 +136,31 @@ def _tool_spec(name: str, fn) -> dict:
         props[pname] = {"type": types.get(p.annotation, "string")}
         if p.default is inspect.Parameter.empty:
             required.append(pname)
-    return {"type": "function", "function": {"name": name, "description": inspect.getdoc(fn) or "",
-                                             "parameters": {"type": "object", "properties": props, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": inspect.getdoc(fn) or "",
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 class VerifiersEnv(AgentEnv):
     """``env.type=verifiers`` (module doc)."""
 
-    def __init__(self, reward: str = "", max_turns: int = 1, taskset: str = "", config: dict | None = None,
-                 size: int = DEFAULT_SIZE, model: str = DEFAULT_MODEL_NAME, request_timeout_s: float = 120.0,
-                 tool_parser: str = "hermes", **_: Any):
+    def __init__(
+        self,
+        reward: str = "",
+        max_turns: int = 1,
+        taskset: str = "",
+        config: dict | None = None,
+        size: int = DEFAULT_SIZE,
+        model: str = DEFAULT_MODEL_NAME,
+        request_timeout_s: float = 120.0,
+        tool_parser: str = "hermes",
+        **_: Any,
+    ):
         require_verifiers()
         self.taskset = load_taskset(taskset, config)
         self.size = int(size)
@@ -149,8 +176,10 @@ class VerifiersEnv(AgentEnv):
             self._tasks = {t.data.idx: t for t in source}
         idx = (task.metadata or {}).get("vf_idx")
         if idx not in self._tasks:
-            raise ValueError(f"task {task.id} is not a task of this taskset (no vf_idx {idx!r}); env.type=verifiers "
-                             f"needs tasks.type=verifiers")
+            raise ValueError(
+                f"task {task.id} is not a task of this taskset (no vf_idx {idx!r}); env.type=verifiers "
+                f"needs tasks.type=verifiers"
+            )
         return self._tasks[idx]
 
     def _check_tools(self, spec: str) -> None:
@@ -209,11 +238,19 @@ class VerifiersEnv(AgentEnv):
 
         adapter = TypeAdapter(vf.Message)
         n_prompt = len(_messages(vtask))  # messages past the prompt's that the model wrote were sampled
-        nodes = [MessageNode(message=adapter.validate_python(_vf_message(m)), parent=i - 1 if i else None,
-                             sampled=m["role"] == "assistant" and i >= n_prompt)
-                 for i, m in enumerate(messages)]
-        trace = Trace(task=TraceTask(type=type(vtask).__name__, data=vtask.data, key=vtask.key),
-                      agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
+        nodes = [
+            MessageNode(
+                message=adapter.validate_python(_vf_message(m)),
+                parent=i - 1 if i else None,
+                sampled=m["role"] == "assistant" and i >= n_prompt,
+            )
+            for i, m in enumerate(messages)
+        ]
+        trace = Trace(
+            task=TraceTask(type=type(vtask).__name__, data=vtask.data, key=vtask.key),
+            agent=AgentInfo(config=vf.AgentConfig()),
+            nodes=nodes,
+        )
         await vtask.score(trace)
         scores = {"reward": float(trace.reward)}
         scores.update({f"vf/{k}": float(r.score) for k, r in trace.rewards.items() if r is not None})
@@ -225,6 +262,8 @@ def _vf_message(m: dict) -> dict:
     """An OpenAI chat message as verifiers' types take it (tool calls flat: id, name, arguments)."""
     out = {k: v for k, v in m.items() if k in ("role", "content", "tool_call_id")}
     if m.get("tool_calls"):
-        out["tool_calls"] = [{"id": c.get("id", ""), "name": c["function"]["name"],
-                              "arguments": c["function"].get("arguments", "{}")} for c in m["tool_calls"]]
+        out["tool_calls"] = [
+            {"id": c.get("id", ""), "name": c["function"]["name"], "arguments": c["function"].get("arguments", "{}")}
+            for c in m["tool_calls"]
+        ]
     return out

@@ -80,15 +80,21 @@ class EpisodeArchive:
         if self.stopped:
             return
         frames = [encode_episode(ep) for ep in episodes]
-        head = {"step": step, "keep_rows": keep_rows, "frames": [len(f) for f in frames],
-                "sizes": [memoryview(f).nbytes for ep in frames for f in ep]}  # (each frame's size, uncompressed)
+        head = {
+            "step": step,
+            "keep_rows": keep_rows,
+            "frames": [len(f) for f in frames],
+            "sizes": [memoryview(f).nbytes for ep in frames for f in ep],
+        }  # (each frame's size, uncompressed)
         body = [json.dumps(head).encode()] + [zlib.compress(memoryview(f).cast("B"), 1) for ep in frames for f in ep]
         size = sum(len(b) for b in body)
         if self.bytes + size > self.max_bytes:
             self.stopped = True
-            self.warn(f"log.archive_episodes: the archive reached log.archive_max_gb "
-                      f"({self.max_bytes / (1 << 30):g} GiB) at step {step}; steps from {step} on are not archived "
-                      f"(asyncrl replay goes up to step {step})")
+            self.warn(
+                f"log.archive_episodes: the archive reached log.archive_max_gb "
+                f"({self.max_bytes / (1 << 30):g} GiB) at step {step}; steps from {step} on are not archived "
+                f"(asyncrl replay goes up to step {step})"
+            )
             return
         path = step_file(self.run_dir, step)
         tmp = path.with_suffix(".tmp")
@@ -116,8 +122,15 @@ def _regular(path: Path, what: str) -> None:
     except OSError as e:
         raise ArchiveError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else \
-            "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "not a regular file"
+        )
         raise ArchiveError(f"{path}: the {what} is {kind}, expected a regular file written by the learner")
 
 
@@ -131,8 +144,10 @@ def _inflate(frame: bytes, declared: int | None, budget: int) -> bytes:
     inflater = zlib.decompressobj()
     out = inflater.decompress(frame, limit)
     if inflater.unconsumed_tail or not inflater.eof:
-        raise ValueError(f"a frame inflates past {limit} bytes ({'its declared size, ' if declared is not None else ''}"
-                         f"at most {MAX_FRAME_BYTES} a frame and {MAX_STEP_BYTES} a step)")
+        raise ValueError(
+            f"a frame inflates past {limit} bytes ({'its declared size, ' if declared is not None else ''}"
+            f"at most {MAX_FRAME_BYTES} a frame and {MAX_STEP_BYTES} a step)"
+        )
     if declared is not None and len(out) != declared:
         raise ValueError(f"a frame inflates to {len(out)} bytes, its head says {declared}")
     return out
@@ -142,8 +157,10 @@ def _record(run_dir: Path, step: int) -> tuple[Path, list[bytes]]:
     """Step ``step``'s one record (its checksum checked): ArchiveError if missing or damaged."""
     path = step_file(run_dir, step)
     if not os.path.lexists(path):
-        raise ArchiveError(f"{path}: missing; the archive has no record of step {step} (archived: "
-                           f"{_ranges(archived_steps(run_dir)) or 'none'})")
+        raise ArchiveError(
+            f"{path}: missing; the archive has no record of step {step} (archived: "
+            f"{_ranges(archived_steps(run_dir)) or 'none'})"
+        )
     _regular(path, "step file")
     try:
         records = list(read_frame_records(path, strict=True))
@@ -170,22 +187,35 @@ def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
         head = json.loads(body[0])
         counts, out, i = head["frames"], [], 1
         sizes = head.get("sizes")  # (absent in archives written before it was recorded: the cap alone)
-        if int(head["step"]) != step or sum(counts) != len(body) - 1 or (
-                sizes is not None and len(sizes) != len(body) - 1):
+        if (
+            int(head["step"]) != step
+            or sum(counts) != len(body) - 1
+            or (sizes is not None and len(sizes) != len(body) - 1)
+        ):
             raise ValueError(f"head {str(head)[:200]} does not match the file (step {step}, {len(body) - 1} frames)")
         if sizes is not None and (max(sizes, default=0) > MAX_FRAME_BYTES or sum(sizes) > MAX_STEP_BYTES):
-            raise ValueError(f"the head declares frames of {max(sizes)} bytes, {sum(sizes)} in all (at most "
-                             f"{MAX_FRAME_BYTES} a frame and {MAX_STEP_BYTES} a step)")
+            raise ValueError(
+                f"the head declares frames of {max(sizes)} bytes, {sum(sizes)} in all (at most "
+                f"{MAX_FRAME_BYTES} a frame and {MAX_STEP_BYTES} a step)"
+            )
         budget = MAX_STEP_BYTES
         for n in counts:
             frames = []
-            for j, f in enumerate(body[i:i + n], i):
+            for j, f in enumerate(body[i : i + n], i):
                 frames.append(_inflate(f, sizes[j - 1] if sizes is not None else None, budget))
                 budget -= len(frames[-1])
             out.append(decode_episode(decode(frames, kinds=("episode",)), copy=True))
             i += n
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError, zlib.error, WireError,
-            msgspec.DecodeError) as e:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        RecursionError,
+        zlib.error,
+        WireError,
+        msgspec.DecodeError,
+    ) as e:
         raise ArchiveError(f"{path}: damaged archive record ({type(e).__name__}: {str(e)[:300]})") from None
     return out, bool(head.get("keep_rows", False))
 
@@ -193,8 +223,10 @@ def read_step(run_dir: Path, step: int) -> tuple[list[Episode], bool]:
 def read_meta(run_dir: Path) -> dict:
     path = archive_dir(run_dir) / META
     if not os.path.lexists(path):
-        raise ArchiveError(f"{run_dir} has no episode archive ({path} is missing): the run was made without "
-                           f"log.archive_episodes=true, so there is nothing to replay")
+        raise ArchiveError(
+            f"{run_dir} has no episode archive ({path} is missing): the run was made without "
+            f"log.archive_episodes=true, so there is nothing to replay"
+        )
     _regular(path, "archive's meta.json")
     try:
         with open(path, "rb") as f:
@@ -203,8 +235,10 @@ def read_meta(run_dir: Path) -> dict:
             raise ValueError(f"more than {MAX_HEAD_BYTES} bytes")
         meta = json.loads(text)
     except (OSError, ValueError, RecursionError) as e:
-        raise ArchiveError(f"{path}: not the archive's meta.json ({type(e).__name__}: {str(e)[:200]}); expected "
-                           f"the JSON object the learner writes") from None
+        raise ArchiveError(
+            f"{path}: not the archive's meta.json ({type(e).__name__}: {str(e)[:200]}); expected "
+            f"the JSON object the learner writes"
+        ) from None
     if not isinstance(meta, dict):
         raise ArchiveError(f"{path}: not the archive's meta.json (a JSON {type(meta).__name__}, expected an object)")
     return meta

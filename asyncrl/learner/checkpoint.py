@@ -20,13 +20,34 @@ import os
 import shutil
 from pathlib import Path
 
-from ..weights.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
 from ..models.lora import adapter_state, is_lora, read_adapters, settings_of
-from ..rundir.layout import (CRITIC, MANIFEST, MANIFEST_FORMAT, CheckpointError, checkpoint_dir, checkpoint_root, file_crc32c,
-                      fsync_path, list_checkpoints, replace_dir)
+from ..rundir.layout import (
+    CRITIC,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_root,
+    file_crc32c,
+    fsync_path,
+    list_checkpoints,
+    replace_dir,
+)
+from ..weights.adapters import ADAPTER, ADAPTER_CONFIG, write_adapters
 
-def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, buffer, extra_state: dict,
-                    keep: int, write_extra=None, states: tuple[dict, dict] | None = None) -> Path:
+
+def save_checkpoint(
+    run_dir: Path,
+    version: int,
+    model,
+    tokenizer,
+    optimizer,
+    buffer,
+    extra_state: dict,
+    keep: int,
+    write_extra=None,
+    states: tuple[dict, dict] | None = None,
+) -> Path:
     """Write ``step_<version>`` and keep the newest ``keep`` checkpoints. ``write_extra(dir)``, if
     given, writes more files into the checkpoint before it is sealed (the experience replay pool).
 
@@ -50,8 +71,9 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
         tmp.mkdir()
         if is_lora(model):  # the adapters, and the base model's name (asyncrl export --merge merges them)
             config = model.peft_config[ADAPTER]
-            write_adapters(tmp / "model", adapter_state(model_state), settings_of(config.to_dict()),
-                           config.base_model_name_or_path)
+            write_adapters(
+                tmp / "model", adapter_state(model_state), settings_of(config.to_dict()), config.base_model_name_or_path
+            )
         else:
             model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
@@ -64,15 +86,18 @@ def save_checkpoint(run_dir: Path, version: int, model, tokenizer, optimizer, bu
         _seal(tmp, version)
         replace_dir(tmp, final)
     except Exception as e:  # a full disk: OSError, or the writers' own errors (torch.save's RuntimeError "file
-        try:               # write failed", safetensors' SafetensorError): all an OSError, which stops the learner in one line
+        try:  # write failed", safetensors' SafetensorError): all an OSError, which stops the learner in one line
             full = shutil.disk_usage(root).free < 1 << 20
         except OSError:
             full = False
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) or not (full or "writ" in str(e).lower()):
             raise
-        raise OSError(errno.ENOSPC if full else errno.EIO, f"{type(e).__name__}: "
-                      f"{(str(e).strip().splitlines() or [''])[-1][:160]}", str(tmp)) from None
+        raise OSError(
+            errno.ENOSPC if full else errno.EIO,
+            f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:160]}",
+            str(tmp),
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -108,9 +133,11 @@ def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
     weights = {}
     lora = is_lora(model)
     if lora != (path / "model" / ADAPTER_CONFIG).exists():
-        raise CheckpointError(f"checkpoint {path} holds {'full weights' if lora else 'LoRA adapters'}; this run "
-                              f"has model.lora {'on' if lora else 'off'}: resume with the model.lora it was "
-                              f"written with")
+        raise CheckpointError(
+            f"checkpoint {path} holds {'full weights' if lora else 'LoRA adapters'}; this run "
+            f"has model.lora {'on' if lora else 'off'}: resume with the model.lora it was "
+            f"written with"
+        )
     if lora:
         weights = _load(path / "model", lambda d: read_adapters(d)[0])
     else:
@@ -120,8 +147,9 @@ def read_checkpoint(path: Path, model) -> tuple[dict, dict, dict]:
     missing = [m for m in expected - set(weights) if not m.endswith("lm_head.weight")]  # tied embeddings
     unexpected = sorted(set(weights) - expected)
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}"
+        )
     optim = _load(path / "optimizer.pt", lambda f: torch.load(f, weights_only=True))
     names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's parameters, in order
     try:
@@ -170,8 +198,10 @@ def read_critic(path: Path, critic) -> tuple[dict, dict] | None:
     weights = _load(path / CRITIC / "model.safetensors", load_file)
     expected = trainable_names(unwrap(critic))
     if set(weights) != expected:
-        raise CheckpointError(f"{path / CRITIC / 'model.safetensors'} does not match this run's critic: missing "
-                              f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
+        raise CheckpointError(
+            f"{path / CRITIC / 'model.safetensors'} does not match this run's critic: missing "
+            f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}"
+        )
     return weights, _load(path / CRITIC / "optimizer.pt", lambda f: torch.load(f, weights_only=True))
 
 

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import time
 
-from ..rollout.conversation import run_conversations, scored_trajectories, start_conversations
 from ..config import SamplingConfig
 from ..engine.hf import HFEngine
-from ..rollout.workflow import get_workflow
 from ..envs.base import make_env
 from ..envs.tasks import eval_tasks
 from ..objectives.advantages import one_per_rollout
+from ..rollout.conversation import run_conversations, scored_trajectories, start_conversations
+from ..rollout.workflow import get_workflow
 from ..types import prompt_text
 
 
 class EvaluationHung(RuntimeError):
     """Every call of an evaluation timed out: the reward (or environment) hangs; ``str`` is one line."""
+
 
 GREEDY_TEMPERATURE = 1e-4  # softmax(logits / 1e-4) puts all mass on the argmax
 
@@ -73,8 +74,9 @@ class Evaluator:
         n = min(cfg.eval.size, cfg.tasks.eval_size)
         self.tasks = eval_tasks(cfg.tasks)[:n] if n else []
         temp = cfg.eval.temperature or GREEDY_TEMPERATURE
-        self.sampling = SamplingConfig(n=1, temperature=temp, top_p=1.0,
-                                       max_new_tokens=cfg.sampling.max_new_tokens, stop=cfg.sampling.stop)
+        self.sampling = SamplingConfig(
+            n=1, temperature=temp, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens, stop=cfg.sampling.stop
+        )
         self.workflow = get_workflow(cfg.algorithm, cfg)
         self.history: list[dict] = []
         self._last = None
@@ -113,9 +115,11 @@ class Evaluator:
         hung = _hung_methods(env, before, 1)
         if hung:
             method, calls = hung[0]
-            raise EvaluationHung(f"every one of the {calls} {method} calls of the held-out evaluation at version "
-                                 f"{version} timed out (env.call_timeout_s={self.cfg.env.call_timeout_s}, "
-                                 f"eval.timeout_s={self.cfg.eval.timeout_s:g}): {env.name} hangs; last: {env.last_error}")
+            raise EvaluationHung(
+                f"every one of the {calls} {method} calls of the held-out evaluation at version "
+                f"{version} timed out (env.call_timeout_s={self.cfg.env.call_timeout_s}, "
+                f"eval.timeout_s={self.cfg.eval.timeout_s:g}): {env.name} hangs; last: {env.last_error}"
+            )
         timeouts = env.timeouts - timeouts0
         if timeouts:
             result["timeouts"] = timeouts
@@ -135,23 +139,36 @@ class Evaluator:
                 tick()
             if env.deadline is not None and _hung_methods(env, before, hung_after):
                 env.deadline = time.monotonic()  # the rest fail at once
+
         return watch
 
     def _accuracy(self, engine) -> dict:
-        convs = start_conversations(self.tokenizer, self.env, self.tasks, 1,
-                                    group_ids=[t.id for t in self.tasks])
-        run_conversations(engine, self.tokenizer, self.env, convs, self.sampling,
-                          self.cfg.env.max_turns, seed=self.cfg.seed)
+        convs = start_conversations(self.tokenizer, self.env, self.tasks, 1, group_ids=[t.id for t in self.tasks])
+        run_conversations(
+            engine, self.tokenizer, self.env, convs, self.sampling, self.cfg.env.max_turns, seed=self.cfg.seed
+        )
         trajs, failures = scored_trajectories(convs, self.env, 0)
         trajs = one_per_rollout(trajs)  # an agent's unmerged calls are one answer
         rewards = [t.reward for t in trajs] + [0.0] * len(failures)  # a failed reward counts as wrong
-        out = {"accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-               "reward_mean": sum(rewards) / len(rewards), "size": len(rewards), "failures": len(failures)}
+        out = {
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "reward_mean": sum(rewards) / len(rewards),
+            "size": len(rewards),
+            "failures": len(failures),
+        }
         tasks = {t.id: t for t in self.tasks}
-        out["samples"] = [{"task_id": t.group_id, "prompt": prompt_text(tasks[t.group_id].prompt),
-                           "answer": tasks[t.group_id].answer, "completion": t.text, "reward": t.reward,
-                           "correct": t.reward >= 1.0}
-                          for t in trajs[:self.cfg.log.eval_samples] if t.group_id in tasks]
+        out["samples"] = [
+            {
+                "task_id": t.group_id,
+                "prompt": prompt_text(tasks[t.group_id].prompt),
+                "answer": tasks[t.group_id].answer,
+                "completion": t.text,
+                "reward": t.reward,
+                "correct": t.reward >= 1.0,
+            }
+            for t in trajs[: self.cfg.log.eval_samples]
+            if t.group_id in tasks
+        ]
         if failures:
             out["failure_examples"] = failures[:3]
         if self.cfg.eval.k:
@@ -161,11 +178,13 @@ class Evaluator:
     def _pass_at_k(self, engine) -> dict:
         """pass@j and avg@k over ``eval.k`` samples per held-out problem at the run's sampling settings."""
         k, s = self.cfg.eval.k, self.cfg.sampling
-        sampling = SamplingConfig(n=k, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                  stop=s.stop)
+        sampling = SamplingConfig(
+            n=k, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, stop=s.stop
+        )
         convs = start_conversations(self.tokenizer, self.env, self.tasks, k, group_ids=[t.id for t in self.tasks])
-        run_conversations(engine, self.tokenizer, self.env, convs, sampling, self.cfg.env.max_turns,
-                          seed=self.cfg.seed + 1)
+        run_conversations(
+            engine, self.tokenizer, self.env, convs, sampling, self.cfg.env.max_turns, seed=self.cfg.seed + 1
+        )
         trajs, failures = scored_trajectories(convs, self.env, 0)
         trajs = one_per_rollout(trajs)  # an agent's unmerged calls are one answer
         correct = {t.id: 0 for t in self.tasks}  # a failed reward counts as wrong

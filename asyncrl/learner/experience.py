@@ -148,8 +148,7 @@ class ExperiencePool:
         self.stored.pop(task_id, None)
         self.tasks.pop(task_id, None)
 
-    def update_solved(
-            self, groups: dict[str, list[Trajectory]]) -> list[Trajectory]:
+    def update_solved(self, groups: dict[str, list[Trajectory]]) -> list[Trajectory]:
         """Seed 3.1.5 plus the bucket update (2.5). ``groups``: task id -> that task's fresh rollouts
         in this batch, each with ``metadata['entropy']``. Fully solved tasks go into the skip set
         (and out of pool and buckets); a skipped task that is not fully solved comes back out;
@@ -247,8 +246,10 @@ class ExperiencePool:
         """Up to ``num`` distinct pooled task ids: per task, a bucket is drawn (uniformly among the
         non-empty ones, or by ExGRPO's Gaussian weight over its success rate), then a task in it."""
         exclude = exclude or set()
-        avail = {d: [t for t in ids if t not in exclude and self.stored.get(t) and t in self.tasks]
-                 for d, ids in self.buckets.items()}
+        avail = {
+            d: [t for t in ids if t not in exclude and self.stored.get(t) and t in self.tasks]
+            for d, ids in self.buckets.items()
+        }
         avail = {d: ids for d, ids in avail.items() if ids}
         out: list[str] = []
         while len(out) < num and avail:
@@ -268,7 +269,7 @@ class ExperiencePool:
     def bucket_weight(self, successes: int) -> float:
         """ExGRPO's bucket weight: a Gaussian over the success rate ``s / n`` centred at 0.5."""
         x = successes / self.n
-        return math.exp(-((x - 0.5) ** 2) / (2 * self.cfg.bucket_sigma ** 2))
+        return math.exp(-((x - 0.5) ** 2) / (2 * self.cfg.bucket_sigma**2))
 
     def is_success(self, t: Trajectory) -> bool:
         return float(t.reward) >= self.cfg.success_threshold
@@ -335,8 +336,9 @@ class ExperiencePool:
             added += len(replayed)
         return added
 
-    def record(self, episodes: list[Episode], logprobs: np.ndarray | None, entropy: np.ndarray | None,
-               version: int) -> dict[str, float]:
+    def record(
+        self, episodes: list[Episode], logprobs: np.ndarray | None, entropy: np.ndarray | None, version: int
+    ) -> dict[str, float]:
         """The reference design's step [8] after the learner's log-prob pass over ``episodes``' trajectories.
 
         ``logprobs``/``entropy``: ``[B, T-1]`` rows in the batch order (every trajectory of every
@@ -376,10 +378,12 @@ class ExperiencePool:
         solve_rate = fresh_succ / fresh_total if fresh_total else 0.0
         self.maybe_activate(version, solve_rate)
         total = fresh_total + replayed
-        self._step_stats = {"replay/replayed_trajectories": float(replayed),
-                            "replay/replayed_share": replayed / total if total else 0.0,
-                            "replay/fresh_solve_rate": solve_rate,
-                            "replay/saved_trajectories": float(len(to_save))}
+        self._step_stats = {
+            "replay/replayed_trajectories": float(replayed),
+            "replay/replayed_share": replayed / total if total else 0.0,
+            "replay/fresh_solve_rate": solve_rate,
+            "replay/saved_trajectories": float(len(to_save)),
+        }
         return self.metrics()
 
     # ------------------------------------------------------------------ observability
@@ -390,39 +394,60 @@ class ExperiencePool:
         return sum(len(v) for v in self.stored.values())
 
     def metrics(self) -> dict[str, float]:
-        out = {"replay/pool_tasks": float(len(self.stored)),
-               "replay/skip_tasks": float(len(self.solved)),
-               "replay/pool_trajectories": float(self.pool_trajectories()),
-               "replay/active": float(self.active), **self._step_stats}
+        out = {
+            "replay/pool_tasks": float(len(self.stored)),
+            "replay/skip_tasks": float(len(self.solved)),
+            "replay/pool_trajectories": float(self.pool_trajectories()),
+            "replay/active": float(self.active),
+            **self._step_stats,
+        }
         for d in range(self.n + 1):
             out[f"replay/bucket_{d}"] = float(len(self.buckets.get(d, [])))
         return out
 
     def state_event(self) -> dict[str, Any]:
         """Fields of the ``replay_state`` event."""
-        return {"buckets": self.bucket_sizes(), "pool_tasks": len(self.stored),
-                "skip_tasks": len(self.solved), "pool_trajectories": self.pool_trajectories(),
-                "active": self.active}
+        return {
+            "buckets": self.bucket_sizes(),
+            "pool_tasks": len(self.stored),
+            "skip_tasks": len(self.solved),
+            "pool_trajectories": self.pool_trajectories(),
+            "active": self.active,
+        }
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """Everything but the stored arrays (those go to ``replay_pool.bin``), JSON-ready."""
         v, internal, gauss = self.rng.getstate()
-        return {"format": STATE_FORMAT,
-                "buckets": {str(d): list(ids) for d, ids in self.buckets.items()},
-                "solved": sorted(self.solved),
-                "stored": {tid: [t.id for t in ts] for tid, ts in self.stored.items()},
-                "tasks": self.tasks, "active": self.active, "ratio_carry": self._ratio_carry,
-                "rng_state": [v, list(internal), gauss]}
+        return {
+            "format": STATE_FORMAT,
+            "buckets": {str(d): list(ids) for d, ids in self.buckets.items()},
+            "solved": sorted(self.solved),
+            "stored": {tid: [t.id for t in ts] for tid, ts in self.stored.items()},
+            "tasks": self.tasks,
+            "active": self.active,
+            "ratio_carry": self._ratio_carry,
+            "rng_state": [v, list(internal), gauss],
+        }
 
     def digest(self) -> str:
         """A hash of the whole state (stored arrays included): equal iff the states are identical."""
-        h = hashlib.sha256(json.dumps({k: v for k, v in self.state_dict().items() if k != "rng_state"},
-                                      sort_keys=True).encode())
+        h = hashlib.sha256(
+            json.dumps({k: v for k, v in self.state_dict().items() if k != "rng_state"}, sort_keys=True).encode()
+        )
         for tid in sorted(self.stored):
             for t in self.stored[tid]:
-                h.update(json.dumps([t.id, t.policy_version, t.reward, t.metadata.get("entropy"),
-                                     t.metadata.get("recorded_version")]).encode())
+                h.update(
+                    json.dumps(
+                        [
+                            t.id,
+                            t.policy_version,
+                            t.reward,
+                            t.metadata.get("entropy"),
+                            t.metadata.get("recorded_version"),
+                        ]
+                    ).encode()
+                )
                 for arr in (t.token_ids, t.loss_mask, t.behavior_logprobs, t.recorded_logprobs):
                     if arr is not None:
                         h.update(np.ascontiguousarray(arr).tobytes())
@@ -431,8 +456,8 @@ class ExperiencePool:
     def save(self, directory: Path) -> None:
         """Write ``replay.json`` and ``replay_pool.bin`` (one wire-encoded Episode per pooled task)
         into a checkpoint directory."""
-        from ..wire.codec import encode_episode
         from ..rundir.record_file import write_frames
+        from ..wire.codec import encode_episode
 
         directory = Path(directory)
         (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))
@@ -443,8 +468,8 @@ class ExperiencePool:
 
     def load(self, directory: Path) -> bool:
         """Restore from a checkpoint directory; False (state untouched) when it holds no replay state."""
-        from ..wire.codec import decode, decode_episode
         from ..rundir.record_file import read_frame_records
+        from ..wire.codec import decode, decode_episode
 
         directory = Path(directory)
         path = directory / STATE_FILE
@@ -463,8 +488,9 @@ class ExperiencePool:
         for tid, ids in order.items():
             got = [t.id for t in pool.get(tid, [])]
             if got != ids:
-                raise ValueError(f"{pool_path}: task {tid!r} holds trajectories {got}, expected {ids} "
-                                 f"(the checkpoint is damaged)")
+                raise ValueError(
+                    f"{pool_path}: task {tid!r} holds trajectories {got}, expected {ids} (the checkpoint is damaged)"
+                )
         self.buckets = {int(d): list(ids) for d, ids in state["buckets"].items()}
         self.solved = set(state["solved"])
         self.stored = {tid: pool[tid] for tid in order}
@@ -480,11 +506,22 @@ class ExperiencePool:
 def _stored_copy(t: Trajectory, recorded: np.ndarray, entropy: float, version: int) -> Trajectory:
     """What the pool keeps of a fresh successful trajectory (own arrays, not views into frames)."""
     return Trajectory(
-        token_ids=np.array(t.token_ids), loss_mask=np.array(t.loss_mask),
-        behavior_logprobs=np.array(t.behavior_logprobs), policy_version=t.policy_version,
-        token_versions=None if t.token_versions is None else np.array(t.token_versions), reward=t.reward, scores=dict(t.scores), sample_type=t.sample_type, group_id=t.group_id,
-        task_id=t.task_id, rollout_id=t.rollout_id, recorded_logprobs=recorded, text=t.text,
-        metadata={**t.metadata, "entropy": float(entropy), "recorded_version": int(version)}, id=t.id)
+        token_ids=np.array(t.token_ids),
+        loss_mask=np.array(t.loss_mask),
+        behavior_logprobs=np.array(t.behavior_logprobs),
+        policy_version=t.policy_version,
+        token_versions=None if t.token_versions is None else np.array(t.token_versions),
+        reward=t.reward,
+        scores=dict(t.scores),
+        sample_type=t.sample_type,
+        group_id=t.group_id,
+        task_id=t.task_id,
+        rollout_id=t.rollout_id,
+        recorded_logprobs=recorded,
+        text=t.text,
+        metadata={**t.metadata, "entropy": float(entropy), "recorded_version": int(version)},
+        id=t.id,
+    )
 
 
 def make_replay_trajectory(stored: Trajectory, group_id: str) -> Trajectory:
@@ -495,22 +532,39 @@ def make_replay_trajectory(stored: Trajectory, group_id: str) -> Trajectory:
     if rec is None:
         rec = align_recorded_logprobs(None, stored.loss_mask)
     return Trajectory(
-        token_ids=stored.token_ids, loss_mask=stored.loss_mask, behavior_logprobs=stored.behavior_logprobs,
-        policy_version=stored.policy_version, token_versions=stored.token_versions, reward=stored.reward,
-        scores=dict(stored.scores), sample_type=stored.sample_type, group_id=group_id, task_id=stored.task_id,
-        rollout_id=stored.rollout_id, is_replay=True,
-        recorded_logprobs=np.array(rec, dtype=np.float32), exp_mask=np.array(stored.loss_mask, dtype=np.uint8),
-        text=stored.text, metadata={**stored.metadata, "replay_of": stored.id})
+        token_ids=stored.token_ids,
+        loss_mask=stored.loss_mask,
+        behavior_logprobs=stored.behavior_logprobs,
+        policy_version=stored.policy_version,
+        token_versions=stored.token_versions,
+        reward=stored.reward,
+        scores=dict(stored.scores),
+        sample_type=stored.sample_type,
+        group_id=group_id,
+        task_id=stored.task_id,
+        rollout_id=stored.rollout_id,
+        is_replay=True,
+        recorded_logprobs=np.array(rec, dtype=np.float32),
+        exp_mask=np.array(stored.loss_mask, dtype=np.uint8),
+        text=stored.text,
+        metadata={**stored.metadata, "replay_of": stored.id},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # the learner hook (asyncrl.learner.hooks)
 
-_STAT_NAMES = {"on_pg_loss": "replay/on_pg_loss", "off_pg_loss": "replay/off_pg_loss",
-               "on_clipfrac": "replay/on_clipfrac", "off_clipfrac": "replay/off_clipfrac",
-               "off_token_ratio": "replay/off_token_ratio", "off_ratio_mean": "replay/ratio_mean",
-               "off_ratio_min": "replay/ratio_min", "off_ratio_max": "replay/ratio_max",
-               "recorded_vs_current_logprob_diff": "replay/recorded_vs_current_logprob_diff"}
+_STAT_NAMES = {
+    "on_pg_loss": "replay/on_pg_loss",
+    "off_pg_loss": "replay/off_pg_loss",
+    "on_clipfrac": "replay/on_clipfrac",
+    "off_clipfrac": "replay/off_clipfrac",
+    "off_token_ratio": "replay/off_token_ratio",
+    "off_ratio_mean": "replay/ratio_mean",
+    "off_ratio_min": "replay/ratio_min",
+    "off_ratio_max": "replay/ratio_max",
+    "recorded_vs_current_logprob_diff": "replay/recorded_vs_current_logprob_diff",
+}
 
 
 class ReplayHook:
@@ -531,8 +585,11 @@ class ReplayHook:
             self.manager.attach(episodes)
 
     def after_step(self, episodes: list[Episode], result, version: int) -> dict[str, float]:
-        rows = (None, None) if result is None or result.row_logprobs is None else \
-            (result.row_logprobs.float().numpy(), result.row_entropy.float().numpy())
+        rows = (
+            (None, None)
+            if result is None or result.row_logprobs is None
+            else (result.row_logprobs.float().numpy(), result.row_entropy.float().numpy())
+        )
         out = self.manager.record(episodes, rows[0], rows[1], version)
         stats = result.stats if result is not None else {}
         out.update({_STAT_NAMES[k]: v for k, v in stats.items() if k in _STAT_NAMES})
@@ -547,11 +604,18 @@ class ReplayHook:
         from ..wire.messages import ReplayTask, Withhold
 
         delta, actor.withheld_sent = self.manager.withheld_update(actor.withheld_sent)
-        work: dict[str, Any] = {"replay": [ReplayTask(task=msgspec.convert(t["task"], Task), n=t["n"], k=t["k"])
-                                           for t in self.manager.assign(n, version)]}
+        work: dict[str, Any] = {
+            "replay": [
+                ReplayTask(task=msgspec.convert(t["task"], Task), n=t["n"], k=t["k"])
+                for t in self.manager.assign(n, version)
+            ]
+        }
         if delta:
-            work["withhold"] = Withhold(reset=delta.get("withhold_reset", False), add=delta.get("withhold_add", []),
-                                        remove=delta.get("withhold_remove", []))
+            work["withhold"] = Withhold(
+                reset=delta.get("withhold_reset", False),
+                add=delta.get("withhold_add", []),
+                remove=delta.get("withhold_remove", []),
+            )
         return work
 
     def save(self, directory: Path) -> None:
@@ -559,9 +623,16 @@ class ReplayHook:
 
     def load(self, directory: Path, version: int) -> None:
         if self.manager.load(directory):
-            self.event("replay_state", version, reason="resume", digest=self.manager.digest(),
-                       **self.manager.state_event())
+            self.event(
+                "replay_state", version, reason="resume", digest=self.manager.digest(), **self.manager.state_event()
+            )
 
     def checkpoint_saved(self, path: Path, version: int) -> None:
-        self.event("replay_state", version, reason="checkpoint", checkpoint=str(path),
-                   digest=self.manager.digest(), **self.manager.state_event())
+        self.event(
+            "replay_state",
+            version,
+            reason="checkpoint",
+            checkpoint=str(path),
+            digest=self.manager.digest(),
+            **self.manager.state_event(),
+        )

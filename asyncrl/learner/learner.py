@@ -22,28 +22,27 @@ import torch
 from ..config import Config, cpu_threads, deterministic_torch
 from ..envs.guard import request_stop as request_env_stop
 from ..models.loading import load_policy
-from ..objectives.advantages import informative
 from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
+from ..objectives.advantages import informative
 from ..rollout.workflow import workflow_class
-from ..weights import make_publisher
+from ..rundir import provenance
+from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir, checkpoint_step, list_checkpoints
 from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
+from ..weights import make_publisher
 from ..wire.sockets import check_wire, socket_dir
-from .ingest.buffer import EpisodeQueue
-from ..rundir.layout import (ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir, checkpoint_step,
-                             list_checkpoints)
-from ..rundir import provenance
 from .archive import EpisodeArchive
 from .checkpoint import save_checkpoint, write_critic
 from .evaluate import EvaluationHung, Evaluator
-from .ingest.server import LearnerServer, Limits
-from .ingest.peers import Peers
-from .progress import Progress, summary_table
+from .experience import ExperiencePool, ReplayHook
 from .hooks import LearnerHook
+from .ingest.buffer import EpisodeQueue
+from .ingest.peers import Peers
+from .ingest.server import LearnerServer, Limits
+from .ingest.staleness import StalenessPolicy
+from .progress import Progress, summary_table
 from .startup import Startup
 from .telemetry import Telemetry
-from .experience import ExperiencePool, ReplayHook
-from .ingest.staleness import StalenessPolicy
 from .training.ranks import Ranks
 from .training.trainer import StepAbandoned
 
@@ -81,24 +80,41 @@ class Learner:
         workflow = workflow_class(cfg.algorithm)
         self.counts_for_reward = workflow.counts_for_reward  # which trained rows reward_mean averages
         model, self.tokenizer, self.model_dir = load_policy(
-            cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
-            warmstart_formats=workflow.warmstart_formats)
+            cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format, warmstart_formats=workflow.warmstart_formats
+        )
         model = with_adapters(model, cfg.model, cfg.seed, base=self.model_dir)  # model.lora: train adapters only
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
-        self.net = LearnerServer(cfg.wire, self._on_bad_message, previous=self.start.previous_addresses(),
-                              limits=Limits.from_config(cfg.wire, getattr(self.model.config,
-                                                                          "max_position_embeddings", None)),
-                              sock_dir=None if cfg.wire.curve_dir else socket_dir(self.run_dir))
-        self.log = RunLog(self.run_dir, on_event=self.net.publish_event,
-                          trackers=open_trackers(cfg.log.trackers, self.run_dir, cfg.name, cfg.log.project,
-                                                 cfg.model_dump(mode="json"),
-                                                 resume=self.start.plan.mode == "resume"))
-        self.peers = Peers(cfg, self.net, self.buffer, lambda kind, **f: self.log.event(kind, self.version, **f),
-                           vocab_size=self.model.get_input_embeddings().num_embeddings, limits=self.net.limits)
+        self.net = LearnerServer(
+            cfg.wire,
+            self._on_bad_message,
+            previous=self.start.previous_addresses(),
+            limits=Limits.from_config(cfg.wire, getattr(self.model.config, "max_position_embeddings", None)),
+            sock_dir=None if cfg.wire.curve_dir else socket_dir(self.run_dir),
+        )
+        self.log = RunLog(
+            self.run_dir,
+            on_event=self.net.publish_event,
+            trackers=open_trackers(
+                cfg.log.trackers,
+                self.run_dir,
+                cfg.name,
+                cfg.log.project,
+                cfg.model_dump(mode="json"),
+                resume=self.start.plan.mode == "resume",
+            ),
+        )
+        self.peers = Peers(
+            cfg,
+            self.net,
+            self.buffer,
+            lambda kind, **f: self.log.event(kind, self.version, **f),
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+            limits=self.net.limits,
+        )
         self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
         self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer)
@@ -114,8 +130,9 @@ class Learner:
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
         self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
-        self.version, state, report = self.start.restore(self.model, self.ranks.load, self.hooks, self.buffer,
-                                                           self.peers.validator, critic=self.trainer.critic_model)
+        self.version, state, report = self.start.restore(
+            self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
+        )
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
             self.evaluator.resumed(self._earlier_evaluations())
@@ -126,9 +143,11 @@ class Learner:
 
     def _earlier_evaluations(self) -> list[dict]:
         """The run log's evaluations up to the resumed version (what the run's summary compares)."""
-        return [{k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
-                for e in read_jsonl(self.run_dir / EVENTS)
-                if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version]
+        return [
+            {k: v for k, v in e.items() if k not in ("schema", "kind", "t", "step")}
+            for e in read_jsonl(self.run_dir / EVENTS)
+            if e.get("kind") == "eval" and (e.get("version") or 0) <= self.version
+        ]
 
     def _reproducibility(self) -> EpisodeArchive | None:
         """``train.deterministic``'s torch settings; record the run's provenance (on a resume: warn of each
@@ -141,11 +160,19 @@ class Learner:
             self.log.event("warning", self.version, source="provenance", message=message)
         if not cfg.log.archive_episodes:
             return None
-        meta = {"seed": cfg.seed, "threads": torch.get_num_threads(), "distributed": cfg.train.distributed,
-                "torch": torch.__version__}
-        return EpisodeArchive(self.run_dir, cfg.log.archive_max_gb, self.version, meta,
-                              warn=lambda m: self.log.event("warning", self.version, source="log.archive_episodes",
-                                                            message=m))
+        meta = {
+            "seed": cfg.seed,
+            "threads": torch.get_num_threads(),
+            "distributed": cfg.train.distributed,
+            "torch": torch.__version__,
+        }
+        return EpisodeArchive(
+            self.run_dir,
+            cfg.log.archive_max_gb,
+            self.version,
+            meta,
+            warn=lambda m: self.log.event("warning", self.version, source="log.archive_episodes", message=m),
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _on_bad_message(self, channel: str, error: Exception) -> None:
@@ -214,16 +241,25 @@ class Learner:
             self.log.close()
         except OSError:
             pass
-        raise SystemExit(f"asyncrl learn: stopped at step {self.version}: {reason}. Actors keep their "
-                         f"unacknowledged episodes; fix it and start the learner again to resume")
+        raise SystemExit(
+            f"asyncrl learn: stopped at step {self.version}: {reason}. Actors keep their "
+            f"unacknowledged episodes; fix it and start the learner again to resume"
+        )
 
     def _run(self) -> dict:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         cfg = self.cfg
         self.publish()
-        self.log.event("learner_start", self.version, addresses=self.net.addresses, pid=os.getpid(),
-                       model_dir=str(self.model_dir), total_steps=cfg.train.total_steps, heldout=self.heldout)
+        self.log.event(
+            "learner_start",
+            self.version,
+            addresses=self.net.addresses,
+            pid=os.getpid(),
+            model_dir=str(self.model_dir),
+            total_steps=cfg.train.total_steps,
+            heldout=self.heldout,
+        )
         start_version = self.version
         self.evaluate()
         progress = Progress(cfg.train.total_steps, self.version, enabled=cfg.log.progress)
@@ -251,20 +287,32 @@ class Learner:
             self._say_stopping()  # (now with the step's real micro-batch time)
         saved = self.checkpoint()
         if self._stop:
-            given_up = (f"; the step in progress was given up and its {self._abandoned} episodes are back in the "
-                        f"buffer, saved with it" if self._abandoned is not None else "")
-            print(f"[learner] stopping: checkpoint of step {self.version} written in {self._checkpoint_s:.1f} s to "
-                  f"{saved}{given_up}", flush=True)
+            given_up = (
+                f"; the step in progress was given up and its {self._abandoned} episodes are back in the "
+                f"buffer, saved with it"
+                if self._abandoned is not None
+                else ""
+            )
+            print(
+                f"[learner] stopping: checkpoint of step {self.version} written in {self._checkpoint_s:.1f} s to "
+                f"{saved}{given_up}",
+                flush=True,
+            )
         if not self._stop or self._stop_reason:  # the run is over: the actors stop too
             self.net.stop_actors(self._stop_reason or "")
             time.sleep(0.2)  # let the stop messages leave before the sockets close
         # (a stop signal only stops this process: actors started on their own wait for a resumed
         # learner; under asyncrl run or a scheduler they are stopped by it)
         stopped = self._stop_reason or (f"stopped by a stop signal at step {self.version}" if self._stop else None)
-        summary = summary_table(self.rewards_per_step, self.evaluator.history,
-                                trained_steps=self.version - start_version - self.empty_steps,
-                                total_steps=cfg.train.total_steps, stopped=stopped, heldout=self.heldout,
-                                empty_steps=self.empty_steps)
+        summary = summary_table(
+            self.rewards_per_step,
+            self.evaluator.history,
+            trained_steps=self.version - start_version - self.empty_steps,
+            total_steps=cfg.train.total_steps,
+            stopped=stopped,
+            heldout=self.heldout,
+            empty_steps=self.empty_steps,
+        )
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         self.net.close()
         self.log.close()
@@ -290,7 +338,8 @@ class Learner:
             f"dynamic sampling (buffer.filter_groups) dropped {len(self.buffer.filtered)} episodes in a row whose "
             f"groups all had equal rewards, more than buffer.filter_groups_max_batches="
             f"{self.cfg.buffer.filter_groups_max_batches} x train.batch_tasks={self.cfg.train.batch_tasks}: no "
-            f"informative group to train on (the tasks are all solved or all failed, or the reward is constant)")
+            f"informative group to train on (the tasks are all solved or all failed, or the reward is constant)"
+        )
 
     def _filtered_metrics(self, batch_episodes: int) -> dict:
         """Dynamic sampling's metrics for a step, and its ``groups_filtered`` event."""
@@ -299,9 +348,11 @@ class Learner:
         ids = self.buffer.take_filtered()
         if ids:
             self.log.event("groups_filtered", self.version, episode_ids=ids, count=len(ids))
-        return {"dynamic_sampling/dropped": len(ids),
-                "dynamic_sampling/dropped_share": len(ids) / max(len(ids) + batch_episodes, 1),
-                "dynamic_sampling/dropped_total": self.buffer.filtered_total}
+        return {
+            "dynamic_sampling/dropped": len(ids),
+            "dynamic_sampling/dropped_share": len(ids) / max(len(ids) + batch_episodes, 1),
+            "dynamic_sampling/dropped_total": self.buffer.filtered_total,
+        }
 
     def grant(self) -> None:
         cfg = self.cfg
@@ -310,9 +361,12 @@ class Learner:
         pool = self.staleness.credit_pool()
         free = pool - self.net.in_flight - len(self.buffer)
         if free > 0:
-            self.net.grant_credits(free, min_version=max(self.net.weights_version, 0),
-                                   work=self._credit_work if self.hooks else None,
-                                   stranger_cap=cfg.wire.stranger_credits or max(1, pool // 2))
+            self.net.grant_credits(
+                free,
+                min_version=max(self.net.weights_version, 0),
+                work=self._credit_work if self.hooks else None,
+                stranger_cap=cfg.wire.stranger_credits or max(1, pool // 2),
+            )
 
     def _credit_work(self, actor, n: int) -> dict:
         """The hooks' fields for ``actor``'s credit message (experience replay's assignments)."""
@@ -362,18 +416,30 @@ class Learner:
         else:
             self.rewards_per_step.append(reward_mean)
         tokens = int(batch.response_mask.sum().item()) if batch is not None else 0
-        metrics = {"version": self.version, "reward_mean": reward_mean,
-                   "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
-                   "batch_trajectories": batch.batch_size if batch is not None else 0, "batch_tokens": tokens,
-                   "buffer_size": len(self.buffer), "in_flight": self.net.in_flight,
-                   "episodes_acked": self.peers.ingested,
-                   "ingest_s": self.peers.ingest_s + self.net.decode_s,
-                   "dropped_stale": self.buffer.dropped_stale, "staleness/tokens_truncated": truncated,
-                   "bad_messages": self.bad_messages,
-                   "rejected_episodes": self.peers.rejected_episodes,
-                   "nonfinite_steps": self.telemetry.nonfinite_steps,
-                   "train_s": train_s, "wait_s": wait_s, **stats, **hook_metrics, **self._sync_metrics(),
-                   **self._filtered_metrics(len(episodes)), **(self.trainer.shaping_stats if batch is not None else {})}
+        metrics = {
+            "version": self.version,
+            "reward_mean": reward_mean,
+            "staleness_max": max(staleness),
+            "staleness_mean": float(np.mean(staleness)),
+            "batch_trajectories": batch.batch_size if batch is not None else 0,
+            "batch_tokens": tokens,
+            "buffer_size": len(self.buffer),
+            "in_flight": self.net.in_flight,
+            "episodes_acked": self.peers.ingested,
+            "ingest_s": self.peers.ingest_s + self.net.decode_s,
+            "dropped_stale": self.buffer.dropped_stale,
+            "staleness/tokens_truncated": truncated,
+            "bad_messages": self.bad_messages,
+            "rejected_episodes": self.peers.rejected_episodes,
+            "nonfinite_steps": self.telemetry.nonfinite_steps,
+            "train_s": train_s,
+            "wait_s": wait_s,
+            **stats,
+            **hook_metrics,
+            **self._sync_metrics(),
+            **self._filtered_metrics(len(episodes)),
+            **(self.trainer.shaping_stats if batch is not None else {}),
+        }
         metrics.update(self.evaluate())
         return self.telemetry.step(self.version, episodes, staleness, tokens, metrics, advantages)
 
@@ -398,12 +464,19 @@ class Learner:
         # (model.lora: the adapter tensors only, by the plain model's module names; asyncrl.models.lora)
         snapshot = self.weights_out.needs_snapshot
         named = self.model.named_parameters()
-        state = {k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
-                 for k, v in (adapter_tensors(named) if is_lora(self.model) else dict(named)).items()}
+        state = {
+            k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
+            for k, v in (adapter_tensors(named) if is_lora(self.model) else dict(named)).items()
+        }
         self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)
-        self.log.event("weights_published", self.version, version=self.version,
-                       bytes=int(sum(v.numel() * v.element_size() for v in state.values())),
-                       encode_s=time.time() - t0, subscribers=len(self.net.subscribers))
+        self.log.event(
+            "weights_published",
+            self.version,
+            version=self.version,
+            bytes=int(sum(v.numel() * v.element_size() for v in state.values())),
+            encode_s=time.time() - t0,
+            subscribers=len(self.net.subscribers),
+        )
 
     def evaluate(self, force: bool = False) -> dict:
         """Evaluate if due; the loop keeps answering actors and taking episodes meanwhile (no
@@ -436,9 +509,18 @@ class Learner:
             if critic is not None:
                 write_critic(directory, critic)
 
-        path = save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, self.trainer.optimizer,
-                               self.buffer, {"rewards_per_step": self.rewards_per_step},
-                               keep=self.cfg.checkpoint.keep, write_extra=write_extra, states=states)
+        path = save_checkpoint(
+            self.run_dir,
+            self.version,
+            self.model,
+            self.tokenizer,
+            self.trainer.optimizer,
+            self.buffer,
+            {"rewards_per_step": self.rewards_per_step},
+            keep=self.cfg.checkpoint.keep,
+            write_extra=write_extra,
+            states=states,
+        )
         self.buffer.open_wal(self.version)
         # WAL segments back to the oldest kept checkpoint stay, so a resume that finds the newest
         # checkpoint damaged can fall back to an older one without losing acknowledged episodes
@@ -455,8 +537,9 @@ def _make_hooks(cfg: Config, staleness: StalenessPolicy, event) -> list[LearnerH
     preflight has checked that the workflow takes per-task rollout counts)."""
     if not cfg.replay.enabled:
         return []
-    manager = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, staleness=staleness,
-                             seed=cfg.seed)
+    manager = ExperiencePool(
+        cfg.replay, n=cfg.sampling.n, total_steps=cfg.train.total_steps, staleness=staleness, seed=cfg.seed
+    )
     return [ReplayHook(manager, cfg.replay.state_event_every, event)]
 
 

@@ -7,7 +7,6 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-
 # rewards shown next to the headline one when a step reports them: RLCR's answer accuracy and Brier
 # confidence reward (its ``reward_mean`` is the answers' accuracy only)
 PROGRESS_SPLIT_REWARDS = (("rlcr/answer_reward_mean", "acc"), ("rlcr/confidence_reward_mean", "brier_r"))
@@ -15,8 +14,16 @@ PROGRESS_SPLIT_REWARDS = (("rlcr/answer_reward_mean", "acc"), ("rlcr/confidence_
 
 class Progress:
     def __init__(self, total: int, start: int, enabled: bool = True):
-        self.bar = tqdm(total=total, initial=start, desc="learner", unit="step", dynamic_ncols=True,
-                        disable=not enabled, file=sys.stdout, mininterval=0.5)
+        self.bar = tqdm(
+            total=total,
+            initial=start,
+            desc="learner",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not enabled,
+            file=sys.stdout,
+            mininterval=0.5,
+        )
 
     def update(self, version: int, stats: dict) -> None:
         self.bar.n = version
@@ -55,8 +62,10 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
             continue
         x, y = a.get(key), b.get(key)
         out[f"eval_{key}_start"], out[f"eval_{key}_end"] = x, y
-        show = [f"{v:.3f}" if v is not None and not (key == "accuracy" and _all_failed(e)) else NA
-                for v, e in ((x, first), (y, last))]
+        show = [
+            f"{v:.3f}" if v is not None and not (key == "accuracy" and _all_failed(e)) else NA
+            for v, e in ((x, first), (y, last))
+        ]
         change = f"{y - x:+.3f}" if x is not None and y is not None and NA not in show else NA
         rows.append((label, *show, change))
     paired = paired_change(first, last)
@@ -64,15 +73,26 @@ def _eval_rows(evals: list[dict]) -> tuple[dict, list[tuple[str, str, str, str]]
         lo, hi = paired["ci95"]
         out["eval_accuracy_change_ci95"] = [lo, hi]
         out["eval_problems_gained"], out["eval_problems_lost"] = paired["gained"], paired["lost"]
-        rows.append((f"held-out change, paired 95% CI ({paired['n']})", f"{paired['lost']} lost", f"{paired['gained']} gained",
-                     f"[{lo:+.3f}, {hi:+.3f}]"))
+        rows.append(
+            (
+                f"held-out change, paired 95% CI ({paired['n']})",
+                f"{paired['lost']} lost",
+                f"{paired['gained']} gained",
+                f"[{lo:+.3f}, {hi:+.3f}]",
+            )
+        )
     accs = [(e["accuracy"], e.get("version", i)) for i, e in enumerate(evals) if e.get("accuracy") is not None]
     if accs:  # the best evaluation (the first of equals): what a checkpoint picked by held-out accuracy gives
         best, at = max(accs, key=lambda av: av[0])
         out["eval_accuracy_best"], out["eval_accuracy_best_version"] = best, at
-        rows.append((f"held-out accuracy, best (version {at})", f"{a.get('accuracy', best):.3f}"
-                     if a.get("accuracy") is not None else NA, f"{best:.3f}",
-                     f"{best - a['accuracy']:+.3f}" if a.get("accuracy") is not None else NA))
+        rows.append(
+            (
+                f"held-out accuracy, best (version {at})",
+                f"{a.get('accuracy', best):.3f}" if a.get("accuracy") is not None else NA,
+                f"{best:.3f}",
+                f"{best - a['accuracy']:+.3f}" if a.get("accuracy") is not None else NA,
+            )
+        )
     if calib:
         out["confidences_parsed_start"], out["confidences_parsed_end"] = a["parsed"], b["parsed"]
         rows.append(("held-out confidences parsed", f"{a['parsed']}/{a['size']}", f"{b['parsed']}/{b['size']}", ""))
@@ -84,9 +104,15 @@ def _all_failed(e: dict) -> bool:
     return bool(e.get("size")) and int(e.get("failures") or 0) >= int(e["size"])
 
 
-def summary_table(rewards: list[float], evals: list[dict], trained_steps: int | None = None,
-                  total_steps: int | None = None, stopped: str | None = None, heldout: str | None = None,
-                  empty_steps: int = 0) -> dict:
+def summary_table(
+    rewards: list[float],
+    evals: list[dict],
+    trained_steps: int | None = None,
+    total_steps: int | None = None,
+    stopped: str | None = None,
+    heldout: str | None = None,
+    empty_steps: int = 0,
+) -> dict:
     """The end-of-run summary: first vs last 10% of steps (mean batch reward) and first vs last
     held-out evaluation (accuracy; ECE and Brier when the evaluation reports them). Prints a small
     table and returns the figures.
@@ -103,11 +129,15 @@ def summary_table(rewards: list[float], evals: list[dict], trained_steps: int | 
         shown = f"stopped after {trained} of {total_steps} steps" if total_steps else "stopped"
         print(f"[learner] {shown}: {stopped}", flush=True)  # (a plain line: the reason in full, unwrapped)
     if empty_steps:
-        print(f"[learner] {empty_steps} step(s) had no trajectory to train on (every rollout failed or was filtered "
-              f"out) and are not counted as trained", flush=True)
+        print(
+            f"[learner] {empty_steps} step(s) had no trajectory to train on (every rollout failed or was filtered "
+            f"out) and are not counted as trained",
+            flush=True,
+        )
     if trained == 0:
-        why = stopped or (f"the run was already at total_steps ({total_steps})" if total_steps is not None
-                          else "no batch was trained")
+        why = stopped or (
+            f"the run was already at total_steps ({total_steps})" if total_steps is not None else "no batch was trained"
+        )
         print(f"[learner] no learning summary: this run trained 0 steps ({why})", flush=True)
         if heldout:
             print(f"[learner] {heldout}", flush=True)
@@ -142,18 +172,29 @@ def _print_summary(out, rewards, evals, eval_rows, trained, total_steps, stopped
     for col, justify in (("measure", "left"), ("start", "right"), ("end", "right"), ("change", "right")):
         table.add_column(col, justify=justify)
     if rewards:
-        table.add_row(f"batch reward (first/last 10% of {len(rewards)} steps)",
-                      f"{out['reward_first_10pct']:.3f}", f"{out['reward_last_10pct']:.3f}",
-                      f"{out['reward_gain']:+.3f}")
+        table.add_row(
+            f"batch reward (first/last 10% of {len(rewards)} steps)",
+            f"{out['reward_first_10pct']:.3f}",
+            f"{out['reward_last_10pct']:.3f}",
+            f"{out['reward_gain']:+.3f}",
+        )
     for row in eval_rows:
         table.add_row(*row)
     if len(evals) == 1:
-        table.add_row(f"held-out accuracy (version {evals[0].get('version', 0)} only)",
-                      "n/a" if _all_failed(evals[0]) else f"{evals[0]['accuracy']:.3f}", "-", "-")
+        table.add_row(
+            f"held-out accuracy (version {evals[0].get('version', 0)} only)",
+            "n/a" if _all_failed(evals[0]) else f"{evals[0]['accuracy']:.3f}",
+            "-",
+            "-",
+        )
     if any(e.get("failures") for e in evals):  # a failed reward call scores 0: say how many there were
         first, last = evals[0], evals[-1]
-        table.add_row("held-out reward calls failed", f"{first.get('failures') or 0} of {first.get('size', '?')}",
-                      f"{last.get('failures') or 0} of {last.get('size', '?')}" if len(evals) > 1 else "-", "")
+        table.add_row(
+            "held-out reward calls failed",
+            f"{first.get('failures') or 0} of {first.get('size', '?')}",
+            f"{last.get('failures') or 0} of {last.get('size', '?')}" if len(evals) > 1 else "-",
+            "",
+        )
     console = Console(file=sys.stdout)
     console.print(table)
     if heldout:

@@ -17,7 +17,6 @@ from ..rundir.claim import RunLock, StartPlan, discard_metrics_after, plan_start
 from ..rundir.layout import CheckpointError, clean_partial, quarantine_checkpoint, read_addresses
 from .checkpoint import read_checkpoint, read_critic
 
-
 _ANY_VERSION = 1 << 62
 
 
@@ -44,8 +43,13 @@ class Startup:
             print(f"[learner] nothing to resume in {self.run_dir}: starting a fresh run", flush=True)
         for path, problem in self.plan.damaged:
             moved = quarantine_checkpoint(path)
-            self.note("checkpoint_damaged", f"checkpoint {path.name} is damaged: {problem}; moved to {moved.name}",
-                      path=str(path), problem=problem, moved_to=str(moved))
+            self.note(
+                "checkpoint_damaged",
+                f"checkpoint {path.name} is damaged: {problem}; moved to {moved.name}",
+                path=str(path),
+                problem=problem,
+                moved_to=str(moved),
+            )
         clean_partial(self.run_dir)
         self._set_up_segment()
 
@@ -54,14 +58,22 @@ class Startup:
         if plan.mode == "resume":
             discarded = discard_metrics_after(self.run_dir, plan.step)
             if discarded:
-                self.note("metrics_discarded", f"{discarded} metrics line(s) after step {plan.step} moved to "
-                          f"metrics.discarded.jsonl", count=discarded, after_step=plan.step)
+                self.note(
+                    "metrics_discarded",
+                    f"{discarded} metrics line(s) after step {plan.step} moved to metrics.discarded.jsonl",
+                    count=discarded,
+                    after_step=plan.step,
+                )
         snapshot = write_snapshot(self.cfg, plan)
         if plan.changes:
             keys = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in plan.changes)
-            self.note("config_changed", f"config changed since {plan.previous_config.name}: {keys}",
-                      previous=plan.previous_config.name, snapshot=snapshot.name,
-                      changes=[{"key": k, "old": old, "new": new} for k, old, new in plan.changes])
+            self.note(
+                "config_changed",
+                f"config changed since {plan.previous_config.name}: {keys}",
+                previous=plan.previous_config.name,
+                snapshot=snapshot.name,
+                changes=[{"key": k, "old": old, "new": new} for k, old, new in plan.changes],
+            )
 
     def note(self, kind: str, line: str, **fields) -> None:
         """Print a start-up finding now; it is logged as an event by :meth:`flush`."""
@@ -86,8 +98,12 @@ class Startup:
             if critic is not None:
                 extra["critic"] = read_critic(ckpt, critic)
                 if extra["critic"] is None:
-                    self.note("critic_fresh", f"checkpoint {ckpt.name} has no critic (that run used none): the "
-                              f"critic starts from its initial weights", checkpoint=str(ckpt))
+                    self.note(
+                        "critic_fresh",
+                        f"checkpoint {ckpt.name} has no critic (that run used none): the "
+                        f"critic starts from its initial weights",
+                        checkpoint=str(ckpt),
+                    )
             try:
                 load(weights, optim_state, **extra)
             except (RuntimeError, ValueError, KeyError) as e:
@@ -95,22 +111,45 @@ class Startup:
         version = int(state.get("version", self.plan.step))
         for hook in hooks if ckpt is not None else ():
             hook.load(ckpt, version)
-        report = buffer.restore(ckpt / "buffer.bin" if ckpt is not None else None, set(state.get("seen", [])),
-                                validate=_receipt_check(validator) if validator is not None else None)
+        report = buffer.restore(
+            ckpt / "buffer.bin" if ckpt is not None else None,
+            set(state.get("seen", [])),
+            validate=_receipt_check(validator) if validator is not None else None,
+        )
         for scan in report.damaged:
             for d in scan.damaged[:-1] if scan.problem else scan.damaged:
-                self.note("wal_damaged", f"{scan.path}: {d.end - d.start} damaged byte(s) at offset {d.start} "
-                          f"({d.problem}; {d.records} record(s) lost there), kept in {d.quarantine}; read on "
-                          f"from the next valid record at {d.end}", file=str(scan.path), offset=d.start,
-                          end=d.end, records_lost=d.records, reason=d.problem, quarantine=str(d.quarantine))
+                self.note(
+                    "wal_damaged",
+                    f"{scan.path}: {d.end - d.start} damaged byte(s) at offset {d.start} "
+                    f"({d.problem}; {d.records} record(s) lost there), kept in {d.quarantine}; read on "
+                    f"from the next valid record at {d.end}",
+                    file=str(scan.path),
+                    offset=d.start,
+                    end=d.end,
+                    records_lost=d.records,
+                    reason=d.problem,
+                    quarantine=str(d.quarantine),
+                )
         for source, eid, reason in report.invalid:
-            self.note("wal_quarantined", f"{source}: episode {eid} fails the receipt checks ({reason}); not "
-                      f"trained, kept in {report.quarantine / 'invalid-records.bin'}", file=source, episode_id=eid,
-                      reason=reason)
+            self.note(
+                "wal_quarantined",
+                f"{source}: episode {eid} fails the receipt checks ({reason}); not "
+                f"trained, kept in {report.quarantine / 'invalid-records.bin'}",
+                file=source,
+                episode_id=eid,
+                reason=reason,
+            )
         for scan in report.truncated:
-            self.note("wal_truncated", f"{scan.path}: cut {scan.bytes_cut} byte(s) at offset {scan.good_bytes} after "
-                      f"{scan.records} good record(s): {scan.problem}", file=str(scan.path), offset=scan.good_bytes,
-                      bytes_cut=scan.bytes_cut, records_kept=scan.records, reason=scan.problem)
+            self.note(
+                "wal_truncated",
+                f"{scan.path}: cut {scan.bytes_cut} byte(s) at offset {scan.good_bytes} after "
+                f"{scan.records} good record(s): {scan.problem}",
+                file=str(scan.path),
+                offset=scan.good_bytes,
+                bytes_cut=scan.bytes_cut,
+                records_kept=scan.records,
+                reason=scan.problem,
+            )
         return version, state, report
 
     def flush(self, log, version: int, buffered: int, report) -> None:
@@ -121,7 +160,16 @@ class Startup:
             return
         ckpt: Path | None = self.plan.checkpoint
         where = f"checkpoint {ckpt}" if ckpt is not None else "no checkpoint (no step was trained)"
-        print(f"[learner] resumed from step {version} ({where}; {buffered} episode(s) buffered, "
-              f"{report.recovered} recovered from the WAL)", flush=True)
-        log.event("resume", version, checkpoint=str(ckpt) if ckpt is not None else None, buffered=buffered,
-                  recovered_from_wal=report.recovered, undecodable_wal_records=report.undecodable)
+        print(
+            f"[learner] resumed from step {version} ({where}; {buffered} episode(s) buffered, "
+            f"{report.recovered} recovered from the WAL)",
+            flush=True,
+        )
+        log.event(
+            "resume",
+            version,
+            checkpoint=str(ckpt) if ckpt is not None else None,
+            buffered=buffered,
+            recovered_from_wal=report.recovered,
+            undecodable_wal_records=report.undecodable,
+        )

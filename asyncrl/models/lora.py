@@ -26,9 +26,18 @@ from typing import NamedTuple
 
 import torch
 
-from ..weights.adapters import (ADAPTER, ADAPTER_CONFIG, ADAPTER_FILE, MergedAdapters, adapter_config, adapter_tensors,
-                        internal_name, is_adapter_name, targeted)
 from ..config import ConfigError, LoraSettings
+from ..weights.adapters import (
+    ADAPTER,
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    MergedAdapters,
+    adapter_config,
+    adapter_tensors,
+    internal_name,
+    is_adapter_name,
+    targeted,
+)
 
 
 def is_lora(model) -> bool:
@@ -86,9 +95,12 @@ def read_adapters(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def settings_of(adapter_config: dict) -> LoraSettings:
-    return LoraSettings(rank=adapter_config["r"], alpha=adapter_config["lora_alpha"],
-                        dropout=adapter_config.get("lora_dropout", 0.0),
-                        target_modules=sorted(adapter_config["target_modules"]))
+    return LoraSettings(
+        rank=adapter_config["r"],
+        alpha=adapter_config["lora_alpha"],
+        dropout=adapter_config.get("lora_dropout", 0.0),
+        target_modules=sorted(adapter_config["target_modules"]),
+    )
 
 
 def export_merged(adapter_dir: Path, base_dir: Path, out: Path, dtype: str = "float32") -> Path:
@@ -132,8 +144,9 @@ def export_run(run_dir: Path, out: Path | None = None, merge: bool = False, step
         shutil.copytree(model_dir, out, dirs_exist_ok=True)
         return Exported(ckpt, usual_modes(out), merged=False)
     if not merge:
-        raise ConfigError(f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model "
-                          f"with --merge")
+        raise ConfigError(
+            f"{ckpt} holds LoRA adapters (model.lora): export them merged into the base model with --merge"
+        )
     base = json.loads((model_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base or not (Path(base) / "config.json").exists():
         cfg = load_config(str(run_dir / CONFIG), [])

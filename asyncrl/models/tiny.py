@@ -37,20 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from filelock import FileLock
-
 import numpy as np
 import torch
+from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..config import EmbeddedModelConfig, TasksConfig
 from ..envs.arithmetic import make_problem
-from ..rundir.layout import replace_dir
 from ..plugins import resolve_import
-from ..registry import Registry
-from ..types import Task
 from ..prompts import render_tokens, set_prompt_format
+from ..registry import Registry
+from ..rundir.layout import replace_dir
+from ..types import Task
 from .tokenizer import build_char_tokenizer
 
 BUILD_VERSION = 2  # bump when the build procedure changes: it is part of the cache key
@@ -82,21 +81,31 @@ def _calculator_format(rng: random.Random) -> tuple[Messages, str]:
 
 # ``fn(rng) -> (chat messages, assistant completion text)``: the completion is the text of the final
 # assistant turn without the ``<|end|>`` EOS (the builder adds it); earlier turns go in ``messages``.
-BUILTIN_FORMATS: Registry[WarmstartFormat] = Registry("warm-start format", {
-    "arithmetic": _arithmetic_format, "calculator": _calculator_format})  # calculator: the multi-turn env
+BUILTIN_FORMATS: Registry[WarmstartFormat] = Registry(
+    "warm-start format", {"arithmetic": _arithmetic_format, "calculator": _calculator_format}
+)  # calculator: the multi-turn env
 
 
 # --------------------------------------------------------------------------------------- model
 def embedded_llama_config(cfg: EmbeddedModelConfig, vocab_size: int) -> LlamaConfig:
     """The ``LlamaConfig`` of the embedded model (ids: pad 0, bos 2, eos 3 as in the tokenizer)."""
     if cfg.hidden_size % cfg.num_heads:
-        raise ValueError(f"model.embedded.hidden_size ({cfg.hidden_size}) must be divisible by "
-                         f"model.embedded.num_heads ({cfg.num_heads})")
+        raise ValueError(
+            f"model.embedded.hidden_size ({cfg.hidden_size}) must be divisible by "
+            f"model.embedded.num_heads ({cfg.num_heads})"
+        )
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
         rope_theta=ROPE_THETA,
     )
 
@@ -129,14 +138,17 @@ def _formats(cfg: EmbeddedModelConfig, formats: dict[str, WarmstartFormat] | Non
             available[name] = resolve_import(name, "model.embedded.warmstart_formats")
     unknown = [f for f in cfg.warmstart_formats if f not in available]
     if unknown:
-        raise ValueError(f"model.embedded.warmstart_formats: unknown {unknown}; available here: "
-                         f"{sorted(available)} (an algorithm's own formats come with algorithm: <it>; your own "
-                         f"as pkg.module:fn)")
+        raise ValueError(
+            f"model.embedded.warmstart_formats: unknown {unknown}; available here: "
+            f"{sorted(available)} (an algorithm's own formats come with algorithm: <it>; your own "
+            f"as pkg.module:fn)"
+        )
     return available
 
 
-def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True,
-                         formats: dict[str, WarmstartFormat] | None = None) -> Path:
+def build_embedded_model(
+    cfg: EmbeddedModelConfig, seed: int = 0, progress: bool = True, formats: dict[str, WarmstartFormat] | None = None
+) -> Path:
     """Build (or return from the cache) the embedded model; returns its directory.
 
     The directory holds ``save_pretrained`` output for model and tokenizer plus ``asyncrl_model.json``
@@ -155,8 +167,11 @@ def build_embedded_model(cfg: EmbeddedModelConfig, seed: int = 0, progress: bool
         _remove_orphans(root, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         t0 = time.monotonic()
-        print(f"[asyncrl] building the embedded model: a warm start of {cfg.warmup_steps} steps on "
-              f"{', '.join(cfg.warmstart_formats) or 'its tasks'} (once; cached in {final})", flush=True)
+        print(
+            f"[asyncrl] building the embedded model: a warm start of {cfg.warmup_steps} steps on "
+            f"{', '.join(cfg.warmstart_formats) or 'its tasks'} (once; cached in {final})",
+            flush=True,
+        )
         try:
             _build_into(tmp, cfg, seed, progress, available)
             replace_dir(tmp, final)  # (a final without metadata: a crashed build from elsewhere, swapped out)
@@ -191,8 +206,9 @@ class _Example:
     target_ids: list[int]  # completion + EOS
 
 
-def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
-                formats: dict[str, WarmstartFormat]) -> None:
+def _build_into(
+    out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool, formats: dict[str, WarmstartFormat]
+) -> None:
     """Initialise, warm-start (to an expected accuracy) and save the model into ``out``."""
     start = time.perf_counter()
     with _deterministic(seed, threads=2):
@@ -206,9 +222,15 @@ def _build_into(out: Path, cfg: EmbeddedModelConfig, seed: int, progress: bool,
         result = warm_start(model, tokenizer, cfg, seed, progress, formats)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    info = {"build_version": BUILD_VERSION, "seed": seed, "config": cfg.model_dump(mode="json"),
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-            "build_seconds": round(time.perf_counter() - start, 2), "built_with": built_with(), **result}
+    info = {
+        "build_version": BUILD_VERSION,
+        "seed": seed,
+        "config": cfg.model_dump(mode="json"),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "build_seconds": round(time.perf_counter() - start, 2),
+        "built_with": built_with(),
+        **result,
+    }
     (out / META_FILE).write_text(json.dumps(info, indent=2))
 
 
@@ -216,8 +238,11 @@ def built_with() -> dict[str, str]:
     """What else decides a build's weights: the CPU kernels torch dispatches to and the library versions."""
     import transformers
 
-    return {"cpu_kernels": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 @contextlib.contextmanager
@@ -245,8 +270,14 @@ def heldout_tasks(n: int = EVAL_SIZE) -> list[Task]:
     return tasks
 
 
-def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: bool,
-               formats: dict[str, WarmstartFormat] | None = None) -> dict:
+def warm_start(
+    model,
+    tokenizer,
+    cfg: EmbeddedModelConfig,
+    seed: int,
+    progress: bool,
+    formats: dict[str, WarmstartFormat] | None = None,
+) -> dict:
     """Supervised steps until held-out sampled accuracy >= ``cfg.target_accuracy`` (or the cap).
 
     The stopping criterion is the *expected* sampled accuracy (exact, see ``expected_accuracy``),
@@ -256,8 +287,7 @@ def warm_start(model, tokenizer, cfg: EmbeddedModelConfig, seed: int, progress: 
     evalset = heldout_tasks(cfg.heldout_size)
     excluded = {_prompt_key(t.prompt) for t in evalset}
     available = _formats(cfg, formats)
-    examples = _example_stream(tokenizer, [available[f] for f in cfg.warmstart_formats], random.Random(seed),
-                               excluded)
+    examples = _example_stream(tokenizer, [available[f] for f in cfg.warmstart_formats], random.Random(seed), excluded)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
     acc, step = expected_accuracy(model, tokenizer, evalset), 0
@@ -284,16 +314,18 @@ def _prompt_key(messages: Messages) -> str:
     return json.dumps(messages, sort_keys=True)
 
 
-def _example_stream(tokenizer, formats: list[WarmstartFormat], rng: random.Random,
-                    excluded: set[str]) -> Iterator[_Example]:
+def _example_stream(
+    tokenizer, formats: list[WarmstartFormat], rng: random.Random, excluded: set[str]
+) -> Iterator[_Example]:
     """Endless tokenised examples drawn uniformly from ``formats``, skipping held-out prompts."""
     eos = tokenizer.eos_token_id
     while True:
         messages, completion = rng.choice(formats)(rng)
         if _prompt_key(messages) in excluded:
             continue
-        yield _Example(render_tokens(tokenizer, messages),
-                       tokenizer.encode(completion, add_special_tokens=False) + [eos])
+        yield _Example(
+            render_tokens(tokenizer, messages), tokenizer.encode(completion, add_special_tokens=False) + [eos]
+        )
 
 
 def collate_examples(examples: list[_Example], pad_id: int) -> dict[str, torch.Tensor]:
@@ -308,7 +340,7 @@ def collate_examples(examples: list[_Example], pad_id: int) -> dict[str, torch.T
     for i, e in enumerate(examples):
         seq, n_prompt = e.prompt_ids + e.target_ids, len(e.prompt_ids)
         ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, n_prompt: len(seq)] = torch.tensor(e.target_ids)
+        labels[i, n_prompt : len(seq)] = torch.tensor(e.target_ids)
         mask[i, : len(seq)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -334,8 +366,11 @@ def expected_accuracy(model, tokenizer, tasks: list[Task]) -> float:
     eos = tokenizer.eos_token_id
     examples = []
     for t in tasks:
-        examples.append(_Example(render_tokens(tokenizer, t.prompt),
-                                 tokenizer.encode(str(t.answer), add_special_tokens=False) + [eos]))
+        examples.append(
+            _Example(
+                render_tokens(tokenizer, t.prompt), tokenizer.encode(str(t.answer), add_special_tokens=False) + [eos]
+            )
+        )
     batch = collate_examples(examples, pad_id=0)
     was_training = model.training
     model.eval()

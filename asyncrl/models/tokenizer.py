@@ -41,7 +41,13 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS,
-        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, padding_side="left",
+        tokenizer_object=tok,
+        pad_token=PAD,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
         model_max_length=1 << 20,
     )

@@ -87,17 +87,20 @@ def export_critic(critic, out: Path) -> Path:
     config = AutoConfig.for_model(**{**lm.config.to_dict(), "num_labels": 1, "tie_word_embeddings": False})
     config.architectures = None
     classifier = AutoModelForTokenClassification.from_config(config)
-    state = {(f"score.{k[len(HEAD) + 1:]}" if k.startswith(HEAD + ".") else k): v for k, v in lm.state_dict().items()}
+    state = {(f"score.{k[len(HEAD) + 1 :]}" if k.startswith(HEAD + ".") else k): v for k, v in lm.state_dict().items()}
     missing, unexpected = classifier.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("score.")]:
-        raise ValueError(f"the critic does not map onto {type(classifier).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"the critic does not map onto {type(classifier).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     classifier.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def export_run_critic(run_dir: Path, out: Path | None = None, step: int | None = None,
-                      formats_of=None) -> tuple[Path, Path]:
+def export_run_critic(
+    run_dir: Path, out: Path | None = None, step: int | None = None, formats_of=None
+) -> tuple[Path, Path]:
     """``asyncrl export --critic``: the critic of the newest intact checkpoint of ``run_dir`` (or
     ``step_<step>``) rebuilt as the run built it (its config: ``critic.path``'s model or the policy's
     initial weights, adapters under ``model.lora``), its trained weights loaded, written to ``out``
@@ -117,15 +120,18 @@ def export_run_critic(run_dir: Path, out: Path | None = None, step: int | None =
     if not (ckpt / CRITIC / "model.safetensors").exists():
         raise ConfigError(f"{ckpt} has no critic: the run did not train one (train.advantage.estimator gae)")
     cfg = load_config(str(run_dir / CONFIG), [])
-    path = resolve_model_path(cfg.model, cfg.seed, progress=False,
-                              warmstart_formats=formats_of(cfg.algorithm) if formats_of else None)
+    path = resolve_model_path(
+        cfg.model, cfg.seed, progress=False, warmstart_formats=formats_of(cfg.algorithm) if formats_of else None
+    )
     policy = with_adapters(load_model(path, cfg.model.dtype), cfg.model, cfg.seed, base=path)
     critic = build_critic(policy, cfg.critic, cfg.model, cfg.seed)
     weights = load_file(str(ckpt / CRITIC / "model.safetensors"))
     expected = trainable_names(critic)
     if set(weights) != expected:
-        raise ConfigError(f"{ckpt / CRITIC}: its tensors do not match the critic the run's config builds (missing "
-                          f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})")
+        raise ConfigError(
+            f"{ckpt / CRITIC}: its tensors do not match the critic the run's config builds (missing "
+            f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})"
+        )
     critic.load_state_dict(weights, strict=False)
     out.mkdir(parents=True, exist_ok=True)
     export_critic(critic, out)

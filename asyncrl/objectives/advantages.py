@@ -43,13 +43,19 @@ def _checked(rewards: Tensor, group_ids: Sequence[str], singleton: str) -> tuple
         raise ValueError(f"unknown singleton rule {singleton!r}; valid: {', '.join(SINGLETON_RULES)}")
     rewards = torch.as_tensor(rewards).detach()
     if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
-        raise ValueError(f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} "
-                         f"and {len(group_ids)} group ids")
+        raise ValueError(
+            f"rewards must be [N] with N == len(group_ids); got {tuple(rewards.shape)} and {len(group_ids)} group ids"
+        )
     return rewards.to(torch.float64), rewards.dtype if rewards.is_floating_point() else torch.float32
 
 
-def _by_group(r64: Tensor, group_ids: Sequence[str], singleton: str, lone: Callable[[Tensor], Tensor],
-              many: Callable[[Tensor], Tensor]) -> Tensor:
+def _by_group(
+    r64: Tensor,
+    group_ids: Sequence[str],
+    singleton: str,
+    lone: Callable[[Tensor], Tensor],
+    many: Callable[[Tensor], Tensor],
+) -> Tensor:
     """Per group of ``group_ids``: ``many(r)`` for a group of two or more, ``lone(r)`` for a group of one
     under ``singleton="verl"`` (0 under ``"zero"``)."""
     out = torch.zeros_like(r64)
@@ -64,9 +70,14 @@ def _by_group(r64: Tensor, group_ids: Sequence[str], singleton: str, lone: Calla
 
 
 @ADV_ESTIMATORS.register("grpo")
-def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = _ADV["norm_by_std"].default,
-                            eps: float = 1e-6, singleton: str = _ADV["singleton"].default,
-                            std: str = _ADV["std"].default) -> Tensor:
+def compute_grpo_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    norm_by_std: bool = _ADV["norm_by_std"].default,
+    eps: float = 1e-6,
+    singleton: str = _ADV["singleton"].default,
+    std: str = _ADV["std"].default,
+) -> Tensor:
     """GRPO outcome advantage, one scalar per trajectory (Shao et al. 2024, DeepSeekMath).
 
     Args:
@@ -99,8 +110,13 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_s
 
 
 @ADV_ESTIMATORS.register("rloo")
-def compute_rloo_advantages(rewards: Tensor, group_ids: Sequence[str], norm_by_std: bool = _ADV["norm_by_std"].default,
-                            singleton: str = _ADV["singleton"].default, **_: object) -> Tensor:
+def compute_rloo_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    norm_by_std: bool = _ADV["norm_by_std"].default,
+    singleton: str = _ADV["singleton"].default,
+    **_: object,
+) -> Tensor:
     """RLOO: each trajectory's baseline is the mean of the other rewards of its group (Kool et al.
     2019; Ahmadian et al. 2024), ``A_i = R_i - (sum_g R - R_i) / (n - 1) = n / (n - 1) (R_i - mean_g)``;
     never divided by a std (``norm_by_std`` does not apply). A group of one: ``"zero"`` gives 0 (no other
@@ -132,15 +148,19 @@ def _whiten(scores: Tensor, lengths: Sequence[float] | None, norm_by_std: bool) 
     centred = scores - mu
     if not norm_by_std:
         return centred
-    var = (w * centred ** 2).sum() / (total - 1.0)
+    var = (w * centred**2).sum() / (total - 1.0)
     return centred * torch.rsqrt(var + 1e-8)
 
 
 @ADV_ESTIMATORS.register("reinforce_pp")
-def compute_reinforce_pp_advantages(rewards: Tensor, group_ids: Sequence[str],
-                                    norm_by_std: bool = _ADV["norm_by_std"].default,
-                                    singleton: str = _ADV["singleton"].default,
-                                    lengths: Sequence[float] | None = None, **_: object) -> Tensor:
+def compute_reinforce_pp_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    norm_by_std: bool = _ADV["norm_by_std"].default,
+    singleton: str = _ADV["singleton"].default,
+    lengths: Sequence[float] | None = None,
+    **_: object,
+) -> Tensor:
     """REINFORCE++ (Hu et al. 2025) on an outcome reward: no group baseline; the batch's rewards
     whitened over all its generated tokens (:func:`_whiten`, verl's
     ``compute_reinforce_plus_plus_outcome_advantage`` with ``gamma = 1``), so every trajectory of
@@ -151,10 +171,14 @@ def compute_reinforce_pp_advantages(rewards: Tensor, group_ids: Sequence[str],
 
 
 @ADV_ESTIMATORS.register("reinforce_pp_baseline")
-def compute_reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Sequence[str],
-                                             norm_by_std: bool = _ADV["norm_by_std"].default,
-                                             singleton: str = _ADV["singleton"].default,
-                                             lengths: Sequence[float] | None = None, **_: object) -> Tensor:
+def compute_reinforce_pp_baseline_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[str],
+    norm_by_std: bool = _ADV["norm_by_std"].default,
+    singleton: str = _ADV["singleton"].default,
+    lengths: Sequence[float] | None = None,
+    **_: object,
+) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025): the group's mean reward subtracted (a group of one:
     ``"zero"`` gives it score 0, ``"verl"`` keeps ``R`` as verl does), then whitened over the whole
     batch's generated tokens (:func:`_whiten`; verl's
@@ -170,8 +194,10 @@ def compute_gae_row_advantages(rewards: Tensor, group_ids: Sequence[str], **_: o
     """GAE (``train.advantage.estimator: gae``) is per token, from the learner's critic
     (:func:`asyncrl.objectives.values.gae`, run by :mod:`asyncrl.learner.training.critic`), not one
     scalar per trajectory: called as a trajectory estimator it refuses, in one line."""
-    raise ValueError("train.advantage.estimator=gae is computed per token by the learner's critic, not per "
-                     "trajectory (a workflow that normalises on the actor, e.g. RLCR, cannot use it)")
+    raise ValueError(
+        "train.advantage.estimator=gae is computed per token by the learner's critic, not per "
+        "trajectory (a workflow that normalises on the actor, e.g. RLCR, cannot use it)"
+    )
 
 
 compute_gae_row_advantages.per_token = True  # trajectory_advantages: the learner fills the advantages in
@@ -217,8 +243,9 @@ def one_per_rollout(trajs: Sequence[Trajectory]) -> list[Trajectory]:
     return out
 
 
-def trajectory_advantages(trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None,
-                          shaping: Tensor | None = None) -> Tensor:
+def trajectory_advantages(
+    trajs: list[Trajectory], adv_cfg, estimator: Callable[..., Tensor] | None = None, shaping: Tensor | None = None
+) -> Tensor:
     """Scalar advantage per trajectory ``[N]``: the estimator over ``group_id`` groups; a trajectory
     that carries its own (``Trajectory.advantage``, e.g. RLCR) keeps it. Each is then multiplied by
     its ``advantage_scale``; an estimator that works per token on the learner (GAE: :func:`per_token`)
@@ -273,4 +300,3 @@ def informative(trajs: Sequence[Trajectory]) -> bool:
             continue
         rewards[t.group_id].add(float(t.reward))
     return any(len(r) > 1 for r in rewards.values())
-

@@ -18,9 +18,11 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1e-8)
 
 
-NORM_REQUIRED = ("loss_agg_mode seq-mean-token-sum-norm needs a constant divisor (train.loss_scale_norm, "
-                  "LossConfig.agg_norm, agg_loss's norm; verl's loss_scale_factor): the batch's padded width "
-                  "would make the loss depend on padding")
+NORM_REQUIRED = (
+    "loss_agg_mode seq-mean-token-sum-norm needs a constant divisor (train.loss_scale_norm, "
+    "LossConfig.agg_norm, agg_loss's norm; verl's loss_scale_factor): the batch's padded width "
+    "would make the loss depend on padding"
+)
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", norm: float | None = None) -> Tensor:

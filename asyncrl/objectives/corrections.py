@@ -70,8 +70,12 @@ class CorrectionConfig:
 
     @classmethod
     def from_config(cls, train_cfg) -> "CorrectionConfig":
-        return cls(name=train_cfg.off_policy_correction, cap=train_cfg.is_cap, cap_mode=train_cfg.is_cap_mode,
-                   low=train_cfg.is_low)
+        return cls(
+            name=train_cfg.off_policy_correction,
+            cap=train_cfg.is_cap,
+            cap_mode=train_cfg.is_cap_mode,
+            low=train_cfg.is_low,
+        )
 
 
 @dataclass
@@ -168,8 +172,9 @@ def _token_mask(log_rho: Tensor, log_cap: float) -> BehaviorWeight:
 
 
 @torch.no_grad()
-def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor,
-                     cfg: CorrectionConfig) -> BehaviorWeight:
+def behavior_weights(
+    old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, cfg: CorrectionConfig
+) -> BehaviorWeight:
     """The off-policy correction ``cfg.name`` on ``[B, T]`` log-probs: ``log rho_t = old - behavior``
     (float64 for the sequence sums), ``mask[B, T]`` the tokens that belong to each sequence's product
     or mean (generated, not replayed). Weights come back in ``old_logprobs``' dtype, detached; off the
@@ -178,8 +183,12 @@ def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tens
     on = m > 0
     # off the mask log rho is 0 by `where`, not by a product: a masked position may hold -inf (-inf * 0 is NaN,
     # which a sequence sum would spread over the whole row)
-    log_rho = torch.where(on, old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64),
-                          torch.zeros((), dtype=torch.float64, device=old_logprobs.device))
+    log_rho = torch.where(
+        on,
+        old_logprobs.to(torch.float64) - behavior_logprobs.to(torch.float64),
+        torch.zeros((), dtype=torch.float64, device=old_logprobs.device),
+    )
     out = cfg.fn(log_rho, m, cfg)
-    return BehaviorWeight(out.weight.to(old_logprobs.dtype).contiguous(), out.capped.expand_as(on) & on,
-                          out.masked.expand_as(on) & on)
+    return BehaviorWeight(
+        out.weight.to(old_logprobs.dtype).contiguous(), out.capped.expand_as(on) & on, out.masked.expand_as(on) & on
+    )

@@ -44,6 +44,5 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     labels = labels.long().unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
         return logits.gather(-1, labels).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    rows = [F.log_softmax(row.float(), dim=-1).gather(-1, lab).squeeze(-1)
-            for row, lab in zip(logits, labels)]
+    rows = [F.log_softmax(row.float(), dim=-1).gather(-1, lab).squeeze(-1) for row, lab in zip(logits, labels)]
     return torch.stack(rows)

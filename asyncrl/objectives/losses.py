@@ -98,7 +98,9 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.off_policy_reshape not in (None, *OFF_POLICY_RESHAPES):
-            raise ValueError(f"unknown off_policy_reshape {self.off_policy_reshape!r}; valid: {', '.join(OFF_POLICY_RESHAPES)}")
+            raise ValueError(
+                f"unknown off_policy_reshape {self.off_policy_reshape!r}; valid: {', '.join(OFF_POLICY_RESHAPES)}"
+            )
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.agg_norm is None:
@@ -108,14 +110,22 @@ class LossConfig:
     def from_config(cls, train_cfg, replay_cfg=None) -> "LossConfig":
         """``train.*`` settings; with experience replay on, its off-policy ones."""
         replay = replay_cfg if replay_cfg is not None and replay_cfg.enabled else None
-        return cls(clip_low=train_cfg.clip_low, clip_high=train_cfg.clip_high, dual_clip_c=train_cfg.dual_clip_c,
-                   loss_agg_mode=train_cfg.loss_agg_mode, agg_norm=train_cfg.loss_scale_norm,
-                   behavior_clip=train_cfg.behavior_clip, gspo_clip_low=train_cfg.gspo_clip_low,
-                   gspo_clip_high=train_cfg.gspo_clip_high, cispo_clip_low=train_cfg.cispo_clip_low,
-                   cispo_clip_high=train_cfg.cispo_clip_high,
-                   off_clip_high=replay.off_cliprange_high if replay else None,
-                   off_policy_reshape=None if replay is None or replay.off_policy_reshape == "none"
-                   else replay.off_policy_reshape)
+        return cls(
+            clip_low=train_cfg.clip_low,
+            clip_high=train_cfg.clip_high,
+            dual_clip_c=train_cfg.dual_clip_c,
+            loss_agg_mode=train_cfg.loss_agg_mode,
+            agg_norm=train_cfg.loss_scale_norm,
+            behavior_clip=train_cfg.behavior_clip,
+            gspo_clip_low=train_cfg.gspo_clip_low,
+            gspo_clip_high=train_cfg.gspo_clip_high,
+            cispo_clip_low=train_cfg.cispo_clip_low,
+            cispo_clip_high=train_cfg.cispo_clip_high,
+            off_clip_high=replay.off_cliprange_high if replay else None,
+            off_policy_reshape=None
+            if replay is None or replay.off_policy_reshape == "none"
+            else replay.off_policy_reshape,
+        )
 
 
 @POLICY_LOSSES.register("ppo")
@@ -146,31 +156,48 @@ def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tens
     if inputs.exp_mask is None:
         tok_loss = on_loss * weight
     else:
-        tok_loss, clipped, dual, stats = _with_replayed_tokens(inputs, cfg, ratio, (on_loss, clipped, dual), weight, mask)
+        tok_loss, clipped, dual, stats = _with_replayed_tokens(
+            inputs, cfg, ratio, (on_loss, clipped, dual), weight, mask
+        )
     blocked = _behavior_blocked(inputs, cfg, log_ratio, cfg.clip_low, cfg.clip_high)
     tok_loss = _without_gradient(tok_loss, blocked)
 
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
         dual_frac = float(masked_mean(dual.to(mask.dtype), mask))
-        stats.update(_ratio_stats(loss, ratio, log_ratio, clipped, mask, blocked), dual_clip_frac=dual_frac,
-                     clipfrac_lower=dual_frac)
+        stats.update(
+            _ratio_stats(loss, ratio, log_ratio, clipped, mask, blocked),
+            dual_clip_frac=dual_frac,
+            clipfrac_lower=dual_frac,
+        )
     return loss, stats
 
 
-def _ratio_stats(loss: Tensor, ratio: Tensor, log_ratio: Tensor, clipped: Tensor, mask: Tensor,
-                 blocked: Tensor | None) -> dict[str, float]:
+def _ratio_stats(
+    loss: Tensor, ratio: Tensor, log_ratio: Tensor, clipped: Tensor, mask: Tensor, blocked: Tensor | None
+) -> dict[str, float]:
     """The statistics every policy loss reports (token means over ``mask``)."""
-    out = dict(pg_loss=float(loss), clipfrac=float(masked_mean(clipped.to(mask.dtype), mask)),
-               ratio_mean=_stat(ratio, mask, "mean"), ratio_min=_stat(ratio, mask, "min"),
-               ratio_max=_stat(ratio, mask, "max"), approx_kl=float(masked_mean(-log_ratio, mask)))
+    out = dict(
+        pg_loss=float(loss),
+        clipfrac=float(masked_mean(clipped.to(mask.dtype), mask)),
+        ratio_mean=_stat(ratio, mask, "mean"),
+        ratio_min=_stat(ratio, mask, "min"),
+        ratio_max=_stat(ratio, mask, "max"),
+        approx_kl=float(masked_mean(-log_ratio, mask)),
+    )
     if blocked is not None:
         out["behavior_clipfrac"] = float(masked_mean(blocked.to(mask.dtype), mask))
     return out
 
 
-def _behavior_blocked(inputs: PolicyLossInputs, cfg: LossConfig, log_ratio: Tensor, low: float, high: float,
-                      per_row: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+def _behavior_blocked(
+    inputs: PolicyLossInputs,
+    cfg: LossConfig,
+    log_ratio: Tensor,
+    low: float,
+    high: float,
+    per_row: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor | None:
     """``[B, T]`` bool: the generated, non-replayed tokens whose ratio against the behaviour policy
     (``exp(log_ratio + behavior_log_ratio)``, the latter reduced by ``per_row`` first when given, e.g.
     to a sequence mean) is past ``[1 - low, 1 + high]`` on the side their advantage pushes; None when
@@ -225,8 +252,14 @@ def compute_gspo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor
     weight = 1.0 if inputs.behavior_weight is None else inputs.behavior_weight.detach().to(logprobs.dtype)
     tok_loss = torch.maximum(pg1, pg2) * weight
     # the sequence's mean log rho, on every token of it
-    blocked = _behavior_blocked(inputs, cfg, seq.expand_as(log_s), cfg.gspo_clip_low, cfg.gspo_clip_high,
-                                per_row=lambda log_rho: _seq_log_ratio(log_rho, mask).expand_as(log_s))
+    blocked = _behavior_blocked(
+        inputs,
+        cfg,
+        seq.expand_as(log_s),
+        cfg.gspo_clip_low,
+        cfg.gspo_clip_high,
+        per_row=lambda log_rho: _seq_log_ratio(log_rho, mask).expand_as(log_s),
+    )
     tok_loss = _without_gradient(tok_loss, blocked)
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
@@ -264,8 +297,9 @@ def compute_cispo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tenso
     return loss, stats
 
 
-def _with_replayed_tokens(inputs: PolicyLossInputs, cfg: LossConfig, ratio: Tensor, on: tuple[Tensor, Tensor, Tensor],
-                          weight, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
+def _with_replayed_tokens(
+    inputs: PolicyLossInputs, cfg: LossConfig, ratio: Tensor, on: tuple[Tensor, Tensor, Tensor], weight, mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
     """Replayed tokens (``exp_mask``) take their own clip (``off_clip_high``) or ExGRPO's shaping: the
     per-token loss mixed from both, the clipped and dual-clipped flags, and the on/off statistics."""
     advantages, exp = inputs.advantages, inputs.exp_mask.to(inputs.logprobs.dtype)

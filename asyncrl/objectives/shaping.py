@@ -42,8 +42,12 @@ class LengthShaping:
 
     @classmethod
     def from_config(cls, train_cfg) -> "LengthShaping":
-        return cls(buffer=train_cfg.overlong_buffer, max_len=train_cfg.overlong_max_len or 0,
-                   factor=train_cfg.overlong_penalty, mask_truncated=train_cfg.mask_truncated)
+        return cls(
+            buffer=train_cfg.overlong_buffer,
+            max_len=train_cfg.overlong_max_len or 0,
+            factor=train_cfg.overlong_penalty,
+            mask_truncated=train_cfg.mask_truncated,
+        )
 
     def penalties(self, trajs: Sequence[Trajectory]) -> Tensor | None:
         """``[N]`` rewards to add (float64), or None when the punishment is off."""

@@ -99,8 +99,9 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
     return out.to(values.dtype)
 
 
-def value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, mask: Tensor,
-               cliprange: float | None) -> tuple[Tensor, Tensor]:
+def value_loss(
+    vpreds: Tensor, returns: Tensor, old_values: Tensor, mask: Tensor, cliprange: float | None
+) -> tuple[Tensor, Tensor]:
     """``(loss, clipfrac)``: the token-mean of ``0.5 * max((V - R)^2, (V_clip - R)^2)`` over ``mask``,
     ``V_clip = old + clamp(V - old, -cliprange, cliprange)`` (None: ``0.5 (V - R)^2``, clipfrac 0), and
     the share of trained tokens where the clipped term is the larger."""

@@ -3,5 +3,14 @@
 from .conversation import Conversation, run_conversations, scored_trajectories, start_conversations
 from .workflow import RolloutContext, Workflow, get_workflow, register_workflow, workflow_class
 
-__all__ = ["Conversation", "RolloutContext", "Workflow", "get_workflow", "register_workflow", "run_conversations",
-           "scored_trajectories", "start_conversations", "workflow_class"]
+__all__ = [
+    "Conversation",
+    "RolloutContext",
+    "Workflow",
+    "get_workflow",
+    "register_workflow",
+    "run_conversations",
+    "scored_trajectories",
+    "start_conversations",
+    "workflow_class",
+]

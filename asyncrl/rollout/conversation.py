@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.base import token_versions
 from ..envs.base import Environment
 from ..envs.guard import EnvFailure
 from ..prompts import delta_tokens, render_tokens
-from ..engine.base import token_versions
 from ..types import Task, Trajectory, new_id, row_versions
 
 
@@ -42,10 +42,17 @@ class Conversation:
     extra_rows: list = field(default_factory=list)  # more trajectories of this rollout (an agent's unmerged calls)
     versions: list[int] = field(default_factory=list)  # per token: the policy version that generated it, -1 if none
 
-    def to_trajectory(self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None,
-                      rollout_id: str = "") -> Trajectory:
-        return _trajectory(self, (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons,
-                                  self.turns, self.versions), version, scores, metadata, rollout_id)
+    def to_trajectory(
+        self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None, rollout_id: str = ""
+    ) -> Trajectory:
+        return _trajectory(
+            self,
+            (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons, self.turns, self.versions),
+            version,
+            scores,
+            metadata,
+            rollout_id,
+        )
 
     def trajectories(self, version: int, scores: dict[str, float]) -> list[Trajectory]:
         """The conversation's trajectory, then those of ``extra_rows`` (same scores and group). Rows of
@@ -54,11 +61,18 @@ class Conversation:
             return [self.to_trajectory(version, scores)]
         rid = new_id()
         return [self.to_trajectory(version, scores, rollout_id=rid)] + [
-            _trajectory(self, row, version, scores, None, rid) for row in self.extra_rows]
+            _trajectory(self, row, version, scores, None, rid) for row in self.extra_rows
+        ]
 
 
-def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, float],
-                metadata: dict[str, Any] | None, rollout_id: str = "") -> Trajectory:
+def _trajectory(
+    conv: Conversation,
+    row: tuple,
+    version: int,
+    scores: dict[str, float],
+    metadata: dict[str, Any] | None,
+    rollout_id: str = "",
+) -> Trajectory:
     ids, mask, logprobs, texts, reasons, turns, versions = row
     if len(versions) != len(ids):  # no per-token versions recorded: all the rollout's version
         versions = [-1] * len(ids)
@@ -67,15 +81,22 @@ def _trajectory(conv: Conversation, row: tuple, version: int, scores: dict[str, 
         token_ids=np.asarray(ids, dtype=np.int32),
         loss_mask=np.asarray(mask, dtype=np.uint8),
         behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
-        policy_version=policy_version, token_versions=per_token, reward=float(scores.get("reward", 0.0)), scores=dict(scores),
-        sample_type=conv.sample_type, group_id=conv.group_id, task_id=conv.task.id, rollout_id=rollout_id,
+        policy_version=policy_version,
+        token_versions=per_token,
+        reward=float(scores.get("reward", 0.0)),
+        scores=dict(scores),
+        sample_type=conv.sample_type,
+        group_id=conv.group_id,
+        task_id=conv.task.id,
+        rollout_id=rollout_id,
         text=texts[-1] if len(texts) == 1 else "\n".join(texts),
         metadata={"turns": turns, "finish_reasons": reasons, **(metadata or {})},
     )
 
 
-def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, group_ids: list[str],
-                        sample_type: str = "policy") -> list[Conversation]:
+def start_conversations(
+    tokenizer, env: Environment, tasks: list[Task], n: int, group_ids: list[str], sample_type: str = "policy"
+) -> list[Conversation]:
     convs = []
     for task, gid in zip(tasks, group_ids):
         try:
@@ -84,15 +105,26 @@ def start_conversations(tokenizer, env: Environment, tasks: list[Task], n: int, 
             history, failure = [dict(m) for m in task.prompt], str(e)
         ids = render_tokens(tokenizer, history)
         for _ in range(n):
-            convs.append(Conversation(task=task, history=[dict(m) for m in history], token_ids=list(ids),
-                                      loss_mask=[0] * len(ids), logprobs=[0.0] * len(ids),
-                                      versions=[-1] * len(ids), group_id=gid, sample_type=sample_type, done=failure is not None,
-                                      failure=failure))
+            convs.append(
+                Conversation(
+                    task=task,
+                    history=[dict(m) for m in history],
+                    token_ids=list(ids),
+                    loss_mask=[0] * len(ids),
+                    logprobs=[0.0] * len(ids),
+                    versions=[-1] * len(ids),
+                    group_id=gid,
+                    sample_type=sample_type,
+                    done=failure is not None,
+                    failure=failure,
+                )
+            )
     return convs
 
 
-def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversation], sampling,
-                      max_turns: int, seed: int | None = None) -> list[Conversation]:
+def run_conversations(
+    engine, tokenizer, env: Environment, convs: list[Conversation], sampling, max_turns: int, seed: int | None = None
+) -> list[Conversation]:
     """Advance every conversation until the environment says done or ``max_turns`` is reached.
     Each turn is one batched engine call over the conversations still active. An environment that
     drives its own generation (``env.type=agent``: ``drive``) runs them its way instead."""
@@ -103,8 +135,7 @@ def run_conversations(engine, tokenizer, env: Environment, convs: list[Conversat
         active = [c for c in convs if not c.done]
         if not active:
             break
-        gens = engine.generate([c.token_ids for c in active], sampling,
-                               seed=None if seed is None else seed + turn)
+        gens = engine.generate([c.token_ids for c in active], sampling, seed=None if seed is None else seed + turn)
         for conv, gen in zip(active, gens):
             conv.token_ids += gen.token_ids.tolist()
             conv.loss_mask += [1] * len(gen.token_ids)

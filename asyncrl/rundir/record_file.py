@@ -73,7 +73,7 @@ def _split_frames(payload: bytes) -> list[bytes] | None:
         pos += 8
         if ln > len(payload) - pos:
             return None
-        frames.append(payload[pos:pos + ln])
+        frames.append(payload[pos : pos + ln])
         pos += ln
     return frames if pos == len(payload) else None
 
@@ -121,8 +121,7 @@ def _next_record(f, offset: int, size: int) -> tuple[list[bytes] | None, str | N
     if length > MAX_RECORD_BYTES:
         return None, f"a record length of {length} bytes, over the limit of {MAX_RECORD_BYTES}"
     if offset + _HEAD.size + length > size:
-        return None, (f"a torn record ({size - offset - _HEAD.size} of its {length} payload bytes "
-                      f"are in the file)")
+        return None, (f"a torn record ({size - offset - _HEAD.size} of its {length} payload bytes are in the file)")
     payload = f.read(length)
     if crc32c.crc32c(payload, crc32c.crc32c(_U32.pack(length))) != crc:
         return None, "a record whose checksum does not match (damaged bytes)"
@@ -157,7 +156,7 @@ def _valid_at(mm, offset: int, size: int) -> bool:
     magic, length, crc = _HEAD.unpack_from(mm, offset)
     if magic != RECORD_MAGIC or length > MAX_RECORD_BYTES or offset + _HEAD.size + length > size:
         return False
-    payload = mm[offset + _HEAD.size: offset + _HEAD.size + length]
+    payload = mm[offset + _HEAD.size : offset + _HEAD.size + length]
     return crc32c.crc32c(payload, crc32c.crc32c(_U32.pack(length))) == crc and _split_frames(payload) is not None
 
 
@@ -218,9 +217,11 @@ def _refuse_old_format(path: Path, scan: RecordScan) -> None:
     (n,) = _U32.unpack_from(head, 0)
     (ln,) = _U64.unpack_from(head, 4)
     if 1 <= n <= 64 and 0 < ln <= scan.size:
-        raise RecordError(f"{path}: written by an older asyncrl (records without checksums, format 0); "
-                          f"this version reads format {RECORD_MAGIC.decode()} only: resume that run with "
-                          f"the asyncrl that wrote it, or start over (--overwrite)")
+        raise RecordError(
+            f"{path}: written by an older asyncrl (records without checksums, format 0); "
+            f"this version reads format {RECORD_MAGIC.decode()} only: resume that run with "
+            f"the asyncrl that wrote it, or start over (--overwrite)"
+        )
 
 
 def read_frame_records(path: Path, strict: bool = True) -> Iterator[list[bytes]]:
@@ -230,7 +231,6 @@ def read_frame_records(path: Path, strict: bool = True) -> Iterator[list[bytes]]
     scan = RecordScan(Path(path))
     yield from scan_records(path, scan)
     if strict and scan.problem is not None:
-        raise RecordError(f"{path}: {scan.problem} at byte {scan.good_bytes} of {scan.size} "
-                          f"(after {scan.records} good records)")
-
-
+        raise RecordError(
+            f"{path}: {scan.problem} at byte {scan.good_bytes} of {scan.size} (after {scan.records} good records)"
+        )

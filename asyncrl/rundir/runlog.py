@@ -12,17 +12,17 @@ missing library into a one-line error naming the pip package, before anything is
 from __future__ import annotations
 
 import importlib.util
-import os
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError
-from .layout import EVENTS, METRICS
 from ..metric_names import tag
+from .layout import EVENTS, METRICS
 
 EVENTS_SCHEMA = 1
 
@@ -56,8 +56,11 @@ class JsonlWriter:
 
 # ------------------------------------------------------------------------------------- trackers
 # name -> (module that must be importable, pip package that provides it)
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "trackio": ("trackio", "trackio")}
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
 
 
 class TrackerError(ConfigError):
@@ -72,12 +75,16 @@ def check_trackers(names: list[str]) -> None:
             raise TrackerError(f"log.trackers: unknown tracker {name!r}; choose from {sorted(TRACKERS)}")
         module, package = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
-            raise TrackerError(f"log.trackers: {name} needs the {package!r} package, which is not installed: "
-                               f"pip install {package} (or remove {name} from log.trackers)")
+            raise TrackerError(
+                f"log.trackers: {name} needs the {package!r} package, which is not installed: "
+                f"pip install {package} (or remove {name} from log.trackers)"
+            )
         if name == "wandb" and not _wandb_can_log():
-            raise TrackerError("log.trackers: wandb has no login here (no WANDB_API_KEY, no api key in ~/.netrc): "
-                               "run `wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later), or "
-                               "remove wandb from log.trackers")
+            raise TrackerError(
+                "log.trackers: wandb has no login here (no WANDB_API_KEY, no api key in ~/.netrc): "
+                "run `wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later), or "
+                "remove wandb from log.trackers"
+            )
 
 
 def _wandb_can_log() -> bool:
@@ -86,8 +93,9 @@ def _wandb_can_log() -> bool:
     import netrc
     from urllib.parse import urlparse
 
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
-            os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get(
+        "WANDB_DISABLED", ""
+    ).lower() in ("true", "1"):
         return True
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -173,8 +181,14 @@ class WandbSink:
 
         self.wandb = wandb
         known = _tracker_ids(run_dir).get("wandb") if resume else None
-        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, reinit="create_new",
-                              **({"id": known, "resume": "allow"} if known else {}))
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            reinit="create_new",
+            **({"id": known, "resume": "allow"} if known else {}),
+        )
         _save_tracker_id(run_dir, "wandb", self.run.id)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -199,8 +213,9 @@ class TrackioSink:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=project, name=name, config=config, embed=False,
-                                resume="allow" if resume else "never")
+        self.run = trackio.init(
+            project=project, name=name, config=config, embed=False, resume="allow" if resume else "never"
+        )
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -218,8 +233,7 @@ class TrackioSink:
 _SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "trackio": TrackioSink}
 
 
-def open_trackers(names: list[str], run_dir: Path, name: str, project: str, config: dict,
-                  resume: bool = False) -> list:
+def open_trackers(names: list[str], run_dir: Path, name: str, project: str, config: dict, resume: bool = False) -> list:
     """One sink per tracker in ``names`` (checked with :func:`check_trackers` first); ``resume``:
     continue the trackers' runs of this run (W&B by its saved id, Trackio by name)."""
     check_trackers(names)
@@ -232,8 +246,9 @@ class RunLog:
     ``trackers`` (from :func:`open_trackers`) get every metrics record's finite numbers. A tracker
     that fails is reported once and dropped: it never stops the run, the JSON lines stay complete."""
 
-    def __init__(self, run_dir: Path, on_event: Callable[[dict[str, Any]], None] | None = None,
-                 trackers: list | None = None):
+    def __init__(
+        self, run_dir: Path, on_event: Callable[[dict[str, Any]], None] | None = None, trackers: list | None = None
+    ):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlWriter(self.dir / METRICS)
@@ -248,8 +263,12 @@ class RunLog:
         scalars = {tag(k): v for k, v in _scalars(values).items() if not k.startswith("eval/")}
         self._to_trackers("log", step, scalars)
 
-    def extras(self, step: int, histograms: dict[str, list[float]] | None = None,
-               tables: dict[str, tuple[list[str], list[list]]] | None = None) -> None:
+    def extras(
+        self,
+        step: int,
+        histograms: dict[str, list[float]] | None = None,
+        tables: dict[str, tuple[list[str], list[list]]] | None = None,
+    ) -> None:
         """What only the trackers get: histograms (name -> values) and tables (name -> (columns, rows))."""
         if histograms:
             self._to_trackers("histograms", step, {k: v for k, v in histograms.items() if len(v)})
@@ -263,8 +282,11 @@ class RunLog:
                 getattr(sink, method)(step, *args)
             except Exception as e:  # noqa: BLE001 - a tracker's own failure must not end the run
                 self.trackers.remove(sink)
-                print(f"[learner] tracker {type(sink).__name__} failed ({e}); nothing more goes to it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[learner] tracker {type(sink).__name__} failed ({e}); nothing more goes to it",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         record = {"schema": EVENTS_SCHEMA, "kind": kind, "t": time.time(), "step": step, **fields}
@@ -273,13 +295,19 @@ class RunLog:
             self.on_event(_clean(record))
         if kind == "eval" and self.trackers:  # the held-out figures at the version evaluated (0 included)
             version = fields.get("version", step)
-            self._to_trackers("log", version, {f"eval/{k}": v for k, v in _scalars(fields).items()
-                                               if k not in ("version", "step")})
+            self._to_trackers(
+                "log", version, {f"eval/{k}": v for k, v in _scalars(fields).items() if k not in ("version", "step")}
+            )
             samples = fields.get("samples") or []
             if samples:
                 cols = ["prompt", "completion", "answer", "reward", "correct"]
-                self._to_trackers("table", version, "eval/samples", cols,
-                                  [[str(s.get(c)) if c in ("answer",) else s.get(c) for c in cols] for s in samples])
+                self._to_trackers(
+                    "table",
+                    version,
+                    "eval/samples",
+                    cols,
+                    [[str(s.get(c)) if c in ("answer",) else s.get(c) for c in cols] for s in samples],
+                )
 
     def close(self) -> None:
         self.metrics.close()

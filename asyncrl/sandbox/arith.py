@@ -148,8 +148,13 @@ def _eval(node: ast.AST, lim: ArithLimits) -> int:
         raise _Reject(f"product needs more than max_bits {lim.max_bits} bits")
     if op in (ast.FloorDiv, ast.Mod) and b == 0:
         raise _Reject("division by zero")
-    result = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
-              ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}[op]()
+    result = {
+        ast.Add: lambda: a + b,
+        ast.Sub: lambda: a - b,
+        ast.Mult: lambda: a * b,
+        ast.FloorDiv: lambda: a // b,
+        ast.Mod: lambda: a % b,
+    }[op]()
     return _bounded(result, lim)
 
 
@@ -160,7 +165,7 @@ def _power(base: int, exp: int, lim: ArithLimits) -> int:
         raise _Reject(f"exponent {exp} exceeds max_exponent {lim.max_exponent}")
     if abs(base) > 1 and (abs(base).bit_length() - 1) * exp >= lim.max_bits:
         raise _Reject(f"{base}**{exp} needs more than max_bits {lim.max_bits} bits")
-    return _bounded(base ** exp, lim)
+    return _bounded(base**exp, lim)
 
 
 _INT_REPLY = re.compile(r"-?\d+")

@@ -79,11 +79,14 @@ def python_install(modules: tuple[str, ...] = ()) -> PythonInstall:
 
 def _extension_files(exe: str, modules: tuple[str, ...]) -> list[str]:
     """The extension-module files (``.so``) that importing ``modules`` loads in a fresh interpreter."""
-    code = ("import sys\nfor m in sys.argv[1:]:\n    __import__(m)\n"
-            "print('\\n'.join(sorted({getattr(m, '__file__', None) or '' for m in list(sys.modules.values())})))")
+    code = (
+        "import sys\nfor m in sys.argv[1:]:\n    __import__(m)\n"
+        "print('\\n'.join(sorted({getattr(m, '__file__', None) or '' for m in list(sys.modules.values())})))"
+    )
     try:
-        out = subprocess.run([exe, "-I", "-S", "-c", code, *modules], capture_output=True, text=True,
-                             timeout=60, env={}, check=False).stdout
+        out = subprocess.run(
+            [exe, "-I", "-S", "-c", code, *modules], capture_output=True, text=True, timeout=60, env={}, check=False
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [p for p in out.splitlines() if p.endswith(".so") and os.path.isfile(p)]
@@ -115,8 +118,10 @@ _LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _KILL_PROCESS, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 _EPERM, _ENOSYS, _CLONE_THREAD = 1, 38, 0x00010000
 # machine -> (AUDIT_ARCH_*, clone, clone3, other process-creating calls, x32 bit or 0)
-_ARCHES = {"x86_64": (0xC000003E, 56, 435, (57, 58), 0x40000000),  # fork 57, vfork 58
-           "aarch64": (0xC00000B7, 220, 435, (), 0)}
+_ARCHES = {
+    "x86_64": (0xC000003E, 56, 435, (57, 58), 0x40000000),  # fork 57, vfork 58
+    "aarch64": (0xC00000B7, 220, 435, (), 0),
+}
 
 
 def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -139,10 +144,16 @@ def no_fork_filter(machine: str | None = None) -> bytes | None:
         prog += [_insn(_JGE, x32, jf=1), deny]
     for nr in others:
         prog += [_insn(_JEQ, nr, jf=1), deny]
-    prog += [_insn(_JEQ, clone3, jf=1), _insn(_RET, _ERRNO | _ENOSYS),
-             _insn(_JEQ, clone, jf=4), _insn(_LD_W_ABS, 16),  # args[0] (flags), low 32 bits
-             _insn(_JSET, _CLONE_THREAD, jf=1), _insn(_RET, _ALLOW), deny,
-             _insn(_RET, _ALLOW)]
+    prog += [
+        _insn(_JEQ, clone3, jf=1),
+        _insn(_RET, _ERRNO | _ENOSYS),
+        _insn(_JEQ, clone, jf=4),
+        _insn(_LD_W_ABS, 16),  # args[0] (flags), low 32 bits
+        _insn(_JSET, _CLONE_THREAD, jf=1),
+        _insn(_RET, _ALLOW),
+        deny,
+        _insn(_RET, _ALLOW),
+    ]
     return b"".join(prog)
 
 
@@ -155,17 +166,39 @@ class Features:
     tmp_size: bool = True  # --size for --tmpfs; without it /tmp is read-only
 
 
-def sandbox_argv(inner: list[str], install: PythonInstall, *, program_fd: int, seccomp_fd: int | None = None,
-                 tmp_mb: int = 16, features: Features = Features(), bwrap: str = "bwrap",
-                 extra_ro: tuple[str, ...] = ()) -> list[str]:
+def sandbox_argv(
+    inner: list[str],
+    install: PythonInstall,
+    *,
+    program_fd: int,
+    seccomp_fd: int | None = None,
+    tmp_mb: int = 16,
+    features: Features = Features(),
+    bwrap: str = "bwrap",
+    extra_ro: tuple[str, ...] = (),
+) -> list[str]:
     """The bwrap command line that runs ``inner`` (which starts with ``install.executable``) in the
     sandbox described in the module docstring. ``program_fd`` is read by bwrap into the read-only
     file ``PROGRAM_PATH``; ``seccomp_fd`` (optional) holds a filter from ``no_fork_filter``. Both
     must be passed to the child (``pass_fds``). ``extra_ro``: more host paths bound read-only at
     the same place, after the private ``/tmp`` (so that one under the host's ``/tmp`` shows)."""
-    argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID), "--cap-drop", "ALL",
-            "--hostname", "sandbox"]
+    argv = [
+        bwrap,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--uid",
+        str(SANDBOX_ID),
+        "--gid",
+        str(SANDBOX_ID),
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
+    ]
     if features.disable_userns:
         argv += ["--disable-userns"]
     for d in install.dirs:
@@ -178,12 +211,24 @@ def sandbox_argv(inner: list[str], install: PythonInstall, *, program_fd: int, s
     if os.path.exists("/etc/ld.so.cache"):  # where the loader finds libraries outside its default dirs
         argv += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     argv += ["--ro-bind-data", str(program_fd), PROGRAM_PATH, "--proc", "/proc", "--dev", "/dev"]
-    argv += (["--size", str(tmp_mb << 20), "--tmpfs", "/tmp"] if features.tmp_size
-             else ["--tmpfs", "/tmp", "--remount-ro", "/tmp"])
+    argv += (
+        ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
+        if features.tmp_size
+        else ["--tmpfs", "/tmp", "--remount-ro", "/tmp"]
+    )
     for path in extra_ro:
         argv += ["--ro-bind", path, path]
-    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv", "--new-session",
-             "--die-with-parent"]
+    argv += [
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--clearenv",
+        "--new-session",
+        "--die-with-parent",
+    ]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     return argv + ["--", *inner]
@@ -223,8 +268,10 @@ def probe(modules: tuple[str, ...] = ()) -> Probe:
         else:
             break
     last = (err.strip().splitlines() or [f"unexpected output {out!r}"])[-1][:300]
-    return Probe(f"bwrap ({bwrap}) does not work here: {last}. The sandbox needs unprivileged user "
-                 f"namespaces (or root); {INSTALL_HINT}")
+    return Probe(
+        f"bwrap ({bwrap}) does not work here: {last}. The sandbox needs unprivileged user "
+        f"namespaces (or root); {INSTALL_HINT}"
+    )
 
 
 def _probe_run(bwrap: str, install: PythonInstall, features: Features) -> tuple[str, str]:
@@ -232,10 +279,19 @@ def _probe_run(bwrap: str, install: PythonInstall, features: Features) -> tuple[
     try:
         os.write(fd, _PROBE_CODE.encode())
         os.lseek(fd, 0, os.SEEK_SET)
-        argv = sandbox_argv([install.executable, "-I", "-S", "-B", PROGRAM_PATH], install, program_fd=fd,
-                            features=features, bwrap=bwrap)
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={}, pass_fds=(fd,),
-                             stdin=subprocess.DEVNULL, check=False)
+        argv = sandbox_argv(
+            [install.executable, "-I", "-S", "-B", PROGRAM_PATH], install, program_fd=fd, features=features, bwrap=bwrap
+        )
+        res = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={},
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         return res.stdout.strip(), res.stderr
     except (OSError, subprocess.SubprocessError) as e:
         return "", f"{type(e).__name__}: {e}"

@@ -56,17 +56,56 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from . import bwrap
 from .remote import RemoteSandboxConfig, RemoteSandboxError, run_code
 
-ALLOWED_IMPORTS = ("math", "itertools", "functools", "collections", "heapq", "bisect", "string",
-                   "re", "operator", "fractions", "decimal", "statistics", "typing", "dataclasses",
-                   "copy", "random")
-BANNED_BUILTINS = ("eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals",
-                   "locals", "vars", "getattr", "setattr", "delattr", "memoryview", "help", "exit", "quit")
-BANNED_ACCESS = ("attrgetter", "methodcaller", "get_field", "Formatter",  # attribute access by a string
-                 "get_type_hints", "singledispatch", "singledispatchmethod")  # these eval() string annotations
+ALLOWED_IMPORTS = (
+    "math",
+    "itertools",
+    "functools",
+    "collections",
+    "heapq",
+    "bisect",
+    "string",
+    "re",
+    "operator",
+    "fractions",
+    "decimal",
+    "statistics",
+    "typing",
+    "dataclasses",
+    "copy",
+    "random",
+)
+BANNED_BUILTINS = (
+    "eval",
+    "exec",
+    "compile",
+    "open",
+    "__import__",
+    "input",
+    "breakpoint",
+    "globals",
+    "locals",
+    "vars",
+    "getattr",
+    "setattr",
+    "delattr",
+    "memoryview",
+    "help",
+    "exit",
+    "quit",
+)
+BANNED_ACCESS = (
+    "attrgetter",
+    "methodcaller",
+    "get_field",
+    "Formatter",  # attribute access by a string
+    "get_type_hints",
+    "singledispatch",
+    "singledispatchmethod",
+)  # these eval() string annotations
 BANNED_NAMES = BANNED_BUILTINS + BANNED_ACCESS
 
 # Runs in the child before the untrusted code: no processes, no network, whatever is imported.
-_PRELUDE = r'''
+_PRELUDE = r"""
 import sys, os, posix
 def _denied(*a, **k):
     raise PermissionError("process creation is disabled in the sandbox")
@@ -78,7 +117,7 @@ for _n in ("socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess",
            "_multiprocessing", "ctypes", "_ctypes", "pty", "select", "selectors", "asyncio", "signal"):
     sys.modules[_n] = None
 del sys, os, posix, _denied, _m, _n
-'''
+"""
 
 INSTALL_HINT = bwrap.INSTALL_HINT
 Isolation = Literal["bwrap", "none", "remote"]
@@ -89,28 +128,36 @@ class SandboxLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    isolation: Isolation = Field("bwrap", description=(
-        "bwrap: OS sandbox (bubblewrap; the default, required unless set otherwise); remote: a "
-        "SandboxFusion server (sandbox.remote); none: a plain subprocess with NO isolation (unsafe, "
-        "warned on every start)."))
+    isolation: Isolation = Field(
+        "bwrap",
+        description=(
+            "bwrap: OS sandbox (bubblewrap; the default, required unless set otherwise); remote: a "
+            "SandboxFusion server (sandbox.remote); none: a plain subprocess with NO isolation (unsafe, "
+            "warned on every start)."
+        ),
+    )
     timeout_s: float = Field(3.0, gt=0, description="Wall-clock limit of one run (seconds).")
     cpu_s: int = Field(2, ge=1, description="CPU-time limit (RLIMIT_CPU, seconds).")
     memory_mb: int = Field(256, ge=32, description="Address-space limit (RLIMIT_AS, MiB).")
     max_output_bytes: int = Field(65536, ge=64, description="Largest stdout accepted (RLIMIT_FSIZE).")
     max_code_chars: int = Field(4000, ge=16, description="Longest program text accepted.")
     determinism_runs: int = Field(2, ge=1, description="Runs whose outputs must all match.")
-    block_fork: bool = Field(True, description=(
-        "bwrap: creating a process fails (seccomp). False: children are allowed; they stay in the "
-        "run's PID namespace and die with it."))
+    block_fork: bool = Field(
+        True,
+        description=(
+            "bwrap: creating a process fails (seccomp). False: children are allowed; they stay in the "
+            "run's PID namespace and die with it."
+        ),
+    )
     tmp_mb: int = Field(16, ge=1, description="bwrap: size of the private /tmp (MiB).")
-    remote: RemoteSandboxConfig = Field(default_factory=RemoteSandboxConfig, description=(
-        "isolation: remote: the SandboxFusion server."))
+    remote: RemoteSandboxConfig = Field(
+        default_factory=RemoteSandboxConfig, description=("isolation: remote: the SandboxFusion server.")
+    )
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> "SandboxLimits":
         if self.isolation == "remote" and not self.remote.url:
-            raise ValueError("isolation 'remote' needs remote.url (the SandboxFusion server, "
-                             "e.g. http://sandbox:8080)")
+            raise ValueError("isolation 'remote' needs remote.url (the SandboxFusion server, e.g. http://sandbox:8080)")
         return self
 
 
@@ -130,17 +177,21 @@ def isolation_problem(lim: SandboxLimits) -> str | None:
     reason = bwrap.unavailable(ALLOWED_IMPORTS)
     if reason is None:
         return None
-    return (f"sandbox.isolation is 'bwrap' but {reason}. To run model-written code without OS "
-            f"isolation instead (unsafe), set sandbox.isolation: none explicitly")
+    return (
+        f"sandbox.isolation is 'bwrap' but {reason}. To run model-written code without OS "
+        f"isolation instead (unsafe), set sandbox.isolation: none explicitly"
+    )
 
 
 def isolation_warning(lim: SandboxLimits) -> str | None:
     """The warning to show on every start when model-written code runs without OS isolation."""
     if lim.isolation != "none":
         return None
-    return ("sandbox.isolation is 'none': model-written code runs as a plain subprocess of this user, "
-            "with the run's files, environment (API keys), network and processes within its reach. "
-            f"Use isolation: bwrap ({INSTALL_HINT}) or remote.")
+    return (
+        "sandbox.isolation is 'none': model-written code runs as a plain subprocess of this user, "
+        "with the run's files, environment (API keys), network and processes within its reach. "
+        f"Use isolation: bwrap ({INSTALL_HINT}) or remote."
+    )
 
 
 # ------------------------------------------------------------------------------ static check
@@ -216,8 +267,18 @@ os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", prog])
 
 
 def _command(python: str, prog: str, lim: SandboxLimits) -> list[str]:
-    return [python, "-I", "-S", "-B", "-c", _LIMITER, str(lim.cpu_s), str(lim.memory_mb * 1024 * 1024),
-            str(lim.max_output_bytes), prog]
+    return [
+        python,
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        _LIMITER,
+        str(lim.cpu_s),
+        str(lim.memory_mb * 1024 * 1024),
+        str(lim.max_output_bytes),
+        prog,
+    ]
 
 
 def run_python(code: str, limits: SandboxLimits | None = None, check: bool = True) -> SandboxResult:
@@ -237,8 +298,11 @@ def run_python(code: str, limits: SandboxLimits | None = None, check: bool = Tru
             return res
         outputs.append(res.output)
     if len(set(outputs)) > 1:
-        return SandboxResult(False, reason=f"nondeterministic: {len(set(outputs))} different outputs "
-                                           f"in {len(outputs)} runs", seconds=time.perf_counter() - t0)
+        return SandboxResult(
+            False,
+            reason=f"nondeterministic: {len(set(outputs))} different outputs in {len(outputs)} runs",
+            seconds=time.perf_counter() - t0,
+        )
     return SandboxResult(True, output=outputs[0], seconds=time.perf_counter() - t0)
 
 
@@ -251,9 +315,15 @@ def _run_bwrap(program: str, lim: SandboxLimits) -> SandboxResult:
     with contextlib.ExitStack() as stack:
         prog_fd = stack.enter_context(_anonymous_fd(program.encode()))
         seccomp_fd = stack.enter_context(_anonymous_fd(seccomp)) if seccomp else None
-        argv = bwrap.sandbox_argv(_command(install.executable, bwrap.PROGRAM_PATH, lim), install,
-                                  program_fd=prog_fd, seccomp_fd=seccomp_fd, tmp_mb=lim.tmp_mb,
-                                  features=probe.features, bwrap=probe.bwrap)
+        argv = bwrap.sandbox_argv(
+            _command(install.executable, bwrap.PROGRAM_PATH, lim),
+            install,
+            program_fd=prog_fd,
+            seccomp_fd=seccomp_fd,
+            tmp_mb=lim.tmp_mb,
+            features=probe.features,
+            bwrap=probe.bwrap,
+        )
         fds = (prog_fd,) if seccomp_fd is None else (prog_fd, seccomp_fd)
         return _execute(argv, lim, cwd=None, pass_fds=fds, signal_base=128)
 
@@ -273,11 +343,13 @@ def _run_remote(program: str, lim: SandboxLimits) -> SandboxResult:
         return SandboxResult(False, reason=str(e), seconds=time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     if run.status == "TimeLimitExceeded":
-        return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s (remote sandbox)",
-                             seconds=seconds)
+        return SandboxResult(
+            False, reason=f"timeout: still running after {lim.timeout_s:g} s (remote sandbox)", seconds=seconds
+        )
     if len(run.stdout.encode()) > lim.max_output_bytes:
-        return SandboxResult(False, reason=f"output limit: more than {lim.max_output_bytes} bytes written",
-                             seconds=seconds)
+        return SandboxResult(
+            False, reason=f"output limit: more than {lim.max_output_bytes} bytes written", seconds=seconds
+        )
     if run.status != "Finished" or run.return_code != 0:
         code = run.return_code if run.return_code is not None else -1
         return SandboxResult(False, reason=_explain(code, run.stderr[-2000:], lim), seconds=seconds)
@@ -299,15 +371,25 @@ def _anonymous_fd(data: bytes):
         os.close(fd)
 
 
-def _execute(argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tuple[int, ...] = (),
-             signal_base: int | None = None) -> SandboxResult:
+def _execute(
+    argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tuple[int, ...] = (), signal_base: int | None = None
+) -> SandboxResult:
     """Run ``argv`` with stdout and stderr in anonymous files; kill its process group at the end.
     ``signal_base``: the launcher reports a child killed by signal N as exit code base+N (bwrap)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, close_fds=True, pass_fds=pass_fds)
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env={},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=pass_fds,
+            )
         except OSError as e:
             return SandboxResult(False, reason=f"could not start the sandbox: {e}")
         try:
@@ -315,11 +397,17 @@ def _execute(argv: list[str], lim: SandboxLimits, cwd: str | None, pass_fds: tup
         except subprocess.TimeoutExpired:
             cpu = _tree_cpu_s(proc.pid)  # (before the kill) a busy program is a CPU problem, not a slow one
             if cpu >= 0.5 * lim.timeout_s or _still_computing(proc.pid, cpu):
-                return SandboxResult(False, reason=f"cpu time limit: busy computing until the {lim.timeout_s:g} s "
-                                                   f"wall-clock limit ({cpu:.1f} s of CPU)",
-                                     seconds=time.perf_counter() - t0)
-            return SandboxResult(False, reason=f"timeout: still running after {lim.timeout_s:g} s (wall clock)",
-                                 seconds=time.perf_counter() - t0)
+                return SandboxResult(
+                    False,
+                    reason=f"cpu time limit: busy computing until the {lim.timeout_s:g} s "
+                    f"wall-clock limit ({cpu:.1f} s of CPU)",
+                    seconds=time.perf_counter() - t0,
+                )
+            return SandboxResult(
+                False,
+                reason=f"timeout: still running after {lim.timeout_s:g} s (wall clock)",
+                seconds=time.perf_counter() - t0,
+            )
         finally:
             _kill_group(proc)  # whatever it left behind in its session
         seconds = time.perf_counter() - t0

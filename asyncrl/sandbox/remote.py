@@ -33,11 +33,16 @@ class RemoteSandboxConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = Field(None, description=(
-        "SandboxFusion server, e.g. http://sandbox:8080 (requests go to <url>/run_code). Required "
-        "with sandbox.isolation: remote."))
-    request_timeout_s: float = Field(10.0, gt=0, description=(
-        "Seconds one request may take on top of the run's own timeout_s."))
+    url: str | None = Field(
+        None,
+        description=(
+            "SandboxFusion server, e.g. http://sandbox:8080 (requests go to <url>/run_code). Required "
+            "with sandbox.isolation: remote."
+        ),
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, description=("Seconds one request may take on top of the run's own timeout_s.")
+    )
     max_retries: int = Field(2, ge=0, description="Retries after a connection error, a timeout or an HTTP 5xx.")
     backoff_s: float = Field(0.5, ge=0, description="Delay before the first retry; doubled each retry (max 8 s).")
     max_concurrency: int = Field(8, ge=1, description="Requests in flight at once from one process.")
@@ -83,9 +88,18 @@ def run_code(cfg: RemoteSandboxConfig, code: str, run_timeout_s: float, memory_m
     """Run ``code`` on the remote sandbox once; retries as promised in the module docstring."""
     if not cfg.url:
         raise RemoteSandboxError("sandbox.remote.url is not set")
-    body = json.dumps({"code": code, "language": "python", "run_timeout": run_timeout_s,
-                       "compile_timeout": run_timeout_s, "memory_limit_MB": memory_mb, "stdin": "",
-                       "files": {}, "fetch_files": []}).encode()
+    body = json.dumps(
+        {
+            "code": code,
+            "language": "python",
+            "run_timeout": run_timeout_s,
+            "compile_timeout": run_timeout_s,
+            "memory_limit_MB": memory_mb,
+            "stdin": "",
+            "files": {},
+            "fetch_files": [],
+        }
+    ).encode()
     url = cfg.url.rstrip("/") + "/run_code"
     timeout = run_timeout_s + cfg.request_timeout_s
     for attempt in range(cfg.max_retries + 1):
@@ -97,7 +111,7 @@ def run_code(cfg: RemoteSandboxConfig, code: str, run_timeout_s: float, memory_m
                 if e.retry:
                     raise RemoteSandboxError(f"{e} (after {attempt + 1} attempts)") from None
                 raise
-            time.sleep(min(cfg.backoff_s * 2 ** attempt, MAX_BACKOFF_S))
+            time.sleep(min(cfg.backoff_s * 2**attempt, MAX_BACKOFF_S))
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -113,8 +127,9 @@ def _post(url: str, body: bytes, timeout: float, max_bytes: int) -> bytes:
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
         if isinstance(why, TimeoutError):
-            raise RemoteSandboxError(f"remote sandbox gave no answer within {timeout:g} s ({url})",
-                                     retry=True) from None
+            raise RemoteSandboxError(
+                f"remote sandbox gave no answer within {timeout:g} s ({url})", retry=True
+            ) from None
         raise RemoteSandboxError(f"remote sandbox unreachable at {url}: {why}", retry=True) from None
     if len(raw) > max_bytes:
         raise RemoteSandboxError(f"remote sandbox reply larger than {max_bytes} bytes")
@@ -135,5 +150,9 @@ def _parse(raw: bytes) -> RemoteRun:
     if not isinstance(run, dict) or run.get("status") not in ("Finished", "TimeLimitExceeded", "Error"):
         raise RemoteSandboxError(f"remote sandbox reply has no run_result: {str(reply.get('message') or '')[:200]}")
     code = run.get("return_code")
-    return RemoteRun(run["status"], code if isinstance(code, int) else None, str(run.get("stdout") or ""),
-                     str(run.get("stderr") or ""))
+    return RemoteRun(
+        run["status"],
+        code if isinstance(code, int) else None,
+        str(run.get("stdout") or ""),
+        str(run.get("stderr") or ""),
+    )

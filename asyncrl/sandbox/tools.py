@@ -47,13 +47,17 @@ def check_toolsets(toolsets: list, where: str) -> None:
         runtime = getattr(getattr(cfg, "runtime", None), "type", "subprocess")
         name = type(ts).__name__
         if getattr(cfg, "url", None):
-            raise ConfigError(f"{where}: toolset {name} is served at {cfg.url} (config.url); asyncrl runs a "
-                              f"toolset's tools in its own bubblewrap sandbox and does not call external tool "
-                              f"servers: leave url unset")
+            raise ConfigError(
+                f"{where}: toolset {name} is served at {cfg.url} (config.url); asyncrl runs a "
+                f"toolset's tools in its own bubblewrap sandbox and does not call external tool "
+                f"servers: leave url unset"
+            )
         if runtime != "subprocess":
-            raise ConfigError(f"{where}: toolset {name} asks for runtime {runtime!r}; asyncrl runs tools in its "
-                              f"bubblewrap sandbox, which stands for verifiers' 'subprocess' runtime only, so a "
-                              f"{runtime!r} runtime is refused rather than ignored")
+            raise ConfigError(
+                f"{where}: toolset {name} asks for runtime {runtime!r}; asyncrl runs tools in its "
+                f"bubblewrap sandbox, which stands for verifiers' 'subprocess' runtime only, so a "
+                f"{runtime!r} runtime is refused rather than ignored"
+            )
 
 
 def _import_root(module: str) -> tuple[str, str]:
@@ -80,7 +84,7 @@ def _site_dirs() -> list[str]:
 
 
 # The worker: runs inside the sandbox as its program file. SPEC is filled in by ToolSandbox.
-_WORKER = r'''
+_WORKER = r"""
 import asyncio, importlib, inspect, json, os, resource, site, sys
 SPEC = json.loads(%r)
 for name, limit in (("RLIMIT_AS", SPEC["memory"]), ("RLIMIT_FSIZE", 64 << 20), ("RLIMIT_CORE", 0)):
@@ -132,7 +136,7 @@ for line in sys.stdin:
         reply(ok=True, result=result if isinstance(result, str) else json.dumps(result, default=str))
     except BaseException as e:
         reply(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-'''
+"""
 
 
 def _readable(fd: int, timeout_s: float) -> bool:
@@ -151,14 +155,23 @@ class ToolSandbox:
     def __init__(self, task_cls: type, config, timeout_s: float = 60.0):
         reason = bwrap.unavailable()
         if reason is not None:
-            raise ConfigError(f"env.type=verifiers: this taskset's tools run only in the bubblewrap sandbox, "
-                              f"which does not work here: {reason}")
+            raise ConfigError(
+                f"env.type=verifiers: this taskset's tools run only in the bubblewrap sandbox, "
+                f"which does not work here: {reason}"
+            )
         self.timeout_s = float(timeout_s)
         bind, root = _import_root(task_cls.__module__)
         config_cls = type(config)
-        spec = {"site": _site_dirs(), "root": root, "task_cls": f"{task_cls.__module__}:{task_cls.__qualname__}",
-                "config_cls": f"{config_cls.__module__}:{config_cls.__qualname__}", "config": config.model_dump_json(),
-                "timeout": self.timeout_s, "max_reply": MAX_REPLY_BYTES, "memory": MEMORY_BYTES}
+        spec = {
+            "site": _site_dirs(),
+            "root": root,
+            "task_cls": f"{task_cls.__module__}:{task_cls.__qualname__}",
+            "config_cls": f"{config_cls.__module__}:{config_cls.__qualname__}",
+            "config": config.model_dump_json(),
+            "timeout": self.timeout_s,
+            "max_reply": MAX_REPLY_BYTES,
+            "memory": MEMORY_BYTES,
+        }
         self._program = (_WORKER % json.dumps(spec)).encode()
         self._binds = [*spec["site"], bind]
         self._proc: subprocess.Popen | None = None
@@ -174,20 +187,36 @@ class ToolSandbox:
         roots = tuple(os.path.realpath(d) + os.sep for d in system)
         # the system's library directories whole (packages' extension modules load more of them than the
         # standard library does), and the interpreter's own libraries that lie elsewhere (libpython)
-        libs = tuple((real, path) for real, path in install.libs
-                     if not (real.startswith(roots) or os.path.realpath(path).startswith(roots)))
+        libs = tuple(
+            (real, path)
+            for real, path in install.libs
+            if not (real.startswith(roots) or os.path.realpath(path).startswith(roots))
+        )
         install = bwrap.PythonInstall(install.executable, install.dirs, libs, system)
-        return bwrap.sandbox_argv([install.executable, "-I", "-S", "-B", bwrap.PROGRAM_PATH], install,
-                                  program_fd=program_fd, tmp_mb=64, features=probe.features, bwrap=probe.bwrap,
-                                  extra_ro=tuple(self._binds))
+        return bwrap.sandbox_argv(
+            [install.executable, "-I", "-S", "-B", bwrap.PROGRAM_PATH],
+            install,
+            program_fd=program_fd,
+            tmp_mb=64,
+            features=probe.features,
+            bwrap=probe.bwrap,
+            extra_ro=tuple(self._binds),
+        )
 
     def _start(self) -> None:
         fd = os.memfd_create("asyncrl-tools")
         try:
             os.write(fd, self._program)
             os.lseek(fd, 0, os.SEEK_SET)
-            self._proc = subprocess.Popen(self._argv(fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, pass_fds=(fd,), env={}, start_new_session=True)
+            self._proc = subprocess.Popen(
+                self._argv(fd),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(fd,),
+                env={},
+                start_new_session=True,
+            )
         finally:
             os.close(fd)
         self._stderr = collections.deque(maxlen=20)  # the last lines, for a failure's reason

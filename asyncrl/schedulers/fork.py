@@ -222,8 +222,12 @@ def _close_on_exec_descriptors() -> None:
 
 
 def _unbuffered(fd: int, like) -> io.TextIOWrapper:
-    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=getattr(like, "encoding", None) or "utf-8",
-                            errors=getattr(like, "errors", None) or "backslashreplace", write_through=True)
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False),
+        encoding=getattr(like, "encoding", None) or "utf-8",
+        errors=getattr(like, "errors", None) or "backslashreplace",
+        write_through=True,
+    )
 
 
 def _set_name(name: str) -> None:

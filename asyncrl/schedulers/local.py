@@ -32,10 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-from ..rundir import layout
-
 from ..config import Config
 from ..lifecycle import child_env
+from ..rundir import layout
 from . import fork
 
 STOP_GRACE_S = 30.0
@@ -78,8 +77,13 @@ class StopSignals:
         return 128 + int(self.signum or signal.SIGINT)
 
 
-def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | None = None,
-                       stop: StopSignals | None = None, report_s: float | None = None) -> dict:
+def wait_for_addresses(
+    path: Path,
+    learner: subprocess.Popen,
+    timeout: float | None = None,
+    stop: StopSignals | None = None,
+    report_s: float | None = None,
+) -> dict:
     """The learner's addresses.json once written. Waits as long as the learner lives (or
     ``timeout`` seconds when given); raises LearnerExited if it ends first, StopRequested on a
     stop signal. Every ``report_s`` seconds it prints that the learner is still starting."""
@@ -96,14 +100,23 @@ def wait_for_addresses(path: Path, learner: subprocess.Popen, timeout: float | N
             stop.check()
         if report_s and time.time() - last_report >= report_s:
             last_report = time.time()
-            print(f"[asyncrl] the learner (pid {learner.pid}) is still starting after {last_report - t0:.0f} s "
-                  f"(loading or building the model); waiting", flush=True)
+            print(
+                f"[asyncrl] the learner (pid {learner.pid}) is still starting after {last_report - t0:.0f} s "
+                f"(loading or building the model); waiting",
+                flush=True,
+            )
         time.sleep(0.2)
     raise TimeoutError(f"no {path} after {timeout:.0f}s")
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
-           learner_procs: int = 1, place_actor=None) -> int:
+def launch(
+    cfg: Config,
+    config_path: str | None,
+    overrides: list[str],
+    ui: bool = False,
+    learner_procs: int = 1,
+    place_actor=None,
+) -> int:
     """Learner and actors as child processes; ``place_actor(i, argv, env) -> (argv, env)`` may wrap
     an actor's command (the SLURM scheduler runs it on another node with ``srun``)."""
     run_dir = cfg.run_dir
@@ -143,9 +156,12 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         if stop.count and training_over:
             print(f"\n[asyncrl] stopping the UI ({signal.Signals(stop.signum).name})", flush=True)
         elif stop.count:
-            print(f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting for the learner to give up "
-                  f"its step in progress and checkpoint the last one it completed ({STOP_GRACE_S:g} s, or as long as "
-                  f"it asks for; stop again to kill now)", flush=True)
+            print(
+                f"\n[asyncrl] stopping ({signal.Signals(stop.signum).name}); waiting for the learner to give up "
+                f"its step in progress and checkpoint the last one it completed ({STOP_GRACE_S:g} s, or as long as "
+                f"it asks for; stop again to kill now)",
+                flush=True,
+            )
         stop_all(procs, stop, patience=lambda: learner_needs(run_dir, procs[0] if procs else None))
         if stop.count and not training_over and not os.environ.get("SLURM_JOB_ID"):  # (SLURM: resubmit)
             _how_to_resume(run_dir)
@@ -159,14 +175,19 @@ def _how_to_resume(run_dir: Path) -> None:
     if ckpt is None:
         print(f"[asyncrl] no checkpoint in {run_dir}: a resume would start from step 0", file=sys.stderr, flush=True)
         return
-    print(f"[asyncrl] stopped; checkpoint at step {layout.checkpoint_step(ckpt)} in {ckpt}. Resume with:\n"
-          f"  {resume_command()}", file=sys.stderr, flush=True)
+    print(
+        f"[asyncrl] stopped; checkpoint at step {layout.checkpoint_step(ckpt)} in {ckpt}. Resume with:\n"
+        f"  {resume_command()}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def invoked_as() -> str:
     """``asyncrl`` as this process was started, to paste back into the same shell: ``asyncrl`` when that
     is what the PATH finds, else the script's path (``.venv/bin/asyncrl`` from the project's root), and
     ``<python> -m asyncrl`` for ``python -m asyncrl``."""
+
     def short(path: str) -> str:
         rel = os.path.relpath(path)
         return shlex.quote(path if rel.startswith("..") else rel)
@@ -175,8 +196,9 @@ def invoked_as() -> str:
     if os.path.basename(argv0) == "__main__.py":
         return f"{short(sys.executable)} -m asyncrl"
     found = shutil.which("asyncrl")
-    if os.path.basename(argv0) == "asyncrl" and (os.sep not in argv0 or (
-            found and os.path.realpath(found) == os.path.realpath(argv0))):
+    if os.path.basename(argv0) == "asyncrl" and (
+        os.sep not in argv0 or (found and os.path.realpath(found) == os.path.realpath(argv0))
+    ):
         return "asyncrl"
     return short(argv0)
 
@@ -193,7 +215,9 @@ def resume_command() -> str:
     return this_command(lambda a: a in ("--resume", "--overwrite") or a.startswith("checkpoint.resume=")) + " --resume"
 
 
-def start_learner_group(args: list[str], n: int, env: dict, run_dir: Path, forking: bool = False) -> list[subprocess.Popen]:
+def start_learner_group(
+    args: list[str], n: int, env: dict, run_dir: Path, forking: bool = False
+) -> list[subprocess.Popen]:
     """``n`` learner processes of one group (``asyncrl.learner.training.ranks``), as ``torchrun`` would start
     them on this machine: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (a free loopback port), and
     ASYNCRL_STORE_SECRET, with which rank 0 serves the group's rendezvous store (bound to loopback
@@ -205,8 +229,13 @@ def start_learner_group(args: list[str], n: int, env: dict, run_dir: Path, forki
         raise ValueError(f"--learner-procs {n}: expected at least 1 learner process")
     if n == 1:
         return [fork.start(args, env, fork=forking)]
-    group = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(free_port()), "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
+    group = {
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "ASYNCRL_STORE_SECRET": secrets.token_hex(16),
+    }
     procs = []
     for rank in range(n):
         rank_env = {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -218,8 +247,9 @@ def start_learner_group(args: list[str], n: int, env: dict, run_dir: Path, forki
     return procs
 
 
-def _start_actor(run_dir: Path, base: list[str], addrs: dict, i: int, env: dict, place=None,
-                 forking: bool = False) -> subprocess.Popen:
+def _start_actor(
+    run_dir: Path, base: list[str], addrs: dict, i: int, env: dict, place=None, forking: bool = False
+) -> subprocess.Popen:
     args = ["serve", *base, "--connect", addrs["control"], "--actor-id", f"actor-{i}", "--index", str(i)]
     with open(layout.actor_log(run_dir, i), "a") as log:  # the child keeps its own descriptor
         if place is None:
@@ -257,16 +287,24 @@ def _serve_until_stopped(ui: subprocess.Popen, code: int, stop: StopSignals) -> 
     """After the training ended (exit ``code``): keep the UI up until a stop signal (or until the UI
     process itself exits)."""
     ended = "finished" if code == 0 else f"ended with exit code {code}"
-    print(f"[asyncrl] training {ended}; the UI is still serving at {ui.url} - press Ctrl-C (or send "
-          f"SIGTERM to pid {os.getpid()}) to stop it", flush=True)
+    print(
+        f"[asyncrl] training {ended}; the UI is still serving at {ui.url} - press Ctrl-C (or send "
+        f"SIGTERM to pid {os.getpid()}) to stop it",
+        flush=True,
+    )
     while ui.poll() is None and not stop.count:
         time.sleep(0.2)
     if ui.returncode not in (None, 0):
         print(f"[asyncrl] the UI exited with code {ui.returncode}", flush=True)
 
 
-def _supervise(learner: subprocess.Popen, actors: list[subprocess.Popen], run_dir: Path, stop: StopSignals,
-               ranks: list[subprocess.Popen] = ()) -> int:
+def _supervise(
+    learner: subprocess.Popen,
+    actors: list[subprocess.Popen],
+    run_dir: Path,
+    stop: StopSignals,
+    ranks: list[subprocess.Popen] = (),
+) -> int:
     """Wait for the learner to finish; an actor or a learner rank that fails ends the run (exit
     code 1)."""
     while learner.poll() is None:
@@ -332,8 +370,9 @@ def learner_needs(run_dir: Path, learner: subprocess.Popen | None) -> float | No
     return min(until, time.time() + MAX_PATIENCE_S) if said.get("pid") == learner.pid else None
 
 
-def stop_all(procs: list[subprocess.Popen], stop: StopSignals | None = None, grace: float = STOP_GRACE_S,
-             patience=None) -> None:
+def stop_all(
+    procs: list[subprocess.Popen], stop: StopSignals | None = None, grace: float = STOP_GRACE_S, patience=None
+) -> None:
     """SIGTERM every live process, wait up to ``grace`` seconds (less if a second stop signal comes), or
     until the later time ``patience()`` gives (the learner writing its checkpoint; said once), then
     SIGKILL what is left. Never raises."""
@@ -347,8 +386,11 @@ def stop_all(procs: list[subprocess.Popen], stop: StopSignals | None = None, gra
         later = patience() if patience is not None else None
         if later is not None and later > deadline:
             if not told:
-                print(f"[asyncrl] the learner asks for up to {later - time.time():.0f} s to save its work (stop "
-                      f"again to kill it now)", flush=True)
+                print(
+                    f"[asyncrl] the learner asks for up to {later - time.time():.0f} s to save its work (stop "
+                    f"again to kill it now)",
+                    flush=True,
+                )
                 told = True
             deadline = later
         if time.time() >= deadline:

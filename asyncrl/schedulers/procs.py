@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from .local import free_port
 from ..lifecycle import child_env
+from .local import free_port
 
 
 def relay_name(prefix: str, node_id: str) -> str:
@@ -60,8 +60,13 @@ class ProcSupervisor:
     def node(self) -> dict:
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "pid": os.getpid(), "child": self.proc.pid if self.proc else None}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "child": self.proc.pid if self.proc else None,
+        }
 
     def free_port(self) -> int:
         return free_port()
@@ -86,8 +91,13 @@ class ProcSupervisor:
         env = child_env({**os.environ, **(spec.get("env") or {}), **(extra_env or {}), "PYTHONUNBUFFERED": "1"})
         cwd = spec.get("cwd") if spec.get("cwd") and Path(spec["cwd"]).is_dir() else None
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl", args[0], "--config", str(config),
-                                          *args[1:]], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl", args[0], "--config", str(config), *args[1:]],
+                env=env,
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         threading.Thread(target=self._watch, daemon=True, name="asyncrl-supervise").start()
         return self.proc.pid
 
@@ -122,8 +132,11 @@ class ProcSupervisor:
             self._forward(wait=done)
             if done:
                 if self.proc.returncode != 0 and self.spec.get("restart_on_failure") and not self._stop.is_set():
-                    print(f"[asyncrl] {self.name} exited with code {self.proc.returncode}; its supervisor ends "
-                          f"so that Ray restarts it", flush=True)
+                    print(
+                        f"[asyncrl] {self.name} exited with code {self.proc.returncode}; its supervisor ends "
+                        f"so that Ray restarts it",
+                        flush=True,
+                    )
                     os._exit(1)
                 return
             time.sleep(1.0)
@@ -194,8 +207,10 @@ class ProcSupervisor:
 
         bundles = make_curve_keys(out_dir, names)
         bundles.pop("server")
-        return {name: {f"{name}/{p.name}": p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
-                for name, path in bundles.items()}
+        return {
+            name: {f"{name}/{p.name}": p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
+            for name, path in bundles.items()
+        }
 
     def append_log(self, name: str, data: bytes) -> None:
         """(The sink, rank 0's supervisor) append another process's output to ``<run>/logs/<name>.log``."""

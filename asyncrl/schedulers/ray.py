@@ -42,15 +42,15 @@ import os
 import secrets
 import signal
 import socket
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ..config import Config, dump_config
-from .local import STOP_GRACE_S, StopRequested, StopSignals, resume_command
 from ..wire.sockets import is_loopback, private_dir
 from . import SchedulerError
+from .local import STOP_GRACE_S, StopRequested, StopSignals, resume_command
 from .procs import ProcSupervisor, relay_name
 
 _POLL_S = 0.5
@@ -61,8 +61,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise SchedulerError("launch.scheduler=ray needs Ray, which is not installed: pip install 'asyncrl[ray]' "
-                             "(or pip install ray)") from None
+        raise SchedulerError(
+            "launch.scheduler=ray needs Ray, which is not installed: pip install 'asyncrl[ray]' (or pip install ray)"
+        ) from None
     return ray
 
 
@@ -75,8 +76,9 @@ def _reachable(address: str, timeout_s: float) -> None:
     try:
         port_n = int(port)
     except ValueError:
-        raise SchedulerError(f"Ray address {address!r} (launch.ray.address / RAY_ADDRESS): expected host:port of "
-                             f"the head node") from None
+        raise SchedulerError(
+            f"Ray address {address!r} (launch.ray.address / RAY_ADDRESS): expected host:port of the head node"
+        ) from None
     deadline = time.monotonic() + timeout_s
     last: OSError | None = None
     while time.monotonic() < deadline:
@@ -86,9 +88,11 @@ def _reachable(address: str, timeout_s: float) -> None:
         except OSError as e:
             last = e
             time.sleep(0.3)
-    raise SchedulerError(f"cannot reach the Ray cluster at {address} (launch.ray.address / RAY_ADDRESS) within "
-                         f"{timeout_s:g} s ({last}): start it with `ray start --head` there, or leave both unset "
-                         f"to run on a local cluster")
+    raise SchedulerError(
+        f"cannot reach the Ray cluster at {address} (launch.ray.address / RAY_ADDRESS) within "
+        f"{timeout_s:g} s ({last}): start it with `ray start --head` there, or leave both unset "
+        f"to run on a local cluster"
+    )
 
 
 def connect(cfg: Config):
@@ -125,9 +129,15 @@ def connect(cfg: Config):
     # otherwise join the cluster it finds in /tmp/ray, perhaps another user's); its files under a private
     # directory of this user's (Ray makes its own temp dir mode 0777; the 0700 parent keeps others out)
     private = private_dir(Path(tempfile.gettempdir()) / f"ray-asyncrl-{os.geteuid()}")
-    ray.init(address="local", _temp_dir=str(private / "r"),
-             _node_ip_address="127.0.0.1", include_dashboard=rc.dashboard,
-             num_cpus=max(os.cpu_count() or 1, int(need_cpu + 0.999)), resources=custom or None, **kwargs)
+    ray.init(
+        address="local",
+        _temp_dir=str(private / "r"),
+        _node_ip_address="127.0.0.1",
+        include_dashboard=rc.dashboard,
+        num_cpus=max(os.cpu_count() or 1, int(need_cpu + 0.999)),
+        resources=custom or None,
+        **kwargs,
+    )
     return ray, True
 
 
@@ -139,16 +149,26 @@ def _demand(res) -> dict[str, float]:
 def check_feasible(ray, cfg: Config) -> None:
     """Fail at once when no alive node could ever host a learner process or an actor."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for what, need in (("a learner process (launch.learner)", _demand(cfg.launch.learner)),
-                       ("an actor (launch.actor)", _demand(cfg.launch.actor))):
+    for what, need in (
+        ("a learner process (launch.learner)", _demand(cfg.launch.learner)),
+        ("an actor (launch.actor)", _demand(cfg.launch.actor)),
+    ):
         if any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
             continue
-        offers = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
-            f"{k}={v:g}" for k, v in sorted(n["Resources"].items()) if not k.startswith(("node:", "memory", "object"))
-        ) for n in nodes)
+        offers = "; ".join(
+            f"{n['NodeManagerAddress']}: "
+            + ", ".join(
+                f"{k}={v:g}"
+                for k, v in sorted(n["Resources"].items())
+                if not k.startswith(("node:", "memory", "object"))
+            )
+            for n in nodes
+        )
         missing = sorted(k for k, v in need.items() if not any(n["Resources"].get(k, 0) >= v for n in nodes))
-        raise SchedulerError(f"no node of the Ray cluster can host {what}: it needs {need}, and no node has "
-                             f"{', '.join(missing) or 'all of them at once'} (nodes: {offers})")
+        raise SchedulerError(
+            f"no node of the Ray cluster can host {what}: it needs {need}, and no node has "
+            f"{', '.join(missing) or 'all of them at once'} (nodes: {offers})"
+        )
 
 
 class RayRun:
@@ -178,36 +198,51 @@ class RayRun:
             for part in path:
                 obj = getattr(obj, part)
             setattr(obj, last, value)
-        return {"name": name, "args": args, "config": dump_config(cfg), "cwd": os.getcwd(), "run_dir": self.run_dir,
-                **extra}
+        return {
+            "name": name,
+            "args": args,
+            "config": dump_config(cfg),
+            "cwd": os.getcwd(),
+            "run_dir": self.run_dir,
+            **extra,
+        }
 
     # -- start ------------------------------------------------------------------------------------
     def start_learner(self) -> dict:
         ray, lc = self.ray, self.cfg.launch
-        from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
-                                                    PlacementGroupSchedulingStrategy)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        opts = {"num_cpus": lc.learner.cpus, "num_gpus": lc.learner.gpus, "resources": lc.learner.resources,
-                "max_restarts": 0}
+        opts = {
+            "num_cpus": lc.learner.cpus,
+            "num_gpus": lc.learner.gpus,
+            "resources": lc.learner.resources,
+            "max_restarts": 0,
+        }
         if lc.learner.resources:
             pg = ray.util.placement_group([_demand(lc.learner)] * self.procs_n, strategy="STRICT_PACK")
             try:
                 ray.get(pg.ready(), timeout=lc.ray.start_timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise SchedulerError(f"the learner's resources {_demand(lc.learner)} x {self.procs_n} on one node were "
-                                     f"not granted within {lc.ray.start_timeout_s:g} s (launch.learner, "
-                                     f"launch.ray.start_timeout_s)") from None
-            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                          for i in range(self.procs_n)]
+                raise SchedulerError(
+                    f"the learner's resources {_demand(lc.learner)} x {self.procs_n} on one node were "
+                    f"not granted within {lc.ray.start_timeout_s:g} s (launch.learner, "
+                    f"launch.ray.start_timeout_s)"
+                ) from None
+            strategies = [
+                PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(self.procs_n)
+            ]
         else:  # the driver's node: the run directory is where the run was started
             here = ray.get_runtime_context().get_node_id()
             strategies = [NodeAffinitySchedulingStrategy(here, soft=False)] * self.procs_n
         # (rank 0 collects every process's log; the others find it by its name: an actor handle among a
         # restartable actor's constructor arguments is a reference Ray cannot rebuild, and Ray says so)
         self.sink_name = f"asyncrl-logs-{self.token}"
-        self.learner = [self.Proc.options(scheduling_strategy=strategies[rank], **opts,
-                                          **({"name": self.sink_name} if rank == 0 else {})).remote(
-            {"name": f"learner-rank{rank}", "start": False}) for rank in range(self.procs_n)]
+        self.learner = [
+            self.Proc.options(
+                scheduling_strategy=strategies[rank], **opts, **({"name": self.sink_name} if rank == 0 else {})
+            ).remote({"name": f"learner-rank{rank}", "start": False})
+            for rank in range(self.procs_n)
+        ]
         rank0 = self.learner[0]
         node = self.learner_node = self._call(rank0.node.remote())
         overrides = {"run_root": str(Path(self.run_dir).parent), "name": Path(self.run_dir).name}
@@ -221,16 +256,21 @@ class RayRun:
             overrides["sync.type"] = "zmq"  # (the relays take frames; the actors read shared memory)
         env = {}
         if self.procs_n > 1:
-            env = {"WORLD_SIZE": str(self.procs_n), "LOCAL_WORLD_SIZE": str(self.procs_n), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(self._call(rank0.free_port.remote())),
-                   "ASYNCRL_STORE_SECRET": secrets.token_hex(16)}
+            env = {
+                "WORLD_SIZE": str(self.procs_n),
+                "LOCAL_WORLD_SIZE": str(self.procs_n),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self._call(rank0.free_port.remote())),
+                "ASYNCRL_STORE_SECRET": secrets.token_hex(16),
+            }
         for rank, sup in enumerate(self.learner):
-            spec = self._spec(f"learner-rank{rank}", ["learn"], overrides,
-                              sink=None if rank == 0 else self.sink_name)
+            spec = self._spec(f"learner-rank{rank}", ["learn"], overrides, sink=None if rank == 0 else self.sink_name)
             self._call(sup.set_spec.remote(spec))
             self._call(sup.start.remote({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if env else {}))
-        _say(f"learner: {self.procs_n} process(es) on node {node['ip']} ({node['host']}, id {node['node_id'][:12]}); "
-             f"run directory {self.run_dir} there; " + ("CURVE keys on" if secure else "loopback only"))
+        _say(
+            f"learner: {self.procs_n} process(es) on node {node['ip']} ({node['host']}, id {node['node_id'][:12]}); "
+            f"run directory {self.run_dir} there; " + ("CURVE keys on" if secure else "loopback only")
+        )
         return node
 
     def _secure(self, learner_ip: str) -> bool:
@@ -257,8 +297,10 @@ class RayRun:
                     pass
             code = self._call(rank0.poll.remote())
             if code is not None:
-                raise SchedulerError(f"the learner exited with code {code} before binding its sockets; its output:\n"
-                                     f"{self._call(rank0.tail.remote())}")
+                raise SchedulerError(
+                    f"the learner exited with code {code} before binding its sockets; its output:\n"
+                    f"{self._call(rank0.tail.remote())}"
+                )
             if time.monotonic() - last > 60:
                 last = time.monotonic()
                 _say(f"the learner is still starting after {last - t0:.0f} s; waiting")
@@ -277,15 +319,28 @@ class RayRun:
             if lc.ray.relay:
                 overrides["sync.type"] = "ipc"
                 args += ["--weights-address", "{relay}"]
-            spec = self._spec(name, args, overrides, files=files, restart_on_failure=True, sink=self.sink_name,
-                              relay=f"asyncrl-relay-{self.token}" if lc.ray.relay else None,
-                              relay_timeout_s=lc.ray.start_timeout_s)
+            spec = self._spec(
+                name,
+                args,
+                overrides,
+                files=files,
+                restart_on_failure=True,
+                sink=self.sink_name,
+                relay=f"asyncrl-relay-{self.token}" if lc.ray.relay else None,
+                relay_timeout_s=lc.ray.start_timeout_s,
+            )
             # (by value, inlined in the actor's creation task: a restart never depends on an object that could
             # be lost, and Ray does not warn that one might be; a spec is a few kB of config and keys)
-            self.actors.append(self.Proc.options(
-                num_cpus=lc.actor.cpus, num_gpus=lc.actor.gpus, resources=lc.actor.resources,
-                max_restarts=lc.ray.max_restarts, max_task_retries=0,
-                scheduling_strategy="SPREAD" if lc.spread_actors else "DEFAULT").remote(spec))
+            self.actors.append(
+                self.Proc.options(
+                    num_cpus=lc.actor.cpus,
+                    num_gpus=lc.actor.gpus,
+                    resources=lc.actor.resources,
+                    max_restarts=lc.ray.max_restarts,
+                    max_task_retries=0,
+                    scheduling_strategy="SPREAD" if lc.spread_actors else "DEFAULT",
+                ).remote(spec)
+            )
 
     # -- watching ---------------------------------------------------------------------------------
     def _call(self, ref, timeout: float = _CALL_TIMEOUT_S):
@@ -313,12 +368,21 @@ class RayRun:
         if self.actor_files:  # off one host: a key of its own (the learner admits it as this relay only)
             files = self._call(self.learner[0].make_keys.remote(str(Path(self.run_dir) / "keys"), [name]))[name]
             args += ["-o", f"wire.curve_dir={{files}}/{name}"]
-        spec = self._spec(name, args, {**self.run_overrides, "sync.type": "zmq"}, files=files,
-                          sink=self.sink_name, restart_on_failure=True)
+        spec = self._spec(
+            name,
+            args,
+            {**self.run_overrides, "sync.type": "zmq"},
+            files=files,
+            sink=self.sink_name,
+            restart_on_failure=True,
+        )
         self.relays[node_id] = self.Proc.options(  # (the spec by value, as the actors')
-            name=relay_name(f"asyncrl-relay-{self.token}", node_id), num_cpus=0,
-            max_restarts=self.cfg.launch.ray.max_restarts, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(spec)
+            name=relay_name(f"asyncrl-relay-{self.token}", node_id),
+            num_cpus=0,
+            max_restarts=self.cfg.launch.ray.max_restarts,
+            max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(spec)
         _say(f"weights relay on node {node_id[:12]}: the learner sends each version once for this node's actors")
 
     def watch_relays(self) -> None:
@@ -337,13 +401,17 @@ class RayRun:
                 gone = "unavailable"
             if gone and node_id not in self.relays_down:
                 self.relays_down.add(node_id)
-                _say(f"the weights relay on node {node_id[:12]} is {gone}: its actors take weights from the learner "
-                     f"(after actor.relay_timeout_s={self.cfg.actor.relay_timeout_s:g} s); Ray restarts it "
-                     f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})")
+                _say(
+                    f"the weights relay on node {node_id[:12]} is {gone}: its actors take weights from the learner "
+                    f"(after actor.relay_timeout_s={self.cfg.actor.relay_timeout_s:g} s); Ray restarts it "
+                    f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})"
+                )
             elif not gone and node_id in self.relays_down:
                 self.relays_down.discard(node_id)
-                _say(f"the weights relay on node {node_id[:12]} runs again (actors started on that node from now on "
-                     f"use it)")
+                _say(
+                    f"the weights relay on node {node_id[:12]} runs again (actors started on that node from now on "
+                    f"use it)"
+                )
 
     def watch_actors(self) -> str | None:
         """Where each actor is, restarts noticed, relays for new nodes; a line ending the run, or None.
@@ -358,13 +426,17 @@ class RayRun:
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.ActorDiedError as e:
-                return (f"actor-{i} is gone for good after {self.cfg.launch.ray.max_restarts} restart(s) "
-                        f"(launch.ray.max_restarts): {self._last_words(f'actor-{i}', e)}")
+                return (
+                    f"actor-{i} is gone for good after {self.cfg.launch.ray.max_restarts} restart(s) "
+                    f"(launch.ray.max_restarts): {self._last_words(f'actor-{i}', e)}"
+                )
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
                 if i not in self.said_restarting:
                     self.said_restarting.add(i)
-                    _say(f"actor-{i} is unavailable (its node lost, or its process failed); Ray restarts it "
-                         f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})")
+                    _say(
+                        f"actor-{i} is unavailable (its node lost, or its process failed); Ray restarts it "
+                        f"(launch.ray.max_restarts {self.cfg.launch.ray.max_restarts})"
+                    )
                 continue
             self.said_restarting.discard(i)
             if isinstance(code, str):
@@ -373,18 +445,22 @@ class RayRun:
                 self.ensure_relays(node["node_id"])
                 again = self.actor_nodes[i] is not None
                 self.actor_nodes[i] = node["node_id"]
-                _say(f"actor-{i} {'restarted' if again else 'started'} on node {node['ip']} ({node['host']}, "
-                     f"id {node['node_id'][:12]})")
+                _say(
+                    f"actor-{i} {'restarted' if again else 'started'} on node {node['ip']} ({node['host']}, "
+                    f"id {node['node_id'][:12]})"
+                )
         return None
 
     def learner_code(self) -> int | None:
         try:
             code = self._call(self.learner[0].poll.remote(), timeout=10.0)
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
-            raise SchedulerError(f"the learner's node {self.learner_node['ip']} (id "
-                                 f"{self.learner_node['node_id'][:12]}) was lost ({type(e).__name__}); the run ends. "
-                                 f"`asyncrl run --scheduler ray --resume` on the same cluster continues it from its "
-                                 f"last checkpoint") from None
+            raise SchedulerError(
+                f"the learner's node {self.learner_node['ip']} (id "
+                f"{self.learner_node['node_id'][:12]}) was lost ({type(e).__name__}); the run ends. "
+                f"`asyncrl run --scheduler ray --resume` on the same cluster continues it from its "
+                f"last checkpoint"
+            ) from None
         for rank, sup in enumerate(self.learner[1:], start=1):
             c = self._call(sup.poll.remote(), timeout=10.0)
             if c not in (None, 0):
@@ -440,8 +516,7 @@ class RayRun:
                 pass
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
-           learner_procs: int = 1) -> int:
+def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False, learner_procs: int = 1) -> int:
     if ui:
         raise SchedulerError("--ui with --scheduler ray: start `asyncrl ui --run <run dir>` on the learner's node")
     stop = StopSignals()
@@ -483,8 +558,12 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         if run is not None:
             run.stop(grace_s=5.0 if stop.count >= 2 else STOP_GRACE_S)
             if stop.count and run.learner:  # (the checkpoint is in the run directory, on the learner's node)
-                print(f"[asyncrl] stopped; the learner checkpointed in {run.run_dir} on node "
-                      f"{getattr(run, 'learner_node', {}).get('ip', '?')}. Resume with (the same cluster):\n"
-                      f"  {resume_command()}", file=sys.stderr, flush=True)
+                print(
+                    f"[asyncrl] stopped; the learner checkpointed in {run.run_dir} on node "
+                    f"{getattr(run, 'learner_node', {}).get('ip', '?')}. Resume with (the same cluster):\n"
+                    f"  {resume_command()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         ray.shutdown()
     return code

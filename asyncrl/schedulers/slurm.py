@@ -43,9 +43,14 @@ def script_text(cfg: Config, overwrite: bool = False, learner_procs: int = 1) ->
     """The sbatch script for ``cfg``: #SBATCH lines from ``launch.slurm``, the config inline."""
     sc = cfg.launch.slurm
     run_root = Path(cfg.run_root).resolve()
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=asyncrl-{cfg.name}", f"#SBATCH --nodes={sc.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={run_root}/{cfg.name}.slurm-%j.out",
-             f"#SBATCH --time={sc.time}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=asyncrl-{cfg.name}",
+        f"#SBATCH --nodes={sc.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={run_root}/{cfg.name}.slurm-%j.out",
+        f"#SBATCH --time={sc.time}",
+    ]
     lines += [f"#SBATCH --partition={sc.partition}"] if sc.partition else []
     lines += [f"#SBATCH --account={sc.account}"] if sc.account else []
     lines += [f"#SBATCH --cpus-per-task={sc.cpus_per_node}"] if sc.cpus_per_node else []
@@ -60,20 +65,29 @@ def script_text(cfg: Config, overwrite: bool = False, learner_procs: int = 1) ->
     run = [sc.python or sys.executable, "-m", "asyncrl", "run", "--config", "$CONFIG", "--scheduler", "slurm"]
     run += ["--overwrite"] if overwrite else []
     run += ["--learner-procs", str(learner_procs)] if learner_procs > 1 else []
-    return "\n".join(lines + [
-        f"# Made by `asyncrl run --scheduler slurm` for run {cfg.name}; submit again with: sbatch <this file>",
-        "set -u",
-        f"cd {shlex.quote(os.getcwd())} 2>/dev/null || cd \"$HOME\"",
-        'CONFIG="$(mktemp --suffix=.yaml)"',
-        "trap 'rm -f \"$CONFIG\"' EXIT",
-        "cat > \"$CONFIG\" <<'ASYNCRL_CONFIG_END'", text.rstrip(), "ASYNCRL_CONFIG_END",
-        # not exec: the EXIT trap removes the config copy. scancel sends SIGTERM to every process of the
-        # job, asyncrl run included (its Ctrl-C); the shell only keeps waiting for it
-        "trap ':' TERM INT",
-        " ".join(shlex.quote(a) if a != "$CONFIG" else '"$CONFIG"' for a in run) + " &",
-        "PID=$!", "wait $PID", "CODE=$?",
-        'while kill -0 "$PID" 2>/dev/null; do wait "$PID"; CODE=$?; done  # (a signal ended the first wait)',
-        'exit "$CODE"', ""])
+    return "\n".join(
+        lines
+        + [
+            f"# Made by `asyncrl run --scheduler slurm` for run {cfg.name}; submit again with: sbatch <this file>",
+            "set -u",
+            f'cd {shlex.quote(os.getcwd())} 2>/dev/null || cd "$HOME"',
+            'CONFIG="$(mktemp --suffix=.yaml)"',
+            "trap 'rm -f \"$CONFIG\"' EXIT",
+            "cat > \"$CONFIG\" <<'ASYNCRL_CONFIG_END'",
+            text.rstrip(),
+            "ASYNCRL_CONFIG_END",
+            # not exec: the EXIT trap removes the config copy. scancel sends SIGTERM to every process of the
+            # job, asyncrl run included (its Ctrl-C); the shell only keeps waiting for it
+            "trap ':' TERM INT",
+            " ".join(shlex.quote(a) if a != "$CONFIG" else '"$CONFIG"' for a in run) + " &",
+            "PID=$!",
+            "wait $PID",
+            "CODE=$?",
+            'while kill -0 "$PID" 2>/dev/null; do wait "$PID"; CODE=$?; done  # (a signal ended the first wait)',
+            'exit "$CODE"',
+            "",
+        ]
+    )
 
 
 def submit(cfg: Config, dry_run: bool, overwrite: bool, learner_procs: int) -> int:
@@ -83,26 +97,32 @@ def submit(cfg: Config, dry_run: bool, overwrite: bool, learner_procs: int) -> i
     print(f"[asyncrl] wrote {path}", flush=True)
     if dry_run:
         sc = cfg.launch.slurm
-        print(f"[asyncrl] dry run: nothing submitted. The job asks for {sc.nodes} node(s) for {sc.time}"
-              f"{f' on partition {sc.partition}' if sc.partition else ''}. Submit it on a login node with:\n"
-              f"  sbatch {path}\n"
-              f"its output goes to {Path(cfg.run_root).resolve() / cfg.name}.slurm-<job id>.out and the run to "
-              f"{Path(cfg.run_root).resolve() / cfg.name} (on the first node); scancel <job id> stops it cleanly",
-              flush=True)
+        print(
+            f"[asyncrl] dry run: nothing submitted. The job asks for {sc.nodes} node(s) for {sc.time}"
+            f"{f' on partition {sc.partition}' if sc.partition else ''}. Submit it on a login node with:\n"
+            f"  sbatch {path}\n"
+            f"its output goes to {Path(cfg.run_root).resolve() / cfg.name}.slurm-<job id>.out and the run to "
+            f"{Path(cfg.run_root).resolve() / cfg.name} (on the first node); scancel <job id> stops it cleanly",
+            flush=True,
+        )
         return 0
     try:
         out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise SchedulerError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run and submit "
-                             f"{path} there") from None
+        raise SchedulerError(
+            f"sbatch is not on PATH: run this on a SLURM login node, or use --dry-run and submit {path} there"
+        ) from None
     except subprocess.TimeoutExpired:
         raise SchedulerError("sbatch did not answer within 60 s (is slurmctld up?)") from None
     if out.returncode != 0:
         raise SchedulerError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
     job = out.stdout.strip().split(";")[0]
     log = Path(cfg.run_root).resolve() / f"{cfg.name}.slurm-{job}.out"
-    print(f"[asyncrl] submitted job {job}: output in {log} (on the first node), run directory "
-          f"{Path(cfg.run_root).resolve() / cfg.name}; stop it with scancel {job}", flush=True)
+    print(
+        f"[asyncrl] submitted job {job}: output in {log} (on the first node), run directory "
+        f"{Path(cfg.run_root).resolve() / cfg.name}; stop it with scancel {job}",
+        flush=True,
+    )
     return 0
 
 
@@ -129,15 +149,18 @@ def bind_address(spec: str) -> str:
         for part in out.stdout.split():
             if "/" in part and part[0].isdigit():
                 return part.split("/")[0]
-        raise SchedulerError(f"launch.slurm.bind={spec}: interface {name} has no IPv4 address "
-                             f"({(out.stderr or out.stdout).strip() or 'no such interface'})")
+        raise SchedulerError(
+            f"launch.slurm.bind={spec}: interface {name} has no IPv4 address "
+            f"({(out.stderr or out.stdout).strip() or 'no such interface'})"
+        )
     if spec != "auto":
         return spec
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError as e:
-        raise SchedulerError(f"cannot resolve this node's name ({e}); set launch.slurm.bind to an address or "
-                             f"iface:NAME") from None
+        raise SchedulerError(
+            f"cannot resolve this node's name ({e}); set launch.slurm.bind to an address or iface:NAME"
+        ) from None
 
 
 def bundle_env(bundle_dir: Path) -> str:
@@ -164,15 +187,16 @@ def materialize_bundle(value: str) -> str:
     return str(d)
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False,
-           learner_procs: int = 1) -> int:
+def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool = False, learner_procs: int = 1) -> int:
     """Inside an allocation: the learner here, the actors on the allocation's nodes."""
-    from .local import launch as local_launch
     from ..wire.sockets import make_curve_keys
+    from .local import launch as local_launch
 
     if not in_allocation():
-        raise SchedulerError("not inside a SLURM allocation (no SLURM_JOB_ID): asyncrl run --scheduler slurm submits "
-                             "a job when started outside one")
+        raise SchedulerError(
+            "not inside a SLURM allocation (no SLURM_JOB_ID): asyncrl run --scheduler slurm submits "
+            "a job when started outside one"
+        )
     hosts = nodes()
     others = hosts[1:]
     overrides = list(overrides)
@@ -183,11 +207,17 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         made = make_curve_keys(str(keys), [str(i) for i in range(cfg.actor.num)])
         overrides += [f"wire.host={host}", f"wire.curve_dir={keys}"]
         bundles = {i: bundle_env(Path(made[f"actor-{i}"])) for i in range(cfg.actor.num)}
-        print(f"[asyncrl] SLURM job {os.environ['SLURM_JOB_ID']}: learner on {hosts[0]} ({host}, CURVE keys), "
-              f"{cfg.actor.num} actor(s) on {', '.join(others)}", flush=True)
+        print(
+            f"[asyncrl] SLURM job {os.environ['SLURM_JOB_ID']}: learner on {hosts[0]} ({host}, CURVE keys), "
+            f"{cfg.actor.num} actor(s) on {', '.join(others)}",
+            flush=True,
+        )
     else:
-        print(f"[asyncrl] SLURM job {os.environ['SLURM_JOB_ID']}: learner and {cfg.actor.num} actor(s) on "
-              f"{hosts[0] if hosts else 'this node'} (loopback)", flush=True)
+        print(
+            f"[asyncrl] SLURM job {os.environ['SLURM_JOB_ID']}: learner and {cfg.actor.num} actor(s) on "
+            f"{hosts[0] if hosts else 'this node'} (loopback)",
+            flush=True,
+        )
 
     def place(i: int, argv: list[str], env: dict) -> tuple[list[str], dict]:
         node = others[i % len(others)] if others else (hosts[0] if hosts else None)
@@ -197,8 +227,15 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], ui: bool 
         env.pop(PARENT_ENV, None)  # (its parent is SLURM's step daemon; srun, our child, ends the step with us)
         if others:
             env[BUNDLE_ENV] = bundles[i]  # (asyncrl serve uses it instead of the learner's keys directory)
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--kill-on-bad-exit=1",
-                f"--job-name=actor-{i}", *argv], env
+        return [
+            "srun",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            "--overlap",
+            "--kill-on-bad-exit=1",
+            f"--job-name=actor-{i}",
+            *argv,
+        ], env
 
     return local_launch(cfg, config_path, overrides, ui=ui, learner_procs=learner_procs, place_actor=place)
-

@@ -133,8 +133,15 @@ class Hosts:
     def run(self, host: int, argv: list[str], log: Path, env: dict | None = None, cwd=None) -> subprocess.Popen:
         """Start ``argv`` on ``host`` in a session of its own, its output appended to ``log``."""
         with open(log, "ab") as f:
-            return subprocess.Popen(self.argv(host, argv), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen(
+                self.argv(host, argv),
+                cwd=cwd,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def call(self, host: int, argv: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         """Run ``argv`` on ``host`` to its end (output captured as text)."""
@@ -172,8 +179,9 @@ class Hosts:
 
     def listening(self, host: int) -> list[tuple[str, str]]:
         """``(local address:port, process)`` of every listening TCP socket on ``host``."""
-        out = subprocess.run(["ip", "netns", "exec", self.names[host], "ss", "-tlnpH"], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.names[host], "ss", "-tlnpH"], capture_output=True, text=True, check=True
+        ).stdout
         rows = []
         for line in out.splitlines():
             parts = line.split()

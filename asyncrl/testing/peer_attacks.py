@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --- frames ------------------------------------------------------------------------------------
 
+
 def frames(schema: int, kind: str, body: dict, arrays: list | None = None, bufs: list | None = None) -> list:
     """A message as raw frames: the msgpack header and the array buffers, unchecked."""
     header = {"schema": schema, "kind": kind, "body": body, "arrays": arrays or []}
@@ -49,27 +50,62 @@ def crafted(schema: int) -> list[tuple[str, str, list]]:
         ("status version inf", "control", frames(schema, "status", {**st, "version": float("inf")})),
         ("subscribe have 'x'", "weights", frames(schema, "subscribe", {"actor_id": "x", "have": "x"})),
         ("subscribe have null", "weights", frames(schema, "subscribe", {"actor_id": "x", "have": None})),
-        ("episode array shape [2**32, 2**32]", "episodes",
-         frames(schema, "episode", {}, [{"name": "token_ids", "dtype": "int32", "shape": [2**32, 2**32]}], [b""])),
+        (
+            "episode array shape [2**32, 2**32]",
+            "episodes",
+            frames(schema, "episode", {}, [{"name": "token_ids", "dtype": "int32", "shape": [2**32, 2**32]}], [b""]),
+        ),
     ]
 
 
-def episode_frames(schema: int, actor_id: str, eid: str, version: int = 0, token: int = 5,
-                   decision: dict | None = None, reward: float = 1.0, mask_value: int = 1, n: int = 6) -> list:
+def episode_frames(
+    schema: int,
+    actor_id: str,
+    eid: str,
+    version: int = 0,
+    token: int = 5,
+    decision: dict | None = None,
+    reward: float = 1.0,
+    mask_value: int = 1,
+    n: int = 6,
+) -> list:
     """A one-trajectory episode in the wire layout (unchanged since schema 1), every token id
     ``token``, the last half of the tokens generated (loss mask ``mask_value``)."""
     ids = np.full(n, token, "<i4")
     mask = np.array([0] * (n // 2) + [mask_value] * (n - n // 2), "u1")
     logp = np.where(mask > 0, -0.5, 0.0).astype("<f4")
-    cols = {"id": [f"{eid}/t0"], "policy_version": [version], "reward": [reward], "scores": [{"reward": reward}],
-            "sample_type": ["policy"], "group_id": [f"{eid}/g"], "task_id": ["t"], "is_replay": [False],
-            "advantage": [None], "text": ["x"], "metadata": [{}], "length": [n],
-            "has_recorded_logprobs": [False], "has_exp_mask": [False]}
-    body = {"episode": {"id": eid, "actor_id": actor_id, "task": None, "decision": decision or {},
-                        "metrics": {}, "created_at": time.time()},
-            "n": 1, "trajectories": cols}
-    specs = [{"name": k, "dtype": d, "shape": [n]} for k, d in
-             (("token_ids", "int32"), ("loss_mask", "uint8"), ("behavior_logprobs", "float32"))]
+    cols = {
+        "id": [f"{eid}/t0"],
+        "policy_version": [version],
+        "reward": [reward],
+        "scores": [{"reward": reward}],
+        "sample_type": ["policy"],
+        "group_id": [f"{eid}/g"],
+        "task_id": ["t"],
+        "is_replay": [False],
+        "advantage": [None],
+        "text": ["x"],
+        "metadata": [{}],
+        "length": [n],
+        "has_recorded_logprobs": [False],
+        "has_exp_mask": [False],
+    }
+    body = {
+        "episode": {
+            "id": eid,
+            "actor_id": actor_id,
+            "task": None,
+            "decision": decision or {},
+            "metrics": {},
+            "created_at": time.time(),
+        },
+        "n": 1,
+        "trajectories": cols,
+    }
+    specs = [
+        {"name": k, "dtype": d, "shape": [n]}
+        for k, d in (("token_ids", "int32"), ("loss_mask", "uint8"), ("behavior_logprobs", "float32"))
+    ]
     return frames(schema, "episode", body, specs, [ids.tobytes(), mask.tobytes(), logp.tobytes()])
 
 
@@ -117,13 +153,15 @@ class ScriptedActor:
 
 # --- a live run -----------------------------------------------------------------------------------
 
+
 class LiveRun:
     """``asyncrl learn`` (and actors) as real processes on loopback, writing ``run_root/name``;
     ``stop`` ends every process it started. ``root`` picks the checkout (bench: before/after);
     ``learner_prefix`` wraps the learner's command (e.g. in ``unshare``)."""
 
-    def __init__(self, run_root: Path, name: str, overrides: list[str], root: Path = ROOT,
-                 learner_prefix: list[str] = ()):
+    def __init__(
+        self, run_root: Path, name: str, overrides: list[str], root: Path = ROOT, learner_prefix: list[str] = ()
+    ):
         self.root, self.dir, self.procs = root, Path(run_root) / name, []
         self.logs = Path(run_root)
         self.overrides = [*overrides, f"run_root={run_root}", f"name={name}"]
@@ -134,15 +172,23 @@ class LiveRun:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(self.root), env.get("PYTHONPATH", "")])
         out = open(self.logs / f"{self.dir.name}-{log}.log", "w")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "asyncrl", command, *self.overrides, *args],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
-                                start_new_session=True)  # its own group: ``stop`` kills all of it
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "asyncrl", command, *self.overrides, *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=self.root,
+            start_new_session=True,
+        )  # its own group: ``stop`` kills all of it
         self.procs.append(proc)
         return proc
 
     def actor(self, actor_id: str = "actor-0", index: int = 0, extra: list[str] = ()) -> subprocess.Popen:
-        return self.start("serve", [*extra, "--connect", self.addresses["control"], "--actor-id", actor_id,
-                                    "--index", str(index)], actor_id)
+        return self.start(
+            "serve",
+            [*extra, "--connect", self.addresses["control"], "--actor-id", actor_id, "--index", str(index)],
+            actor_id,
+        )
 
     def _addresses(self, timeout: float = 300) -> dict:
         path = self.dir / "addresses.json"

@@ -9,9 +9,15 @@ from .filesystem import FilesystemPublisher, FilesystemReceiver
 from .ipc import IpcPublisher, IpcReceiver
 from .zmq import ZmqPublisher, ZmqReceiver
 
-TRANSPORTS: Registry[tuple[type, type]] = Registry("weight transport", {
-    "zmq": (ZmqPublisher, ZmqReceiver), "filesystem": (FilesystemPublisher, FilesystemReceiver),
-    "ipc": (IpcPublisher, IpcReceiver), "nccl": (CollectivePublisher, CollectiveReceiver)})
+TRANSPORTS: Registry[tuple[type, type]] = Registry(
+    "weight transport",
+    {
+        "zmq": (ZmqPublisher, ZmqReceiver),
+        "filesystem": (FilesystemPublisher, FilesystemReceiver),
+        "ipc": (IpcPublisher, IpcReceiver),
+        "nccl": (CollectivePublisher, CollectiveReceiver),
+    },
+)
 
 
 def make_publisher(sync_cfg, run_dir: Path, wire_cfg=None) -> WeightPublisher:

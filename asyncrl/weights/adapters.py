@@ -45,7 +45,7 @@ def internal_name(name: str) -> str:
 def wire_name(name: str) -> str:
     """The wire name (the plain model's module + ``.lora_A.weight``) of an in-memory or saved name."""
     name = saved_name(name)
-    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
 
 
 def linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -60,8 +60,9 @@ def targeted(model: torch.nn.Module, lora: LoraSettings) -> dict[str, torch.nn.L
     leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
     for t in lora.target_modules:
         if t not in leaves:
-            raise ConfigError(f"model.lora.target_modules: {t!r} names no linear layer of the model; it has "
-                              f"{', '.join(leaves)}")
+            raise ConfigError(
+                f"model.lora.target_modules: {t!r} names no linear layer of the model; it has {', '.join(leaves)}"
+            )
     wanted = set(lora.target_modules)
     return {n: m for n, m in linears.items() if n.rsplit(".", 1)[-1] in wanted}
 
@@ -80,16 +81,19 @@ def check_adapter_tensors(named: dict[str, torch.Tensor], expected: dict[str, tu
     unknown = sorted(set(named) - set(expected))
     missing = sorted(set(expected) - set(named))
     if unknown or missing:
-        raise ValueError(f"update_weights: LoRA adapters expected ({len(expected)} tensors, e.g. "
-                         f"{sorted(expected)[:2]}); unknown {unknown[:3]}, missing {missing[:3]} (a learner "
-                         f"with another model.lora, or full weights sent to a LoRA actor)")
+        raise ValueError(
+            f"update_weights: LoRA adapters expected ({len(expected)} tensors, e.g. "
+            f"{sorted(expected)[:2]}); unknown {unknown[:3]}, missing {missing[:3]} (a learner "
+            f"with another model.lora, or full weights sent to a LoRA actor)"
+        )
     bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})" for n, t in named.items() if tuple(t.shape) != expected[n]]
     if bad:
         raise ValueError(f"update_weights: adapter shapes differ from model.lora: {bad[:3]}")
 
 
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def merged_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``base + scaling * b @ a`` in ``base``'s dtype, as peft merges: the product in float32, added to
     the base weight (rounded once to its dtype). Written into ``out`` (a fresh tensor when None)."""
     a = torch.as_tensor(a).to(base.device, torch.float32)
@@ -117,8 +121,9 @@ class MergedAdapters:
         weight changes when a name or shape is wrong."""
         check_adapter_tensors(named, self.expected)
         for n, m in self.modules.items():
-            merged_weight(self.base[n], named[f"{n}.lora_A.weight"], named[f"{n}.lora_B.weight"], self.scaling,
-                          out=m.weight.data)
+            merged_weight(
+                self.base[n], named[f"{n}.lora_A.weight"], named[f"{n}.lora_B.weight"], self.scaling, out=m.weight.data
+            )
 
 
 def adapter_tensors(named) -> dict[str, torch.Tensor]:
@@ -129,13 +134,25 @@ def adapter_tensors(named) -> dict[str, torch.Tensor]:
 
 def adapter_config(lora: LoraSettings, base: str | Path | None) -> dict:
     """peft's ``adapter_config.json`` for ``lora`` (what peft and vLLM read), naming the base model."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-            "base_model_name_or_path": str(base) if base is not None else None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": str(base) if base is not None else None,
+    }
 
 
-def write_adapters(directory: Path, tensors: dict[str, torch.Tensor], lora: LoraSettings, base: str | Path | None) -> None:
+def write_adapters(
+    directory: Path, tensors: dict[str, torch.Tensor], lora: LoraSettings, base: str | Path | None
+) -> None:
     """A peft adapter directory: ``adapter_model.safetensors`` (peft's saved keys, from in-memory or
     wire names) and ``adapter_config.json`` naming ``base``. What a checkpoint holds and vLLM loads."""
     from safetensors.torch import save_file

@@ -36,12 +36,16 @@ def check_weight_values(named: dict[str, torch.Tensor]) -> None:
     for name, t in named.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in WEIGHT_DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise WeightsError(f"weights tensor {name!r} is {got}; weights are float32, bfloat16 or float16 "
-                               f"(nothing of this version was loaded)")
+            raise WeightsError(
+                f"weights tensor {name!r} is {got}; weights are float32, bfloat16 or float16 "
+                f"(nothing of this version was loaded)"
+            )
         if t.numel() and not _finite(t):
             bad = int((~torch.isfinite(t)).sum())
-            raise WeightsError(f"weights tensor {name!r} holds {bad} NaN or infinite value(s) of {t.numel()} "
-                               f"(nothing of this version was loaded)")
+            raise WeightsError(
+                f"weights tensor {name!r} holds {bad} NaN or infinite value(s) of {t.numel()} "
+                f"(nothing of this version was loaded)"
+            )
 
 
 def _finite(t: torch.Tensor) -> bool:

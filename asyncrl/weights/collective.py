@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from ..wire.codec import Message, encode
 from ..wire.messages import TensorSpec, Weights
-from .base import Publisher, Receiver, WeightsError
 from ..wire.tensors import pack, plan_layout, unpack
+from .base import Publisher, Receiver, WeightsError
 from .rendezvous import StoreClient, StoreServer
 
 _POLL_S = 0.05  # waiting for an epoch
@@ -86,8 +86,7 @@ class CollectivePublisher(Publisher):
     def __init__(self, sync_cfg, run_dir=None, wire_cfg=None):
         self.backend, self.timeout_s = sync_cfg.backend, float(sync_cfg.timeout_s)
         self.host = sync_cfg.group_host
-        self.server = StoreServer(self.host, int(sync_cfg.group_port),
-                                  curve_dir=getattr(wire_cfg, "curve_dir", None))
+        self.server = StoreServer(self.host, int(sync_cfg.group_port), curve_dir=getattr(wire_cfg, "curve_dir", None))
         self.store = self.server.local(self.timeout_s)  # (kept: a process group holds it by reference)
         self.address = self.server.address
         self.epoch, self.members, self.pg, self.bell = 0, [], None, 0
@@ -119,8 +118,7 @@ class CollectivePublisher(Publisher):
                 continue
             del self._unread[n]
             self.store.delete_key(f"reg/{n}")  # (the store holds only what is still to be read)
-            if token and token.decode(errors="replace") not in self.never_came \
-                    and len(self._pending) < _MAX_PENDING:
+            if token and token.decode(errors="replace") not in self.never_came and len(self._pending) < _MAX_PENDING:
                 self._pending.append(token.decode(errors="replace"))
         while len(self._unread) > _MAX_PENDING:
             self._unread.pop(min(self._unread))
@@ -156,13 +154,17 @@ class CollectivePublisher(Publisher):
             absent = [m for m in members if not self.store.check([f"ready/{self.epoch}/{m}"])]
             self.never_came.update(absent)
             self.server.table.cancel(f"pg{self.epoch}/")  # the members that came stop waiting now
-            self._fail(f"forming weight-sync group {self.epoch} with {members}"
-                       + (f" ({len(absent)} never came and will not be waited for again: {absent[:4]})"
-                          if absent else ""), e)
+            self._fail(
+                f"forming weight-sync group {self.epoch} with {members}"
+                + (f" ({len(absent)} never came and will not be waited for again: {absent[:4]})" if absent else ""),
+                e,
+            )
 
     def _fail(self, what: str, err: Exception) -> None:
-        self.last_error = (f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-                           f"training goes on, live actors rejoin")
+        self.last_error = (
+            f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            f"training goes on, live actors rejoin"
+        )
         print(f"[learner] weight sync: {self.last_error}", file=sys.stderr, flush=True)
         _abort(self.pg)
         self.members = []
@@ -220,34 +222,47 @@ class CollectiveReceiver(Receiver):
     def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
         group = msg.body.group
         if not group:
-            raise WeightsError("the learner sent no weight-sync group but this actor expects sync.type=nccl; "
-                               "use the same sync.type on both sides")
+            raise WeightsError(
+                "the learner sent no weight-sync group but this actor expects sync.type=nccl; "
+                "use the same sync.type on both sides"
+            )
         if not msg.body.group_key:
-            raise WeightsError("the learner's weights message names a weight-sync group but no group_key; "
-                               "learner and actor must run the same asyncrl version")
+            raise WeightsError(
+                "the learner's weights message names a weight-sync group but no group_key; "
+                "learner and actor must run the same asyncrl version"
+            )
         if self._thread is None:
             host, port = group.rsplit(":", 1)
-            self._thread = threading.Thread(target=self._run, args=(host, int(port), msg.body.group_key), daemon=True,
-                                            name="weights-collective")
+            self._thread = threading.Thread(
+                target=self._run, args=(host, int(port), msg.body.group_key), daemon=True, name="weights-collective"
+            )
             self._thread.start()
             atexit.register(self.close)
         want = msg.body.version
         with self._lock:  # a newcomer waits for its first version (the learner sends it on joining)
-            self._lock.wait_for(lambda: (self._ready is not None and self._ready[0] >= want)
-                                or (self._taken is not None and self._taken[0] >= want), timeout=self.timeout_s)
+            self._lock.wait_for(
+                lambda: (
+                    (self._ready is not None and self._ready[0] >= want)
+                    or (self._taken is not None and self._taken[0] >= want)
+                ),
+                timeout=self.timeout_s,
+            )
             if self._ready is not None:
                 self._taken, self._ready = self._ready, None
             elif self._taken is None:
-                raise WeightsError(f"no weights from the group at {group} within {self.timeout_s:.0f} s"
-                                   + (f" ({self.error})" if self.error else ""))
+                raise WeightsError(
+                    f"no weights from the group at {group} within {self.timeout_s:.0f} s"
+                    + (f" ({self.error})" if self.error else "")
+                )
             version, index, layout = self._taken  # (the version it holds again: the actor skips it)
         return version, unpack(self._buffers[index], layout)
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self, host: str, port: int, secret: str) -> None:
         try:
-            store = StoreClient(host, port, secret, timeout_s=self.timeout_s, curve_dir=self._curve[0],
-                                actor_id=self._curve[1])
+            store = StoreClient(
+                host, port, secret, timeout_s=self.timeout_s, curve_dir=self._curve[0], actor_id=self._curve[1]
+            )
             self._store = store  # (kept alive while process groups use it)
         except Exception as e:  # noqa: BLE001
             self.error = f"cannot reach the weight-sync store at {host}:{port}: {e}"
@@ -296,8 +311,7 @@ class CollectiveReceiver(Receiver):
         when stopped)."""
         members, epoch = info["members"], self.epoch
         store.set(f"ready/{epoch}/{token}", "1")  # (a member that never sets it is not waited for again)
-        pg = _group(info["backend"], store, f"pg{epoch}", members.index(token) + 1, len(members) + 1,
-                    self.timeout_s)
+        pg = _group(info["backend"], store, f"pg{epoch}", members.index(token) + 1, len(members) + 1, self.timeout_s)
         self._member_of_current = True
         layout = [msgspec.convert(t, TensorSpec) for t in info["layout"]]
         device = "cuda" if info["backend"] == "nccl" else "cpu"

@@ -33,7 +33,7 @@ class FilesystemPublisher(Publisher):
         save_file(state, str(tmp), metadata={"version": str(version)})
         os.chmod(tmp, 0o600)
         os.replace(tmp, final)
-        for old in sorted(self.dir.glob("weights-*.safetensors"))[:-self.keep]:
+        for old in sorted(self.dir.glob("weights-*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
         return encode("weights", Weights(version=int(version), path=str(final)))
 
@@ -45,12 +45,16 @@ class FilesystemReceiver(Receiver):
     def tensors(self, msg: Message) -> tuple[int, dict]:
         path = msg.body.path
         if not path:
-            raise WeightsError("the learner sent tensor frames but this actor expects sync.type=filesystem; "
-                               "use the same sync.type on both sides")
+            raise WeightsError(
+                "the learner sent tensor frames but this actor expects sync.type=filesystem; "
+                "use the same sync.type on both sides"
+            )
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            raise WeightsError(f"weights file {path} does not exist (filesystem sync needs a shared filesystem)") from None
+            raise WeightsError(
+                f"weights file {path} does not exist (filesystem sync needs a shared filesystem)"
+            ) from None
         except OSError as e:
             raise WeightsError(f"weights file {path} cannot be opened: {e.strerror}") from None
         try:

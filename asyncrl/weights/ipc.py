@@ -48,6 +48,7 @@ PREFIX = "asyncrl-w-"
 HEADER_BYTES = 64  # [begin version, end version] as int64, padded so tensors start 64-byte aligned
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+-\d+-[01]$")
 
+
 def default_dir() -> Path:
     """``/dev/shm`` (memory-backed) where it exists, else the temp directory."""
     shm = Path("/dev/shm")
@@ -71,9 +72,11 @@ def check_owner(fd: int, path) -> None:
     user made, or could write, under the expected name is never loaded."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise WeightsError(f"{path} is not this user's private weights file (owner uid {st.st_uid}, mode "
-                           f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.geteuid()}, mode 600): another local user "
-                           f"may have made it; refused")
+        raise WeightsError(
+            f"{path} is not this user's private weights file (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.geteuid()}, mode 600): another local user "
+            f"may have made it; refused"
+        )
 
 
 class _Segment:
@@ -172,9 +175,16 @@ def _cuda_device(state: dict[str, torch.Tensor]) -> torch.device | None:
 def _share(buf: torch.Tensor) -> tuple[torch.Tensor, CudaHandle]:
     """``buf`` and the CUDA IPC handle that lets another process on this host map it."""
     (device, handle, size, offset, ref_counter, ref_offset, event, event_sync) = buf.untyped_storage()._share_cuda_()
-    return buf, CudaHandle(device=int(device), handle=bytes(handle), size=int(size), offset=int(offset),
-                           ref_counter=bytes(ref_counter), ref_counter_offset=int(ref_offset),
-                           event=bytes(event or b""), event_sync=bool(event_sync))
+    return buf, CudaHandle(
+        device=int(device),
+        handle=bytes(handle),
+        size=int(size),
+        offset=int(offset),
+        ref_counter=bytes(ref_counter),
+        ref_counter_offset=int(ref_offset),
+        event=bytes(event or b""),
+        event_sync=bool(event_sync),
+    )
 
 
 class IpcReceiver(Receiver):
@@ -190,15 +200,19 @@ class IpcReceiver(Receiver):
     def tensors(self, msg: Message) -> tuple[int, dict[str, torch.Tensor]]:
         body, version = msg.body, msg.body.version
         if not body.segment or body.layout is None:
-            raise WeightsError("the learner sent no shared-memory segment but this actor expects sync.type=ipc; "
-                               "use the same sync.type on both sides")
+            raise WeightsError(
+                "the learner sent no shared-memory segment but this actor expects sync.type=ipc; "
+                "use the same sync.type on both sides"
+            )
         seg = self._segment(body.segment)
         size = max((t.offset + t.nbytes for t in body.layout), default=0)
         src = None if body.cuda is None else self._map(body.segment, body.cuda)
         _check_layout(body.layout, seg.data.size if src is None else src.numel())
         if not seg.header[0] == seg.header[1] == version:
-            raise WeightsError(f"shared-memory segment {body.segment} holds version {int(seg.header[1])}, not "
-                               f"{version} (overwritten by a newer one before this actor read it); the next follows")
+            raise WeightsError(
+                f"shared-memory segment {body.segment} holds version {int(seg.header[1])}, not "
+                f"{version} (overwritten by a newer one before this actor read it); the next follows"
+            )
         device = torch.device("cpu") if src is None else src.device
         if self._buf is None or self._buf.numel() < size or self._buf.device != device:
             self._buf = torch.empty(size, dtype=torch.uint8, device=device)
@@ -210,8 +224,9 @@ class IpcReceiver(Receiver):
                 buf.copy_(src[:size])
                 torch.cuda.current_stream().synchronize()  # copied before the header is checked again
         if seg.header[0] != version:
-            raise WeightsError(f"version {version} in {body.segment} was overwritten while this actor copied it; "
-                               f"the next follows")
+            raise WeightsError(
+                f"version {version} in {body.segment} was overwritten while this actor copied it; the next follows"
+            )
         return version, unpack(buf, body.layout)
 
     def _map(self, name: str, cuda: CudaHandle) -> torch.Tensor:
@@ -219,19 +234,30 @@ class IpcReceiver(Receiver):
         buf = self._mapped.get(name)
         if buf is None:
             if not torch.cuda.is_available() or cuda.device >= torch.cuda.device_count():
-                raise WeightsError(f"the learner shares its weights in the memory of CUDA device {cuda.device}, which "
-                                   f"this actor cannot see; set sync.cuda_ipc=false (host copies) or give the actor "
-                                   f"that GPU")
+                raise WeightsError(
+                    f"the learner shares its weights in the memory of CUDA device {cuda.device}, which "
+                    f"this actor cannot see; set sync.cuda_ipc=false (host copies) or give the actor "
+                    f"that GPU"
+                )
             try:
                 torch.cuda.init()  # the caching allocator that maps IPC handles must exist first (else a crash)
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    cuda.device, cuda.handle, cuda.size, cuda.offset, cuda.ref_counter, cuda.ref_counter_offset,
-                    cuda.event, cuda.event_sync)
+                    cuda.device,
+                    cuda.handle,
+                    cuda.size,
+                    cuda.offset,
+                    cuda.ref_counter,
+                    cuda.ref_counter_offset,
+                    cuda.event,
+                    cuda.event_sync,
+                )
             except (RuntimeError, TypeError, ValueError) as e:
-                raise WeightsError(f"the CUDA IPC handle of {name} cannot be opened ({e}); ipc sync needs the "
-                                   f"learner on this host") from None
+                raise WeightsError(
+                    f"the CUDA IPC handle of {name} cannot be opened ({e}); ipc sync needs the learner on this host"
+                ) from None
             buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{cuda.device}").set_(
-                storage, 0, (storage.nbytes(),), (1,))
+                storage, 0, (storage.nbytes(),), (1,)
+            )
             self._mapped[name] = buf  # (unmapped with its segment, in _segment)
         return buf
 
@@ -243,8 +269,10 @@ class IpcReceiver(Receiver):
             try:
                 seg = _Segment(self.dir / name)
             except FileNotFoundError:
-                raise WeightsError(f"shared-memory segment {self.dir / name} does not exist: ipc sync needs the "
-                                   f"learner on this host (and the same sync.dir)") from None
+                raise WeightsError(
+                    f"shared-memory segment {self.dir / name} does not exist: ipc sync needs the "
+                    f"learner on this host (and the same sync.dir)"
+                ) from None
             except OSError as e:  # e.g. ELOOP: a link under the segment's name
                 raise WeightsError(f"shared-memory segment {self.dir / name} cannot be opened: {e.strerror}") from None
             for old in [n for n in self._open if n.rsplit("-", 1)[0] != name.rsplit("-", 1)[0]]:

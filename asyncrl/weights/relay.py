@@ -77,8 +77,11 @@ class WeightRelay:
         served = 0
         for ident in list(self.subscribers):
             served += self._offer(ident)
-        print(f"[relay {self.relay_id}] version {version}: {size} bytes from the learner, offered to {served} "
-              f"actor(s) on this node", flush=True)
+        print(
+            f"[relay {self.relay_id}] version {version}: {size} bytes from the learner, offered to {served} "
+            f"actor(s) on this node",
+            flush=True,
+        )
 
     def _offer(self, ident: bytes) -> int:
         have, sent, sent_at = self.subscribers[ident]
@@ -133,8 +136,11 @@ class WeightRelay:
 def main(cfg, learner_weights: str, relay_id: str, sock_dir: str | None = None) -> int:
     """``asyncrl relay``: prints ``relay listening on ADDRESS`` once bound, then relays until stopped."""
     if cfg.sync.type != "zmq":
-        print(f"asyncrl relay: the learner must publish with sync.type zmq (the relay takes its frames), got "
-              f"{cfg.sync.type!r}", file=sys.stderr)
+        print(
+            f"asyncrl relay: the learner must publish with sync.type zmq (the relay takes its frames), got "
+            f"{cfg.sync.type!r}",
+            file=sys.stderr,
+        )
         return 2
     relay = WeightRelay(learner_weights, relay_id, cfg.wire, cfg.sync, sock_dir)
 

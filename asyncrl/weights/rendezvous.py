@@ -125,8 +125,10 @@ class _Table:
 
     def wait(self, keys: list[str], timeout_s: float) -> bool:
         with self.cv:
-            self.cv.wait_for(lambda: all(k in self.data for k in keys)
-                             or any(k.startswith(p) for k in keys for p in self.cancelled), timeout=timeout_s)
+            self.cv.wait_for(
+                lambda: all(k in self.data for k in keys) or any(k.startswith(p) for k in keys for p in self.cancelled),
+                timeout=timeout_s,
+            )
             return all(k in self.data for k in keys)
 
     def get(self, key: str, timeout_s: float) -> bytes:
@@ -152,9 +154,18 @@ class StoreServer:
     ``local()`` is the serving process's own ``torch.distributed.Store`` view; ``address`` is
     ``host:port``; ``secret`` must accompany every remote request."""
 
-    def __init__(self, host: str, port: int = 0, *, secret: str | None = None, curve_dir: str | None = None,
-                 max_keys: int = 4096, max_value_bytes: int = 1 << 20, max_total_bytes: int = 64 << 20,
-                 max_wait_s: float = 600.0):
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        secret: str | None = None,
+        curve_dir: str | None = None,
+        max_keys: int = 4096,
+        max_value_bytes: int = 1 << 20,
+        max_total_bytes: int = 64 << 20,
+        max_wait_s: float = 600.0,
+    ):
         self.secret = secret or new_secret()
         self.table = _Table(max_keys, max_value_bytes, max_total_bytes)
         self.max_wait_s = max_wait_s
@@ -226,8 +237,15 @@ class StoreServer:
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
         try:
-            req = msgpack.unpackb(frames[-1], raw=False, strict_map_key=True, max_bin_len=self.table.max_value,
-                                  max_str_len=self.table.max_value, max_array_len=1024, max_map_len=0)
+            req = msgpack.unpackb(
+                frames[-1],
+                raw=False,
+                strict_map_key=True,
+                max_bin_len=self.table.max_value,
+                max_str_len=self.table.max_value,
+                max_array_len=1024,
+                max_map_len=0,
+            )
             if not isinstance(req, list) or len(req) < 3 or not isinstance(req[2], str):
                 raise StoreError("expected [secret, id, op, *args]")
             secret, rid, op, args = req[0], req[1], req[2], req[3:]
@@ -349,8 +367,16 @@ class StoreClient(dist.Store):
     ``curve_dir`` (and ``actor_id``) make the connection a CURVE client, as an actor's other
     sockets; every call is bounded by ``timeout_s`` and raises StoreError when refused."""
 
-    def __init__(self, host: str, port: int, secret: str, *, timeout_s: float = 300.0,
-                 curve_dir: str | None = None, actor_id: str | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        *,
+        timeout_s: float = 300.0,
+        curve_dir: str | None = None,
+        actor_id: str | None = None,
+    ):
         super().__init__()
         self._secret, self._timeout_s = secret, float(timeout_s)
         self._ctx = zmq.Context()

@@ -23,6 +23,8 @@ class ZmqReceiver(Receiver):
 
     def tensors(self, msg: Message) -> tuple[int, dict]:
         if msg.body.path:
-            raise WeightsError(f"the learner sent a weights file ({msg.body.path}) but this actor expects "
-                               f"sync.type=zmq; use the same sync.type on both sides")
+            raise WeightsError(
+                f"the learner sent a weights file ({msg.body.path}) but this actor expects "
+                f"sync.type=zmq; use the same sync.type on both sides"
+            )
         return decode_weights(msg)

@@ -45,9 +45,18 @@ import msgspec
 import numpy as np
 
 from asyncrl.types import PER_TOKEN, Episode, Trajectory
+from asyncrl.wire.messages import (
+    ARRAY_KINDS,
+    COLUMN_DEFAULTS,
+    JSON_MAX_DEPTH,
+    KINDS,
+    Body,
+    Columns,
+    EpisodeBody,
+    EpisodeHead,
+    Weights,
+)
 from asyncrl.wire.tensors import DTYPES, as_numpy, to_torch
-from asyncrl.wire.messages import (ARRAY_KINDS, COLUMN_DEFAULTS, JSON_MAX_DEPTH, KINDS, Body, Columns,
-                                   EpisodeBody, EpisodeHead, Weights)
 
 SCHEMA_VERSION = 2
 EPISODE_SCHEMAS = (1, 2)  # schemas whose episodes this process reads (the layout is unchanged)
@@ -69,8 +78,9 @@ class SchemaVersionError(WireError):
     """The peer speaks another schema version (``remote``) than this process (``local``)."""
 
     def __init__(self, remote: Any, local: int = SCHEMA_VERSION):
-        super().__init__(f"message schema version {remote}, this process speaks {local}; "
-                         f"upgrade the older side", reason="schema")
+        super().__init__(
+            f"message schema version {remote}, this process speaks {local}; upgrade the older side", reason="schema"
+        )
         self.remote, self.local = remote, local
 
 
@@ -118,8 +128,7 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
 
 
-def encode(kind: str, body: Body | dict[str, Any] | None = None,
-           arrays: dict[str, Any] | None = None) -> list:
+def encode(kind: str, body: Body | dict[str, Any] | None = None, arrays: dict[str, Any] | None = None) -> list:
     """Frames for one message: ``[header_bytes, buf_1, ..., buf_k]``.
 
     ``body`` is the kind's Body struct, or a dict of its fields (type-checked here, so a bad
@@ -141,8 +150,10 @@ def encode(kind: str, body: Body | dict[str, Any] | None = None,
     try:
         return [_ENCODER.encode(header), *bufs]
     except (TypeError, ValueError, OverflowError) as e:
-        raise WireError(f"cannot encode message '{kind}': {e}; expected msgpack-native values "
-                        f"(str, int, float, bool, None, list, dict)") from e
+        raise WireError(
+            f"cannot encode message '{kind}': {e}; expected msgpack-native values "
+            f"(str, int, float, bool, None, list, dict)"
+        ) from e
 
 
 def encode_msg(kind: str, **fields: Any) -> list:
@@ -164,8 +175,7 @@ def _as_body(kind: str, body: Body | dict[str, Any] | None) -> Body:
         raise WireError(f"cannot encode {_explain(f'message {kind!r}', e)}", reason="field") from e
 
 
-def decode(frames: Iterable[Any], max_header_bytes: int | None = None,
-           kinds: Container[str] | None = None) -> Message:
+def decode(frames: Iterable[Any], max_header_bytes: int | None = None, kinds: Container[str] | None = None) -> Message:
     """Parse frames (``bytes``, ``zmq.Frame`` or ``memoryview``) into a :class:`Message`.
 
     Checks, in order: the header frame is at most ``max_header_bytes`` (None: no limit), is a
@@ -180,13 +190,14 @@ def decode(frames: Iterable[Any], max_header_bytes: int | None = None,
     if not bufs:
         raise WireError("empty message: expected at least the msgpack header frame")
     if max_header_bytes is not None and bufs[0].nbytes > max_header_bytes:
-        raise WireError(f"message header is {bufs[0].nbytes} bytes; this channel takes at most "
-                        f"{max_header_bytes} (wire.max_header_kb, wire.max_control_kb)",
-                        reason="too_large")
+        raise WireError(
+            f"message header is {bufs[0].nbytes} bytes; this channel takes at most "
+            f"{max_header_bytes} (wire.max_header_kb, wire.max_control_kb)",
+            reason="too_large",
+        )
     header = _decode_header(bufs[0])
     if kinds is not None and header.kind not in kinds:
-        raise WireError(f"a {header.kind!r} message on a channel that takes {sorted(kinds)}",
-                        reason="wrong_kind")
+        raise WireError(f"a {header.kind!r} message on a channel that takes {sorted(kinds)}", reason="wrong_kind")
     body = _decode_body(header)
     arrays, bf16 = _decode_arrays(header, bufs[1:])
     return Message(header.kind, body, arrays, bf16)
@@ -197,19 +208,17 @@ def _decode_header(buf: memoryview) -> _Header:
         header = _HEADER_DECODER.decode(buf)
     except msgspec.ValidationError as e:  # (a subclass of DecodeError)
         _raise_if_other_schema(buf)
-        raise WireError(f"{_explain('message header', e)}; expected a map with keys "
-                        f"{_HEADER_KEYS}") from e
+        raise WireError(f"{_explain('message header', e)}; expected a map with keys {_HEADER_KEYS}") from e
     except msgspec.DecodeError as e:
-        raise WireError(f"frame 0 is not a msgpack header ({e}); expected a msgpack map with "
-                        f"keys {_HEADER_KEYS}") from e
+        raise WireError(
+            f"frame 0 is not a msgpack header ({e}); expected a msgpack map with keys {_HEADER_KEYS}"
+        ) from e
     except RecursionError as e:
         raise WireError(f"message header: {_TOO_DEEP}") from e
-    if header.schema != SCHEMA_VERSION and not (header.kind == "episode"
-                                                and header.schema in EPISODE_SCHEMAS):
+    if header.schema != SCHEMA_VERSION and not (header.kind == "episode" and header.schema in EPISODE_SCHEMAS):
         raise SchemaVersionError(header.schema)
     if header.kind not in KINDS:
-        raise WireError(f"unknown message kind {header.kind!r}; expected one of {sorted(KINDS)}",
-                        reason="wrong_kind")
+        raise WireError(f"unknown message kind {header.kind!r}; expected one of {sorted(KINDS)}", reason="wrong_kind")
     return header
 
 
@@ -248,7 +257,7 @@ def _explain(where: str, err: Exception) -> str:
     text, at = _AT.match(str(err)).groups()
     text = re.sub(r"field `([^`]*)`", r"field '\1'", text).replace("`", "")
     text = text[:1].lower() + text[1:]
-    if text.startswith(_SCALARS_ONLY) and text[len(_SCALARS_ONLY):] in ("array", "object"):
+    if text.startswith(_SCALARS_ONLY) and text[len(_SCALARS_ONLY) :] in ("array", "object"):
         text += f" ({_TOO_DEEP})"
     path = (at or "").replace("`", "").removeprefix("$").removeprefix(".")
     return f"{where}{f' field {path!r}' if path else ''}: {text}"
@@ -257,16 +266,24 @@ def _explain(where: str, err: Exception) -> str:
 def _decode_arrays(header: _Header, bufs: list[memoryview]) -> tuple[dict, frozenset]:
     kind, specs = header.kind, header.arrays
     if (specs or bufs) and kind not in ARRAY_KINDS:
-        raise WireError(f"message '{kind}' carries {len(bufs)} array frames; only "
-                        f"{sorted(ARRAY_KINDS)} messages carry arrays", reason="arrays")
+        raise WireError(
+            f"message '{kind}' carries {len(bufs)} array frames; only {sorted(ARRAY_KINDS)} messages carry arrays",
+            reason="arrays",
+        )
     if len(bufs) != len(specs):
-        raise WireError(f"message '{kind}' has {len(bufs)} array frames but its header lists "
-                        f"{len(specs)} arrays {[s.name for s in specs]}", reason="arrays")
+        raise WireError(
+            f"message '{kind}' has {len(bufs)} array frames but its header lists "
+            f"{len(specs)} arrays {[s.name for s in specs]}",
+            reason="arrays",
+        )
     arrays, bf16 = {}, set()
     for i, (spec, buf) in enumerate(zip(specs, bufs)):
         if spec.dtype not in DTYPES:
-            raise WireError(f"message '{kind}' array spec {i} ('{spec.name}'): unknown dtype "
-                            f"{spec.dtype!r}; expected one of {sorted(DTYPES)}", reason="arrays")
+            raise WireError(
+                f"message '{kind}' array spec {i} ('{spec.name}'): unknown dtype "
+                f"{spec.dtype!r}; expected one of {sorted(DTYPES)}",
+                reason="arrays",
+            )
         if spec.name in arrays:
             raise WireError(f"message '{kind}' lists array '{spec.name}' twice", reason="arrays")
         arrays[spec.name] = _array_from_buffer(spec.name, buf, DTYPES[spec.dtype], spec.shape)
@@ -280,16 +297,19 @@ def _buffer(frame: Any) -> memoryview:
     try:
         mv = buf if isinstance(buf, memoryview) else memoryview(frame)
     except TypeError as e:
-        raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer; expected "
-                        f"bytes, memoryview or zmq.Frame") from e
+        raise WireError(
+            f"frame of type {type(frame).__name__} is not a byte buffer; expected bytes, memoryview or zmq.Frame"
+        ) from e
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _array_from_buffer(name: str, buf: memoryview, dtype: np.dtype, shape: list[int]) -> np.ndarray:
     expected = dtype.itemsize * math.prod(shape)  # Python ints: no wrap-around for huge shapes
     if buf.nbytes != expected:
-        raise WireError(f"array '{name}' frame has {buf.nbytes} bytes, expected {expected} "
-                        f"({dtype.name} x shape {list(shape)})", reason="arrays")
+        raise WireError(
+            f"array '{name}' frame has {buf.nbytes} bytes, expected {expected} ({dtype.name} x shape {list(shape)})",
+            reason="arrays",
+        )
     arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
     return arr if arr.flags.aligned else arr.copy()
 
@@ -367,13 +387,18 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
             setattr(cols, name, [default() for _ in range(n)] if callable(default) else [default] * n)
     for name in _COLUMNS:
         if getattr(cols, name) is not None and len(getattr(cols, name)) != n:  # (has_<array>: may be missing)
-            raise WireError(f"message 'episode' field 'trajectories.{name}' has "
-                            f"{len(getattr(cols, name))} entries, expected {n} (one per trajectory)",
-                            reason="field")
+            raise WireError(
+                f"message 'episode' field 'trajectories.{name}' has "
+                f"{len(getattr(cols, name))} entries, expected {n} (one per trajectory)",
+                reason="field",
+            )
     columns = {name: getattr(cols, name) for name in _SCALARS}
     for name, dtype, optional in PER_TOKEN:
-        present = ((getattr(cols, f"has_{name}") or [False] * n)  # missing: written before the field existed
-                   if optional else [True] * n)
+        present = (
+            (getattr(cols, f"has_{name}") or [False] * n)  # missing: written before the field existed
+            if optional
+            else [True] * n
+        )
         columns[name] = _split(msg, name, dtype, cols.length, present, copy)
     trajectories = [Trajectory(*row) for row in zip(*(columns[name] for name in Trajectory.__struct_fields__))]
     head = body.episode
@@ -385,8 +410,9 @@ def _concat(arrs: list[np.ndarray], dtype: str) -> np.ndarray:
     return np.concatenate(arrs, dtype=dt) if arrs else np.zeros(0, dt)
 
 
-def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: list[bool],
-           copy: bool) -> list[np.ndarray | None]:
+def _split(
+    msg: Message, name: str, dtype: str, lengths: list[int], present: list[bool], copy: bool
+) -> list[np.ndarray | None]:
     """Per-trajectory slices of array ``name`` (None where not ``present``)."""
     lens = [n for n, p in zip(lengths, present) if p]
     if not lens and name not in msg.arrays:
@@ -395,11 +421,14 @@ def _split(msg: Message, name: str, dtype: str, lengths: list[int], present: lis
     if arr is None:
         raise WireError(f"message 'episode': array '{name}' is missing", reason="arrays")
     if DTYPES[dtype] != arr.dtype or name in msg.bf16 or arr.ndim != 1:
-        raise WireError(f"message 'episode': array '{name}' is {arr.dtype}{list(arr.shape)}, "
-                        f"expected 1-D {dtype}", reason="arrays")
+        raise WireError(
+            f"message 'episode': array '{name}' is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}", reason="arrays"
+        )
     if arr.size != sum(lens):
-        raise WireError(f"message 'episode': array '{name}' has {arr.size} elements but the "
-                        f"trajectory lengths sum to {sum(lens)}", reason="arrays")
+        raise WireError(
+            f"message 'episode': array '{name}' has {arr.size} elements but the trajectory lengths sum to {sum(lens)}",
+            reason="arrays",
+        )
     offsets = list(accumulate(lens, initial=0))
     parts = [arr[a:b] for a, b in zip(offsets, offsets[1:])]
     if copy:

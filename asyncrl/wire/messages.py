@@ -35,8 +35,19 @@ from typing import Annotated, Any, ClassVar, get_type_hints
 
 import msgspec
 
-from ..types import (JSON_MAX_DEPTH, PER_TOKEN, Count, Episode, Id, Json, JsonMap, Name, Seconds, Task,  # noqa: F401
-                     Version, new_id, trajectory_columns)
+from ..types import (
+    PER_TOKEN,
+    Count,
+    Episode,
+    Id,
+    JsonMap,
+    Name,
+    Seconds,
+    Task,  # noqa: F401
+    Version,
+    new_id,
+    trajectory_columns,
+)
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -46,6 +57,7 @@ class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 # --- actors <-> learner: admission, credits, acknowledgements, heartbeats ---------------------
+
 
 class Hello(Body):
     KIND = "hello"
@@ -134,6 +146,7 @@ class Stop(Body):
 
 # --- episodes ---------------------------------------------------------------------------------
 
+
 def _on_wire(name: str, typ: Any, default: Any) -> tuple:
     """A field of a generated wire struct: required where the model field has no default or its
     default is a fresh id (an identity must be sent); otherwise it may be missing (a message written
@@ -147,25 +160,43 @@ def _on_wire(name: str, typ: Any, default: Any) -> tuple:
 
 _EPISODE_HINTS = get_type_hints(Episode, include_extras=True)
 EpisodeHead = msgspec.defstruct(
-    "EpisodeHead", [_on_wire(f.name, _EPISODE_HINTS[f.name], f.default if f.default is not msgspec.NODEFAULT
-                             else f.default_factory)
-                    for f in msgspec.structs.fields(Episode) if f.name != "trajectories"],
-    bases=(Body,), module=__name__, kw_only=True)
-EpisodeHead.__doc__ = "An Episode's own fields (generated from :class:`asyncrl.types.Episode`; its trajectories travel as Columns)."
+    "EpisodeHead",
+    [
+        _on_wire(f.name, _EPISODE_HINTS[f.name], f.default if f.default is not msgspec.NODEFAULT else f.default_factory)
+        for f in msgspec.structs.fields(Episode)
+        if f.name != "trajectories"
+    ],
+    bases=(Body,),
+    module=__name__,
+    kw_only=True,
+)
+EpisodeHead.__doc__ = (
+    "An Episode's own fields (generated from :class:`asyncrl.types.Episode`; its trajectories travel as Columns)."
+)
 
-COLUMN_DEFAULTS: dict[str, Any] = {name: default for name, _, default in trajectory_columns()
-                                   if default is not msgspec.NODEFAULT and default is not new_id}
+COLUMN_DEFAULTS: dict[str, Any] = {
+    name: default
+    for name, _, default in trajectory_columns()
+    if default is not msgspec.NODEFAULT and default is not new_id
+}
 """Columns that may be missing (episodes written before the field existed): name -> default or factory."""
 Columns = msgspec.defstruct(
     "Columns",
-    [(name, list[typ]) if name not in COLUMN_DEFAULTS else (name, list[typ] | None, None)
-     for name, typ, _ in trajectory_columns()]
+    [
+        (name, list[typ]) if name not in COLUMN_DEFAULTS else (name, list[typ] | None, None)
+        for name, typ, _ in trajectory_columns()
+    ]
     + [("length", list[Count])]
     + [(f"has_{name}", list[bool] | None, None) for name, _, optional in PER_TOKEN if optional],
-    bases=(Body,), module=__name__, kw_only=True)
-Columns.__doc__ = ("One list per Trajectory field that is not per-token, ``n`` entries each (generated from "
-                   ":class:`asyncrl.types.Trajectory`), ``length`` (tokens per trajectory) and ``has_<field>`` "
-                   "for each optional per-token array (the arrays are frames, see :mod:`asyncrl.wire.codec`).")
+    bases=(Body,),
+    module=__name__,
+    kw_only=True,
+)
+Columns.__doc__ = (
+    "One list per Trajectory field that is not per-token, ``n`` entries each (generated from "
+    ":class:`asyncrl.types.Trajectory`), ``length`` (tokens per trajectory) and ``has_<field>`` "
+    "for each optional per-token array (the arrays are frames, see :mod:`asyncrl.wire.codec`)."
+)
 
 
 class EpisodeBody(Body):
@@ -176,6 +207,7 @@ class EpisodeBody(Body):
 
 
 # --- weights and events -----------------------------------------------------------------------
+
 
 class Subscribe(Body):
     KIND = "subscribe"
@@ -237,6 +269,7 @@ class Event(Body):
 
 # --- the learner group: rank 0 -> the other ranks (asyncrl.learner.training.ranks, over a gloo broadcast) ---
 
+
 class GroupStart(Body):
     """Build the model and the trainer (the wrap is itself a collective)."""
 
@@ -282,7 +315,26 @@ class GroupStop(Body):
 
 GROUP_KINDS = ("group.start", "group.load", "group.step", "group.state", "group.checkpoint", "group.stop")
 
-KINDS: dict[str, type[Body]] = {cls.KIND: cls for cls in (
-    Hello, Welcome, Credit, Ack, Status, Alive, Stop, EpisodeBody, Subscribe, Weights, Event,
-    GroupStart, GroupLoad, GroupStep, GroupState, GroupCheckpoint, GroupStop)}
+KINDS: dict[str, type[Body]] = {
+    cls.KIND: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Credit,
+        Ack,
+        Status,
+        Alive,
+        Stop,
+        EpisodeBody,
+        Subscribe,
+        Weights,
+        Event,
+        GroupStart,
+        GroupLoad,
+        GroupStep,
+        GroupState,
+        GroupCheckpoint,
+        GroupStop,
+    )
+}
 ARRAY_KINDS = frozenset({"episode", "weights"})  # the only kinds that may carry array frames

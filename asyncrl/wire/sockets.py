@@ -46,9 +46,11 @@ import zmq.auth
 
 from asyncrl.wire.codec import Message, WireError, decode
 
-_KEYS_HINT = ("make keys with `asyncrl keys --out DIR`, then set `wire.curve_dir=DIR/server` on the "
-              "learner and `wire.curve_dir=DIR/actor-<name>` on each actor (copy only that actor's "
-              "directory to its machine)")
+_KEYS_HINT = (
+    "make keys with `asyncrl keys --out DIR`, then set `wire.curve_dir=DIR/server` on the "
+    "learner and `wire.curve_dir=DIR/actor-<name>` on each actor (copy only that actor's "
+    "directory to its machine)"
+)
 
 
 class WireSecurityError(RuntimeError):
@@ -72,11 +74,12 @@ def private_dir(path: str | Path) -> Path:
     except OSError as e:
         raise WireSecurityError(f"cannot make the private socket directory {path}: {e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise WireSecurityError(f"{path} should be a private directory of sockets but is a link or a file; "
-                                f"remove it")
+        raise WireSecurityError(f"{path} should be a private directory of sockets but is a link or a file; remove it")
     if st.st_uid != os.geteuid():
-        raise WireSecurityError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): another "
-                                f"user could reach sockets made there; remove it or pick another run directory")
+        raise WireSecurityError(
+            f"{path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): another "
+            f"user could reach sockets made there; remove it or pick another run directory"
+        )
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
@@ -129,7 +132,8 @@ def check_bind_host(host: str, curve_dir: str | None) -> None:
     if not curve_dir:
         raise WireSecurityError(
             f"refusing to bind {host!r} (wire.host): only loopback addresses (127.0.0.1, ::1, "
-            f"localhost) may be bound without ZeroMQ CURVE encryption; {_KEYS_HINT}")
+            f"localhost) may be bound without ZeroMQ CURVE encryption; {_KEYS_HINT}"
+        )
     server_bundle(curve_dir)
 
 
@@ -148,10 +152,12 @@ def check_wire(wire_cfg) -> None:
         raise WireSecurityError(
             f"{', '.join(ports)} asks for TCP, and the learner listens on TCP only with CURVE keys (loopback is "
             f"reachable by every local user); leave the ports at 0 for private ipc sockets on this host, or "
-            f"{_KEYS_HINT}")
+            f"{_KEYS_HINT}"
+        )
 
 
 # --- CURVE key bundles -------------------------------------------------------------------------
+
 
 def make_curve_keys(out_dir: str, names: list[str]) -> dict[str, str]:
     """Create (or complete) the key bundles in ``out_dir`` for actors ``names``: the server
@@ -189,11 +195,14 @@ def server_bundle(curve_dir: str) -> Path:
     for d in (root, root / "server"):
         if (d / "server.key_secret").is_file():
             if not (d / "authorized").is_dir():
-                raise WireSecurityError(f"CURVE server bundle {d} has no authorized/ directory of "
-                                        f"actor public keys; {_KEYS_HINT}")
+                raise WireSecurityError(
+                    f"CURVE server bundle {d} has no authorized/ directory of actor public keys; {_KEYS_HINT}"
+                )
             return d
-    raise WireSecurityError(f"no CURVE server keys in {root} (expected {root}/server.key_secret or "
-                            f"{root}/server/server.key_secret); {_KEYS_HINT}")
+    raise WireSecurityError(
+        f"no CURVE server keys in {root} (expected {root}/server.key_secret or "
+        f"{root}/server/server.key_secret); {_KEYS_HINT}"
+    )
 
 
 def actor_bundle(curve_dir: str, actor_id: str | None = None) -> Path:
@@ -210,13 +219,18 @@ def actor_bundle(curve_dir: str, actor_id: str | None = None) -> Path:
     for d in candidates:
         if (d / "actor.key_secret").is_file() and (d / "server.key").is_file():
             if (d / "server.key_secret").exists() or (d / "server" / "server.key_secret").exists():
-                warnings.warn(f"the actor's CURVE bundle {d} holds the learner's secret key (server.key_secret): "
-                              f"whoever reads this machine can impersonate the learner; copy only "
-                              f"DIR/actor-<name> made by `asyncrl keys` to an actor's machine", stacklevel=2)
+                warnings.warn(
+                    f"the actor's CURVE bundle {d} holds the learner's secret key (server.key_secret): "
+                    f"whoever reads this machine can impersonate the learner; copy only "
+                    f"DIR/actor-<name> made by `asyncrl keys` to an actor's machine",
+                    stacklevel=2,
+                )
             return d
-    raise WireSecurityError(f"no CURVE actor keys for {actor_id or 'this client'} in {root} "
-                            f"(expected actor.key_secret and server.key there or in "
-                            f"{root}/actor-<name>); {_KEYS_HINT}")
+    raise WireSecurityError(
+        f"no CURVE actor keys for {actor_id or 'this client'} in {root} "
+        f"(expected actor.key_secret and server.key there or in "
+        f"{root}/actor-<name>); {_KEYS_HINT}"
+    )
 
 
 def _refuse_old_layout(root: Path) -> None:
@@ -224,7 +238,8 @@ def _refuse_old_layout(root: Path) -> None:
         raise WireSecurityError(
             f"{root} has the old single-directory CURVE layout (the server's secret key next to "
             f"the client keys, copied to every actor); regenerate with `asyncrl keys --out NEWDIR`, "
-            f"which makes NEWDIR/server for the learner and NEWDIR/actor-<name> for each actor")
+            f"which makes NEWDIR/server for the learner and NEWDIR/actor-<name> for each actor"
+        )
 
 
 def apply_curve_server(sock: zmq.Socket, curve_dir: str) -> None:
@@ -333,7 +348,7 @@ def key_allows(key_name: str | None, actor_id: str) -> bool:
     ``actor_id``: its own name, or ``<name>`` for ``actor-<name>`` (``--actor-id NAME``)."""
     if not key_name:
         return False
-    return actor_id == key_name or (key_name.startswith("actor-") and actor_id == key_name[len("actor-"):])
+    return actor_id == key_name or (key_name.startswith("actor-") and actor_id == key_name[len("actor-") :])
 
 
 def refused_actor_line(event: dict | None) -> str | None:
@@ -341,9 +356,11 @@ def refused_actor_line(event: dict | None) -> str | None:
     ``EVENT_HANDSHAKE_FAILED_AUTH``; ``value`` is the ZAP status), else None."""
     if not event or event.get("event") != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return None
-    return (f"the learner at {event.get('endpoint', b'').decode(errors='replace') or '?'} refused this actor's "
-            f"CURVE key (ZAP status {event.get('value')}): its public key is not (or no longer) in the "
-            f"learner's authorized/ directory; ask its operator to add it (`asyncrl keys --out DIR --names ...`)")
+    return (
+        f"the learner at {event.get('endpoint', b'').decode(errors='replace') or '?'} refused this actor's "
+        f"CURVE key (ZAP status {event.get('value')}): its public key is not (or no longer) in the "
+        f"learner's authorized/ directory; ask its operator to add it (`asyncrl keys --out DIR --names ...`)"
+    )
 
 
 def _tcp_host(sock: zmq.Socket, host: str) -> str:
@@ -380,6 +397,7 @@ def connect(sock: zmq.Socket, address: str) -> str:
 
 # --- sending and receiving ---------------------------------------------------------------------
 
+
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     """Send one multipart message without copying large frames (pyzmq copies small ones)."""
     sock.send_multipart(frames, flags=flags, copy=False)
@@ -399,13 +417,19 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, max_parts: int | None = None) 
         else:
             extra += 1
     if extra:
-        raise WireError(f"message of {len(frames) + extra} frames; this channel takes at most "
-                        f"{max_parts}", reason="too_large")
+        raise WireError(
+            f"message of {len(frames) + extra} frames; this channel takes at most {max_parts}", reason="too_large"
+        )
     return frames
 
 
-def drain(sock: zmq.Socket, handle: Callable[[list], Any], limit: int,
-          on_error: Callable[[Exception], Any] | None = None, max_parts: int | None = None) -> int:
+def drain(
+    sock: zmq.Socket,
+    handle: Callable[[list], Any],
+    limit: int,
+    on_error: Callable[[Exception], Any] | None = None,
+    max_parts: int | None = None,
+) -> int:
     """The one receive loop: hand each message already waiting on ``sock`` (at most ``limit``,
     so that a flood cannot hold the caller) to ``handle(frames)``; returns how many were taken.
 

@@ -25,9 +25,15 @@ ALIGN = 64
 
 # wire name -> little-endian numpy dtype ("bfloat16" is carried as its uint16 bit pattern)
 DTYPES: dict[str, np.dtype] = {
-    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "float16": np.dtype("<f2"),
-    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "bool": np.dtype("?"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "bool": np.dtype("?"),
     "bfloat16": np.dtype("<u2"),
 }
 _NP_TO_WIRE = {np.dtype(v).newbyteorder("="): k for k, v in DTYPES.items() if k != "bfloat16"}
@@ -96,12 +102,12 @@ def pack(dst, layout: list[TensorSpec], state: dict[str, Any]) -> None:
     import torch
 
     for t, tensor in zip(layout, state.values()):
-        dst[t.offset:t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+        dst[t.offset : t.offset + t.nbytes].copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
 
 
 def unpack(buf, layout: list[TensorSpec]) -> dict[str, Any]:
     """The tensors of ``layout`` as views of the uint8 tensor ``buf`` (no copy)."""
-    return {t.name: buf[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape) for t in layout}
+    return {t.name: buf[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape) for t in layout}
 
 
 def check_layout(layout: list[TensorSpec], size: int) -> str | None:
@@ -111,6 +117,8 @@ def check_layout(layout: list[TensorSpec], size: int) -> str | None:
         if t.dtype not in DTYPES:
             return f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}"
         if t.nbytes != math.prod(t.shape) * itemsize(t.dtype) or t.offset % ALIGN or t.offset + t.nbytes > size:
-            return (f"tensor {t.name}: {t.nbytes} bytes at offset {t.offset} do not fit shape {t.shape} of "
-                    f"{t.dtype} in a buffer of {size} bytes")
+            return (
+                f"tensor {t.name}: {t.nbytes} bytes at offset {t.offset} do not fit shape {t.shape} of "
+                f"{t.dtype} in a buffer of {size} bytes"
+            )
     return None

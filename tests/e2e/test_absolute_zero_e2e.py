@@ -3,7 +3,6 @@ and the learner's handling of episodes whose trajectories were all filtered out.
 
 from __future__ import annotations
 
-
 import pytest
 
 from asyncrl.config import load_config
@@ -11,16 +10,26 @@ from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
-
 from tests.conftest import ROOT, read_jsonl, run_cli
 
 CONFIG = str(ROOT / "configs" / "absolute_zero.yaml")
 SEED_METRICS = [
-    "unified_filter/num_learnable", "unified_filter/num_total", "unified_filter/learnable_ratio",
-    "unified_filter/num_sampled", "unified_filter/num_repropose", "repropose/total_attempts",
-    "repropose/final_non_learnable", "proposer/num_trajectories", "proposer/num_integrated",
-    "proposer/reward_mean", "joint/combined_reward_mean", "joint/proposer_solver_ratio",
-    "harm/safety_score_mean", "harm/completion_score_mean", "harm/combined_reward_mean"]
+    "unified_filter/num_learnable",
+    "unified_filter/num_total",
+    "unified_filter/learnable_ratio",
+    "unified_filter/num_sampled",
+    "unified_filter/num_repropose",
+    "repropose/total_attempts",
+    "repropose/final_non_learnable",
+    "proposer/num_trajectories",
+    "proposer/num_integrated",
+    "proposer/reward_mean",
+    "joint/combined_reward_mean",
+    "joint/proposer_solver_ratio",
+    "harm/safety_score_mean",
+    "harm/completion_score_mean",
+    "harm/combined_reward_mean",
+]
 K, N = 8, 3  # questions per prompt, solver responses per question
 
 
@@ -28,13 +37,30 @@ def _e2e_overrides(tiny_overrides, tmp_path) -> list[str]:
     # The session's tiny model barely writes valid expressions; bare numbers count as questions and
     # the learnability windows are wide open, so a group is mixed when it holds a valid and an
     # invalid proposal. That exercises the whole path on a model this small.
-    return [*tiny_overrides, "model.embedded.warmstart_formats=[arithmetic]", f"run_root={tmp_path}",
-            "name=azr", "train.total_steps=3", "train.batch_tasks=4", "actor.tasks_per_batch=4",
-            "train.lr=1e-3", "eval.size=8", "eval.every=0", "log.progress=false", "checkpoint.every=0",
-            "actor.heartbeat_s=0.5", "algo.mode=joint", "algo.proposer_update=group",
-            f"algo.questions_per_prompt={K}", f"algo.rollout_n={N}", "algo.max_repropose_attempts=5",
-            "algo.arithmetic.min_operators=0", "algo.learnability.safety.min_ratio=0",
-            "algo.learnability.completion.min_ratio=0", "algo.learnability.completion.max_ratio=1"]
+    return [
+        *tiny_overrides,
+        "model.embedded.warmstart_formats=[arithmetic]",
+        f"run_root={tmp_path}",
+        "name=azr",
+        "train.total_steps=3",
+        "train.batch_tasks=4",
+        "actor.tasks_per_batch=4",
+        "train.lr=1e-3",
+        "eval.size=8",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "actor.heartbeat_s=0.5",
+        "algo.mode=joint",
+        "algo.proposer_update=group",
+        f"algo.questions_per_prompt={K}",
+        f"algo.rollout_n={N}",
+        "algo.max_repropose_attempts=5",
+        "algo.arithmetic.min_operators=0",
+        "algo.learnability.safety.min_ratio=0",
+        "algo.learnability.completion.min_ratio=0",
+        "algo.learnability.completion.max_ratio=1",
+    ]
 
 
 @pytest.mark.slow
@@ -67,8 +93,9 @@ def test_self_play_run_over_real_processes(tmp_path, tiny_overrides):
 
 
 def test_empty_episode_keeps_its_version_through_wire_and_buffer(tmp_path):
-    ep = Episode(trajectories=[], decision={"policy_version": 5, "kept": False},
-                 metrics={"unified_filter/num_sampled": 0})
+    ep = Episode(
+        trajectories=[], decision={"policy_version": 5, "kept": False}, metrics={"unified_filter/num_sampled": 0}
+    )
     back = decode_episode(decode(encode_episode(ep)))
     assert back.trajectories == [] and back.policy_version == 5
     buf = EpisodeQueue(tmp_path / "buf", capacity=8)
@@ -81,13 +108,24 @@ def test_empty_episode_keeps_its_version_through_wire_and_buffer(tmp_path):
 def test_learner_steps_over_a_batch_with_no_trajectories(tmp_path, tiny_overrides):
     from asyncrl.learner.learner import Learner
 
-    cfg = load_config(CONFIG, [*tiny_overrides, "model.embedded.warmstart_formats=[arithmetic]",
-                               f"run_root={tmp_path}", "name=empty", "eval.size=4", "eval.every=0",
-                               "log.progress=false"])
+    cfg = load_config(
+        CONFIG,
+        [
+            *tiny_overrides,
+            "model.embedded.warmstart_formats=[arithmetic]",
+            f"run_root={tmp_path}",
+            "name=empty",
+            "eval.size=4",
+            "eval.every=0",
+            "log.progress=false",
+        ],
+    )
     learner = Learner(cfg)
     try:
-        eps = [Episode(trajectories=[], decision={"policy_version": 0},
-                       metrics={"unified_filter/learnable_ratio": r}) for r in (0.25, 0.75)]
+        eps = [
+            Episode(trajectories=[], decision={"policy_version": 0}, metrics={"unified_filter/learnable_ratio": r})
+            for r in (0.25, 0.75)
+        ]
         stats = learner.train_on(eps, wait_s=0.0)
     finally:
         learner.net.close()

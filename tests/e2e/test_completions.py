@@ -9,9 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from asyncrl.app.kit import fmt
 from asyncrl.analysis import load_run
-
+from asyncrl.app.kit import fmt
 from tests._ui_runs import screenshot, ui_in_browser, visible_text, wait_page
 from tests.conftest import ROOT, run_cli
 
@@ -19,10 +18,25 @@ from tests.conftest import ROOT, run_cli
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory, tiny_overrides):
     root = tmp_path_factory.mktemp("completions")
-    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={root}",
-                  "name=c", "train.total_steps=4", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
-                  "eval.size=6", "eval.every=2", "log.progress=false", "checkpoint.every=0", "log.sample_every=1",
-                  "log.eval_samples=5", timeout=600)
+    res = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={root}",
+        "name=c",
+        "train.total_steps=4",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=4",
+        "eval.size=6",
+        "eval.every=2",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "log.sample_every=1",
+        "log.eval_samples=5",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return root / "c"
 
@@ -57,18 +71,21 @@ def test_the_completions_tab_shows_a_steps_groups_and_held_out_outputs_and_searc
     run = load_run(grpo_run)
     last = [e for e in run.records("episode") if e["step"] == 4]
     with ui_in_browser(grpo_run, tmp_path / "chromium", "?view=completions") as browser:
-        dom = wait_page(browser, lambda d: 'id="completions-table"' in d and 'id="heldout-table"' in d,
-                        what="the completions and held-out tables")
-        table = dom[dom.index('id="completions-table"'):]
-        table = table[:table.index("</table>")]
+        dom = wait_page(
+            browser,
+            lambda d: 'id="completions-table"' in d and 'id="heldout-table"' in d,
+            what="the completions and held-out tables",
+        )
+        table = dom[dom.index('id="completions-table"') :]
+        table = table[: table.index("</table>")]
         assert table.count('class="arl-row"') == sum(len(e["trajectories"]) for e in last) == 8
         shown = re.findall(r'<td><span class="(?:arl-adv-pos|arl-adv-neg|)">([^<]+)</span></td>', table)
         assert shown == [fmt(t["advantage"]) for e in last for t in e["trajectories"]]  # the trained advantages
         text = visible_text(dom)
         assert "Step 4: 2 group(s), 8 completion(s)" in text
         assert "Held-out outputs at policy version 4" in text
-        held = dom[dom.index('id="heldout-table"'):]
-        assert held[:held.index("</table>")].count('class="arl-row"') == 5
+        held = dom[dom.index('id="heldout-table"') :]
+        assert held[: held.index("</table>")].count('class="arl-row"') == 5
         screenshot(browser, "ui-completions.png")
 
         browser.js("document.querySelector('#completions-earlier').click()")  # browse to the step before
@@ -82,8 +99,7 @@ def test_the_completions_tab_shows_a_steps_groups_and_held_out_outputs_and_searc
         browser.js(f"""(() => {{ const t = document.querySelector('#completions-search textarea, #completions-search input');
             t.value = {prompt!r}; t.dispatchEvent(new Event('input', {{bubbles: true}})); }})()""")
         dom = wait_page(browser, lambda d: "logged completion(s) holding" in d, what="the search's results")
-        table = dom[dom.index('id="completions-table"'):]
-        table = table[:table.index("</table>")]
-        want = sum(len(e["trajectories"]) for e in run.records("episode")
-                   if prompt in str(e["prompt"]))
+        table = dom[dom.index('id="completions-table"') :]
+        table = table[: table.index("</table>")]
+        want = sum(len(e["trajectories"]) for e in run.records("episode") if prompt in str(e["prompt"]))
         assert table.count('class="arl-row"') == want >= 4

@@ -21,8 +21,17 @@ def test_the_quick_start_with_a_critic_learns_resumes_and_exports_its_critic(tmp
     accuracy rises by more than 0.05 from the start (measured: 0.685 -> 0.835 in 30 steps, seed 0);
     the first 5 steps train the critic alone (the policy's weights unchanged: its held-out accuracy
     after them is the start's)."""
-    common = ["-c", "configs/quickstart.yaml", f"model.embedded.cache_dir={model_cache}", *GAE,
-              f"run_root={tmp_path}", "name=gae", "eval.every=0", "checkpoint.every=20", "log.progress=false"]
+    common = [
+        "-c",
+        "configs/quickstart.yaml",
+        f"model.embedded.cache_dir={model_cache}",
+        *GAE,
+        f"run_root={tmp_path}",
+        "name=gae",
+        "eval.every=0",
+        "checkpoint.every=20",
+        "log.progress=false",
+    ]
     res = run_cli("run", *common, "train.total_steps=40", timeout=1200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = tmp_path / "gae"
@@ -30,8 +39,14 @@ def test_the_quick_start_with_a_critic_learns_resumes_and_exports_its_critic(tmp
     evals = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "eval"]
     assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.05, [(e["version"], e["accuracy"]) for e in evals]
     assert [m["critic/warmup"] for m in metrics[:6]] == [1.0] * 5 + [0.0]
-    for key in ("critic/value_loss", "critic/explained_variance", "critic/clipfrac", "critic/value_mean",
-                "critic/return_mean", "critic/grad_norm"):
+    for key in (
+        "critic/value_loss",
+        "critic/explained_variance",
+        "critic/clipfrac",
+        "critic/value_mean",
+        "critic/return_mean",
+        "critic/grad_norm",
+    ):
         assert all(key in m for m in metrics), key
     # the critic learns the values: its loss over the last 10 steps is below the first 10's
     first, last = (sum(m["critic/value_loss"] for m in part) / 10 for part in (metrics[:10], metrics[-10:]))

@@ -18,22 +18,35 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner.ingest.buffer import EpisodeQueue
-from asyncrl.rundir.record_file import RecordError, RecordScan, encode_record, read_frame_records, scan_records
 from asyncrl.learner.checkpoint import save_checkpoint
-from asyncrl.rundir.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
+from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.rundir.claim import RunDirError, plan_start
+from asyncrl.rundir.layout import MANIFEST, list_checkpoints, select_checkpoint, verify_checkpoint
+from asyncrl.rundir.record_file import RecordError, RecordScan, encode_record, read_frame_records, scan_records
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
-
-from tests.conftest import (ROOT, ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli,
-                       subprocess_env, wal_ids)
+from tests.conftest import (
+    ROOT,
+    ResumableRun,
+    checkpoint_buffer_ids,
+    effective_training,
+    read_jsonl,
+    run_cli,
+    subprocess_env,
+    wal_ids,
+)
 from tests.conftest import SMALL_RUN as COMMON
 
 
 def _episode(eid: str, version: int = 0, n: int = 6) -> Episode:
-    t = Trajectory(token_ids=np.arange(n), loss_mask=[0, 0] + [1] * (n - 2), behavior_logprobs=[0.0] * n,
-                   policy_version=version, reward=1.0, group_id=eid)
+    t = Trajectory(
+        token_ids=np.arange(n),
+        loss_mask=[0, 0] + [1] * (n - 2),
+        behavior_logprobs=[0.0] * n,
+        policy_version=version,
+        reward=1.0,
+        group_id=eid,
+    )
     return Episode(trajectories=[t], id=eid)
 
 
@@ -98,11 +111,16 @@ def test_garbage_and_zero_tails_are_cut_without_huge_allocations(tmp_path, tail)
     ids = [f"e{i}" for i in range(5)]
     _write_wal(tmp_path, ids)
     rng = random.Random(tail)
-    junk = {"random": bytes(rng.randrange(256) for _ in range(300)),
-            "huge_length": b"ARW1" + b"\xff" * 8 + bytes(40),
-            "magic_then_garbage": b"ARW1" + (200).to_bytes(4, "little") + b"\x00" * 4 + bytes(rng.randrange(256) for _ in range(200)),
-            "zeros": bytes(25),
-            "zero_page": bytes(4096)}[tail]
+    junk = {
+        "random": bytes(rng.randrange(256) for _ in range(300)),
+        "huge_length": b"ARW1" + b"\xff" * 8 + bytes(40),
+        "magic_then_garbage": b"ARW1"
+        + (200).to_bytes(4, "little")
+        + b"\x00" * 4
+        + bytes(rng.randrange(256) for _ in range(200)),
+        "zeros": bytes(25),
+        "zero_page": bytes(4096),
+    }[tail]
     wal = tmp_path / "wal-00000000.bin"
     good = wal.stat().st_size
     with open(wal, "ab") as f:
@@ -152,7 +170,7 @@ def test_one_damaged_byte_in_the_middle_loses_only_its_record(tmp_path, where):
     (scan,) = report.damaged
     (d,) = scan.damaged
     assert (d.start, d.end, d.records) == (middle, middle + size, 1), d
-    assert d.quarantine.read_bytes() == bytes(data[middle:middle + size])
+    assert d.quarantine.read_bytes() == bytes(data[middle : middle + size])
     assert wal.stat().st_size == 253 * size  # rewritten without the damaged bytes
     buf2 = EpisodeQueue(tmp_path, capacity=10_000)
     report2 = buf2.restore(None, set())
@@ -165,8 +183,8 @@ def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
     and crashed every resume at the step that took it. It now fails the receipt checks on restore,
     is quarantined and reported, and the rest are restored."""
     from asyncrl.config import load_config as _load
-    from asyncrl.learner.ingest.server import Arrival, Limits
     from asyncrl.learner.ingest.peers import EpisodeValidator
+    from asyncrl.learner.ingest.server import Arrival, Limits
 
     _write_wal(tmp_path, ["a", "b"])
     evil = _episode("evil")
@@ -189,8 +207,14 @@ def test_restored_records_are_checked_as_on_receipt_and_quarantined(tmp_path):
 def test_a_resume_with_a_poisoned_wal_record_trains_on(tmp_path, tiny_overrides):
     """25.5 end to end: a resume that restores a record with an impossible token id reports and
     quarantines it, and trains to the end instead of crashing at the step that took it."""
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=poison", "checkpoint.every=2",
-                 "buffer.max_staleness=1000"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"run_root={tmp_path}",
+        "name=poison",
+        "checkpoint.every=2",
+        "buffer.max_staleness=1000",
+    ]
     res = _cli("run", *overrides, "train.total_steps=2")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     evil = _episode("evil", n=6)
@@ -247,12 +271,22 @@ for i in range(10_000):
 def test_a_write_that_fails_part_way_is_cut_back(tmp_path):
     """A real failed write (the file-size limit, as a full disk would): the WAL still ends on a
     whole record, holds exactly the episodes acknowledged, and takes appends after a restore."""
-    one = Episode(id="e5", trajectories=[Trajectory(token_ids=np.arange(50), loss_mask=[1] * 50,
-                                                    behavior_logprobs=[0.0] * 50, policy_version=0)])
+    one = Episode(
+        id="e5",
+        trajectories=[
+            Trajectory(token_ids=np.arange(50), loss_mask=[1] * 50, behavior_logprobs=[0.0] * 50, policy_version=0)
+        ],
+    )
     size = len(encode_record(encode_episode(one)))  # (what the script's episodes e0..e9 take each)
     limit = 4 * size + size // 2  # mid-record: the write that fails has written part of its record
-    res = subprocess.run([sys.executable, "-c", _FULL_DISK_WAL, str(tmp_path), str(limit)], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_WAL, str(tmp_path), str(limit)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     wal = tmp_path / "wal-00000000.bin"
@@ -288,8 +322,7 @@ def _two_checkpoints(run_dir, policy) -> EpisodeQueue:
     return buf
 
 
-@pytest.mark.parametrize("victim", ["model/model.safetensors", "optimizer.pt", "state.json", "buffer.bin",
-                                   MANIFEST])
+@pytest.mark.parametrize("victim", ["model/model.safetensors", "optimizer.pt", "state.json", "buffer.bin", MANIFEST])
 def test_a_truncated_checkpoint_file_is_named_and_the_older_one_chosen(tmp_path, policy, victim):
     _two_checkpoints(tmp_path, policy)
     newest = tmp_path / "checkpoints" / "step_00000004"
@@ -323,8 +356,14 @@ def test_a_failed_checkpoint_write_leaves_no_temp_dir(tmp_path, policy, tiny_ove
             print("raised", type(e).__name__)
     """)
     weights = (tmp_path / "checkpoints" / "step_00000004" / "model" / "model.safetensors").stat().st_size
-    res = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(weights // 2)], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), str(weights // 2)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "raised" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]  # SafetensorError (EFBIG)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
@@ -364,8 +403,11 @@ def test_a_second_learner_is_refused_naming_the_first(tmp_path, tiny_overrides):
         first = run.start_learner()
         addrs = run.addresses()
         before = _tree(run.dir)
-        for command in (["learn", *run.overrides, "--resume"], ["run", *run.overrides, "--resume"],
-                        ["learn", *run.overrides]):
+        for command in (
+            ["learn", *run.overrides, "--resume"],
+            ["run", *run.overrides, "--resume"],
+            ["learn", *run.overrides],
+        ):
             res = _cli(*command, timeout=120)
             assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
             line = res.stderr.strip()
@@ -373,8 +415,9 @@ def test_a_second_learner_is_refused_naming_the_first(tmp_path, tiny_overrides):
         assert first.poll() is None, "the first learner stopped"
         assert json.loads((run.dir / "addresses.json").read_text()) == addrs
         after = _tree(run.dir)
-        assert {k: v for k, v in after.items() if k != "events.jsonl"} == \
-               {k: v for k, v in before.items() if k != "events.jsonl"}  # the first learner may log
+        assert {k: v for k, v in after.items() if k != "events.jsonl"} == {
+            k: v for k, v in before.items() if k != "events.jsonl"
+        }  # the first learner may log
 
 
 @pytest.mark.slow
@@ -383,8 +426,9 @@ def test_a_reused_name_is_refused_with_nothing_written_and_overwrite_starts_fres
     run_dir = tmp_path / "reuse"
     res = _cli("run", *overrides)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    old_ids = wal_ids(run_dir) | {e["episode_id"] for e in read_jsonl(run_dir / "events.jsonl")
-                                   if e["kind"] == "episode"}
+    old_ids = wal_ids(run_dir) | {
+        e["episode_id"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "episode"
+    }
     assert old_ids
     before = _tree(run_dir)
     for command in ("run", "learn"):
@@ -421,7 +465,9 @@ def test_resume_continues_steps_and_records_changed_config(tmp_path, tiny_overri
     assert "lr: 0.0005" in (run_dir / "config.resume-4.yaml").read_text()
     changed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "config_changed"]
     assert len(changed) == 1 and {c["key"]: (c["old"], c["new"]) for c in changed[0]["changes"]} == {
-        "train.lr": (0.001, 0.0005), "train.total_steps": (4, 6)}
+        "train.lr": (0.001, 0.0005),
+        "train.total_steps": (4, 6),
+    }
 
     before = _tree(run_dir)
     res = _cli("run", *overrides, "train.total_steps=8", "model.embedded.hidden_size=64", "--resume", timeout=120)
@@ -432,8 +478,14 @@ def test_resume_continues_steps_and_records_changed_config(tmp_path, tiny_overri
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_falls_back_keeping_the_wal(tmp_path, tiny_overrides):
     total = 9
-    overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=2",
-                 "buffer.max_staleness=1000", "buffer.capacity=12"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"train.total_steps={total}",
+        "checkpoint.every=2",
+        "buffer.max_staleness=1000",
+        "buffer.capacity=12",
+    ]
     with ResumableRun(tmp_path, "dmg", overrides) as run:
         run.start_learner()
         run.start_actor()
@@ -494,8 +546,9 @@ def test_a_full_disk_at_a_checkpoint_is_an_oserror_and_leaves_nothing(tmp_path, 
     opt = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
     opt.step()  # (an optimizer state to save)
-    probe = save_checkpoint(tmp_path / "probe", 2, model, tok, opt, EpisodeQueue(tmp_path / "probe" / "buffer", 100),
-                            {}, keep=2)
+    probe = save_checkpoint(
+        tmp_path / "probe", 2, model, tok, opt, EpisodeQueue(tmp_path / "probe" / "buffer", 100), {}, keep=2
+    )
     model_bytes = sum(f.stat().st_size for f in (probe / "model").rglob("*") if f.is_file())
     assert (probe / "optimizer.pt").stat().st_size > 16 << 10
     free_kib = 8 if fits == "nothing" else model_bytes // 1024 + 16 + 4 * 4  # (tmpfs takes 4 KiB pages a file)

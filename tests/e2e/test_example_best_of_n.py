@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.base import Engine
 from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.rollout import RolloutContext, get_workflow, workflow_class
 from asyncrl.types import Task
-
 from tests.conftest import ROOT, ScriptedEngine, read_jsonl, run_cli
 
 CONFIG = str(ROOT / "examples" / "best_of_n.yaml")
@@ -34,8 +33,10 @@ def test_the_config_names_the_example_workflow():
 
 
 def test_rollout_keeps_the_best_correct_responses():
-    tasks = [Task(id="a", prompt=[{"role": "user", "content": "2+3="}], answer=5),
-             Task(id="b", prompt=[{"role": "user", "content": "1+1="}], answer=2)]
+    tasks = [
+        Task(id="a", prompt=[{"role": "user", "content": "2+3="}], answer=5),
+        Task(id="b", prompt=[{"role": "user", "content": "1+1="}], answer=2),
+    ]
     # one engine call for both tasks: 4 replies each, in task order
     replies = [("7", True), ("5", True), ("5", True), ("x", True), ("3", True), ("4", True), ("1", True), ("0", True)]
     (a, b), engine = _rollout(replies, tasks, "algo.keep=2")
@@ -69,10 +70,23 @@ def test_config_errors_name_the_field():
 @pytest.mark.slow
 def test_asyncrl_run_trains_two_steps(tmp_path, tiny_overrides):
     steps, tasks, keep = 2, 2, 2
-    overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=bon", f"train.total_steps={steps}",
-                 f"actor.tasks_per_batch={tasks}", f"train.batch_tasks={tasks}", "sampling.n=4",
-                 "sampling.max_new_tokens=4", f"algo.keep={keep}", "algo.min_reward=0.0",  # the best, right or not
-                 "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.2"]
+    overrides = [
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=bon",
+        f"train.total_steps={steps}",
+        f"actor.tasks_per_batch={tasks}",
+        f"train.batch_tasks={tasks}",
+        "sampling.n=4",
+        "sampling.max_new_tokens=4",
+        f"algo.keep={keep}",
+        "algo.min_reward=0.0",  # the best, right or not
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "actor.heartbeat_s=0.2",
+    ]
     res = run_cli("run", "-c", CONFIG, *overrides, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "bon" / "metrics.jsonl")

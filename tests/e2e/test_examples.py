@@ -19,13 +19,31 @@ from tests.conftest import ROOT, kill_tree, read_jsonl, run_cli, subprocess_env
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
 pytest.importorskip("openenv.core", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
-SHORT = ["train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=8",
-         "eval.every=3", "log.progress=false", "checkpoint.every=0"]
+SHORT = [
+    "train.total_steps=3",
+    "train.batch_tasks=2",
+    "actor.tasks_per_batch=2",
+    "sampling.n=2",
+    "eval.size=8",
+    "eval.every=3",
+    "log.progress=false",
+    "checkpoint.every=0",
+]
 
 
 def _example(name: str, tmp_path, tiny_overrides, *extra: str, env: dict | None = None, cwd=ROOT):
-    return run_cli("run", "-c", str(ROOT / "examples" / f"{name}.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                   *SHORT, *extra, timeout=600, env=env, cwd=cwd)
+    return run_cli(
+        "run",
+        "-c",
+        str(ROOT / "examples" / f"{name}.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        *SHORT,
+        *extra,
+        timeout=600,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def _evals(run_dir):
@@ -73,8 +91,14 @@ def test_the_openenv_example_needs_its_server_and_trains_against_it(tmp_path, ti
 
     port = _free_port()
     log = open(tmp_path / "server.log", "w")  # (a pipe nobody reads would stall the server once full)
-    server = subprocess.Popen([sys.executable, "-m", "examples.openenv_add", str(port)], cwd=work, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "examples.openenv_add", str(port)],
+        cwd=work,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url_file = work / "runs" / "openenv.url"
         deadline = time.monotonic() + 120
@@ -110,38 +134,71 @@ def test_the_openenv_example_needs_its_server_and_trains_against_it(tmp_path, ti
 
 @pytest.mark.slow
 def test_dry_run_checks_and_starts_nothing(tmp_path, tiny_overrides):
-    res = run_cli("run", "-c", str(ROOT / "examples" / "reasoning_gym.yaml"), f"run_root={tmp_path}", "--dry-run",
-                  timeout=300)
+    res = run_cli(
+        "run", "-c", str(ROOT / "examples" / "reasoning_gym.yaml"), f"run_root={tmp_path}", "--dry-run", timeout=300
+    )
     assert res.returncode == 0, res.stderr
     assert "dry run: the config and its set-up passed the checks; nothing was started or written" in res.stdout
     assert f"in {tmp_path / 'rg-mix'}" in res.stdout
-    assert res.stdout.rstrip().endswith(f"asyncrl run -c {ROOT / 'examples' / 'reasoning_gym.yaml'} "
-                                        f"run_root={tmp_path}")
+    assert res.stdout.rstrip().endswith(
+        f"asyncrl run -c {ROOT / 'examples' / 'reasoning_gym.yaml'} run_root={tmp_path}"
+    )
     assert not any(tmp_path.iterdir())  # nothing written
 
-    made = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                   "name=q", *SHORT, timeout=600)
+    made = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=q",
+        *SHORT,
+        timeout=600,
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     before = sorted(p.name for p in (tmp_path / "q").iterdir())
-    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                  "name=q", *SHORT, "--dry-run", timeout=300)
+    res = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=q",
+        *SHORT,
+        "--dry-run",
+        timeout=300,
+    )
     assert res.returncode == 2 and "the start would be refused" in res.stdout and "--resume" in res.stdout
-    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                  "name=q", *SHORT, "train.total_steps=5", "--dry-run", "--resume", timeout=300)
+    res = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=q",
+        *SHORT,
+        "train.total_steps=5",
+        "--dry-run",
+        "--resume",
+        timeout=300,
+    )
     assert res.returncode == 0 and "it would resume from step 3" in res.stdout, res.stdout + res.stderr
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == before  # the run left as it was
 
 
 def test_preflight_runs_an_agent_functions_own_check(monkeypatch, tmp_path):
     """``fn.preflight()`` of an agent function: what it raises refuses the run in one line."""
-    from asyncrl.config import ConfigError, load_config
     from asyncrl.commands.preflight import preflight
+    from asyncrl.config import ConfigError, load_config
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENENV_URL", f"http://127.0.0.1:{_free_port()}/nothing-here")
     cfg = load_config(ROOT / "examples" / "openenv.yaml", [f"run_root={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"env.agent 'examples.openenv_add:play': no OpenEnv server answers at "
-                                          r"127.0.0.1:\d+ .*start it first"):
+    with pytest.raises(
+        ConfigError,
+        match=r"env.agent 'examples.openenv_add:play': no OpenEnv server answers at "
+        r"127.0.0.1:\d+ .*start it first",
+    ):
         preflight(cfg)
 
 

@@ -18,12 +18,12 @@ import zmq
 import zmq.auth
 
 from asyncrl.rundir.record_file import read_frame_records
+from asyncrl.testing.peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
 from asyncrl.wire.codec import SCHEMA_VERSION, decode, decode_episode, encode_msg, encode_weights
 from asyncrl.wire.sockets import make_curve_keys
-
+from tests.conftest import SMALL_RUN as COMMON
+from tests.conftest import initial_weights as _initial_weights
 from tests.conftest import kill_tree, run_cli, start_cli
-from asyncrl.testing.peer_attacks import LiveRun, ScriptedActor, connect, crafted, episode_frames, frames, small_disk
-from tests.conftest import SMALL_RUN as COMMON, initial_weights as _initial_weights
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,7 @@ def test_crafted_and_poisoned_messages_are_refused_and_training_goes_on(tmp_path
     """19.6 (nine messages that each killed the learner) and 19.2 (poisoned episodes were written
     and acknowledged): all refused, none in the WAL, their actor told; the valid episodes are
     acknowledged and trained."""
-    run = LiveRun(tmp_path, "crafted", _overrides(tiny_overrides, "train.batch_tasks=2",
-                                                  "buffer.max_staleness=100000"))
+    run = LiveRun(tmp_path, "crafted", _overrides(tiny_overrides, "train.batch_tasks=2", "buffer.max_staleness=100000"))
     socks = []
     try:
         for _, channel, msg in crafted(SCHEMA_VERSION):
@@ -59,9 +58,14 @@ def test_crafted_and_poisoned_messages_are_refused_and_training_goes_on(tmp_path
             socks[-1].send_multipart(msg)
         actor = ScriptedActor(run.addresses, SCHEMA_VERSION)
         socks += [actor.control, actor.push]
-        poisoned = {"poison-token": dict(token=10**6), "poison-negative": dict(token=-1),
-                    "poison-future": dict(version=10**6), "poison-nan": dict(reward=math.nan),
-                    "poison-mask": dict(mask_value=7), "poison-bytes": dict(decision={"blob": b"\x00"})}
+        poisoned = {
+            "poison-token": dict(token=10**6),
+            "poison-negative": dict(token=-1),
+            "poison-future": dict(version=10**6),
+            "poison-nan": dict(reward=math.nan),
+            "poison-mask": dict(mask_value=7),
+            "poison-bytes": dict(decision={"blob": b"\x00"}),
+        }
         good = [f"good-{i}" for i in range(6)]
         for eid, kw in poisoned.items():
             actor.send(episode_frames(SCHEMA_VERSION, actor.actor_id, eid, **kw))
@@ -93,8 +97,17 @@ def test_vanished_hellos_and_a_killed_actor_recover_within_the_lease(tmp_path, t
     """19.7: 200 hellos that vanish and an actor killed at max_staleness 0 held every credit for
     good; with leases the credits come back and a new actor trains."""
     lease = 4.0
-    run = LiveRun(tmp_path, "lease", _overrides(tiny_overrides, "buffer.max_staleness=0", f"wire.lease_s={lease}",
-                                                "actor.heartbeat_s=0.5", "wire.bad_log_every_s=2"))
+    run = LiveRun(
+        tmp_path,
+        "lease",
+        _overrides(
+            tiny_overrides,
+            "buffer.max_staleness=0",
+            f"wire.lease_s={lease}",
+            "actor.heartbeat_s=0.5",
+            "wire.bad_log_every_s=2",
+        ),
+    )
     try:
         first = run.actor("actor-0", 0)
         assert run.wait_version(2, 240) is not None, run.log_tail(lines=20)
@@ -112,7 +125,8 @@ def test_vanished_hellos_and_a_killed_actor_recover_within_the_lease(tmp_path, t
 
         def dropped() -> int:  # the first three one by one, the rest in messages_suppressed summaries
             return len(run.events("actor_dropped")) + sum(
-                e["counts"].get("actor_dropped:lease", 0) for e in run.events("messages_suppressed"))
+                e["counts"].get("actor_dropped:lease", 0) for e in run.events("messages_suppressed")
+            )
 
         assert run.wait(lambda: dropped() >= 201, 60), dropped()  # 200 fakes and the killed actor
         assert len(run.events("actor_dropped")) <= 3
@@ -142,8 +156,17 @@ def _answered(socks: list, timeout: float) -> int:
 def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_overrides):
     """19.8: each subscriber has at most one version queued, and silent ones are dropped."""
     lease = 4.0
-    run = LiveRun(tmp_path, "subs", _overrides(tiny_overrides, f"wire.lease_s={lease}", "actor.heartbeat_s=0.5",
-                                               "log.episode_events=sampled", "log.episode_events_every=1000"))
+    run = LiveRun(
+        tmp_path,
+        "subs",
+        _overrides(
+            tiny_overrides,
+            f"wire.lease_s={lease}",
+            "actor.heartbeat_s=0.5",
+            "log.episode_events=sampled",
+            "log.episode_events_every=1000",
+        ),
+    )
     subs = []
     try:
         run.actor()
@@ -163,8 +186,9 @@ def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_override
         # before: every version queued for every idle subscriber (20 x 300 x the weights)
         assert growth < 40 + 20 * 3 * weights_mb, (growth, weights_mb)
         # silent for a lease with no actor of theirs: dropped (while still connected)
-        assert run.wait(lambda: run.events("weights_published")[-1]["subscribers"] == 1, 120), \
-            run.events("weights_published")[-1]
+        assert run.wait(lambda: run.events("weights_published")[-1]["subscribers"] == 1, 120), run.events(
+            "weights_published"
+        )[-1]
     finally:
         for s in subs:
             s.close(0)
@@ -173,8 +197,13 @@ def test_weight_subscribers_that_never_read_stay_bounded(tmp_path, tiny_override
 
 def test_floods_and_oversized_messages_do_not_starve_training(tmp_path, tiny_overrides):
     """19.9 and 19.10: size limits, and garbage that neither stops training nor fills the log."""
-    run = LiveRun(tmp_path, "flood", _overrides(tiny_overrides, "log.episode_events=sampled", "log.episode_events_every=1000",
-                                                "wire.bad_log_every_s=2"))
+    run = LiveRun(
+        tmp_path,
+        "flood",
+        _overrides(
+            tiny_overrides, "log.episode_events=sampled", "log.episode_events_every=1000", "wire.bad_log_every_s=2"
+        ),
+    )
     socks = []
     try:
         run.actor()
@@ -182,12 +211,17 @@ def test_floods_and_oversized_messages_do_not_starve_training(tmp_path, tiny_ove
         v0 = run.version()
         time.sleep(5)  # the quiet rate, to compare with (a measurement, not a synchronisation)
         quiet = run.version() - v0
-        socks = [connect(zmq.PUSH, run.addresses["episodes"]), connect(zmq.DEALER, run.addresses["control"]),
-                 connect(zmq.DEALER, run.addresses["weights"]), connect(zmq.PUSH, run.addresses["episodes"])]
+        socks = [
+            connect(zmq.PUSH, run.addresses["episodes"]),
+            connect(zmq.DEALER, run.addresses["control"]),
+            connect(zmq.DEALER, run.addresses["weights"]),
+            connect(zmq.PUSH, run.addresses["episodes"]),
+        ]
         monitor = socks[3].get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socks.append(monitor)
-        big = frames(SCHEMA_VERSION, "episode", {}, [{"name": "x", "dtype": "uint8", "shape": [64 << 20]}],
-                     [b"\0" * (64 << 20)])
+        big = frames(
+            SCHEMA_VERSION, "episode", {}, [{"name": "x", "dtype": "uint8", "shape": [64 << 20]}], [b"\0" * (64 << 20)]
+        )
         socks[3].send_multipart(big)  # past ZMQ_MAXMSGSIZE: the learner disconnects its sender
         bomb = episode_frames(SCHEMA_VERSION, "bomb", "bomb-1", decision={"x": [[{}] * 60000 for _ in range(25)]})
         socks[0].send_multipart(bomb)  # a 1.5 MB msgpack bomb: past wire.max_header_kb (1 MiB), under MAXMSGSIZE
@@ -223,8 +257,12 @@ def test_floods_and_oversized_messages_do_not_starve_training(tmp_path, tiny_ove
 def test_full_disk_stops_the_learner_cleanly_and_the_actor_says_so(tmp_path, tiny_overrides):
     """19.11: the WAL on a 48 KiB tmpfs fills (a real ENOSPC): the learner writes learner_stop with
     the reason, prints one line, exits 1; the actor says once that the learner is gone."""
-    run = LiveRun(tmp_path, "full", _overrides(tiny_overrides, "actor.learner_timeout_s=3"),
-                  learner_prefix=small_disk(tmp_path / "full" / "buffer"))
+    run = LiveRun(
+        tmp_path,
+        "full",
+        _overrides(tiny_overrides, "actor.learner_timeout_s=3"),
+        learner_prefix=small_disk(tmp_path / "full" / "buffer"),
+    )
     try:
         actor = run.actor()
         assert run.died(240), "the learner did not stop on a full disk"
@@ -289,8 +327,9 @@ def test_curve_keys_admit_only_authorised_actors_and_report_the_rest(tmp_path, t
         stranger.curve_serverkey = zmq.auth.load_certificate(str(keys / "server" / "server.key"))[0]
         stranger.connect(run.addresses["control"])
         try:  # without blocking: once the learner has refused the handshake, a DEALER has no peer to queue for
-            stranger.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": "intruder", "capacity": 8}),
-                                    flags=zmq.NOBLOCK)
+            stranger.send_multipart(
+                frames(SCHEMA_VERSION, "hello", {"actor_id": "intruder", "capacity": 8}), flags=zmq.NOBLOCK
+            )
         except zmq.Again:
             pass
         assert run.wait(lambda: run.events("connection_refused"), 60)
@@ -315,8 +354,10 @@ def _recv_kind(sock: zmq.Socket, kind: str, timeout_s: float = 120) -> list:
 def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
     """19.6 on the actor's side: a scripted learner answers with crafted control and weights
     messages; the actor reports them, keeps its lease, generates, and stops cleanly when told."""
-    socks = {kind: zmq.Context.instance().socket(t) for kind, t in
-             (("control", zmq.ROUTER), ("weights", zmq.ROUTER), ("episodes", zmq.PULL))}
+    socks = {
+        kind: zmq.Context.instance().socket(t)
+        for kind, t in (("control", zmq.ROUTER), ("weights", zmq.ROUTER), ("episodes", zmq.PULL))
+    }
     addrs = {}
     for kind, s in socks.items():
         s.setsockopt(zmq.LINGER, 0)
@@ -326,19 +367,32 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
     try:
         ident = _recv_kind(socks["control"], "hello")[0]
         s = SCHEMA_VERSION
-        for msg in ([b"\x00garbage"], frames(s, "welcome", {"session": "s", "lease_s": 20.0, "addresses": {}}),
-                    frames(s, "welcome", {"session": "s", "lease_s": 20.0,
-                                          "addresses": {"episodes": "nonsense", "weights": "nonsense"}}),
-                    frames(s, "credit", {"n": "x", "min_version": 0}), frames(s, "ack", {"ids": 5}),
-                    frames(s, "stop", {}, [{"name": "x", "dtype": "uint8", "shape": [1]}], [b"1"]),
-                    frames(s, "nope", {}), frames(s, "hello", {"actor_id": "x", "capacity": 1})):
+        for msg in (
+            [b"\x00garbage"],
+            frames(s, "welcome", {"session": "s", "lease_s": 20.0, "addresses": {}}),
+            frames(
+                s,
+                "welcome",
+                {"session": "s", "lease_s": 20.0, "addresses": {"episodes": "nonsense", "weights": "nonsense"}},
+            ),
+            frames(s, "credit", {"n": "x", "min_version": 0}),
+            frames(s, "ack", {"ids": 5}),
+            frames(s, "stop", {}, [{"name": "x", "dtype": "uint8", "shape": [1]}], [b"1"]),
+            frames(s, "nope", {}),
+            frames(s, "hello", {"actor_id": "x", "capacity": 1}),
+        ):
             socks["control"].send_multipart([ident, *msg])
-        for msg in (encode_msg("welcome", session="s1", lease_s=20.0, addresses=addrs),
-                    encode_msg("credit", n=1, min_version=0)):
+        for msg in (
+            encode_msg("welcome", session="s1", lease_s=20.0, addresses=addrs),
+            encode_msg("credit", n=1, min_version=0),
+        ):
             socks["control"].send_multipart([ident, *msg])
         sub = _recv_kind(socks["weights"], "subscribe")[0]
-        for msg in ([b"garbage"], encode_msg("weights", version=1, path=str(tmp_path / "missing.safetensors")),
-                    encode_weights({"no.such.parameter": np.zeros(2, np.float32)}, 2)):
+        for msg in (
+            [b"garbage"],
+            encode_msg("weights", version=1, path=str(tmp_path / "missing.safetensors")),
+            encode_weights({"no.such.parameter": np.zeros(2, np.float32)}, 2),
+        ):
             socks["weights"].send_multipart([sub, *msg])
             _recv_kind(socks["weights"], "subscribe")  # it tried this one and asks again
         socks["weights"].send_multipart([sub, *encode_weights(_initial_weights(tiny_overrides), 3)])  # then real ones
@@ -347,7 +401,9 @@ def test_no_message_stops_an_actor(tmp_path, tiny_overrides, model_cache):
         assert _recv_kind(socks["control"], "status")  # its heartbeat goes on
         assert proc.poll() is None
         text = log.read_text()
-        assert text.count("dropped a bad control message") == 3 and text.count("dropped a bad weights message") == 3, text
+        assert text.count("dropped a bad control message") == 3 and text.count("dropped a bad weights message") == 3, (
+            text
+        )
         socks["control"].send_multipart([ident, *encode_msg("stop", reason="test over")])
         assert proc.wait(timeout=120) == 0
     finally:
@@ -362,8 +418,17 @@ def test_a_heartbeat_only_actor_loses_its_credits_and_a_returning_actor_finds_ro
     out. Its credits now return after wire.credit_timeout_s, and the real actor, restarted into a
     full table, takes the place of the peer that never delivered."""
     credit_timeout = 4.0
-    run = LiveRun(tmp_path, "hog", _overrides(tiny_overrides, "wire.lease_s=30", f"wire.credit_timeout_s={credit_timeout}",
-                                              "actor.heartbeat_s=0.5", "wire.max_actors=2"))
+    run = LiveRun(
+        tmp_path,
+        "hog",
+        _overrides(
+            tiny_overrides,
+            "wire.lease_s=30",
+            f"wire.credit_timeout_s={credit_timeout}",
+            "actor.heartbeat_s=0.5",
+            "wire.max_actors=2",
+        ),
+    )
     hog = connect(zmq.DEALER, run.addresses["control"])
     hog.setsockopt(zmq.IDENTITY, b"hog:1")
     hog.disconnect(run.addresses["control"])  # (the identity applies to the next connection)
@@ -374,8 +439,10 @@ def test_a_heartbeat_only_actor_loses_its_credits_and_a_returning_actor_finds_ro
         for _ in range(600):
             if stop.wait(1.0):
                 return
-            hog.send_multipart(frames(SCHEMA_VERSION, "status", {"actor_id": "hog", "identity": "hog:1",
-                                                                  "capacity": 64, "version": 0}))
+            hog.send_multipart(
+                frames(SCHEMA_VERSION, "status", {"actor_id": "hog", "identity": "hog:1", "capacity": 64, "version": 0})
+            )
+
     try:
         hog.send_multipart(frames(SCHEMA_VERSION, "hello", {"actor_id": "hog", "capacity": 64}))
         beat = threading.Thread(target=heartbeat, daemon=True)
@@ -407,8 +474,9 @@ def test_a_revoked_key_is_dropped_while_the_learner_runs_and_told_why(tmp_path, 
     try:
         a1 = run.actor("a1", 0)
         a2 = run.actor("a2", 1)
-        assert run.wait(lambda: {"a1", "a2"} <= {e.get("actor_id") for e in run.events("actor_status")}, 240), \
+        assert run.wait(lambda: {"a1", "a2"} <= {e.get("actor_id") for e in run.events("actor_status")}, 240), (
             run.log_tail(lines=20)
+        )
         assert run.wait_version(2, 240) is not None, run.log_tail(lines=20)
         (keys / "server" / "authorized" / "actor-a2.key").unlink()
         assert a2.wait(timeout=120) == 0  # told to stop, with the reason
@@ -416,8 +484,9 @@ def test_a_revoked_key_is_dropped_while_the_learner_runs_and_told_why(tmp_path, 
         assert any(e["reason"].endswith("revoked_key") for e in run.events("bad_message")), run.events("bad_message")
         v = run.version()
         a2 = run.actor("a2", 1)  # comes back with the revoked key: refused at the handshake, one line why
-        assert run.wait(lambda: "refused this actor's CURVE key" in run.log_tail("a2", lines=50), 240), \
-            run.log_tail("a2", lines=20)  # (a waiting actor adds a line every 30 s: look past the last few)
+        assert run.wait(lambda: "refused this actor's CURVE key" in run.log_tail("a2", lines=50), 240), run.log_tail(
+            "a2", lines=20
+        )  # (a waiting actor adds a line every 30 s: look past the last few)
         assert run.wait(lambda: run.events("connection_refused"), 60)
         assert run.wait_version(v + 2, 240) is not None, run.log_tail(lines=20)  # a1 trains on
         assert a1.poll() is None
@@ -430,8 +499,17 @@ def test_rejected_episodes_are_no_progress_and_strangers_cannot_take_the_pool(tm
     episode a second kept its credits for ever; and peers that never deliver, twenty of them with
     one credit each, took the whole credit pool (no step for minutes). Now only a valid episode in
     the buffer is progress, and actors that never delivered hold at most half the pool together."""
-    run = LiveRun(tmp_path, "strangers", _overrides(tiny_overrides, "wire.lease_s=30", "wire.credit_timeout_s=5",
-                                                    "actor.heartbeat_s=0.5", "wire.bad_log_first=100000"))
+    run = LiveRun(
+        tmp_path,
+        "strangers",
+        _overrides(
+            tiny_overrides,
+            "wire.lease_s=30",
+            "wire.credit_timeout_s=5",
+            "actor.heartbeat_s=0.5",
+            "wire.bad_log_first=100000",
+        ),
+    )
     socks, stop = [], threading.Event()
     try:
         run.actor("actor-0", 0)
@@ -454,9 +532,15 @@ def test_rejected_episodes_are_no_progress_and_strangers_cannot_take_the_pool(tm
                 if stop.wait(1.0):
                     return
                 for i, s in enumerate(socks):
-                    s.send_multipart(frames(SCHEMA_VERSION, "status", {"actor_id": f"hog{i}", "identity": f"hog{i}:1",
-                                                                       "capacity": 1, "version": 0}))
+                    s.send_multipart(
+                        frames(
+                            SCHEMA_VERSION,
+                            "status",
+                            {"actor_id": f"hog{i}", "identity": f"hog{i}:1", "capacity": 1, "version": 0},
+                        )
+                    )
                 push.send_multipart(episode_frames(SCHEMA_VERSION, "hog20", f"bad-{n}", token=10**6))  # rejected
+
         t = threading.Thread(target=keep_up, daemon=True)
         t.start()
         v = run.version()

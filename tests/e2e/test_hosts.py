@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from asyncrl.wire.sockets import make_curve_keys
-
 from asyncrl.testing import netns
+from asyncrl.wire.sockets import make_curve_keys
 from tests.conftest import ROOT, read_jsonl, subprocess_env
 from tests.dist_step_worker import assert_matches, one_step
 
@@ -43,9 +42,17 @@ def hosts():
 
 
 def _group_env(hosts, rank: int, port: int, secret: str, curve: Path) -> dict:
-    return {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": hosts.ips[0],
-            "MASTER_PORT": str(port), "ASYNCRL_STORE_SECRET": secret, "OMP_NUM_THREADS": "1",
-            "DIST_WORKER_CURVE": str(curve)}
+    return {
+        **subprocess_env(),
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": hosts.ips[0],
+        "MASTER_PORT": str(port),
+        "ASYNCRL_STORE_SECRET": secret,
+        "OMP_NUM_THREADS": "1",
+        "DIST_WORKER_CURVE": str(curve),
+    }
 
 
 def _own_addresses_only(hosts, host: int, seen: list) -> None:
@@ -81,9 +88,16 @@ def test_a_learner_group_across_two_hosts_steps_as_one_process(hosts, tmp_path, 
     logs.mkdir()
     secret, port = secrets.token_hex(16), 29611
     env = {"DIST_WORKER_CASES": ",".join(STEP_CASES)}
-    procs = {f"rank{r}": hosts.run(r, [sys.executable, str(WORKER), str(out), *tiny_overrides], logs / f"rank{r}.log",
-                                   env={**_group_env(hosts, r, port, secret, Path(keys[bundle])), **env}, cwd=ROOT)
-             for r, bundle in ((0, "server"), (1, "actor-rank1"))}
+    procs = {
+        f"rank{r}": hosts.run(
+            r,
+            [sys.executable, str(WORKER), str(out), *tiny_overrides],
+            logs / f"rank{r}.log",
+            env={**_group_env(hosts, r, port, secret, Path(keys[bundle])), **env},
+            cwd=ROOT,
+        )
+        for r, bundle in ((0, "server"), (1, "actor-rank1"))
+    }
     seen: list = []
     _wait(procs, logs, during=lambda: [_own_addresses_only(hosts, h, seen) for h in (0, 1)])
     assert all(p.returncode == 0 for p in procs.values()), _tails(logs)
@@ -103,25 +117,61 @@ def test_a_learner_group_across_hosts_trains_with_an_actor_on_a_third(hosts, tmp
     logs.mkdir()
     run = tmp_path / "runs" / "group"
     total = 6
-    common = ["-c", "configs/quickstart.yaml", *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path / 'runs'}",
-              "name=group", f"train.total_steps={total}", "train.distributed=ddp"]
+    common = [
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path / 'runs'}",
+        "name=group",
+        f"train.total_steps={total}",
+        "train.distributed=ddp",
+    ]
     secret, port = secrets.token_hex(16), 29612
     cli = [sys.executable, "-m", "asyncrl"]
     procs = {
-        "rank0": hosts.run(0, [*cli, "learn", *common, f"wire.host={hosts.ips[0]}", f"wire.curve_dir={keys['server']}"],
-                           logs / "rank0.log", env=_group_env(hosts, 0, port, secret, Path(keys["server"])), cwd=ROOT),
-        "rank1": hosts.run(1, [*cli, "learn", *common, f"wire.curve_dir={keys['actor-rank1']}"], logs / "rank1.log",
-                           env=_group_env(hosts, 1, port, secret, Path(keys["actor-rank1"])), cwd=ROOT)}
+        "rank0": hosts.run(
+            0,
+            [*cli, "learn", *common, f"wire.host={hosts.ips[0]}", f"wire.curve_dir={keys['server']}"],
+            logs / "rank0.log",
+            env=_group_env(hosts, 0, port, secret, Path(keys["server"])),
+            cwd=ROOT,
+        ),
+        "rank1": hosts.run(
+            1,
+            [*cli, "learn", *common, f"wire.curve_dir={keys['actor-rank1']}"],
+            logs / "rank1.log",
+            env=_group_env(hosts, 1, port, secret, Path(keys["actor-rank1"])),
+            cwd=ROOT,
+        ),
+    }
     try:
         _wait(procs, logs, cond=lambda: (run / "addresses.json").exists())
         control = json.loads((run / "addresses.json").read_text())["control"]
         assert control.startswith(f"tcp://{hosts.ips[0]}:"), control
-        procs["actor"] = hosts.run(2, [*cli, "serve", *common, "--connect", control, "--actor-id", "actor-0",
-                                       f"wire.curve_dir={keys['actor-0']}"], logs / "actor.log", env=subprocess_env(),
-                                   cwd=ROOT)
+        procs["actor"] = hosts.run(
+            2,
+            [
+                *cli,
+                "serve",
+                *common,
+                "--connect",
+                control,
+                "--actor-id",
+                "actor-0",
+                f"wire.curve_dir={keys['actor-0']}",
+            ],
+            logs / "actor.log",
+            env=subprocess_env(),
+            cwd=ROOT,
+        )
         seen: list = []
-        _wait({k: procs[k] for k in ("rank0", "rank1")}, logs, timeout=400,
-              during=lambda: [_own_addresses_only(hosts, h, seen) for h in (0, 1, 2)])
+        _wait(
+            {k: procs[k] for k in ("rank0", "rank1")},
+            logs,
+            timeout=400,
+            during=lambda: [_own_addresses_only(hosts, h, seen) for h in (0, 1, 2)],
+        )
         assert procs["rank0"].returncode == 0 and procs["rank1"].returncode == 0, _tails(logs)
     finally:
         hosts.kill(None)

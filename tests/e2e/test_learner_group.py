@@ -15,19 +15,25 @@ import signal
 import pytest
 
 from asyncrl.rundir.layout import list_checkpoints
-
-from tests.conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli
-from tests.conftest import SMALL_RUN as COMMON
 from tests.conftest import REPLAY_RUN as REPLAY
+from tests.conftest import SMALL_RUN as COMMON
+from tests.conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def test_group_killed_and_resumed_across_one_and_two_processes(tmp_path, tiny_overrides):
     total = 12
-    overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=3",
-                 "train.distributed=fsdp2", "buffer.max_staleness=1000", "buffer.capacity=12",
-                 "train.advantage.estimator=gae"]  # with a critic (issue 46): gathered, saved and loaded with the policy
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"train.total_steps={total}",
+        "checkpoint.every=3",
+        "train.distributed=fsdp2",
+        "buffer.max_staleness=1000",
+        "buffer.capacity=12",
+        "train.advantage.estimator=gae",
+    ]  # with a critic (issue 46): gathered, saved and loaded with the policy
     acked: set[str] = set()
     with ResumableRun(tmp_path, "group", overrides) as run:
         run.start_learner(procs=2)
@@ -83,8 +89,18 @@ def test_run_with_two_learner_processes_and_replay(tmp_path, tiny_overrides):
     """``asyncrl run --learner-procs 2`` (DDP) with experience replay: rank 0's replay hook adds
     stored trajectories to batches that both ranks train on (replayed rows with recorded log-probs)."""
     total = 10
-    out = run_cli("run", "--learner-procs", "2", *tiny_overrides, *COMMON, *REPLAY, f"train.total_steps={total}",
-                  f"run_root={tmp_path}", "name=ddp", timeout=600)
+    out = run_cli(
+        "run",
+        "--learner-procs",
+        "2",
+        *tiny_overrides,
+        *COMMON,
+        *REPLAY,
+        f"train.total_steps={total}",
+        f"run_root={tmp_path}",
+        "name=ddp",
+        timeout=600,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "2 learner processes (ddp)" in out.stdout
     rank1 = (tmp_path / "ddp" / "learner-rank1.log").read_text()

@@ -14,16 +14,24 @@ import time
 import pytest
 
 from asyncrl import OPENMP_SPINCOUNT
-from asyncrl.schedulers.local import LearnerExited, wait_for_addresses
 from asyncrl.lifecycle import PARENT_ENV
-
+from asyncrl.schedulers.local import LearnerExited, wait_for_addresses
 from tests.conftest import ROOT, alive, cli, descendants, kill_tree, read_jsonl, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-RUN = ["sampling.n=2", "sampling.max_new_tokens=4", "actor.tasks_per_batch=2", "train.batch_tasks=2",
-       "train.total_steps=100000", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0",
-       "actor.heartbeat_s=0.5"]
+RUN = [
+    "sampling.n=2",
+    "sampling.max_new_tokens=4",
+    "actor.tasks_per_batch=2",
+    "train.batch_tasks=2",
+    "train.total_steps=100000",
+    "eval.size=4",
+    "eval.every=0",
+    "log.progress=false",
+    "checkpoint.every=0",
+    "actor.heartbeat_s=0.5",
+]
 
 
 def _env_without_openmp_settings() -> dict:
@@ -36,13 +44,21 @@ def _start_run(tmp_path, tiny_overrides, name: str, ignore_sigint: bool = False)
     """``asyncrl run`` in its own session, from an environment without OpenMP wait settings; with
     ``ignore_sigint`` it starts with SIGINT ignored, as every background job of a non-interactive
     shell does (``trap '' INT`` is inherited by exec)."""
-    cmd = cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, *RUN,
-              f"run_root={tmp_path}", f"name={name}")
+    cmd = cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        *RUN,
+        f"run_root={tmp_path}",
+        f"name={name}",
+    )
     if ignore_sigint:
         cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env_without_openmp_settings(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env_without_openmp_settings(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _wait_training(proc: subprocess.Popen, run_dir, log, timeout: float = 240) -> set[int]:
@@ -142,8 +158,10 @@ def test_a_second_stop_signal_kills_the_children_and_exits_cleanly(tmp_path, tin
 
 def test_a_child_whose_parent_is_already_gone_stops_at_once(tmp_path):
     """The race PR_SET_PDEATHSIG leaves open: the parent died before the child armed it."""
-    code = ("import time; from asyncrl.lifecycle import watch_parent; watch_parent(grace_s=5); "
-            "time.sleep(60); print('survived')")
+    code = (
+        "import time; from asyncrl.lifecycle import watch_parent; watch_parent(grace_s=5); "
+        "time.sleep(60); print('survived')"
+    )
     env = dict(subprocess_env(), **{PARENT_ENV: "999999999"})  # not our parent
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == -signal.SIGTERM and "survived" not in res.stdout, res.stdout + res.stderr
@@ -154,8 +172,14 @@ def test_start_up_waits_for_a_slow_learner_and_says_so(tmp_path, capsys):
     """No fixed deadline: a learner that takes longer than any report interval to bind is waited
     for while it is alive; one that dies first is an error naming its exit code."""
     addr = tmp_path / "addresses.json"
-    slow = subprocess.Popen([sys.executable, "-c", "import json, sys, time; time.sleep(3); "
-                             f"open({str(addr)!r}, 'w').write(json.dumps({{'control': 'tcp://127.0.0.1:1'}}))"])
+    slow = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, time; time.sleep(3); "
+            f"open({str(addr)!r}, 'w').write(json.dumps({{'control': 'tcp://127.0.0.1:1'}}))",
+        ]
+    )
     try:
         assert wait_for_addresses(addr, slow, report_s=0.5) == {"control": "tcp://127.0.0.1:1"}
     finally:
@@ -177,15 +201,18 @@ def test_a_process_started_by_hand_is_not_watched():
 def test_freezing_the_start_up_heap_still_collects_what_comes_after():
     """``asyncrl learn`` freezes the objects alive after start-up (the collector stops walking them);
     cyclic garbage made afterwards is still collected."""
-    code = ("import gc, json\n"
-            "from asyncrl.lifecycle import freeze_startup_heap\n"
-            "before = gc.get_freeze_count()\n"
-            "freeze_startup_heap()\n"
-            "class Node: pass\n"
-            "a = Node(); a.self = a; del a\n"
-            "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()[0], gc.collect()]))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120)
+    code = (
+        "import gc, json\n"
+        "from asyncrl.lifecycle import freeze_startup_heap\n"
+        "before = gc.get_freeze_count()\n"
+        "freeze_startup_heap()\n"
+        "class Node: pass\n"
+        "a = Node(); a.self = a; del a\n"
+        "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()[0], gc.collect()]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     before, frozen, young, collected = json.loads(out.stdout)
     assert before == 0 and frozen > 1000, (before, frozen)
@@ -193,13 +220,21 @@ def test_freezing_the_start_up_heap_still_collects_what_comes_after():
     assert collected >= 1  # the node, made after the freeze
 
 
-@pytest.mark.parametrize("given, expected", [({}, OPENMP_SPINCOUNT), ({"GOMP_SPINCOUNT": "500"}, "500"),
-                                             ({"OMP_WAIT_POLICY": "active"}, None)])
+@pytest.mark.parametrize(
+    "given, expected",
+    [({}, OPENMP_SPINCOUNT), ({"GOMP_SPINCOUNT": "500"}, "500"), ({"OMP_WAIT_POLICY": "active"}, None)],
+)
 def test_importing_asyncrl_bounds_openmp_spinning_unless_the_user_chose(given, expected):
     """``import asyncrl`` sets GOMP_SPINCOUNT before torch is loaded (so libgomp reads it), and keeps a
     spin count or wait policy the user set."""
     code = "import asyncrl, os, sys; assert 'torch' not in sys.modules; print(os.environ.get('GOMP_SPINCOUNT'))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**_env_without_openmp_settings(), **given},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**_env_without_openmp_settings(), **given},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(expected)

@@ -22,12 +22,11 @@ import zmq
 
 from asyncrl.config import load_config
 from asyncrl.learner.ingest.server import LearnerServer
+from asyncrl.testing.peer_attacks import LiveRun
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import Hello, Status, Subscribe
 from asyncrl.wire.sockets import WireSecurityError, make_curve_keys
-
 from tests.conftest import ROOT, subprocess_env
-from asyncrl.testing.peer_attacks import LiveRun
 from tests.conftest import SMALL_RUN as COMMON
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another local user needs root (setuid)")
@@ -36,8 +35,14 @@ DEADLINE_S = 240
 
 def other_user(attack: str, seconds: float, *args: str) -> dict:
     """Run one attack as uid 65534 (``tests.other_user``) and return what it reported."""
-    res = subprocess.run([sys.executable, "-m", "tests.other_user", attack, str(seconds), *args], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=seconds + 120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.other_user", attack, str(seconds), *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["uid"] == 65534
@@ -50,26 +55,49 @@ def test_another_user_reaches_no_channel_and_no_file_of_a_run(tmp_path, tiny_ove
     """41.1: with ``sync.type=nccl`` the learner's ``weights`` message carries the rendezvous store's
     secret; before, any local user could subscribe to it (and to the weights themselves). Now every
     channel is an ipc socket in the run's private directory and the run directory is mode 0700."""
-    run = LiveRun(tmp_path, "private", [*tiny_overrides, *COMMON, "train.total_steps=100000", "checkpoint.every=5",
-                                        "sync.type=nccl", "sync.backend=gloo"])
+    run = LiveRun(
+        tmp_path,
+        "private",
+        [
+            *tiny_overrides,
+            *COMMON,
+            "train.total_steps=100000",
+            "checkpoint.every=5",
+            "sync.type=nccl",
+            "sync.backend=gloo",
+        ],
+    )
     try:
         run.actor("actor-0", 0)
         assert run.wait_version(2, DEADLINE_S) is not None, run.log_tail(lines=20)
         assert all(a.startswith("ipc://") for a in run.addresses.values()), run.addresses
-        sock_dir = os.path.dirname(run.addresses["control"][len("ipc://"):])
+        sock_dir = os.path.dirname(run.addresses["control"][len("ipc://") :])
         assert os.stat(sock_dir).st_mode & 0o777 == 0o700 and os.stat(run.dir).st_mode & 0o777 == 0o700
-        got = {attack: other_user(attack, 5, run.addresses[channel])
-               for attack, channel in (("subscribe", "weights"), ("hello", "control"), ("push", "episodes"),
-                                       ("events", "events"))}
+        got = {
+            attack: other_user(attack, 5, run.addresses[channel])
+            for attack, channel in (
+                ("subscribe", "weights"),
+                ("hello", "control"),
+                ("push", "episodes"),
+                ("events", "events"),
+            )
+        }
         for attack, out in got.items():
             assert not out["connected"] and not out["received"], (attack, out)
         assert run.wait(lambda: list((run.dir / "checkpoints").glob("step_*")), DEADLINE_S)
-        files = [str(run.dir / "addresses.json"), str(run.dir / "config.yaml"), str(run.dir / "events.jsonl"),
-                 *map(str, (run.dir / "checkpoints").rglob("*.safetensors"))]
+        files = [
+            str(run.dir / "addresses.json"),
+            str(run.dir / "config.yaml"),
+            str(run.dir / "events.jsonl"),
+            *map(str, (run.dir / "checkpoints").rglob("*.safetensors")),
+        ]
         assert other_user("read", 1, *files)["readable"] == []
         # 63.1: every file of the run is this user's alone (umask 077), not only the weights
-        shared = [str(p.relative_to(run.dir)) for p in run.dir.rglob("*")
-                  if not p.is_symlink() and p.suffix != ".log" and os.stat(p).st_mode & 0o077]
+        shared = [
+            str(p.relative_to(run.dir))
+            for p in run.dir.rglob("*")
+            if not p.is_symlink() and p.suffix != ".log" and os.stat(p).st_mode & 0o077
+        ]
         assert shared == [], shared
         assert other_user("bind", 1, sock_dir)["bound"] is False  # nor can it put a socket of its own there
         v = run.version()
@@ -125,6 +153,7 @@ def _client(net, bundle: str, identity: str, channel: str = "control") -> zmq.So
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.IDENTITY, identity.encode())
     from asyncrl.wire.sockets import apply_curve_client
+
     apply_curve_client(s, str(net.keys / bundle))
     s.connect(net.addresses[channel])
     return s
@@ -154,8 +183,9 @@ def test_curve_on_loopback_binds_each_key_to_its_actor(curve_net):
     try:
         imp[0].send_multipart(encode("hello", Hello(actor_id="actor-0", capacity=4)))
         imp[1].send_multipart(encode("hello", Hello(actor_id="actor-1", capacity=4)))
-        imp[0].send_multipart(encode("status", Status(actor_id="actor-1", identity="actor-0:1:aa", capacity=4,
-                                                      version=0)))
+        imp[0].send_multipart(
+            encode("status", Status(actor_id="actor-1", identity="actor-0:1:aa", capacity=4, version=0))
+        )
         sub.send_multipart(encode("subscribe", Subscribe(actor_id="actor-0", have=-1)))
         _pump(net, lambda got: len(net.errors) >= 4)
         reasons = [getattr(e, "reason", None) for _, e in net.errors]
@@ -191,8 +221,10 @@ def test_tcp_without_keys_is_refused_even_on_loopback():
 def _relay_address(run: LiveRun, timeout: float = DEADLINE_S) -> str:
     log = run.logs / f"{run.dir.name}-relay.log"
     line = []
-    assert run.wait(lambda: line.extend(x for x in log.read_text().splitlines() if x.startswith("relay listening on "))
-                    or line, timeout), log.read_text()[-2000:]
+    assert run.wait(
+        lambda: line.extend(x for x in log.read_text().splitlines() if x.startswith("relay listening on ")) or line,
+        timeout,
+    ), log.read_text()[-2000:]
     return line[0].split("relay listening on ", 1)[1].strip()
 
 
@@ -207,12 +239,23 @@ def test_a_dead_relay_hands_its_actors_to_the_learner(tmp_path, tiny_overrides):
         relay = run.start("relay", ["--learner-weights", run.addresses["weights"], "--relay-id", "n0"], "relay")
         address = _relay_address(run)
         assert address.startswith("ipc://")
-        relay_dir = os.path.dirname(address[len("ipc://"):])
+        relay_dir = os.path.dirname(address[len("ipc://") :])
         assert os.stat(relay_dir).st_mode & 0o777 == 0o700
         if os.geteuid() == 0:
             assert other_user("bind", 1, relay_dir)["bound"] is False
-        run.start("serve", ["--connect", run.addresses["control"], "--actor-id", "actor-0", "--weights-address",
-                            address, "sync.type=ipc"], "actor-0")
+        run.start(
+            "serve",
+            [
+                "--connect",
+                run.addresses["control"],
+                "--actor-id",
+                "actor-0",
+                "--weights-address",
+                address,
+                "sync.type=ipc",
+            ],
+            "actor-0",
+        )
         assert run.wait_version(3, DEADLINE_S) is not None, run.log_tail("actor-0", lines=20)
         relay_log = run.logs / f"{run.dir.name}-relay.log"
         assert run.wait(lambda: "offered to 1 actor" in relay_log.read_text(), DEADLINE_S)  # (it used the relay)
@@ -220,8 +263,11 @@ def test_a_dead_relay_hands_its_actors_to_the_learner(tmp_path, tiny_overrides):
         relay.wait(timeout=30)
         v = run.version()
         assert run.wait_version(v + 3, DEADLINE_S) is not None, run.log_tail("actor-0", lines=20)
-        said = [x for x in (run.logs / f"{run.dir.name}-actor-0.log").read_text().splitlines()
-                if "weights relay" in x and "taking weights from the learner" in x]
+        said = [
+            x
+            for x in (run.logs / f"{run.dir.name}-actor-0.log").read_text().splitlines()
+            if "weights relay" in x and "taking weights from the learner" in x
+        ]
         assert len(said) == 1, said
         # the episodes after the relay died were made with weights newer than any the relay had
         assert run.wait(lambda: max((e.get("policy_version") or 0) for e in run.events("episode")) > v, DEADLINE_S)
@@ -243,9 +289,24 @@ def test_a_run_directory_another_user_made_is_refused(tiny_overrides):
         assert other_user("mkdir", 1, os.path.join(shared, "squat"))["made"]
 
         def start(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "asyncrl", *args, "-c", "configs/quickstart.yaml",
-                                   *tiny_overrides, f"run_root={shared}", "name=squat"], cwd=ROOT,
-                                  env=subprocess_env(), capture_output=True, text=True, timeout=180)
+            return subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl",
+                    *args,
+                    "-c",
+                    "configs/quickstart.yaml",
+                    *tiny_overrides,
+                    f"run_root={shared}",
+                    "name=squat",
+                ],
+                cwd=ROOT,
+                env=subprocess_env(),
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
 
         for args in (("run", "--dry-run"), ("learn",), ("run",)):
             res = start(*args)
@@ -254,9 +315,25 @@ def test_a_run_directory_another_user_made_is_refused(tiny_overrides):
             assert "belongs to uid 65534, not to this user" in lines[0], lines
         assert os.listdir(os.path.join(shared, "squat")) == []
         os.chmod(shared, 0o777)  # anyone may write in it, not sticky: a run directory could be swapped
-        res = subprocess.run([sys.executable, "-m", "asyncrl", "run", "--dry-run", "-c", "configs/quickstart.yaml",
-                              *tiny_overrides, f"run_root={shared}", "name=mine"], cwd=ROOT, env=subprocess_env(),
-                              capture_output=True, text=True, timeout=180)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl",
+                "run",
+                "--dry-run",
+                "-c",
+                "configs/quickstart.yaml",
+                *tiny_overrides,
+                f"run_root={shared}",
+                "name=mine",
+            ],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert res.returncode == 2 and "anyone may write in" in res.stderr and "not sticky" in res.stderr, res.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -15,10 +15,9 @@ import pytest
 
 from asyncrl.rundir.layout import checkpoint_dir
 from asyncrl.rundir.record_file import read_frame_records
-from asyncrl.wire.codec import decode, decode_episode
-
-from tests.conftest import (ROOT, SMALL_RUN, cli, descendants, kill_tree, read_jsonl, run_cli, subprocess_env)
 from asyncrl.testing.peer_attacks import LiveRun
+from asyncrl.wire.codec import decode, decode_episode
+from tests.conftest import ROOT, SMALL_RUN, cli, descendants, kill_tree, read_jsonl, run_cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,19 @@ STEP_S = 1.5  # one decode step: a batch of 10 tokens takes 15 s, five credit ti
 
 def test_a_batch_five_times_the_credit_timeout_keeps_its_credits(tmp_path, tiny_overrides, monkeypatch):
     monkeypatch.setenv("ASYNCRL_TEST_STEP_S", str(STEP_S))
-    run = LiveRun(tmp_path, "slow", [*tiny_overrides, *SMALL_RUN, "train.total_steps=100000", "wire.lease_s=30",
-                                     f"wire.credit_timeout_s={CREDIT_TIMEOUT_S}", "sampling.max_new_tokens=10",
-                                     "engine.type=tests.plugins_for_tests:slow_hf_engine"])
+    run = LiveRun(
+        tmp_path,
+        "slow",
+        [
+            *tiny_overrides,
+            *SMALL_RUN,
+            "train.total_steps=100000",
+            "wire.lease_s=30",
+            f"wire.credit_timeout_s={CREDIT_TIMEOUT_S}",
+            "sampling.max_new_tokens=10",
+            "engine.type=tests.plugins_for_tests:slow_hf_engine",
+        ],
+    )
     try:
         run.actor("actor-0", 0)
         assert run.wait_version(2, 600) is not None, run.log_tail(lines=20)
@@ -52,13 +61,23 @@ def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episode
     says so; a resume trains those very episodes. During the long step the learner still answers its actor. (Before: the launcher killed the learner after 30 s,
     and with no checkpoint yet a resume started from step 0.)"""
     env = {**subprocess_env(), "ASYNCRL_TEST_LOSS_S": str(LOSS_S)}
-    args = ["-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}",
-            "name=stop", "train.total_steps=100000", "train.micro_batch_tokens=16", "train.skip_zero_advantage=false",
-            "train.policy_loss=tests.plugins_for_tests:slow_ppo_loss"]
+    args = [
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path}",
+        "name=stop",
+        "train.total_steps=100000",
+        "train.micro_batch_tokens=16",
+        "train.skip_zero_advantage=false",
+        "train.policy_loss=tests.plugins_for_tests:slow_ppo_loss",
+    ]
     log = tmp_path / "stop.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cli("run", *args), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cli("run", *args), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     kids: set[int] = set()
     try:
         deadline = time.time() + 600
@@ -74,7 +93,9 @@ def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episode
         text = log.read_text()
         assert code == 130, text[-3000:]
         assert "resume would start from step 0" not in text, text[-3000:]
-        assert "stopping: checkpoint of step 1 written" in text and "the step in progress was given up" in text, text[-3000:]
+        assert "stopping: checkpoint of step 1 written" in text and "the step in progress was given up" in text, text[
+            -3000:
+        ]
         assert stop_s < 16 * LOSS_S - 3 * LOSS_S, (stop_s, text[-2000:])  # it did not wait for the step to end
         assert [e["step"] for e in read_jsonl(tmp_path / "stop" / "metrics.jsonl")] == [1]
         actor_log = (tmp_path / "stop" / "actor-0.log").read_text(errors="replace")
@@ -87,6 +108,9 @@ def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episode
     # the resume trains them (no slow loss now)
     done = run_cli("run", *args, "train.total_steps=3", "train.policy_loss=ppo", "--resume", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    trained = {e["episode_id"] for e in read_jsonl(tmp_path / "stop" / "events.jsonl")
-               if e.get("kind") == "episode" and e["step"] >= 2}
+    trained = {
+        e["episode_id"]
+        for e in read_jsonl(tmp_path / "stop" / "events.jsonl")
+        if e.get("kind") == "episode" and e["step"] >= 2
+    }
     assert held <= trained, sorted(held - trained)

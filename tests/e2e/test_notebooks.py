@@ -17,8 +17,7 @@ from tests.conftest import ROOT
 
 NOTEBOOKS = ROOT / "notebooks"
 # notebook -> (run it reads, figures it must draw)
-CASES = {"run_overview": ("absolute_zero", 3), "self_play_curriculum": ("absolute_zero", 3),
-         "calibration": ("rlcr", 4)}
+CASES = {"run_overview": ("absolute_zero", 3), "self_play_curriculum": ("absolute_zero", 3), "calibration": ("rlcr", 4)}
 
 
 @pytest.fixture(scope="session")
@@ -29,16 +28,22 @@ def demo_runs(tmp_path_factory, model_cache, tiny_overrides):
 def _execute(name: str, run_dir) -> nbformat.NotebookNode:
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     param = nb.cells[1]
-    assert param.cell_type == "code" and param.source.strip().endswith("RUN_DIR = None"), \
+    assert param.cell_type == "code" and param.source.strip().endswith("RUN_DIR = None"), (
         "the second cell of each notebook sets RUN_DIR (None: a demo run)"
+    )
     param.source = f"RUN_DIR = {str(run_dir)!r}"
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     return nb
 
 
 def _outputs(nb, kind: str) -> list:
-    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if kind in o.get("data", {}) or o.get("output_type") == kind]
+    return [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if kind in o.get("data", {}) or o.get("output_type") == kind
+    ]
 
 
 @pytest.mark.slow
@@ -73,7 +78,9 @@ def test_notebooks_make_their_demo_with_the_default_settings():
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         assert f"notebook_run('{algorithm}', RUN_DIR)" in nb.cells[2].source, name
         assert nb.cells[1].metadata.get("tags") == ["parameters"], name  # papermill -p RUN_DIR ...
-    assert 'return demo_run(algorithm, run_root=PROJECT / "runs")' in inspect.getsource(notebook_run)  # no quick, no cut
+    assert 'return demo_run(algorithm, run_root=PROJECT / "runs")' in inspect.getsource(
+        notebook_run
+    )  # no quick, no cut
 
 
 def test_the_run_a_notebook_reads_comes_from_its_cell_the_environment_or_the_project_root(tmp_path, monkeypatch):
@@ -103,9 +110,23 @@ def test_jupyter_nbconvert_executes_a_notebook_on_the_run_named_in_the_environme
     run = demo_runs["absolute_zero"]
     env = {**subprocess_env(), "ASYNCRL_RUN": os.path.relpath(run, ROOT)}
     jupyter = Path(sys.executable).parent / "jupyter"
-    res = subprocess.run([str(jupyter), "nbconvert", "--to", "html", "--execute", str(NOTEBOOKS / "run_overview.ipynb"),
-                          "--output-dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [
+            str(jupyter),
+            "nbconvert",
+            "--to",
+            "html",
+            "--execute",
+            str(NOTEBOOKS / "run_overview.ipynb"),
+            "--output-dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     page = (tmp_path / "run_overview.html").read_text()
     assert f"{run.resolve()}: algorithm absolute_zero, 3 steps logged" in page, page[-3000:]

@@ -13,12 +13,26 @@ from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 pytestmark = pytest.mark.slow
 
 
-def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts_for_every_drop(tmp_path, tiny_overrides):
+def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts_for_every_drop(
+    tmp_path, tiny_overrides
+):
     steps = 6
-    res = run_cli("run", *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}", "name=ds", f"train.total_steps={steps}",
-                  "env.reward=tests.plugins_for_tests:half_constant_reward", "buffer.filter_groups=true",
-                  "train.advantage.estimator=rloo", "train.policy_loss=gspo", "train.overlong_buffer=2",
-                  "eval.k=4", "eval.size=6", timeout=600)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path}",
+        "name=ds",
+        f"train.total_steps={steps}",
+        "env.reward=tests.plugins_for_tests:half_constant_reward",
+        "buffer.filter_groups=true",
+        "train.advantage.estimator=rloo",
+        "train.policy_loss=gspo",
+        "train.overlong_buffer=2",
+        "eval.k=4",
+        "eval.size=6",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = tmp_path / "ds"
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -33,7 +47,9 @@ def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts
     assert filtered, "half the tasks have a constant reward: some groups must have been dropped"
     assert len(filtered) == len(set(filtered)) and not set(filtered) & {e["episode_id"] for e in trained}
     last = metrics[-1]
-    assert last["dynamic_sampling/dropped_total"] == len(filtered) == sum(m["dynamic_sampling/dropped"] for m in metrics)
+    assert (
+        last["dynamic_sampling/dropped_total"] == len(filtered) == sum(m["dynamic_sampling/dropped"] for m in metrics)
+    )
     # every acknowledged episode is trained, dropped by dynamic sampling, dropped as stale, or still waiting
     assert last["episodes_acked"] == 4 * steps + len(filtered) + last["dropped_stale"] + last["buffer_size"]
     assert all(0 <= m["dynamic_sampling/dropped_share"] < 1 for m in metrics)
@@ -54,9 +70,18 @@ def test_dynamic_sampling_trains_full_batches_of_informative_groups_and_accounts
 
 
 def test_dynamic_sampling_stops_in_one_line_when_no_group_is_informative(tmp_path, tiny_overrides):
-    res = run_cli("run", *tiny_overrides, *SMALL_RUN, f"run_root={tmp_path}", "name=flat", "train.total_steps=5",
-                  "env.reward=tests.plugins_for_tests:constant_reward", "buffer.filter_groups=true",
-                  "buffer.filter_groups_max_batches=2", timeout=600)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path}",
+        "name=flat",
+        "train.total_steps=5",
+        "env.reward=tests.plugins_for_tests:constant_reward",
+        "buffer.filter_groups=true",
+        "buffer.filter_groups_max_batches=2",
+        timeout=600,
+    )
     assert res.returncode != 0
     out = res.stdout + res.stderr
     assert "dynamic sampling (buffer.filter_groups) dropped" in out and "no informative group" in out, out[-3000:]

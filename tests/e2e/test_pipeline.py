@@ -10,7 +10,6 @@ import zmq
 from safetensors.torch import load_file
 
 from asyncrl.wire.codec import SCHEMA_VERSION
-
 from tests.conftest import SMALL_RUN, initial_weights, read_jsonl, run_cli, start_cli, stop_processes, wait_for_file
 
 pytestmark = pytest.mark.slow
@@ -27,16 +26,27 @@ _stop = stop_processes  # SIGTERM each, then kill what is left of every process 
 
 def test_learner_and_two_actors(tmp_path, tiny_overrides, model_cache):
     steps, max_staleness = 10, 1
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=e2e",
-                 f"train.total_steps={steps}", f"buffer.max_staleness={max_staleness}", "train.min_actors=2"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"run_root={tmp_path}",
+        "name=e2e",
+        f"train.total_steps={steps}",
+        f"buffer.max_staleness={max_staleness}",
+        "train.min_actors=2",
+    ]
     run_dir = tmp_path / "e2e"
     learner = _start(["learn", *overrides], tmp_path / "learner.log")
     procs = [learner]
     try:
         addrs = wait_for_file(run_dir / "addresses.json", learner)
         for i in range(2):
-            procs.append(_start(["serve", *overrides, "--connect", addrs["control"], "--actor-id",
-                                 f"actor-{i}", "--index", str(i)], tmp_path / f"actor-{i}.log"))
+            procs.append(
+                _start(
+                    ["serve", *overrides, "--connect", addrs["control"], "--actor-id", f"actor-{i}", "--index", str(i)],
+                    tmp_path / f"actor-{i}.log",
+                )
+            )
         learner.wait(timeout=240)
         assert learner.returncode == 0, (tmp_path / "learner.log").read_text()[-3000:]
         for p in procs[1:]:
@@ -116,8 +126,15 @@ def test_unknown_config_key_is_a_clear_error(tmp_path):
 
 
 def test_filesystem_weight_sync(tmp_path, tiny_overrides):
-    overrides = [*tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=fs", "train.total_steps=4",
-                 "sync.type=filesystem", "sync.keep=2"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"run_root={tmp_path}",
+        "name=fs",
+        "train.total_steps=4",
+        "sync.type=filesystem",
+        "sync.keep=2",
+    ]
     res = run_cli("run", *overrides, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     files = sorted((tmp_path / "fs" / "weights").glob("weights-*.safetensors"))

@@ -32,13 +32,27 @@ def foreign_cluster(ray_env):
     in Ray's default temp dir, so that ``/tmp/ray/ray_current_cluster`` names it (issue 41.9: a run
     found it there and crashed with ``ValueError: num_cpus``). Its head is stopped afterwards."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
-                             "--num-cpus=1", "--disable-usage-stats"], env=ray_env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--include-dashboard=false",
+            "--num-cpus=1",
+            "--disable-usage-stats",
+        ],
+        env=ray_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     marker = Path("/tmp/ray/ray_current_cluster")
     try:
         deadline = time.time() + DEADLINE_S
@@ -65,23 +79,44 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
     starts a cluster of its own and trains; Ctrl-C leaves no process of it (asyncrl, raylet, GCS, Ray
     workers)."""
     run = tmp_path / "local"
-    driver = Driver(["-c", "configs/quickstart.yaml", "--scheduler", "ray", "--learner-procs", "2", f"run_root={tmp_path}",
-                     "name=local", "train.total_steps=100000", "actor.num=2", "eval.size=20", "eval.every=100000",
-                     "launch.ray.secure=always"], ray_env)
+    driver = Driver(
+        [
+            "-c",
+            "configs/quickstart.yaml",
+            "--scheduler",
+            "ray",
+            "--learner-procs",
+            "2",
+            f"run_root={tmp_path}",
+            "name=local",
+            "train.total_steps=100000",
+            "actor.num=2",
+            "eval.size=20",
+            "eval.every=100000",
+            "launch.ray.secure=always",
+        ],
+        ray_env,
+    )
     try:
         driver.wait_for(lambda: len(_metrics(run)) >= 3, "three training steps")
         assert "CURVE keys on" in driver.text and (run / "keys" / "server" / "server.key_secret").is_file()
         assert "2 learner processes (ddp)" in driver.text
         actors_keys = [p for p in _descendants(driver.proc.pid) if "-m asyncrl serve" in _cmdline(p)]
         assert actors_keys and all("wire.curve_dir=" in _cmdline(p) for p in actors_keys)  # each its own bundle
-        assert not any((Path(d) / "server.key_secret").exists()  # and never the learner's secret
-                       for p in actors_keys for d in re.findall(r"wire.curve_dir=(\S+)", _cmdline(p)))
+        assert not any(
+            (Path(d) / "server.key_secret").exists()  # and never the learner's secret
+            for p in actors_keys
+            for d in re.findall(r"wire.curve_dir=(\S+)", _cmdline(p))
+        )
         pids = _descendants(driver.proc.pid)
         assert any("raylet" in _cmdline(p) for p in pids) and any("-m asyncrl " in _cmdline(p) for p in pids)
         # nothing of the run listens beyond loopback (Ray's GCS, raylet, workers; the learner, the relay)
         listening = _listening(pids | {driver.proc.pid})
-        wide = [(a, p, _cmdline(p)[:200]) for a, p in listening
-                if not a.startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:"))]  # (the last: v4-mapped loopback)
+        wide = [
+            (a, p, _cmdline(p)[:200])
+            for a, p in listening
+            if not a.startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:"))
+        ]  # (the last: v4-mapped loopback)
         assert listening and not wide, wide
         driver.proc.send_signal(signal.SIGINT)
         assert driver.proc.wait(timeout=120) != 0
@@ -99,11 +134,26 @@ def test_a_learner_group_with_keys_on_a_local_cluster_and_nothing_left_after_ctr
 def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_path, tiny_overrides):
     """42.5: an actor whose reward always raises, with no restarts left: the driver says which actor
     and why in one line, and the learner (on its node) gives that as its stop reason, exit code 1."""
-    proc = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, "--scheduler", "ray",
-                   f"run_root={tmp_path}", "name=broken", "launch.ray.max_restarts=0",
-                   "env.reward=tests.plugins_for_tests:broken_reward", "train.total_steps=50", "eval.size=4",
-                   "eval.every=0", "log.progress=false", "checkpoint.every=0",
-                   cwd=ROOT, env=ray_env, timeout=DEADLINE_S)
+    proc = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        "--scheduler",
+        "ray",
+        f"run_root={tmp_path}",
+        "name=broken",
+        "launch.ray.max_restarts=0",
+        "env.reward=tests.plugins_for_tests:broken_reward",
+        "train.total_steps=50",
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+        cwd=ROOT,
+        env=ray_env,
+        timeout=DEADLINE_S,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
     said = [x for x in out.splitlines() if x.startswith("[asyncrl] actor-0 is gone for good")]
@@ -115,9 +165,14 @@ def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_p
 
 def _fails_fast(args: list[str], env: dict, expect: str, within_s: float) -> None:
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml",
-                           "--scheduler", "ray", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=within_s + 60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler", "ray", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=within_s + 60,
+    )
     took = time.time() - t0
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if expect in x]
     assert proc.returncode != 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -131,8 +186,12 @@ def test_an_unreachable_cluster_fails_in_seconds_with_one_line(ray_env, tmp_path
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    _fails_fast([f"run_root={tmp_path}", "launch.ray.connect_timeout_s=2"], {**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-                "cannot reach the Ray cluster at 127.0.0.1", within_s=45)
+    _fails_fast(
+        [f"run_root={tmp_path}", "launch.ray.connect_timeout_s=2"],
+        {**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        "cannot reach the Ray cluster at 127.0.0.1",
+        within_s=45,
+    )
 
 
 def test_without_ray_installed_the_run_says_so(ray_env, tmp_path):
@@ -145,8 +204,12 @@ def test_without_ray_installed_the_run_says_so(ray_env, tmp_path):
 
 @pytest.mark.slow
 def test_resources_no_node_has_fail_at_once_naming_them(ray_env, tmp_path):
-    _fails_fast([f"run_root={tmp_path}", "launch.actor.gpus=1"], ray_env,
-                "no node of the Ray cluster can host an actor (launch.actor)", within_s=90)
+    _fails_fast(
+        [f"run_root={tmp_path}", "launch.actor.gpus=1"],
+        ray_env,
+        "no node of the Ray cluster can host an actor (launch.actor)",
+        within_s=90,
+    )
 
 
 # --- across hosts made of network namespaces (asyncrl/testing/netns.py) ---------------------------------------

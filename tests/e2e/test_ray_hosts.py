@@ -53,17 +53,25 @@ class RayHosts:
             args = ["--head", "--port=6379", "--include-dashboard=false", "--num-cpus=0", *common]
         else:
             resources = '{"learner": 1}' if host == LEARNER_HOST else '{"worker": 4}'
-            args = [f"--address={self.address}", f"--num-cpus={1 if host == LEARNER_HOST else 4}",
-                    f"--resources={resources}", *common]
-        self.procs[host] = self.hosts.run(host, [self.ray, "start", *args], self.logs / f"ray-host{host}.log",
-                                          env=self.env, cwd=ROOT)
+            args = [
+                f"--address={self.address}",
+                f"--num-cpus={1 if host == LEARNER_HOST else 4}",
+                f"--resources={resources}",
+                *common,
+            ]
+        self.procs[host] = self.hosts.run(
+            host, [self.ray, "start", *args], self.logs / f"ray-host{host}.log", env=self.env, cwd=ROOT
+        )
         return self.procs[host]
 
     def alive_ips(self) -> set[str]:
-        code = "import ray, json; ray.init(address='auto', logging_level='ERROR'); " \
-               "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
-        out = self.hosts.call(HEAD, [sys.executable, "-c", code], env={**self.env, "RAY_ADDRESS": self.address},
-                              cwd=ROOT, timeout=120)
+        code = (
+            "import ray, json; ray.init(address='auto', logging_level='ERROR'); "
+            "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+        )
+        out = self.hosts.call(
+            HEAD, [sys.executable, "-c", code], env={**self.env, "RAY_ADDRESS": self.address}, cwd=ROOT, timeout=120
+        )
         try:
             return set(json.loads(out.stdout.strip().splitlines()[-1]))
         except (ValueError, IndexError):
@@ -77,8 +85,10 @@ class RayHosts:
             if any(p.poll() is not None for h, p in self.procs.items() if self.hosts.ips[h] in ips):
                 break  # a node's `ray start --block` has ended: it will not join
             time.sleep(2)
-        raise AssertionError(f"Ray nodes alive: {self.alive_ips()}, expected {ips}:\n" +
-                             "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted(self.logs.glob("ray-*.log"))))
+        raise AssertionError(
+            f"Ray nodes alive: {self.alive_ips()}, expected {ips}:\n"
+            + "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted(self.logs.glob("ray-*.log")))
+        )
 
 
 @pytest.fixture
@@ -88,9 +98,13 @@ def ray_hosts(ray_env, tmp_path):
     why = netns.available()
     if why:
         pytest.fail(why)
-    env = {**ray_env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # (0, as on one host, refuses other nodes)
-           "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
-           "RAY_health_check_failure_threshold": "10"}
+    env = {
+        **ray_env,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # (0, as on one host, refuses other nodes)
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_timeout_ms": "2000",
+        "RAY_health_check_failure_threshold": "10",
+    }
     logs = tmp_path / "ray-logs"
     logs.mkdir()
     with netns.Hosts(4) as hosts:
@@ -118,10 +132,26 @@ def _asyncrl_sockets(hosts, host: int) -> tuple[list, list]:
 def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_learner_host(ray_hosts, tmp_path):
     cluster, hosts = ray_hosts, ray_hosts.hosts
     run = tmp_path / "runs" / "hosts"
-    args = ["-c", "configs/quickstart.yaml", "--scheduler", "ray", f"run_root={tmp_path / 'runs'}", "name=hosts",
-            "train.total_steps=100000", "actor.num=4", "eval.size=20", "eval.every=100000", "checkpoint.every=4",
-            "log.episode_events=all", "log.progress=false", f"launch.ray.address={cluster.address}", "launch.learner.resources={learner: 1}",
-            "launch.actor.resources={worker: 1}", "launch.spread_actors=true", "launch.ray.start_timeout_s=240"]
+    args = [
+        "-c",
+        "configs/quickstart.yaml",
+        "--scheduler",
+        "ray",
+        f"run_root={tmp_path / 'runs'}",
+        "name=hosts",
+        "train.total_steps=100000",
+        "actor.num=4",
+        "eval.size=20",
+        "eval.every=100000",
+        "checkpoint.every=4",
+        "log.episode_events=all",
+        "log.progress=false",
+        f"launch.ray.address={cluster.address}",
+        "launch.learner.resources={learner: 1}",
+        "launch.actor.resources={worker: 1}",
+        "launch.spread_actors=true",
+        "launch.ray.start_timeout_s=240",
+    ]
     driver = Driver(args, cluster.env, prefix=hosts.argv(HEAD, []))
     try:
         # 1. the learner on its host's address with CURVE keys, two actors on each worker host, one relay per
@@ -136,8 +166,15 @@ def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_
 
         def versions_on(ip: str) -> int:
             nodes = driver.actor_nodes(by="ip")
-            return max([int(e.get("policy_version") or 0) for e in _events(run, "episode")
-                        if nodes.get(e.get("actor_id")) == ip] or [-1])
+            return max(
+                [
+                    int(e.get("policy_version") or 0)
+                    for e in _events(run, "episode")
+                    if nodes.get(e.get("actor_id")) == ip
+                ]
+                or [-1]
+            )
+
         driver.wait_for(lambda: all(versions_on(ip) >= 3 for ip in worker_ips), "versions >= 3 on both worker hosts")
         relays = sorted((run / "logs").glob("relay-*.log"))
         assert len(relays) == 2 and all(re.search(r"version \d+: \d+ bytes", p.read_text()) for p in relays), relays
@@ -151,8 +188,13 @@ def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_
         assert _asyncrl_sockets(hosts, LEARNER_HOST)[0], "the learner's sockets were not seen on its host"
         # Ray's (GCS, raylets, core workers) listen on every interface of their host, behind its token: a
         # client with another token is refused
-        stranger = hosts.call(HEAD, [sys.executable, "-c", f"import ray; ray.init(address='{cluster.address}')"],
-                              env={**cluster.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, cwd=ROOT, timeout=120)
+        stranger = hosts.call(
+            HEAD,
+            [sys.executable, "-c", f"import ray; ray.init(address='{cluster.address}')"],
+            env={**cluster.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)},
+            cwd=ROOT,
+            timeout=120,
+        )
         assert stranger.returncode != 0 and re.search(r"(?i)auth|token", stranger.stderr), stranger.stderr[-2000:]
 
         # 2b. one copy of the weights per host: with both relays up the learner sends each version twice (two
@@ -167,10 +209,14 @@ def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_
         assert sent <= (2 + direct) * versions + 3, (sent, versions, direct)
         if direct == 0:  # (on a loaded machine an actor or two may have given up on a relay slow to start)
             assert sent < 4 * versions, (sent, versions)
+
         def relayed(p: Path) -> list[int]:
             return [int(v) for v in re.findall(r"version (\d+): \d+ bytes", p.read_text())]
+
         # (a relay's log line comes after its transfer: on a loaded machine the learner may be versions ahead)
-        driver.wait_for(lambda: all(max(relayed(p)) > m1["version"] for p in relays), "both relays past the first count")
+        driver.wait_for(
+            lambda: all(max(relayed(p)) > m1["version"] for p in relays), "both relays past the first count"
+        )
         for p in relays:  # each relay took a version once (the newest when it asked: it may skip one)
             got = relayed(p)
             assert len(got) == len(set(got)), (p.name, got)
@@ -183,8 +229,12 @@ def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_
         assert len(relay_pids) == 1, relay_pids
         at_kill = versions_on(kept_ip)
         os.kill(relay_pids[0], signal.SIGKILL)
-        driver.wait_for(lambda: f"the weights relay on node {kept_node} is" in driver.text, "the driver's line on the relay")
-        driver.wait_for(lambda: f"the weights relay on node {kept_node} runs again" in driver.text, "the relay restarted")
+        driver.wait_for(
+            lambda: f"the weights relay on node {kept_node} is" in driver.text, "the driver's line on the relay"
+        )
+        driver.wait_for(
+            lambda: f"the weights relay on node {kept_node} runs again" in driver.text, "the relay restarted"
+        )
         driver.wait_for(lambda: versions_on(kept_ip) > at_kill + 2, "versions advancing on that host")
 
         # 3. a worker host cut off (its link down, then its processes gone): its actors are restarted on the
@@ -192,12 +242,18 @@ def test_a_run_across_namespace_hosts_loses_a_worker_host_and_resumes_after_its_
         on_lost = sorted(a for a, ip in placed.items() if ip == lost_ip)
         at_cut = _metrics(run)[-1]["version"]
         hosts.cut(WORKER_HOSTS[0])
-        driver.wait_for(lambda: all(driver.actor_nodes(by="ip").get(a) == kept_ip for a in on_lost),
-                        f"{on_lost} restarted on the other worker host")
+        driver.wait_for(
+            lambda: all(driver.actor_nodes(by="ip").get(a) == kept_ip for a in on_lost),
+            f"{on_lost} restarted on the other worker host",
+        )
         hosts.kill(WORKER_HOSTS[0])
-        driver.wait_for(lambda: versions_on(kept_ip) > at_cut + 2 and
-                        min(int(e.get("policy_version") or 0) for e in _events(run, "episode")[-8:]) > at_cut,
-                        "training on with the restarted actors")
+        driver.wait_for(
+            lambda: (
+                versions_on(kept_ip) > at_cut + 2
+                and min(int(e.get("policy_version") or 0) for e in _events(run, "episode")[-8:]) > at_cut
+            ),
+            "training on with the restarted actors",
+        )
         ids = [e["episode_id"] for e in _events(run, "episode")]
         assert len(ids) == len(set(ids)), "an episode was trained twice"
         last = _metrics(run)[-1]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.config import load_config
-from asyncrl.rundir.layout import latest_checkpoint
 from asyncrl.learner.experience import ExperiencePool
-
-from tests.conftest import REPLAY_RUN, SMALL_RUN as COMMON, ResumableRun
+from asyncrl.learner.ingest.staleness import StalenessPolicy
+from asyncrl.rundir.layout import latest_checkpoint
+from tests.conftest import REPLAY_RUN, ResumableRun
+from tests.conftest import SMALL_RUN as COMMON
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,14 @@ REPLAY = REPLAY_RUN
 
 def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
     total = 12
-    overrides = [*tiny_overrides, *COMMON, *REPLAY, f"train.total_steps={total}", "checkpoint.every=3",
-                 "buffer.max_staleness=2"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        *REPLAY,
+        f"train.total_steps={total}",
+        "checkpoint.every=3",
+        "buffer.max_staleness=2",
+    ]
     with ResumableRun(tmp_path, "replay", overrides) as run:
         run.start_learner()
         run.start_actor()
@@ -35,7 +41,9 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
         before = run.events()
         # read back the checkpoint the learner will resume from, in this process, before it is rotated
         cfg = load_config(None, run.overrides)
-        from_files = ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total, staleness=StalenessPolicy.from_config(cfg))
+        from_files = ExperiencePool(
+            cfg.replay, n=cfg.sampling.n, total_steps=total, staleness=StalenessPolicy.from_config(cfg)
+        )
         ckpt = latest_checkpoint(run.dir)
         assert from_files.load(ckpt)
         run.resume()
@@ -60,8 +68,14 @@ def test_multi_turn_replay_survives_kill_and_resume(tmp_path, tiny_overrides):
 
     metrics = run.metrics()
     final = [x for x in metrics if x["version"] == total]
-    assert final and {"replay/pool_tasks", "replay/skip_tasks", "replay/pool_trajectories",
-                      "replay/replayed_share", "replay/active", "replay/off_token_ratio"} <= set(final[0])
+    assert final and {
+        "replay/pool_tasks",
+        "replay/skip_tasks",
+        "replay/pool_trajectories",
+        "replay/replayed_share",
+        "replay/active",
+        "replay/off_token_ratio",
+    } <= set(final[0])
     # started once progress reached 0.1 * 12 steps: the step trained at version 2 (logged as 3) on
     active = {x["version"]: x["replay/active"] for x in metrics}
     assert active[1] == 0.0 and all(active[v] == 1.0 for v in range(3, total + 1))

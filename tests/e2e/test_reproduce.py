@@ -38,16 +38,29 @@ def _no_deprecation(res, run) -> None:
 def test_two_deterministic_synchronous_runs_are_identical(tmp_path, tiny_overrides):
     runs = []
     for name in ("first", "second"):
-        res = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, *COMMON, f"run_root={tmp_path}",
-                      f"name={name}", "train.total_steps=8", "checkpoint.every=4", "buffer.max_staleness=0",
-                      "train.deterministic=true", timeout=600)
+        res = run_cli(
+            "run",
+            "-c",
+            "configs/quickstart.yaml",
+            *tiny_overrides,
+            *COMMON,
+            f"run_root={tmp_path}",
+            f"name={name}",
+            "train.total_steps=8",
+            "checkpoint.every=4",
+            "buffer.max_staleness=0",
+            "train.deterministic=true",
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         _no_deprecation(res, tmp_path / name)
         runs.append(tmp_path / name)
     a, b = (read_jsonl(r / "metrics.jsonl") for r in runs)
     assert len(a) == len(b) == 8
     for x, y in zip(a, b):
-        assert {k: v for k, v in x.items() if not TIMING.search(k)} == {k: v for k, v in y.items() if not TIMING.search(k)}
+        assert {k: v for k, v in x.items() if not TIMING.search(k)} == {
+            k: v for k, v in y.items() if not TIMING.search(k)
+        }
     for step in (4, 8):
         assert _same(_weights(runs[0], step), _weights(runs[1], step))
     assert not _same(_weights(runs[0], 4), _weights(runs[0], 8)), "the weights did not move: nothing was compared"
@@ -56,9 +69,21 @@ def test_two_deterministic_synchronous_runs_are_identical(tmp_path, tiny_overrid
     assert prov["packages"]["torch"] == torch.__version__ and prov["python"] and prov["cpu"]
     prov["packages"]["torch"] = "0.0.1"
     (runs[0] / "provenance.json").write_text(json.dumps(prov))
-    res = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, *COMMON, f"run_root={tmp_path}",
-                  "name=first", "train.total_steps=10", "checkpoint.every=4", "buffer.max_staleness=0",
-                  "train.deterministic=true", "checkpoint.resume=true", timeout=600)
+    res = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        *COMMON,
+        f"run_root={tmp_path}",
+        "name=first",
+        "train.total_steps=10",
+        "checkpoint.every=4",
+        "buffer.max_staleness=0",
+        "train.deterministic=true",
+        "checkpoint.resume=true",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"torch 0.0.1 -> {torch.__version__}" in res.stderr + res.stdout
     after = json.loads((runs[0] / "provenance.json").read_text())
@@ -68,9 +93,21 @@ def test_two_deterministic_synchronous_runs_are_identical(tmp_path, tiny_overrid
 def test_an_async_run_replays_bit_for_bit(tmp_path, tiny_overrides):
     """2 actors, staleness bound 2, 30 steps: the replay's weights equal the run's at every checkpoint;
     another loss trains the same episodes to the end, labelled; a damaged record is reported."""
-    res = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, *COMMON, f"run_root={tmp_path}", "name=a",
-                  "train.total_steps=30", "checkpoint.every=10", "actor.num=2", "buffer.max_staleness=2",
-                  "log.archive_episodes=true", timeout=600)
+    res = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        *COMMON,
+        f"run_root={tmp_path}",
+        "name=a",
+        "train.total_steps=30",
+        "checkpoint.every=10",
+        "actor.num=2",
+        "buffer.max_staleness=2",
+        "log.archive_episodes=true",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "a"
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -81,13 +118,16 @@ def test_an_async_run_replays_bit_for_bit(tmp_path, tiny_overrides):
     assert "identical bit for bit to the run's at every checkpoint: steps [10, 20, 30]" in res.stdout
     report = json.loads((tmp_path / "a-replay" / "replay.json").read_text())
     assert report["identical"] is True and [c["step"] for c in report["checkpoints"]] == [10, 20, 30]
-    assert _same(load_file(tmp_path / "a-replay" / "checkpoints" / "step_00000030" / "model" / "model.safetensors"),
-                 _weights(run, 30))
+    assert _same(
+        load_file(tmp_path / "a-replay" / "checkpoints" / "step_00000030" / "model" / "model.safetensors"),
+        _weights(run, 30),
+    )
     assert not _same(_weights(run, 10), _weights(run, 30))
     # what if: another loss on the same episodes
     assert any(m["reward_mean"] > 0 for m in metrics), "no reward: every loss would train the same"
-    res = run_cli("replay", str(run), "train.policy_loss=cispo", "train.advantage.estimator=rloo", "--to", "20",
-                  timeout=600)
+    res = run_cli(
+        "replay", str(run), "train.policy_loss=cispo", "train.advantage.estimator=rloo", "--to", "20", timeout=600
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     what_if = json.loads((tmp_path / "a-whatif" / "replay.json").read_text())
     assert what_if["label"] == "what-if: train.policy_loss=cispo train.advantage.estimator=rloo"
@@ -100,4 +140,6 @@ def test_an_async_run_replays_bit_for_bit(tmp_path, tiny_overrides):
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     res = run_cli("replay", str(run), "--name", "again", timeout=600)
-    assert res.returncode == 2 and "damaged archive record" in res.stderr and "step_00000005.arc" in res.stderr, res.stderr
+    assert res.returncode == 2 and "damaged archive record" in res.stderr and "step_00000005.arc" in res.stderr, (
+        res.stderr
+    )

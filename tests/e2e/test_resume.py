@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.rundir.record_file import encode_record
 from asyncrl.rundir.layout import list_checkpoints
+from asyncrl.rundir.record_file import encode_record
 from asyncrl.types import Episode, Trajectory
 from asyncrl.wire.codec import encode_episode
-
-from tests.conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl
 from tests.conftest import SMALL_RUN as COMMON
+from tests.conftest import ResumableRun, checkpoint_buffer_ids, effective_training, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +20,14 @@ pytestmark = pytest.mark.slow
 def _torn_write(run_dir) -> tuple[str, int]:
     """Append the first half of a valid record (a write the crash cut short, never acknowledged) to
     the newest WAL segment; returns its episode id and the bytes appended."""
-    t = Trajectory(token_ids=np.arange(8), loss_mask=[0] * 4 + [1] * 4, behavior_logprobs=[0.0] * 8,
-                   policy_version=0, reward=0.0, group_id="torn")
+    t = Trajectory(
+        token_ids=np.arange(8),
+        loss_mask=[0] * 4 + [1] * 4,
+        behavior_logprobs=[0.0] * 8,
+        policy_version=0,
+        reward=0.0,
+        group_id="torn",
+    )
     record = encode_record(encode_episode(Episode(trajectories=[t], id="torn-write")))
     wal = sorted((run_dir / "buffer").glob("wal-*.bin"))[-1]
     with open(wal, "ab") as f:
@@ -32,9 +37,15 @@ def _torn_write(run_dir) -> tuple[str, int]:
 
 def test_kill_twice_with_a_torn_tail_and_resume(tmp_path, tiny_overrides):
     total = 14
-    overrides = [*tiny_overrides, *COMMON, f"train.total_steps={total}", "checkpoint.every=3",
-                 # no episode may be dropped as stale, so that every acknowledged one must be trained
-                 "buffer.max_staleness=1000", "buffer.capacity=12"]
+    overrides = [
+        *tiny_overrides,
+        *COMMON,
+        f"train.total_steps={total}",
+        "checkpoint.every=3",
+        # no episode may be dropped as stale, so that every acknowledged one must be trained
+        "buffer.max_staleness=1000",
+        "buffer.capacity=12",
+    ]
     acked: set[str] = set()
     with ResumableRun(tmp_path, "resume", overrides) as run:
         run.start_learner()

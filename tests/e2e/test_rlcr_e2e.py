@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.conftest import read_jsonl, run_cli
@@ -13,12 +12,25 @@ pytestmark = pytest.mark.slow
 def test_rlcr_run_trains_both_sample_types(tmp_path, tiny_overrides):
     steps, tasks, g_a, g_c = 3, 2, 2, 2
     # the tags-only warm start is a model of its own: keep its build short (its quality is not tested)
-    overrides = [*tiny_overrides, "model.embedded.warmup_steps=5", "model.embedded.warmup_batch_size=8",
-                 f"run_root={tmp_path}", "name=rlcr", f"train.total_steps={steps}",
-                 f"actor.tasks_per_batch={tasks}", f"train.batch_tasks={tasks}", "eval.size=4", "eval.every=2",
-                 f"algo.num_generations_answer={g_a}", f"algo.num_generations_confidence={g_c}",
-                 "algo.answer_max_new_tokens=24", "algo.confidence_max_new_tokens=16",
-                 "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.2"]
+    overrides = [
+        *tiny_overrides,
+        "model.embedded.warmup_steps=5",
+        "model.embedded.warmup_batch_size=8",
+        f"run_root={tmp_path}",
+        "name=rlcr",
+        f"train.total_steps={steps}",
+        f"actor.tasks_per_batch={tasks}",
+        f"train.batch_tasks={tasks}",
+        "eval.size=4",
+        "eval.every=2",
+        f"algo.num_generations_answer={g_a}",
+        f"algo.num_generations_confidence={g_c}",
+        "algo.answer_max_new_tokens=24",
+        "algo.confidence_max_new_tokens=16",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "actor.heartbeat_s=0.2",
+    ]
     res = run_cli("run", "-c", "configs/rlcr.yaml", *overrides, timeout=300)
     run_dir = tmp_path / "rlcr"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -26,8 +38,13 @@ def test_rlcr_run_trains_both_sample_types(tmp_path, tiny_overrides):
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["batch_trajectories"] == tasks * (g_a + g_a * g_c) for m in metrics)
-    for key in ("rlcr/answer_reward_mean", "rlcr/confidence_reward_std", "rlcr/effective_gc",
-                "rlcr/answer_format_fail", "rlcr/confidence_tokens_mean"):
+    for key in (
+        "rlcr/answer_reward_mean",
+        "rlcr/confidence_reward_std",
+        "rlcr/effective_gc",
+        "rlcr/answer_format_fail",
+        "rlcr/confidence_tokens_mean",
+    ):
         assert key in metrics[-1], key
 
     events = read_jsonl(run_dir / "events.jsonl")

@@ -20,20 +20,45 @@ from tests.slurm_cluster import SlurmCluster, missing, stepds
 
 
 def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
-                           "slurm", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler", "slurm", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_sbatch_script_carries_the_config_and_the_job_settings(tmp_path):
-    proc = _run(["--dry-run", "--overwrite", "--learner-procs", "2", f"run_root={tmp_path}", "name=job", "actor.num=3",
-                 "launch.slurm.nodes=3", "launch.slurm.partition=gpu", "launch.slurm.time=00:20:00",
-                 "launch.slurm.sbatch_args=[--qos=high]", "train.lr=3e-5"], subprocess_env())
+    proc = _run(
+        [
+            "--dry-run",
+            "--overwrite",
+            "--learner-procs",
+            "2",
+            f"run_root={tmp_path}",
+            "name=job",
+            "actor.num=3",
+            "launch.slurm.nodes=3",
+            "launch.slurm.partition=gpu",
+            "launch.slurm.time=00:20:00",
+            "launch.slurm.sbatch_args=[--qos=high]",
+            "train.lr=3e-5",
+        ],
+        subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"Submit it on a login node with:\n  sbatch {tmp_path}/job.sbatch\n" in proc.stdout  # (issue 42.8)
     assert "asks for 3 node(s) for 00:20:00 on partition gpu" in proc.stdout
     script = (tmp_path / "job.sbatch").read_text()
-    for line in ("#SBATCH --nodes=3", "#SBATCH --partition=gpu", "#SBATCH --time=00:20:00", "#SBATCH --qos=high",
-                 f"#SBATCH --output={tmp_path}/job.slurm-%j.out"):
+    for line in (
+        "#SBATCH --nodes=3",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=00:20:00",
+        "#SBATCH --qos=high",
+        f"#SBATCH --output={tmp_path}/job.slurm-%j.out",
+    ):
         assert line in script, line
     assert "--overwrite" in script and "--learner-procs 2" in script and "--scheduler slurm" in script
     inline = script.split("<<'ASYNCRL_CONFIG_END'\n", 1)[1].split("\nASYNCRL_CONFIG_END", 1)[0]
@@ -46,8 +71,24 @@ def test_the_sbatch_script_carries_the_config_and_the_job_settings(tmp_path):
 def test_outside_slurm_without_sbatch_it_says_so(tmp_path):
     env = {**subprocess_env(), "PATH": "/nonexistent"}
     env.pop("SLURM_JOB_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml", "--scheduler",
-                           "slurm", f"run_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "run",
+            "-c",
+            "configs/quickstart.yaml",
+            "--scheduler",
+            "slurm",
+            f"run_root={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr, proc.stderr
     assert (tmp_path / "quickstart.sbatch").exists()  # (written: submit it by hand)
 
@@ -118,8 +159,17 @@ def test_a_job_trains_to_completion_and_scancel_stops_one_cleanly(slurm, tmp_pat
     assert (tmp_path / "short" / "actor-1.log").exists()  # (actors ran as srun steps of the job)
 
     # 2. scancel mid-run: SIGTERM is the run's Ctrl-C: the learner checkpoints where it stopped, all end
-    proc = _run([f"run_root={tmp_path}", "name=long", "actor.num=2", "train.total_steps=100000", "eval.size=20",
-                 "checkpoint.every=100000"], env)
+    proc = _run(
+        [
+            f"run_root={tmp_path}",
+            "name=long",
+            "actor.num=2",
+            "train.total_steps=100000",
+            "eval.size=20",
+            "checkpoint.every=100000",
+        ],
+        env,
+    )
     job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
     _scancel_checkpoints(slurm, tmp_path, job, "long")
 
@@ -148,10 +198,32 @@ def test_across_hosts_the_actors_run_on_another_node_and_scancel_still_checkpoin
     env.pop("SLURM_JOB_ID", None)
 
     def submit(*args: str) -> str:  # from the controller's host (the only way to reach slurmctld's address)
-        proc = subprocess.run(hosts.enter(0, [sys.executable, "-m", "asyncrl", "run", "-c", "configs/quickstart.yaml",
-                                              "--scheduler", "slurm", "launch.slurm.nodes=2", "launch.slurm.bind=iface:eth0",
-                                              "actor.num=2", "eval.size=20", f"run_root={tmp_path}", *args]),
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            hosts.enter(
+                0,
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl",
+                    "run",
+                    "-c",
+                    "configs/quickstart.yaml",
+                    "--scheduler",
+                    "slurm",
+                    "launch.slurm.nodes=2",
+                    "launch.slurm.bind=iface:eth0",
+                    "actor.num=2",
+                    "eval.size=20",
+                    f"run_root={tmp_path}",
+                    *args,
+                ],
+            ),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
 

@@ -13,18 +13,40 @@ from tests.conftest import ROOT, run_cli, subprocess_env
 
 
 def _run(tmp_path, tiny_overrides, steps: int, *extra: str):
-    env = {**subprocess_env(), "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true"}
-    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                  "name=tr", f"train.total_steps={steps}", "train.batch_tasks=2", "actor.tasks_per_batch=2",
-                  "sampling.n=4", "eval.size=4", "eval.every=2", "log.progress=false", "checkpoint.every=0",
-                  "log.trackers=[tensorboard,trackio,wandb]", "log.project=asyncrl-test", *extra, timeout=600, env=env)
+    env = {
+        **subprocess_env(),
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+    res = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=tr",
+        f"train.total_steps={steps}",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=4",
+        "eval.size=4",
+        "eval.every=2",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "log.trackers=[tensorboard,trackio,wandb]",
+        "log.project=asyncrl-test",
+        *extra,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.mark.slow
 def test_tensorboard_and_trackio_get_config_baseline_tags_tables_histograms_and_resume_continues(
-        tmp_path, tiny_overrides):
+    tmp_path, tiny_overrides
+):
     _run(tmp_path, tiny_overrides, 3)
     _run(tmp_path, tiny_overrides, 5, "--resume")
 
@@ -43,7 +65,9 @@ def test_tensorboard_and_trackio_get_config_baseline_tags_tables_histograms_and_
     config = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "total_steps: 3" in config and "algorithm: grpo" in config
     table = acc.Tensors("completions/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert table.startswith("| step | prompt | completion | reward | advantage |") and table.count("\n") == 1 + 8  # 2 groups of 4
+    assert (
+        table.startswith("| step | prompt | completion | reward | advantage |") and table.count("\n") == 1 + 8
+    )  # 2 groups of 4
     assert {"train/advantages", "train/rewards", "staleness/episodes"} <= set(tags["histograms"])
     assert len(acc.Histograms("train/advantages")) == 5
 

@@ -18,9 +18,21 @@ import zmq
 
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
-
-from tests._ui_runs import (Browser, LineReader, make_runs, screenshot, start_logged, start_ui, stop, ui_in_browser,
-                       split_token, ui_url, visible_text, wait_dom, wait_page)
+from tests._ui_runs import (
+    Browser,
+    LineReader,
+    make_runs,
+    screenshot,
+    split_token,
+    start_logged,
+    start_ui,
+    stop,
+    ui_in_browser,
+    ui_url,
+    visible_text,
+    wait_dom,
+    wait_page,
+)
 from tests.conftest import ROOT, cli, read_jsonl
 
 
@@ -44,20 +56,28 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         azr_url, rlcr_url = (ui_url(reader) for _, reader in procs)
 
         # Overview: the learner's policy version and the actor list
-        dom = wait_dom(azr_url + "?view=overview", profile,
-                       lambda d: _version(d) > 0 and 'class="arl-chart-svg"' in d and "finished" in visible_text(d),
-                       what="a policy version, the curves and the run's state",
-                       screenshot_name="ui-overview.png")
+        dom = wait_dom(
+            azr_url + "?view=overview",
+            profile,
+            lambda d: _version(d) > 0 and 'class="arl-chart-svg"' in d and "finished" in visible_text(d),
+            what="a policy version, the curves and the run's state",
+            screenshot_name="ui-overview.png",
+        )
         assert _version(dom) == azr.version == 3
         text = visible_text(dom)
         assert "actor-0" in text and "absolute_zero" in text and "finished" in text
         assert dom.count('class="arl-chart"') >= 10  # every metric its own chart
 
         # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
-        dom = wait_dom(azr_url + "?view=tasks", profile, lambda d: 'id="azr-groups"' in d, what="question groups",
-                       screenshot_name="ui-tasks.png")
+        dom = wait_dom(
+            azr_url + "?view=tasks",
+            profile,
+            lambda d: 'id="azr-groups"' in d,
+            what="question groups",
+            screenshot_name="ui-tasks.png",
+        )
         groups = azr.table("azr_groups")
-        table = dom[dom.index('id="azr-groups"'):]
+        table = dom[dom.index('id="azr-groups"') :]
         table = table[: table.index("</table>")]
         assert table.count('class="arl-row"') == len(groups) == 12
         text = visible_text(dom)
@@ -69,15 +89,19 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert "does not use Absolute Zero" not in text
 
         # an Absolute Zero run has no confidence trees, and says so
-        dom = wait_dom(azr_url + "?view=trees", profile, lambda d: "does not use RLCR" in visible_text(d),
-                       what="the RLCR note")
+        dom = wait_dom(
+            azr_url + "?view=trees", profile, lambda d: "does not use RLCR" in visible_text(d), what="the RLCR note"
+        )
         assert 'class="arl-tree rlcr-tree"' not in dom
 
         # Confidence trees: every logged tree with its answers and confidences, a reliability diagram
-        dom = wait_dom(rlcr_url + "?view=trees", profile,
-                       lambda d: "rlcr-tree" in d and "data:image/png" in d[d.find('id="calibration-plot"'):],
-                       what="confidence trees and the reliability diagram",
-                       screenshot_name="ui-trees.png")
+        dom = wait_dom(
+            rlcr_url + "?view=trees",
+            profile,
+            lambda d: "rlcr-tree" in d and "data:image/png" in d[d.find('id="calibration-plot"') :],
+            what="confidence trees and the reliability diagram",
+            screenshot_name="ui-trees.png",
+        )
         nodes = rlcr.table("rlcr_nodes")
         assert dom.count('class="arl-tree rlcr-tree"') == nodes["episode_id"].nunique() == 6
         assert dom.count('class="rlcr-confidence"') == len(nodes) == 6 * 2 * 2
@@ -133,16 +157,21 @@ def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom
     values; dragging zooms every chart, a double-click zooms out; smoothing shows the raw value too."""
     folder = _folder_of(demo_runs, tmp_path)
     with ui_in_browser(folder, tmp_path / "chromium", "?view=overview") as browser:
-        wait_page(browser, lambda d: all(f'data-metric="{m}"' in d for m in ("entropy", "tokens_per_s", "grad_norm")),
-                  what="the entropy, tokens/s and gradient-norm charts")
+        wait_page(
+            browser,
+            lambda d: all(f'data-metric="{m}"' in d for m in ("entropy", "tokens_per_s", "grad_norm")),
+            what="the entropy, tokens/s and gradient-norm charts",
+        )
         entropy, tps = _chart(browser, "entropy"), _chart(browser, "tokens_per_s")
         assert sorted(entropy["runs"]) == sorted(tps["runs"]) == ["absolute_zero", "rlcr"]  # overlaid by default
         ent_ticks, tps_ticks = ([float(v) for v in c["y"]] for c in (entropy, tps))
         assert max(ent_ticks) < 20 < 100 < max(tps_ticks)  # each its own y axis, not one for all
         assert entropy["x"][-1] == "step"
 
-        browser.js("(() => { const s = document.querySelector('select.arl-x'); s.value = 'time';"
-                   " s.dispatchEvent(new Event('change')); })()")
+        browser.js(
+            "(() => { const s = document.querySelector('select.arl-x'); s.value = 'time';"
+            " s.dispatchEvent(new Event('change')); })()"
+        )
         entropy = _chart(browser, "entropy")
         assert entropy["x"][-1] == "wall time" and all(t.endswith(" s") for t in entropy["x"][:-1])
         assert sorted(entropy["runs"]) == ["absolute_zero", "rlcr"]
@@ -170,23 +199,38 @@ def test_charts_have_their_own_axes_overlay_two_runs_on_wall_time_hover_and_zoom
         browser.mouse("mouseReleased", e["left"] + 100, e["top"] + 50, clicks=2)
         assert _chart(browser, "grad_norm")["x"] == x_before
 
-        browser.js("(() => { const s = document.querySelector('input.arl-smooth'); s.value = '0.6';"
-                   " s.dispatchEvent(new Event('input')); })()")
+        browser.js(
+            "(() => { const s = document.querySelector('input.arl-smooth'); s.value = '0.6';"
+            " s.dispatchEvent(new Event('input')); })()"
+        )
         e = _chart(browser, "entropy")
         browser.mouse("mouseMoved", e["left"] + e["width"] * 0.6, e["top"] + e["height"] * 0.4)
         assert "(raw " in _chart(browser, "entropy")["tip"]
 
-        browser.js("(() => { const s = document.querySelector('input.arl-filter'); s.value = 'tokens_per';"
-                   " s.dispatchEvent(new Event('input')); })()")
+        browser.js(
+            "(() => { const s = document.querySelector('input.arl-filter'); s.value = 'tokens_per';"
+            " s.dispatchEvent(new Event('input')); })()"
+        )
         shown = browser.js("[...document.querySelectorAll('.arl-chart')].map(c => c.dataset.metric)")
         assert sorted(shown) == ["learner/tokens_per_s", "tokens_per_s"]  # every metric whose name has it
 
 
 @pytest.mark.slow
 def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overrides):
-    overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=live", "train.total_steps=100000",
-                 "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=4", "eval.every=0",
-                 "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.5"]
+    overrides = [
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=live",
+        "train.total_steps=100000",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=2",
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "actor.heartbeat_s=0.5",
+    ]
     proc, reader = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides))
     profile = tmp_path / "chromium"
     try:
@@ -196,9 +240,13 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
         served = reader.wait_for(r"asyncrl ui: serving (http://\S+) \(run .* \+ live events from ipc://").group(1)
         assert served == announced  # (the token run made is the one the UI serves with)
         served = split_token(served)
-        dom = wait_dom(served + "?view=overview", profile,
-                       lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),
-                       what="a live policy version >= 2 and received events", screenshot_name="ui-live.png")
+        dom = wait_dom(
+            served + "?view=overview",
+            profile,
+            lambda d: _version(d) >= 2 and re.search(r"live events from .*?: [1-9]\d* received", visible_text(d)),
+            what="a live policy version >= 2 and received events",
+            screenshot_name="ui-live.png",
+        )
         assert "finished" not in visible_text(dom)
     finally:
         code = stop(proc, signal.SIGINT, timeout=120)
@@ -258,8 +306,12 @@ def _login(url: str, password: str, source: str = "127.0.0.1") -> int:
     host, port = re.match(r"https?://([^:/]+):(\d+)/", url).groups()
     conn = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
     try:
-        conn.request("POST", "/login", urllib.parse.urlencode({"username": "alice", "password": password}),
-                     {"Content-Type": "application/x-www-form-urlencoded"})
+        conn.request(
+            "POST",
+            "/login",
+            urllib.parse.urlencode({"username": "alice", "password": password}),
+            {"Content-Type": "application/x-www-form-urlencoded"},
+        )
         return conn.getresponse().status
     finally:
         conn.close()
@@ -285,10 +337,37 @@ def test_the_ui_serves_tls_when_given_a_certificate(demo_runs, tmp_path):
     import ssl
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=120)
-    proc, reader = start_ui("--run", str(demo_runs["absolute_zero"]), "--auth", "alice:s3cret",
-                            "--tls-cert", str(cert), "--tls-key", str(key))
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    proc, reader = start_ui(
+        "--run",
+        str(demo_runs["absolute_zero"]),
+        "--auth",
+        "alice:s3cret",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+    )
     try:
         url = reader.wait_for(r"asyncrl ui: serving (https://\S+)").group(1)
         ctx = ssl.create_default_context(cafile=str(cert))
@@ -300,13 +379,16 @@ def test_the_ui_serves_tls_when_given_a_certificate(demo_runs, tmp_path):
         stop(proc)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--host", "0.0.0.0"], "requires --auth user:password"),
-    (["--host", "192.168.1.5", "--auth", "nocolon"], "--auth must be user:password"),
-    (["--auth", "user:"], "--auth must be user:password"),
-    (["--connect", "127.0.0.1:5555"], "wants a ZeroMQ address"),
-    (["--port", "70000"], "--port must be in 0..65535"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--host", "0.0.0.0"], "requires --auth user:password"),
+        (["--host", "192.168.1.5", "--auth", "nocolon"], "--auth must be user:password"),
+        (["--auth", "user:"], "--auth must be user:password"),
+        (["--connect", "127.0.0.1:5555"], "wants a ZeroMQ address"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+    ],
+)
 def test_ui_rejects_bad_options_with_a_clear_error(tmp_path, capsys, args, message):
     from asyncrl.app.main import main
 
@@ -357,8 +439,8 @@ def test_event_subscriber_decodes_the_learner_event_stream():
 
 @pytest.mark.slow
 def test_views_question_detail_filters_and_absent_algorithms(demo_runs):
-    from asyncrl.app import views as V
     from asyncrl.algos.absolute_zero import ui as A
+    from asyncrl.app import views as V
 
     azr = load_run(demo_runs["absolute_zero"])
     q = azr.table("azr_questions")
@@ -402,16 +484,45 @@ def test_replay_view_shows_replay_state_and_metrics_when_present():
     from asyncrl.app import views as V
 
     store = RunStore()
-    store.add_metrics([{"step": s, "t": float(s), "version": s, "buffer_size": 3 + s, "replay/pool_tasks": 10 * s,
-                        "replay/skip_tasks": s, "replay/pool_trajectories": 40 * s, "replay/replayed_share": 0.25,
-                        "replay/active": 1} for s in (1, 2)])
-    store.add_events([{"schema": 1, "kind": "replay_state", "t": 2.0, "step": 2, "buckets": {"0": 4, "1": 2, "8": 1},
-                       "pool_tasks": 20, "skip_tasks": 2, "pool_trajectories": 80}])
+    store.add_metrics(
+        [
+            {
+                "step": s,
+                "t": float(s),
+                "version": s,
+                "buffer_size": 3 + s,
+                "replay/pool_tasks": 10 * s,
+                "replay/skip_tasks": s,
+                "replay/pool_trajectories": 40 * s,
+                "replay/replayed_share": 0.25,
+                "replay/active": 1,
+            }
+            for s in (1, 2)
+        ]
+    )
+    store.add_events(
+        [
+            {
+                "schema": 1,
+                "kind": "replay_state",
+                "t": 2.0,
+                "step": 2,
+                "buckets": {"0": 4, "1": 2, "8": 1},
+                "pool_tasks": 20,
+                "skip_tasks": 2,
+                "pool_trajectories": 80,
+            }
+        ]
+    )
     assert V.has_replay(store)
     html = V.replay_html(store)
     assert "no experience replay" not in html
-    for label, value in (("buffer size (episodes)", "5"), ("pool tasks", "20"), ("skip set tasks", "2"),
-                         ("pool trajectories", "80")):
+    for label, value in (
+        ("buffer size (episodes)", "5"),
+        ("pool tasks", "20"),
+        ("skip set tasks", "2"),
+        ("pool trajectories", "80"),
+    ):
         assert f'<div class="k">{label}</div><div class="v">{value}</div>' in html
     fig = V.replay_figure(store)
     bars = [p.get_height() for p in fig.axes[3].patches]
@@ -433,8 +544,10 @@ def _check_png_download(browser: Browser, downloads) -> None:
 
     downloads.mkdir()
     browser.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
-    size = browser.js("(() => { const s = document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] svg'); "
-                      "return [+s.getAttribute('width'), +s.getAttribute('height')]; })()")
+    size = browser.js(
+        "(() => { const s = document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] svg'); "
+        "return [+s.getAttribute('width'), +s.getAttribute('height')]; })()"
+    )
     browser.js("document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] a.arl-png').click()")
     out, deadline = downloads / "tokens_per_s.png", time.time() + 120
     while not (out.exists() and out.stat().st_size > 0 and not list(downloads.glob("*.crdownload"))):
@@ -457,8 +570,11 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
     leads with what differs from the defaults."""
     folder = _folder_of(demo_runs, tmp_path)
     with ui_in_browser(folder, tmp_path / "chromium", "?view=overview&focus=rlcr") as browser:
-        wait_page(browser, lambda d: 'data-metric="tokens_per_s"' in d and 'id="hidden-tabs"' in d,
-                  what="the charts and the tab rule")
+        wait_page(
+            browser,
+            lambda d: 'data-metric="tokens_per_s"' in d and 'id="hidden-tabs"' in d,
+            what="the charts and the tab rule",
+        )
         assert browser.js("document.querySelector('input.arl-smooth').value") == "0.6"
         grid = browser.js("document.querySelector('.arl-charts-grid').getBoundingClientRect().width")
         widths = browser.js("[...document.querySelectorAll('.arl-chart')].map(c => c.getBoundingClientRect().width)")
@@ -475,10 +591,16 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
         assert browser.js("document.querySelector('#runs-table').parentElement.className") == "arl-scroll"
         assert browser.js("document.documentElement.scrollWidth <= window.innerWidth")  # nothing runs off the page
         # 64.7: each chart's data as CSV (raw values, every run), and a log y axis
-        csv = browser.js("decodeURIComponent(document.querySelector('.arl-chart[data-metric=\"tokens_per_s\"] "
-                         "a.arl-csv').getAttribute('href').split(',').slice(1).join(','))")
+        csv = browser.js(
+            'decodeURIComponent(document.querySelector(\'.arl-chart[data-metric="tokens_per_s"] '
+            "a.arl-csv').getAttribute('href').split(',').slice(1).join(','))"
+        )
         head, *body = csv.splitlines()
-        assert head == "run,step,step,tokens_per_s" and body and {r.split(",")[0] for r in body} <= {"absolute_zero", "rlcr"}
+        assert (
+            head == "run,step,step,tokens_per_s"
+            and body
+            and {r.split(",")[0] for r in body} <= {"absolute_zero", "rlcr"}
+        )
         assert all(float(r.split(",")[3]) > 0 for r in body)
         browser.js("document.querySelector('input.arl-logy').click()")
         wait_page(browser, lambda d: 'data-metric="tokens_per_s" data-logy="1"' in d, what="a log y axis")
@@ -489,8 +611,11 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
 
         base = browser.js("location.origin + location.pathname")
         browser.goto(base + "?view=overview&focus=absolute_zero")
-        wait_page(browser, lambda d: 'id="hidden-tabs"' in d and 'data-tabs="trees,replay"' in d,
-                  what="the tabs of an Absolute Zero run")
+        wait_page(
+            browser,
+            lambda d: 'id="hidden-tabs"' in d and 'data-tabs="trees,replay"' in d,
+            what="the tabs of an Absolute Zero run",
+        )
         shown = browser.js(_SHOWN_TABS)
         assert "Proposed tasks" in shown and "Confidence trees" not in shown, shown
 
@@ -504,10 +629,23 @@ def test_the_dashboard_defaults_a_new_user_expects(demo_runs, tmp_path):
 
 
 def _tiny_run_args(tmp_path, tiny_overrides, name: str, steps: int, *extra: str) -> list[str]:
-    return ["run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-            f"name={name}", f"train.total_steps={steps}", "train.batch_tasks=2", "actor.tasks_per_batch=2",
-            "sampling.n=2", "eval.size=4", "log.progress=false", "checkpoint.every=0", "actor.heartbeat_s=0.5",
-            *extra]
+    return [
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        f"name={name}",
+        f"train.total_steps={steps}",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=2",
+        "eval.size=4",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "actor.heartbeat_s=0.5",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -522,26 +660,41 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
     proc, reader = start_ui("--run", str(folder))  # nothing there yet: it says so, and lists runs as they come
     profile = tmp_path / "chromium"
     try:
-        url = split_token(reader.wait_for(r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 0 run\(s\) to "
-                                          r"pick from\)").group(1))
+        url = split_token(
+            reader.wait_for(
+                r"asyncrl ui: serving (http://\S+) \(folder of runs .*: 0 run\(s\) to "
+                r"pick from\)"
+            ).group(1)
+        )
         dom = wait_dom(url, profile, lambda d: "No runs in" in d, what="the empty folder's note")
         for alg in ("absolute_zero", "rlcr"):
             (folder / alg).symlink_to(demo_runs[alg], target_is_directory=True)
-        demo_run("grpo", folder, name="grpo40", steps=40, reuse=False, quick=True,
-                 extra_overrides=[tiny_overrides[0], "eval.every=10"])
+        demo_run(
+            "grpo",
+            folder,
+            name="grpo40",
+            steps=40,
+            reuse=False,
+            quick=True,
+            extra_overrides=[tiny_overrides[0], "eval.every=10"],
+        )
         dom = wait_dom(url, profile, lambda d: 'id="runs-list"' in d, what="the list of runs")
         text = visible_text(dom)
         assert "3 run(s) in" in text and all(n in text for n in ("absolute_zero", "grpo40", "rlcr"))
 
         picked = url + "?runs=grpo40,absolute_zero&metrics=reward_mean,eval/accuracy"
-        dom = wait_dom(picked, profile, lambda d: _version(d) == 40 and 'data-metric="eval/accuracy"' in d,
-                       what="the first picked run's version and the pinned charts",
-                       screenshot_name="ui-compare.png")
+        dom = wait_dom(
+            picked,
+            profile,
+            lambda d: _version(d) == 40 and 'data-metric="eval/accuracy"' in d,
+            what="the first picked run's version and the pinned charts",
+            screenshot_name="ui-compare.png",
+        )
         for metric in ("reward_mean", "eval/accuracy"):  # pinned first, both runs overlaid
-            chart = dom[dom.index(f'data-metric="{metric}"'):]
-            chart = chart[:chart.index("</svg>")]
+            chart = dom[dom.index(f'data-metric="{metric}"') :]
+            chart = chart[: chart.index("</svg>")]
             assert 'data-run="grpo40"' in chart and 'data-run="absolute_zero"' in chart, metric
-        assert dom[dom.index('data-group="'):].startswith('data-group="pinned"')  # the first section
+        assert dom[dom.index('data-group="') :].startswith('data-group="pinned"')  # the first section
         assert 'id="runs-table"' in dom and "Shown (picked above)" in visible_text(dom)
         assert "finished" in visible_text(dom)
 
@@ -557,16 +710,28 @@ def test_folder_of_runs_lists_them_and_overlays_picked_runs(demo_runs, tmp_path,
 def test_run_with_ui_keeps_serving_after_training_until_ctrl_c(tmp_path, tiny_overrides):
     """Item 10: the dashboard stays up after the last step; Ctrl-C stops it (exit 0: the training
     succeeded). Item 11: the same run's metrics went to TensorBoard through its own writer."""
-    args = _tiny_run_args(tmp_path, tiny_overrides, "done", 3, "eval.every=0", "log.trackers=[tensorboard]",
-                          "env.reward=examples.countdown:reward")  # a reward with named scores
+    args = _tiny_run_args(
+        tmp_path,
+        tiny_overrides,
+        "done",
+        3,
+        "eval.every=0",
+        "log.trackers=[tensorboard]",
+        "env.reward=examples.countdown:reward",
+    )  # a reward with named scores
     proc, reader = start_logged(cli(*args, "--ui"))
     profile = tmp_path / "chromium"
     try:
         announced = reader.wait_for(r"\[asyncrl\] UI at (http://127\.0\.0\.1:\d+/\S*)").group(1)
         reader.wait_for(r"\[asyncrl\] training finished; the UI is still serving at " + re.escape(announced))
         announced = split_token(announced)
-        dom = wait_dom(announced + "?view=overview", profile, lambda d: "finished" in visible_text(d),
-                       what="the finished run", screenshot_name="ui-after-training.png")
+        dom = wait_dom(
+            announced + "?view=overview",
+            profile,
+            lambda d: "finished" in visible_text(d),
+            what="the finished run",
+            screenshot_name="ui-after-training.png",
+        )
         assert _version(dom) == 3
         time.sleep(1)
         assert proc.poll() is None  # still serving
@@ -616,8 +781,13 @@ def test_a_killed_learner_shows_as_crashed(tmp_path, tiny_overrides):
     profile = tmp_path / "chromium"
     try:
         url = ui_url(ui_reader)
-        dom = wait_dom(url + "?view=overview", profile, lambda d: 'class="arl-state-crashed"' in d, what="crashed",
-                       screenshot_name="ui-crashed.png")
+        dom = wait_dom(
+            url + "?view=overview",
+            profile,
+            lambda d: 'class="arl-state-crashed"' in d,
+            what="crashed",
+            screenshot_name="ui-crashed.png",
+        )
         text = visible_text(dom)
         assert "finished" not in text and "no learner_stop event" in text
     finally:
@@ -630,8 +800,16 @@ def test_a_learner_stopped_before_training_prints_no_learning_summary(tmp_path, 
     accuracy 'change'."""
     from tests.conftest import start_cli
 
-    args = ["learn", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-            "name=idle", "log.progress=false", "eval.size=4"]
+    args = [
+        "learn",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=idle",
+        "log.progress=false",
+        "eval.size=4",
+    ]
     proc = start_cli(*args)
     reader = LineReader(proc)
     try:

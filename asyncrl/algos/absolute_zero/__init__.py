@@ -28,5 +28,11 @@ flags, reasons, the sampled index and proposer rewards); ``metrics`` use the see
 from .config import AbsoluteZeroConfig, DimensionConfig
 from .workflow import PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, AbsoluteZeroWorkflow, propose_warmstart_example
 
-__all__ = ["PROPOSER_BATCH_GROUP", "WARMSTART_FORMAT", "AbsoluteZeroConfig", "AbsoluteZeroWorkflow", "DimensionConfig",
-           "propose_warmstart_example"]
+__all__ = [
+    "PROPOSER_BATCH_GROUP",
+    "WARMSTART_FORMAT",
+    "AbsoluteZeroConfig",
+    "AbsoluteZeroWorkflow",
+    "DimensionConfig",
+    "propose_warmstart_example",
+]

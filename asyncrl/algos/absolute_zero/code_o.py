@@ -37,9 +37,12 @@ PROPOSER_TEMPLATE = (
     "Write a new deterministic Python function f and an input for it, different from the example. "
     "Use only the standard modules math, itertools, functools, collections, heapq, bisect, string, re. "
     "Answer with a ```python``` block defining f and an ```input``` block with the call's arguments."
-    "\n\nExample:\n{example}")
-SOLVER_TEMPLATE = ("Predict the exact value printed by this program. Reply with the value only, "
-                   "as a Python literal.\n```python\n{code}\nprint(repr(f({args})))\n```")
+    "\n\nExample:\n{example}"
+)
+SOLVER_TEMPLATE = (
+    "Predict the exact value printed by this program. Reply with the value only, "
+    "as a Python literal.\n```python\n{code}\nprint(repr(f({args})))\n```"
+)
 _BLOCK = re.compile(r"```(python|input)[^\n]*\n(.*?)```", re.DOTALL)
 _FENCE = re.compile(r"^```[a-z]*\n?|```$")
 
@@ -57,8 +60,10 @@ def format_example(code: str, args: str) -> str:
 
 def seed_tasks() -> list[Task]:
     """Built-in seed prompts (``tasks.type: asyncrl.algos.absolute_zero.code_o:seed_tasks``)."""
-    return [Task(id=f"code_o_seed:{i}", prompt=[{"role": "user", "content": format_example(c, a)}])
-            for i, (c, a) in enumerate(SEED_PROGRAMS)]
+    return [
+        Task(id=f"code_o_seed:{i}", prompt=[{"role": "user", "content": format_example(c, a)}])
+        for i, (c, a) in enumerate(SEED_PROGRAMS)
+    ]
 
 
 def parse_program(text: str) -> tuple[str, str, str | None]:
@@ -140,8 +145,12 @@ class CodeOutputDomain(Domain):
             return Proposal(text, None, f"sandbox: {run.reason}")
         if not run.output.strip():
             return Proposal(text, None, "the program printed nothing: no output to predict")
-        task = Task(id=qid, prompt=[{"role": "user", "content": SOLVER_TEMPLATE.format(code=code, args=args)}],
-                    answer=run.output, metadata={"code": code, "input": args, "seed_task_id": seed.id})
+        task = Task(
+            id=qid,
+            prompt=[{"role": "user", "content": SOLVER_TEMPLATE.format(code=code, args=args)}],
+            answer=run.output,
+            metadata={"code": code, "input": args, "seed_task_id": seed.id},
+        )
         return Proposal(text, task, gold=run.output)
 
     def parse_many(self, items: list[tuple[str, Task, str]]) -> list[Proposal]:

@@ -135,8 +135,12 @@ class ArithmeticDomain(Domain):
         res = evaluate_expression(text, self.limits)
         if not res.ok:
             return Proposal(text, None, res.reason)
-        task = Task(id=qid, prompt=[{"role": "user", "content": f"{res.expression}="}], answer=res.value,
-                    metadata={"expression": res.expression, "seed_task_id": seed.id})
+        task = Task(
+            id=qid,
+            prompt=[{"role": "user", "content": f"{res.expression}="}],
+            answer=res.value,
+            metadata={"expression": res.expression, "seed_task_id": seed.id},
+        )
         return Proposal(text, task, gold=str(res.value))
 
     def step(self, task: Task, history: list[Message], response: str) -> StepResult:

@@ -93,8 +93,11 @@ class RewardWeights:
 def solver_reward(scores: Scores, w: RewardWeights) -> float:
     """``w.safety * safety + w.completion * completion + w.format * format`` (the reference design:
     harm reward plus 0.5 x format reward)."""
-    return (w.safety * float(scores.get("safety", 0.0)) + w.completion * float(scores.get("completion", 0.0))
-            + w.format * float(scores.get("format", 0.0)))
+    return (
+        w.safety * float(scores.get("safety", 0.0))
+        + w.completion * float(scores.get("completion", 0.0))
+        + w.format * float(scores.get("format", 0.0))
+    )
 
 
 LEARNABLE_REWARD, NOT_LEARNABLE_REWARD, REPROPOSE_PENALTY = 1.0, 0.0, -0.5
@@ -117,9 +120,9 @@ class UnifiedResult:
     sampled: list[int]  # [prompt]: question index, or -1 (needs repropose)
 
 
-def compute_unified_reward_and_filter(groups: Sequence[Sequence[Sequence[Scores]]],
-                                      dims: Sequence[Dimension], weights: RewardWeights,
-                                      rng: random.Random) -> UnifiedResult:
+def compute_unified_reward_and_filter(
+    groups: Sequence[Sequence[Sequence[Scores]]], dims: Sequence[Dimension], weights: RewardWeights, rng: random.Random
+) -> UnifiedResult:
     """Solver rewards, learnability per question and the sampled question per prompt.
 
     ``groups[p][q][r]`` are the named scores of response ``r`` to question ``q`` of prompt ``p``.

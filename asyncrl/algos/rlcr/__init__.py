@@ -37,5 +37,16 @@ from .trees import ConfidenceTree, grow_trees, tree_advantages
 from .warmstart import rlcr_warmstart_example
 from .workflow import RLCRWorkflow
 
-__all__ = ["ConfidenceTree", "Parsed", "RLCRConfig", "RLCRWorkflow", "brier_reward", "calibration_report", "grow_trees",
-           "parse_answer", "parse_confidence", "rlcr_warmstart_example", "tree_advantages"]
+__all__ = [
+    "ConfidenceTree",
+    "Parsed",
+    "RLCRConfig",
+    "RLCRWorkflow",
+    "brier_reward",
+    "calibration_report",
+    "grow_trees",
+    "parse_answer",
+    "parse_confidence",
+    "rlcr_warmstart_example",
+    "tree_advantages",
+]

@@ -25,21 +25,54 @@ def rlcr_nodes_frame(episodes: list[dict]) -> pd.DataFrame:
         d = e.get("decision") or {}
         if d.get("kind") != "rlcr_tree":
             continue
-        base = {"step": e.get("step"), "episode_id": e.get("episode_id"), "prompt": prompt_text(e.get("prompt")),
-                "gold": d.get("gold"), "policy_version": e.get("policy_version")}
+        base = {
+            "step": e.get("step"),
+            "episode_id": e.get("episode_id"),
+            "prompt": prompt_text(e.get("prompt")),
+            "gold": d.get("gold"),
+            "policy_version": e.get("policy_version"),
+        }
         for a in d.get("answers") or []:
-            ans = {**base, "k": a.get("k"), "answer_text": a.get("text"), "answer": a.get("answer"),
-                   "answer_format_ok": bool(a.get("format_ok")), "correct": a.get("acc_reward"),
-                   "answer_advantage": a.get("advantage"), "answer_tokens": _span(a)}
+            ans = {
+                **base,
+                "k": a.get("k"),
+                "answer_text": a.get("text"),
+                "answer": a.get("answer"),
+                "answer_format_ok": bool(a.get("format_ok")),
+                "correct": a.get("acc_reward"),
+                "answer_advantage": a.get("advantage"),
+                "answer_tokens": _span(a),
+            }
             confs = a.get("confidences") or []
             if not confs:
                 rows.append({**ans, "h": np.nan})
             for c in confs:
-                rows.append({**ans, "h": c.get("h"), "confidence_text": c.get("text"),
-                             "confidence": c.get("confidence") if c.get("confidence") is not None else np.nan,
-                             "confidence_format_ok": bool(c.get("format_ok")), "brier_reward": c.get("conf_reward"),
-                             "confidence_advantage": c.get("advantage"), "confidence_tokens": _span(c)})
-    return pd.DataFrame(rows, columns=None if rows else ["step", "episode_id", "prompt", "k", "correct", "h",
-                                                          "confidence", "brier_reward", "answer_tokens",
-                                                          "confidence_tokens"])
-
+                rows.append(
+                    {
+                        **ans,
+                        "h": c.get("h"),
+                        "confidence_text": c.get("text"),
+                        "confidence": c.get("confidence") if c.get("confidence") is not None else np.nan,
+                        "confidence_format_ok": bool(c.get("format_ok")),
+                        "brier_reward": c.get("conf_reward"),
+                        "confidence_advantage": c.get("advantage"),
+                        "confidence_tokens": _span(c),
+                    }
+                )
+    return pd.DataFrame(
+        rows,
+        columns=None
+        if rows
+        else [
+            "step",
+            "episode_id",
+            "prompt",
+            "k",
+            "correct",
+            "h",
+            "confidence",
+            "brier_reward",
+            "answer_tokens",
+            "confidence_tokens",
+        ],
+    )

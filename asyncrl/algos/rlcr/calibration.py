@@ -59,9 +59,15 @@ def reliability_bins(confidence, correct, n_bins: int = DEFAULT_BINS, right_clos
     for b in range(n_bins):
         sel = idx == b
         n = int(sel.sum())
-        out.append({"lo": b / n_bins, "hi": (b + 1) / n_bins, "count": n,
-                    "confidence": float(c[sel].mean()) if n else None,
-                    "accuracy": float(y[sel].mean()) if n else None})
+        out.append(
+            {
+                "lo": b / n_bins,
+                "hi": (b + 1) / n_bins,
+                "count": n,
+                "confidence": float(c[sel].mean()) if n else None,
+                "accuracy": float(y[sel].mean()) if n else None,
+            }
+        )
     return out
 
 
@@ -88,7 +94,12 @@ def auroc(confidence, correct) -> float:
 def calibration_report(confidence, correct, n_bins: int = DEFAULT_BINS, right_closed: bool = False) -> dict:
     """Accuracy, Brier, ECE, AUROC, mean confidence, size and the reliability bins in one dict."""
     c, y = _arrays(confidence, correct)
-    return {"accuracy": float(y.mean()) if y.size else float("nan"),
-            "brier": brier_score(c, y), "ece": expected_calibration_error(c, y, n_bins, right_closed),
-            "auroc": auroc(c, y), "confidence_mean": float(c.mean()) if c.size else float("nan"),
-            "size": int(c.size), "reliability": reliability_bins(c, y, n_bins, right_closed)}
+    return {
+        "accuracy": float(y.mean()) if y.size else float("nan"),
+        "brier": brier_score(c, y),
+        "ece": expected_calibration_error(c, y, n_bins, right_closed),
+        "auroc": auroc(c, y),
+        "confidence_mean": float(c.mean()) if c.size else float("nan"),
+        "size": int(c.size),
+        "reliability": reliability_bins(c, y, n_bins, right_closed),
+    }

@@ -96,5 +96,5 @@ def span_mask(tokenizer, gen: Generation, span: tuple[int, int] | None, eos_ids:
         first, last = int(covering[0]), int(covering[-1])
         if last + 1 < n and int(gen.token_ids[last + 1]) in eos_ids and off[last + 1] == end:
             last += 1
-        mask[first:last + 1] = 1
+        mask[first : last + 1] = 1
     return mask

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...objectives.advantages import ADV_ESTIMATORS
 from ...engine.base import Generation
 from ...envs.answer_checks import verify
+from ...objectives.advantages import ADV_ESTIMATORS
 from ...prompts import delta_tokens, render_tokens
 from ...types import Task, Trajectory, row_versions
 from .config import RLCRConfig
@@ -76,36 +76,60 @@ def opening_messages(env, task: Task, system_prompt: str | None) -> list[dict[st
     return history
 
 
-def _answer_node(tokenizer, gen: Generation, history: list[dict[str, str]], prompt: list[int],
-                 ask: list[dict[str, str]], eos: set[int]) -> AnswerNode:
+def _answer_node(
+    tokenizer,
+    gen: Generation,
+    history: list[dict[str, str]],
+    prompt: list[int],
+    ask: list[dict[str, str]],
+    eos: set[int],
+) -> AnswerNode:
     """Parse and mask turn 1; its turn-2 prompt is the sampled tokens (closed with EOS if the turn was
     cut at the length limit) plus the template's tokens for the user turn and the next header."""
     parsed = parse_answer(gen.text)
     ids = gen.token_ids.tolist()
     closed = ids if ids and ids[-1] in eos else ids + [int(tokenizer.eos_token_id)]
     said = history + [{"role": "assistant", "content": gen.text}]
-    return AnswerNode(gen, parsed, span_mask(tokenizer, gen, parsed.span, eos),
-                      context_ids=prompt + closed + delta_tokens(tokenizer, said, ask))
+    return AnswerNode(
+        gen,
+        parsed,
+        span_mask(tokenizer, gen, parsed.span, eos),
+        context_ids=prompt + closed + delta_tokens(tokenizer, said, ask),
+    )
 
 
-def grow_trees(engine, tokenizer, env, tasks: list[Task], algo: RLCRConfig, sampling, seed: int | None,
-               g_a: int | None = None, g_c: int | None = None) -> list[ConfidenceTree]:
+def grow_trees(
+    engine,
+    tokenizer,
+    env,
+    tasks: list[Task],
+    algo: RLCRConfig,
+    sampling,
+    seed: int | None,
+    g_a: int | None = None,
+    g_c: int | None = None,
+) -> list[ConfidenceTree]:
     """Sample the trees of ``tasks`` (parsed and masked, not yet scored): one engine call for all
     G_a answers of all tasks, then one for all G_c confidences of all answers."""
     g_a = g_a or algo.num_generations_answer
     g_c = g_c or algo.num_generations_confidence
     eos = _eos_ids(engine, tokenizer)
-    ans_sampling = sampling.model_copy(update={"max_new_tokens": algo.answer_max_new_tokens
-                                               or sampling.max_new_tokens})
-    conf_sampling = sampling.model_copy(update={"max_new_tokens": algo.confidence_max_new_tokens
-                                                or sampling.max_new_tokens})
+    ans_sampling = sampling.model_copy(update={"max_new_tokens": algo.answer_max_new_tokens or sampling.max_new_tokens})
+    conf_sampling = sampling.model_copy(
+        update={"max_new_tokens": algo.confidence_max_new_tokens or sampling.max_new_tokens}
+    )
     histories = [opening_messages(env, t, algo.system_prompt) for t in tasks]
     prompts = [render_tokens(tokenizer, h) for h in histories]
     gens = engine.generate([p for p in prompts for _ in range(g_a)], ans_sampling, seed=seed)
     ask = [{"role": "user", "content": algo.confidence_prompt}]
-    trees = [ConfidenceTree(task, prompt, [_answer_node(tokenizer, gen, history, prompt, ask, eos)
-                                           for gen in gens[j * g_a:(j + 1) * g_a]])
-             for j, (task, history, prompt) in enumerate(zip(tasks, histories, prompts))]
+    trees = [
+        ConfidenceTree(
+            task,
+            prompt,
+            [_answer_node(tokenizer, gen, history, prompt, ask, eos) for gen in gens[j * g_a : (j + 1) * g_a]],
+        )
+        for j, (task, history, prompt) in enumerate(zip(tasks, histories, prompts))
+    ]
     contexts = [a.context_ids for tree in trees for a in tree.answers for _ in range(g_c)]
     conf_gens = iter(engine.generate(contexts, conf_sampling, seed=None if seed is None else seed + 1))
     for tree in trees:
@@ -126,9 +150,15 @@ def score_tree(tree: ConfidenceTree, verifier: str) -> None:
             c.reward = brier_reward(a.reward, c.parsed.value if c.parsed.ok else None)
 
 
-def tree_advantages(acc: np.ndarray, conf: np.ndarray, norm_by_std: bool, lambda_ans: float = 1.0,
-                    lambda_conf: float = 1.0, std: str = "unbiased",
-                    estimator: str = "grpo") -> tuple[np.ndarray, np.ndarray]:
+def tree_advantages(
+    acc: np.ndarray,
+    conf: np.ndarray,
+    norm_by_std: bool,
+    lambda_ans: float = 1.0,
+    lambda_conf: float = 1.0,
+    std: str = "unbiased",
+    estimator: str = "grpo",
+) -> tuple[np.ndarray, np.ndarray]:
     """Decoupled advantages of one tree.
 
     Args:
@@ -153,8 +183,15 @@ def tree_advantages(acc: np.ndarray, conf: np.ndarray, norm_by_std: bool, lambda
 
 
 def assign_advantages(tree: ConfidenceTree, algo: RLCRConfig, estimator: str = "grpo") -> None:
-    adv_ans, adv_conf = tree_advantages(tree.acc_rewards(), tree.conf_rewards(), algo.norm_by_std,
-                                        algo.lambda_ans, algo.lambda_conf, algo.std, estimator)
+    adv_ans, adv_conf = tree_advantages(
+        tree.acc_rewards(),
+        tree.conf_rewards(),
+        algo.norm_by_std,
+        algo.lambda_ans,
+        algo.lambda_conf,
+        algo.std,
+        estimator,
+    )
     for k, a in enumerate(tree.answers):
         a.advantage = float(adv_ans[k])
         for h, c in enumerate(a.confidences):
@@ -168,9 +205,15 @@ def _row(context: list[int], gen: Generation, mask: np.ndarray, version: int, **
     logprobs = np.concatenate([np.zeros(pad, dtype=np.float32), gen.logprobs * mask])
     versions = [-1] * pad + (gen.versions.tolist() if gen.versions is not None else [version] * len(mask))
     policy_version, per_token = row_versions(versions, full_mask, version)
-    return Trajectory(token_ids=np.asarray(context + gen.token_ids.tolist(), dtype=np.int32),
-                      loss_mask=full_mask, behavior_logprobs=logprobs, policy_version=policy_version,
-                      token_versions=per_token, text=gen.text, **kw)
+    return Trajectory(
+        token_ids=np.asarray(context + gen.token_ids.tolist(), dtype=np.int32),
+        loss_mask=full_mask,
+        behavior_logprobs=logprobs,
+        policy_version=policy_version,
+        token_versions=per_token,
+        text=gen.text,
+        **kw,
+    )
 
 
 def tree_trajectories(tree: ConfidenceTree, version: int, episode_id: str) -> list[Trajectory]:
@@ -179,19 +222,45 @@ def tree_trajectories(tree: ConfidenceTree, version: int, episode_id: str) -> li
     tid = tree.task.id
     for k, a in enumerate(tree.answers):
         scores = {"reward": a.reward, "acc_reward": a.reward, "format_ok": float(a.parsed.ok)}
-        answers.append(_row(tree.prompt_ids, a.gen, a.mask, version, reward=a.reward, scores=scores,
-                            sample_type="answer", group_id=episode_id, task_id=tid, advantage=a.advantage,
-                            metadata={"turns": 1, "rlcr": {"k": k}, "finish_reason": a.gen.finish_reason}))
+        answers.append(
+            _row(
+                tree.prompt_ids,
+                a.gen,
+                a.mask,
+                version,
+                reward=a.reward,
+                scores=scores,
+                sample_type="answer",
+                group_id=episode_id,
+                task_id=tid,
+                advantage=a.advantage,
+                metadata={"turns": 1, "rlcr": {"k": k}, "finish_reason": a.gen.finish_reason},
+            )
+        )
         for h, c in enumerate(a.confidences):
-            scores = {"reward": c.reward, "conf_reward": c.reward, "acc_reward": a.reward,
-                      "format_ok": float(c.parsed.ok)}
+            scores = {
+                "reward": c.reward,
+                "conf_reward": c.reward,
+                "acc_reward": a.reward,
+                "format_ok": float(c.parsed.ok),
+            }
             if c.parsed.ok:
                 scores["confidence"] = float(c.parsed.value)
-            confidences.append(_row(a.context_ids, c.gen, c.mask, version, reward=c.reward, scores=scores,
-                                    sample_type="confidence", group_id=f"{episode_id}/{k}", task_id=tid,
-                                    advantage=c.advantage,
-                                    metadata={"turns": 2, "rlcr": {"k": k, "h": h},
-                                              "finish_reason": c.gen.finish_reason}))
+            confidences.append(
+                _row(
+                    a.context_ids,
+                    c.gen,
+                    c.mask,
+                    version,
+                    reward=c.reward,
+                    scores=scores,
+                    sample_type="confidence",
+                    group_id=f"{episode_id}/{k}",
+                    task_id=tid,
+                    advantage=c.advantage,
+                    metadata={"turns": 2, "rlcr": {"k": k, "h": h}, "finish_reason": c.gen.finish_reason},
+                )
+            )
     return answers + confidences
 
 
@@ -211,17 +280,43 @@ def tree_record(tree: ConfidenceTree, trajs: list[Trajectory]) -> dict:
         confs = []
         for h, c in enumerate(a.confidences):
             crow = next(conf_rows)
-            confs.append({"h": h, "trajectory_id": crow.id, "text": c.gen.text,
-                          "confidence": c.parsed.value if c.parsed.ok else None, "format_ok": c.parsed.ok,
-                          "reason": c.parsed.reason, "conf_reward": c.reward, "advantage": c.advantage,
-                          "mask_span": _mask_span(crow), "num_tokens": int(len(crow.token_ids))})
-        answers.append({"k": k, "trajectory_id": row.id, "text": a.gen.text,
-                        "answer": a.parsed.value, "format_ok": a.parsed.ok, "reason": a.parsed.reason,
-                        "acc_reward": a.reward, "advantage": a.advantage, "mask_span": _mask_span(row),
-                        "num_tokens": int(len(row.token_ids)), "confidences": confs})
+            confs.append(
+                {
+                    "h": h,
+                    "trajectory_id": crow.id,
+                    "text": c.gen.text,
+                    "confidence": c.parsed.value if c.parsed.ok else None,
+                    "format_ok": c.parsed.ok,
+                    "reason": c.parsed.reason,
+                    "conf_reward": c.reward,
+                    "advantage": c.advantage,
+                    "mask_span": _mask_span(crow),
+                    "num_tokens": int(len(crow.token_ids)),
+                }
+            )
+        answers.append(
+            {
+                "k": k,
+                "trajectory_id": row.id,
+                "text": a.gen.text,
+                "answer": a.parsed.value,
+                "format_ok": a.parsed.ok,
+                "reason": a.parsed.reason,
+                "acc_reward": a.reward,
+                "advantage": a.advantage,
+                "mask_span": _mask_span(row),
+                "num_tokens": int(len(row.token_ids)),
+                "confidences": confs,
+            }
+        )
     gold = tree.task.answer
-    return {"kind": "rlcr_tree", "algorithm": "rlcr", "gold": gold if isinstance(gold, (int, float, str)) else str(gold),
-            "prompt_tokens": len(tree.prompt_ids), "answers": answers}
+    return {
+        "kind": "rlcr_tree",
+        "algorithm": "rlcr",
+        "gold": gold if isinstance(gold, (int, float, str)) else str(gold),
+        "prompt_tokens": len(tree.prompt_ids),
+        "answers": answers,
+    }
 
 
 def _std(x: list[float]) -> float:
@@ -234,18 +329,26 @@ def tree_metrics(tree: ConfidenceTree) -> dict[str, float]:
     confs = [c for a in tree.answers for c in a.confidences]
     conf_r = [c.reward for c in confs]
     stated = [(c.parsed.value, a.reward) for a in tree.answers for c in a.confidences if c.parsed.ok]
-    m = {"reward_mean": float(np.mean(acc)),
-         "rlcr/answer_reward_mean": float(np.mean(acc)), "rlcr/answer_reward_std": _std(acc),
-         "rlcr/answer_tokens_mean": float(np.mean([len(a.gen.token_ids) for a in tree.answers])),
-         "rlcr/answer_format_fail": float(np.mean([not a.parsed.ok for a in tree.answers])),
-         "rlcr/effective_ga": float(np.var(acc) > 0)}
+    m = {
+        "reward_mean": float(np.mean(acc)),
+        "rlcr/answer_reward_mean": float(np.mean(acc)),
+        "rlcr/answer_reward_std": _std(acc),
+        "rlcr/answer_tokens_mean": float(np.mean([len(a.gen.token_ids) for a in tree.answers])),
+        "rlcr/answer_format_fail": float(np.mean([not a.parsed.ok for a in tree.answers])),
+        "rlcr/effective_ga": float(np.var(acc) > 0),
+    }
     if confs:
-        m.update({"rlcr/confidence_reward_mean": float(np.mean(conf_r)),
-                  "rlcr/confidence_reward_std": _std(conf_r),
-                  "rlcr/confidence_tokens_mean": float(np.mean([len(c.gen.token_ids) for c in confs])),
-                  "rlcr/confidence_format_fail": float(np.mean([not c.parsed.ok for c in confs])),
-                  "rlcr/effective_gc": float(np.mean([np.var([c.reward for c in a.confidences]) > 0
-                                                      for a in tree.answers]))})
+        m.update(
+            {
+                "rlcr/confidence_reward_mean": float(np.mean(conf_r)),
+                "rlcr/confidence_reward_std": _std(conf_r),
+                "rlcr/confidence_tokens_mean": float(np.mean([len(c.gen.token_ids) for c in confs])),
+                "rlcr/confidence_format_fail": float(np.mean([not c.parsed.ok for c in confs])),
+                "rlcr/effective_gc": float(
+                    np.mean([np.var([c.reward for c in a.confidences]) > 0 for a in tree.answers])
+                ),
+            }
+        )
     if stated:
         c, y = np.array(stated, dtype=np.float64).T
         m.update({"rlcr/confidence_mean": float(c.mean()), "rlcr/train_brier": float(np.mean((c - y) ** 2))})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from asyncrl.app.kit import AlgorithmView, empty_axes, esc, figure, fmt, note
 from asyncrl.analysis import NA, RunStore, calibration_summary, reliability_frame
+from asyncrl.app.kit import AlgorithmView, empty_axes, esc, figure, fmt, note
 
 
 def _mark(ok: bool, yes: str, no: str) -> str:
@@ -29,22 +29,28 @@ def trees_html(store: RunStore, limit: int = 10, search: str = "") -> str:
         acc = np.mean([a.get("acc_reward", 0) for a in answers]) if answers else float("nan")
         briers = [c.get("conf_reward", 0) for a in answers for c in a.get("confidences") or []]
         prompt = " ".join(str(m.get("content", "")) for m in (e.get("prompt") or []) if isinstance(m, dict))
-        parts = [f'<details class="arl-tree rlcr-tree"{is_open}><summary>step {e.get("step")} · prompt '
-                 f'<code>{esc(prompt)}</code> · gold <code>{esc(d.get("gold"))}</code> · accuracy {fmt(acc, 2)} · '
-                 f'mean Brier reward {fmt(np.mean(briers) if briers else float("nan"), 3)}</summary>']
+        parts = [
+            f'<details class="arl-tree rlcr-tree"{is_open}><summary>step {e.get("step")} · prompt '
+            f"<code>{esc(prompt)}</code> · gold <code>{esc(d.get('gold'))}</code> · accuracy {fmt(acc, 2)} · "
+            f"mean Brier reward {fmt(np.mean(briers) if briers else float('nan'), 3)}</summary>"
+        ]
         for a in answers:
-            parts.append(f'<details class="rlcr-answer"{is_open}><summary>answer {a.get("k")}: '
-                         f'<code>{esc(a.get("answer"))}</code> '
-                         f'{_mark(bool(a.get("acc_reward")), "correct", "wrong")} · acc reward {fmt(a.get("acc_reward"))}'
-                         f' · advantage {fmt(a.get("advantage"))}'
-                         f'{"" if a.get("format_ok") else " · format: " + esc(a.get("reason"))}</summary>'
-                         f'<div class="arl-mono">{esc(a.get("text"))}</div><ul>')
+            parts.append(
+                f'<details class="rlcr-answer"{is_open}><summary>answer {a.get("k")}: '
+                f"<code>{esc(a.get('answer'))}</code> "
+                f"{_mark(bool(a.get('acc_reward')), 'correct', 'wrong')} · acc reward {fmt(a.get('acc_reward'))}"
+                f" · advantage {fmt(a.get('advantage'))}"
+                f"{'' if a.get('format_ok') else ' · format: ' + esc(a.get('reason'))}</summary>"
+                f'<div class="arl-mono">{esc(a.get("text"))}</div><ul>'
+            )
             for c in a.get("confidences") or []:
                 conf = c.get("confidence")
-                parts.append(f'<li class="rlcr-confidence">confidence {c.get("h")}: <b>{fmt(conf, 2)}</b> · Brier '
-                             f'reward {fmt(c.get("conf_reward"))} · advantage {fmt(c.get("advantage"))}'
-                             f'{"" if c.get("format_ok") else " · " + esc(c.get("reason"))}'
-                             f' <span class="arl-mono">{esc(c.get("text"))}</span></li>')
+                parts.append(
+                    f'<li class="rlcr-confidence">confidence {c.get("h")}: <b>{fmt(conf, 2)}</b> · Brier '
+                    f"reward {fmt(c.get('conf_reward'))} · advantage {fmt(c.get('advantage'))}"
+                    f"{'' if c.get('format_ok') else ' · ' + esc(c.get('reason'))}"
+                    f' <span class="arl-mono">{esc(c.get("text"))}</span></li>'
+                )
             parts.append("</ul></details>")
         parts.append("</details>")
         out.append("".join(parts))
@@ -63,8 +69,14 @@ def calibration_figure(store: RunStore) -> Figure:
     bins = reliability_frame(last.to_dict())
     centers = (bins["lo"] + bins["hi"]) / 2
     filled = bins["count"] > 0
-    ax[0].bar(centers[filled], bins["accuracy"][filled].astype(float), width=bins["hi"][0] - bins["lo"][0],
-              edgecolor="black", color="#54aeff", label="accuracy")
+    ax[0].bar(
+        centers[filled],
+        bins["accuracy"][filled].astype(float),
+        width=bins["hi"][0] - bins["lo"][0],
+        edgecolor="black",
+        color="#54aeff",
+        label="accuracy",
+    )
     ax[0].plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     ax[0].set_xlim(0, 1)
     ax[0].set_ylim(0, 1)
@@ -72,9 +84,12 @@ def calibration_figure(store: RunStore) -> Figure:
     ax[0].set_ylabel("accuracy", fontsize=8)
     cs = calibration_summary(last.to_dict())
     ece, brier = (NA if cs[k] is None else fmt(cs[k]) for k in ("ece", "brier"))
-    ax[0].set_title(f"reliability, eval at version {last.get('version', last['step'])}: ECE {ece}, "
-                    f"Brier {brier}\n({cs['parsed']} of {cs['size']} confidences parsed; "
-                    f"unparsed count as 0)", fontsize=9)
+    ax[0].set_title(
+        f"reliability, eval at version {last.get('version', last['step'])}: ECE {ece}, "
+        f"Brier {brier}\n({cs['parsed']} of {cs['size']} confidences parsed; "
+        f"unparsed count as 0)",
+        fontsize=9,
+    )
     for x, n in zip(centers[filled], bins["count"][filled]):
         ax[0].text(x, 0.02, str(int(n)), ha="center", fontsize=7)
     ax[0].legend(fontsize=7)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import random
 
-
 from ...config import TasksConfig
 from ...envs.arithmetic import make_problem
 from .config import DEFAULT_CONFIDENCE_PROMPT, DEFAULT_SYSTEM_PROMPT
-
 
 # --------------------------------------------------------------------------------------- warm start
 WARMSTART_MAX_OPERAND = 19  # a + b with operands 0..19: partial accuracy after a short warm start
@@ -40,6 +38,9 @@ def rlcr_warmstart_example(rng: random.Random) -> tuple[list[dict[str, str]], st
     if rng.random() < 0.5:
         return opening, said(task.answer)
     shown = task.answer if rng.random() < 0.5 else _wrong_answer(rng, task.answer)
-    messages = [*opening, {"role": "assistant", "content": said(shown)},
-                {"role": "user", "content": DEFAULT_CONFIDENCE_PROMPT}]
+    messages = [
+        *opening,
+        {"role": "assistant", "content": said(shown)},
+        {"role": "user", "content": DEFAULT_CONFIDENCE_PROMPT},
+    ]
     return messages, f"<confidence>{_uninformative_confidence(rng)}</confidence>"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from ...config import validate_section
 from ...envs.answer_checks import require_math_verify
 from ...rollout.workflow import RolloutContext, Workflow, register_workflow
@@ -46,9 +45,17 @@ class RLCRWorkflow(Workflow):
             assign_advantages(tree, self.algo, self.cfg.train.advantage.estimator)
             eid = new_id()
             trajs = tree_trajectories(tree, version, eid)
-            episodes.append(Episode(trajectories=trajs, actor_id=ctx.actor_id, task=tree.task, id=eid,
-                                    decision=tree_record(tree, trajs), metrics=tree_metrics(tree),
-                                    created_at=time.time()))
+            episodes.append(
+                Episode(
+                    trajectories=trajs,
+                    actor_id=ctx.actor_id,
+                    task=tree.task,
+                    id=eid,
+                    decision=tree_record(tree, trajs),
+                    metrics=tree_metrics(tree),
+                    created_at=time.time(),
+                )
+            )
         return episodes
 
     def evaluate(self, engine, tokenizer, env, tasks: list[Task], sampling, cfg) -> dict:
@@ -67,7 +74,10 @@ class RLCRWorkflow(Workflow):
             answer_fail += not a.parsed.ok
             conf_fail += not c.parsed.ok
         report = calibration_report(conf, correct, right_closed=self.algo.ece_bins == "right_closed")
-        report.update(reward_mean=report["accuracy"], ece_bins=self.algo.ece_bins,
-                      answer_format_fail=answer_fail / max(len(trees), 1),
-                      confidence_parse_fail=conf_fail / max(len(trees), 1))
+        report.update(
+            reward_mean=report["accuracy"],
+            ece_bins=self.algo.ece_bins,
+            answer_format_fail=answer_fail / max(len(trees), 1),
+            confidence_parse_fail=conf_fail / max(len(trees), 1),
+        )
         return report

@@ -28,11 +28,18 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from ...rundir.layout import cut_file, fsync_path, wal_segment, wal_segments
-from ...rundir.record_file import Damage, RecordScan, encode_record, read_frame_records, scan_records_resync, write_frames
+from ...rundir.record_file import (
+    Damage,
+    RecordScan,
+    encode_record,
+    read_frame_records,
+    scan_records_resync,
+    write_frames,
+)
 from ...types import Episode
 from ...wire.codec import WireError, decode, decode_episode
 from .staleness import StalenessPolicy
@@ -120,8 +127,9 @@ class EpisodeQueue:
             self._dirty = False
 
     # -- reading --------------------------------------------------------------------------------
-    def take(self, count: int, version: int, staleness: StalenessPolicy,
-             keep: Callable[[Episode], bool] | None = None) -> list[Episode] | None:
+    def take(
+        self, count: int, version: int, staleness: StalenessPolicy, keep: Callable[[Episode], bool] | None = None
+    ) -> list[Episode] | None:
         """``count`` episodes within the staleness bound, oldest first, or None if fewer are available.
         Episodes that ``staleness`` finds too old are dropped (counted in ``dropped_stale``), and so are
         those ``keep`` rejects (dynamic sampling; each judged once, their ids in ``filtered``)."""
@@ -222,9 +230,15 @@ class EpisodeQueue:
             for d in scan.damaged:
                 d.quarantine = self._quarantine_bytes(wal, d.start, d.end)
             if scan.problem is not None:
-                scan.damaged.append(Damage(scan.good_bytes, scan.size, scan.problem,
-                                           quarantine=self._quarantine_bytes(wal, scan.good_bytes, scan.size)))
-            if scan.damaged[:-1 if scan.problem else None] or dropped:
+                scan.damaged.append(
+                    Damage(
+                        scan.good_bytes,
+                        scan.size,
+                        scan.problem,
+                        quarantine=self._quarantine_bytes(wal, scan.good_bytes, scan.size),
+                    )
+                )
+            if scan.damaged[: -1 if scan.problem else None] or dropped:
                 _rewrite(wal, keep)
                 report.damaged.append(scan)
             elif scan.problem is not None:

@@ -44,23 +44,30 @@ class EpisodeValidator:
         ep, arrays = arrival.episode, arrival.arrays
         trajs = ep.trajectories
         if len(trajs) > self.limits.max_trajectories:
-            return "too_many_trajectories", (f"{len(trajs)} trajectories; at most "
-                                             f"{self.limits.max_trajectories} (wire.max_trajectories_per_episode)")
+            return "too_many_trajectories", (
+                f"{len(trajs)} trajectories; at most {self.limits.max_trajectories} (wire.max_trajectories_per_episode)"
+            )
         if not trajs:
             v = ep.decision.get("policy_version", 0)
             if type(v) is not int or not 0 <= v <= version:
                 return "version", f"decision.policy_version {v!r}; expected an int in [0, {version}]"
             return None
-        return (self._check_lengths(trajs) or self._check_tokens(arrays)
-                or self._check_floats(trajs, arrays) or self._check_versions(trajs, version))
+        return (
+            self._check_lengths(trajs)
+            or self._check_tokens(arrays)
+            or self._check_floats(trajs, arrays)
+            or self._check_versions(trajs, version)
+        )
 
     def _check_lengths(self, trajs) -> tuple[str, str] | None:
         lengths = [len(t.token_ids) for t in trajs]
         if min(lengths) == 0:
             return "empty_trajectory", f"trajectory {lengths.index(0)} has no tokens"
         if max(lengths) > self.limits.max_tokens:
-            return "too_long", (f"a trajectory of {max(lengths)} tokens; at most {self.limits.max_tokens} "
-                                f"(wire.max_tokens_per_trajectory)")
+            return "too_long", (
+                f"a trajectory of {max(lengths)} tokens; at most {self.limits.max_tokens} "
+                f"(wire.max_tokens_per_trajectory)"
+            )
         return None
 
     def _check_tokens(self, arrays) -> tuple[str, str] | None:
@@ -93,9 +100,11 @@ class EpisodeValidator:
     def _check_versions(trajs, version: int) -> tuple[str, str] | None:
         versions = [t.policy_version for t in trajs]
         if max(versions) > version:
-            return "future_version", (f"policy_version {max(versions)} is newer than the learner's "
-                                      f"{version} (weights it never published, or a learner resumed "
-                                      f"from an older checkpoint)")
+            return "future_version", (
+                f"policy_version {max(versions)} is newer than the learner's "
+                f"{version} (weights it never published, or a learner resumed "
+                f"from an older checkpoint)"
+            )
         if min(versions) < 0:
             return "version", f"policy_version {min(versions)}; expected >= 0"
         for i, t in enumerate(trajs):
@@ -103,12 +112,15 @@ class EpisodeValidator:
                 continue
             lo, hi = t.version_range()
             if hi > version:
-                return "future_version", (f"trajectory {i}: token_versions reach {hi}, newer than the learner's "
-                                          f"{version}")
+                return "future_version", (
+                    f"trajectory {i}: token_versions reach {hi}, newer than the learner's {version}"
+                )
             if lo != t.policy_version or int(t.token_versions.min()) < lo:
-                return "version", (f"trajectory {i}: policy_version {t.policy_version} but its tokens' versions "
-                                   f"span {int(t.token_versions.min())}..{hi}; expected policy_version to be "
-                                   f"the oldest generated token's version, and no token older")
+                return "version", (
+                    f"trajectory {i}: policy_version {t.policy_version} but its tokens' versions "
+                    f"span {int(t.token_versions.min())}..{hi}; expected policy_version to be "
+                    f"the oldest generated token's version, and no token older"
+                )
         return None
 
 
@@ -145,8 +157,11 @@ class RateLimitedLog:
         self.pending.clear()
         self.examples.clear()
         self._last_flush = now
-        print(f"{self.prefix} in the last {window:.0f} s, also: "
-              + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())), flush=True)
+        print(
+            f"{self.prefix} in the last {window:.0f} s, also: "
+            + ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())),
+            flush=True,
+        )
         self.event("messages_suppressed", seconds=round(window, 3), counts=counts, examples=examples)
 
 
@@ -211,22 +226,41 @@ class Peers:
         wire = self.cfg.wire
         for a in news.dropped:
             self._status_logged.pop(a.identity, None)
-            self.reports.report("actor_dropped", "lease", f"{a.actor_id} was silent for more than "
-                                f"{wire.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
-                                f"return to the pool", actor_id=a.actor_id, outstanding=a.outstanding)
+            self.reports.report(
+                "actor_dropped",
+                "lease",
+                f"{a.actor_id} was silent for more than "
+                f"{wire.lease_s:g} s (wire.lease_s); its {a.outstanding} credits "
+                f"return to the pool",
+                actor_id=a.actor_id,
+                outstanding=a.outstanding,
+            )
         for a, n in news.reclaimed:
-            self.reports.report("credits_reclaimed", "no_progress", f"{a.actor_id} held {n} credits, generated "
-                                f"no token and delivered no episode for {credit_timeout_s(wire):g} s (wire.credit_timeout_s); "
-                                f"they return to the pool and it gets one at a time until it delivers",
-                                actor_id=a.actor_id, outstanding=n)
+            self.reports.report(
+                "credits_reclaimed",
+                "no_progress",
+                f"{a.actor_id} held {n} credits, generated "
+                f"no token and delivered no episode for {credit_timeout_s(wire):g} s (wire.credit_timeout_s); "
+                f"they return to the pool and it gets one at a time until it delivers",
+                actor_id=a.actor_id,
+                outstanding=n,
+            )
         for a in news.evicted:
             self._status_logged.pop(a.identity, None)
-            self.reports.report("actor_dropped", "evicted", f"{a.actor_id} (never delivered an episode) made "
-                                f"room in the full actor table for an actor that did",
-                                actor_id=a.actor_id, outstanding=a.outstanding)
+            self.reports.report(
+                "actor_dropped",
+                "evicted",
+                f"{a.actor_id} (never delivered an episode) made room in the full actor table for an actor that did",
+                actor_id=a.actor_id,
+                outstanding=a.outstanding,
+            )
         for key, _ in news.denied:
-            self.reports.report("connection_refused", "curve_key", f"a CURVE client with key {key} is "
-                                f"not in the server's authorized keys", client_key=key)
+            self.reports.report(
+                "connection_refused",
+                "curve_key",
+                f"a CURVE client with key {key} is not in the server's authorized keys",
+                client_key=key,
+            )
 
     def _ingest(self, arrivals: list[Arrival], version: int) -> None:
         """Validate, write (WAL, fsync once) and acknowledge; invalid episodes are rejected."""
@@ -251,9 +285,13 @@ class Peers:
                 self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
                 self.net.delivered(ep.actor_id, 1)  # (progress: valid and in the buffer, nothing less)
             else:
-                self.reports.report("duplicate_episode", "duplicate", f"episode {ep.id} from "
-                                    f"{ep.actor_id} is already in the buffer (a resend)",
-                                    episode_id=ep.id, actor_id=ep.actor_id)
+                self.reports.report(
+                    "duplicate_episode",
+                    "duplicate",
+                    f"episode {ep.id} from {ep.actor_id} is already in the buffer (a resend)",
+                    episode_id=ep.id,
+                    actor_id=ep.actor_id,
+                )
         self._write(None, None)
         self.net.ack(acks, rejected)
 
@@ -269,8 +307,13 @@ class Peers:
     def _reject(self, ep, reason: str, text: str, rejected: dict) -> None:
         self.rejected_episodes += 1
         rejected[ep.actor_id].append(Rejected(id=ep.id, reason=f"{reason}: {text}"[:_REASON_CHARS]))
-        self.reports.report("episode_rejected", reason, f"episode {ep.id} from {ep.actor_id}: {text}",
-                            episode_id=ep.id, actor_id=ep.actor_id)
+        self.reports.report(
+            "episode_rejected",
+            reason,
+            f"episode {ep.id} from {ep.actor_id}: {text}",
+            episode_id=ep.id,
+            actor_id=ep.actor_id,
+        )
 
     def _control(self, identity: bytes, msg, version: int) -> None:
         try:
@@ -291,5 +334,4 @@ class Peers:
         if self.net.has_actors():
             self._no_actor_since = now
         elif limit is not None and self.stop_reason is None and now - self._no_actor_since > limit:
-            self.stop_reason = (f"no actor for {limit:g} s (train.exit_after_no_actors_s); stopping "
-                                f"after a checkpoint")
+            self.stop_reason = f"no actor for {limit:g} s (train.exit_after_no_actors_s); stopping after a checkpoint"

@@ -47,11 +47,20 @@ from typing import Callable, NamedTuple
 import numpy as np
 import zmq
 
-from ...wire.codec import (Message, WireError, decode, decode_episode, encode, episode_identity)
-from ...wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe,
-                             Welcome)
-from ...wire.sockets import (apply_curve_server, bind, bind_ipc, check_wire, drain, key_allows, private_dir,
-                            send_frames, send_routed, start_curve_auth)
+from ...wire.codec import Message, WireError, decode, decode_episode, encode, episode_identity
+from ...wire.messages import Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe, Welcome
+from ...wire.sockets import (
+    apply_curve_server,
+    bind,
+    bind_ipc,
+    check_wire,
+    drain,
+    key_allows,
+    private_dir,
+    send_frames,
+    send_routed,
+    start_curve_auth,
+)
 
 _CHUNK = 16  # messages taken from one socket before the next socket's turn
 _WEIGHTS_HWM = 2  # weights messages queued per subscriber, at most (one is the rule, see _send_weights)
@@ -71,8 +80,12 @@ class Limits:
     @classmethod
     def from_config(cls, wire_cfg, max_positions: int | None = None) -> "Limits":
         tokens = wire_cfg.max_tokens_per_trajectory or 4 * (max_positions or 4096)
-        return cls(header_bytes=wire_cfg.max_header_kb << 10, control_bytes=wire_cfg.max_control_kb << 10,
-                   max_trajectories=wire_cfg.max_trajectories_per_episode, max_tokens=tokens)
+        return cls(
+            header_bytes=wire_cfg.max_header_kb << 10,
+            control_bytes=wire_cfg.max_control_kb << 10,
+            max_trajectories=wire_cfg.max_trajectories_per_episode,
+            max_tokens=tokens,
+        )
 
     @property
     def frame_bytes(self) -> int:
@@ -133,9 +146,14 @@ class Housekeeping:
 
 
 class LearnerServer:
-    def __init__(self, wire_cfg, on_bad_message: Callable[[str, Exception], None],
-                 previous: dict[str, str] | None = None, limits: Limits | None = None,
-                 sock_dir: Path | None = None):
+    def __init__(
+        self,
+        wire_cfg,
+        on_bad_message: Callable[[str, Exception], None],
+        previous: dict[str, str] | None = None,
+        limits: Limits | None = None,
+        sock_dir: Path | None = None,
+    ):
         """``sock_dir``: the private directory of the ipc sockets (without CURVE keys); None makes a
         temporary one, removed by :meth:`close`."""
         check_wire(wire_cfg)
@@ -158,17 +176,25 @@ class LearnerServer:
         self.on_bad_message = on_bad_message
         prev = previous or {}
         lim = self.limits
-        self.episodes = self._socket(zmq.PULL, wire_cfg, "episodes", prev.get("episodes"),
-                                     max_bytes=lim.frame_bytes, hwm=wire_cfg.hwm)
-        self.control = self._socket(zmq.ROUTER, wire_cfg, "control", prev.get("control"),
-                                    max_bytes=lim.control_bytes)
-        self.weights = self._socket(zmq.ROUTER, wire_cfg, "weights", prev.get("weights"),
-                                    max_bytes=lim.control_bytes, hwm=_WEIGHTS_HWM)
-        self.events = self._socket(zmq.PUB, wire_cfg, "events", prev.get("events"),
-                                   max_bytes=lim.control_bytes, hwm=wire_cfg.hwm)
-        self.addresses = {name: sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                          for name, sock in (("episodes", self.episodes), ("control", self.control),
-                                             ("weights", self.weights), ("events", self.events))}
+        self.episodes = self._socket(
+            zmq.PULL, wire_cfg, "episodes", prev.get("episodes"), max_bytes=lim.frame_bytes, hwm=wire_cfg.hwm
+        )
+        self.control = self._socket(zmq.ROUTER, wire_cfg, "control", prev.get("control"), max_bytes=lim.control_bytes)
+        self.weights = self._socket(
+            zmq.ROUTER, wire_cfg, "weights", prev.get("weights"), max_bytes=lim.control_bytes, hwm=_WEIGHTS_HWM
+        )
+        self.events = self._socket(
+            zmq.PUB, wire_cfg, "events", prev.get("events"), max_bytes=lim.control_bytes, hwm=wire_cfg.hwm
+        )
+        self.addresses = {
+            name: sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            for name, sock in (
+                ("episodes", self.episodes),
+                ("control", self.control),
+                ("weights", self.weights),
+                ("events", self.events),
+            )
+        }
         self.actors: dict[bytes, ActorState] = {}
         self.subscribers: dict[bytes, Subscriber] = {}
         self.undecodable: list[tuple[str, str, WireError]] = []
@@ -184,8 +210,7 @@ class LearnerServer:
         self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
         self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
-    def _socket(self, kind, wire_cfg, name: str, previous_address: str | None, max_bytes: int,
-                hwm: int | None = None):
+    def _socket(self, kind, wire_cfg, name: str, previous_address: str | None, max_bytes: int, hwm: int | None = None):
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a larger frame disconnects its sender
@@ -202,7 +227,9 @@ class LearnerServer:
             return sock
         apply_curve_server(sock, wire_cfg.curve_dir)
         port = getattr(wire_cfg, f"{name}_port")
-        if port == 0 and previous_address and previous_address.startswith("tcp://"):  # a resumed learner keeps its ports
+        if (
+            port == 0 and previous_address and previous_address.startswith("tcp://")
+        ):  # a resumed learner keeps its ports
             try:
                 bind(sock, wire_cfg.host, int(previous_address.rsplit(":", 1)[1]))
                 return sock
@@ -229,8 +256,13 @@ class LearnerServer:
         while progress and taken < budget:
             progress = False
             for sock, handle, max_parts, channel in channels:
-                n = drain(sock, handle, min(_CHUNK, budget - taken), max_parts=max_parts,
-                          on_error=lambda e, ch=channel: self.on_bad_message(ch, e))
+                n = drain(
+                    sock,
+                    handle,
+                    min(_CHUNK, budget - taken),
+                    max_parts=max_parts,
+                    on_error=lambda e, ch=channel: self.on_bad_message(ch, e),
+                )
                 taken += n
                 progress = progress or n > 0
         return episodes, control
@@ -249,22 +281,35 @@ class LearnerServer:
             identity = frames[0].bytes
             main = identity[:-3] if identity.endswith(b":hb") else identity  # (its heartbeat socket)
             self.actors.pop(main, None)
-            self.send_control(identity, Stop(reason=f"this actor's CURVE key {user} was revoked (no longer in "
-                                                    f"the learner's authorized/ directory)"))
-        raise WireError(f"a {channel} message from CURVE key {user}, which is no longer authorised (revoked); "
-                        f"dropped", reason="revoked_key")
+            self.send_control(
+                identity,
+                Stop(
+                    reason=f"this actor's CURVE key {user} was revoked (no longer in "
+                    f"the learner's authorized/ directory)"
+                ),
+            )
+        raise WireError(
+            f"a {channel} message from CURVE key {user}, which is no longer authorised (revoked); dropped",
+            reason="revoked_key",
+        )
 
     def _check_speaker(self, key_name: str | None, actor_id: str, identity: bytes | None, channel: str) -> None:
         """With CURVE: refuse a message whose actor id, or routing identity (``<actor id>:...``), is
         not the one its key is bound to (an authorised actor speaking for another)."""
         if self.auth is None:
             return
-        if key_name is not None and key_allows(key_name, actor_id) and (
-                identity is None or identity.startswith(f"{actor_id}:".encode())):
+        if (
+            key_name is not None
+            and key_allows(key_name, actor_id)
+            and (identity is None or identity.startswith(f"{actor_id}:".encode()))
+        ):
             return
         said = f"actor id {actor_id!r}" + ("" if identity is None else f" (identity {identity[:80]!r})")
-        raise WireError(f"a {channel} message with {said} came with the CURVE key of {key_name!r}; a key speaks "
-                        f"only for the actor it was made for", reason="wrong_key")
+        raise WireError(
+            f"a {channel} message with {said} came with the CURVE key of {key_name!r}; a key speaks "
+            f"only for the actor it was made for",
+            reason="wrong_key",
+        )
 
     def _take_episode(self, frames, out: list[Arrival]) -> None:
         t0 = time.perf_counter()
@@ -325,18 +370,21 @@ class LearnerServer:
         if identity not in self.actors and len(self.actors) >= self.max_actors:
             strangers = [a for a in self.actors.values() if a.delivered == 0]
             if actor_id not in self._known or not strangers:
-                raise WireError(f"actor table full ({self.max_actors} actors, wire.max_actors); refused "
-                                f"{actor_id!r}", reason="actors_full")
+                raise WireError(
+                    f"actor table full ({self.max_actors} actors, wire.max_actors); refused {actor_id!r}",
+                    reason="actors_full",
+                )
             # an actor that delivered before comes back: the stranger admitted first makes room
             stranger = min(strangers, key=lambda a: a.admitted_at)
             del self.actors[stranger.identity]
             self.evicted.append(stranger)
-            self.send_control(stranger.identity, Stop(reason=f"the actor table is full and {actor_id!r}, "
-                                                             f"which delivered episodes before, came back"))
+            self.send_control(
+                stranger.identity,
+                Stop(reason=f"the actor table is full and {actor_id!r}, which delivered episodes before, came back"),
+            )
         state = ActorState(identity, actor_id, min(capacity, self.max_capacity), hog=actor_id in self._hogs)
         self.actors[identity] = state
-        self.send_control(identity, Welcome(session=self.session, addresses=self.addresses,
-                                            lease_s=self.lease_s))
+        self.send_control(identity, Welcome(session=self.session, addresses=self.addresses, lease_s=self.lease_s))
         return state
 
     def expire(self) -> list[ActorState]:
@@ -353,8 +401,9 @@ class LearnerServer:
                 a.settled = True  # the one credit it gets next starts its clock anew: one reclaim per timeout, no storm
                 self._remember(self._hogs, a.actor_id)
         live_ids = {a.actor_id for a in self.actors.values()}
-        for ident in [i for i, s in self.subscribers.items()
-                      if now - s.last_seen > self.lease_s and s.actor_id not in live_ids]:
+        for ident in [
+            i for i, s in self.subscribers.items() if now - s.last_seen > self.lease_s and s.actor_id not in live_ids
+        ]:
             del self.subscribers[ident]
         return dead
 
@@ -429,13 +478,19 @@ class LearnerServer:
         grants = {ident: 0 for ident, _ in order}
         granted = 0
         strangers = {ident for ident, a in order if self._stranger(a)}
-        stranger_room = (len(self.actors) * self.max_capacity if stranger_cap is None else
-                         max(0, stranger_cap - sum(self.actors[i].outstanding for i in strangers)))
+        stranger_room = (
+            len(self.actors) * self.max_capacity
+            if stranger_cap is None
+            else max(0, stranger_cap - sum(self.actors[i].outstanding for i in strangers))
+        )
         while free > 0:
             progress = False
             for ident, a in order:
-                if free > 0 and a.outstanding + grants[ident] < (1 if a.hog else a.capacity) and (
-                        stranger_room > 0 or ident not in strangers):
+                if (
+                    free > 0
+                    and a.outstanding + grants[ident] < (1 if a.hog else a.capacity)
+                    and (stranger_room > 0 or ident not in strangers)
+                ):
                     grants[ident] += 1
                     free -= 1
                     granted += 1

@@ -40,8 +40,12 @@ class StalenessPolicy:
 
     @classmethod
     def from_config(cls, cfg) -> "StalenessPolicy":
-        return cls(max_staleness=cfg.buffer.max_staleness, stale_tokens=cfg.buffer.stale_tokens,
-                   batch_tasks=cfg.train.batch_tasks, capacity=cfg.buffer.capacity)
+        return cls(
+            max_staleness=cfg.buffer.max_staleness,
+            stale_tokens=cfg.buffer.stale_tokens,
+            batch_tasks=cfg.train.batch_tasks,
+            capacity=cfg.buffer.capacity,
+        )
 
     def credit_pool(self) -> int:
         """Most episodes generated or waiting at once (in flight + buffered)."""

@@ -65,12 +65,15 @@ _ACTIVE: contextvars.ContextVar[_Layout | None] = contextvars.ContextVar("asyncr
 def _layout() -> _Layout:
     layout = _ACTIVE.get()
     if layout is None:
-        raise RuntimeError("an asyncrl packed-attention function was called outside a packed forward "
-                           "(asyncrl.learner.training.attention.packed_attention)")
+        raise RuntimeError(
+            "an asyncrl packed-attention function was called outside a packed forward "
+            "(asyncrl.learner.training.attention.packed_attention)"
+        )
     return layout
 
 
 # --- varlen ------------------------------------------------------------------------------------------
+
 
 def _torch_varlen():
     try:
@@ -86,8 +89,9 @@ def _parameters(fn) -> frozenset:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _kernel_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None,
-                   window: int | None) -> Tensor:
+def _kernel_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None, window: int | None
+) -> Tensor:
     """torch's flash variable-length kernel on ``[T, H, D]`` tensors, causal (within ``window``). Its
     keyword arguments changed across torch releases (``is_causal`` in 2.10-2.11, ``window_size`` later;
     ``enable_gqa`` later still): taken from its signature."""
@@ -102,15 +106,18 @@ def _kernel_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, sc
     if "window_size" in params:
         kw["window_size"] = (window - 1 if window else -1, 0)
     elif window:
-        raise ValueError(f"train.attention=varlen: this torch's varlen_attn has no sliding window (a layer's "
-                         f"window is {window}); use train.attention=flex or padded")
+        raise ValueError(
+            f"train.attention=varlen: this torch's varlen_attn has no sliding window (a layer's "
+            f"window is {window}); use train.attention=flex or padded"
+        )
     else:
         kw["is_causal"] = True
     return fn(q, k, v, cu, cu, longest, longest, **kw)
 
 
-def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None,
-                     window: int | None) -> Tensor:
+def reference_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None, window: int | None
+) -> Tensor:
     """What the kernel computes, one sequence at a time through SDPA (any device and dtype): the
     check of the layout's arithmetic on a CPU, where the kernel does not run."""
     if k.shape[1] != q.shape[1]:
@@ -124,16 +131,26 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, 
         if window:
             allowed &= i[:, None] - i[None, :] < window
         out[a:b] = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed,
-            scale=scale).transpose(0, 1)
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed, scale=scale
+        ).transpose(0, 1)
     return out
 
 
 VARLEN_KERNEL = _kernel_varlen  # (tests on a CPU put reference_varlen here)
 
 
-def _varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                      dropout: float = 0.0, sliding_window: int | None = None, softcap=None, **kwargs):
+def _varlen_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap=None,
+    **kwargs,
+):
     """transformers' attention-function contract: ``query [1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``
     -> ``([1, T, H, D], None)``."""
     layout = _layout()
@@ -180,19 +197,42 @@ def _block_mask(layout: _Layout, window: int | None):
         from torch.nn.attention.flex_attention import create_block_mask
 
         W = layout.packed.shape[1]
-        mask = create_block_mask(document_mask(layout.packed, window), None, None, W, W,
-                                 device=layout.packed.segments.device, BLOCK_SIZE=FLEX_BLOCK)
+        mask = create_block_mask(
+            document_mask(layout.packed, window),
+            None,
+            None,
+            W,
+            W,
+            device=layout.packed.segments.device,
+            BLOCK_SIZE=FLEX_BLOCK,
+        )
         layout.masks[window] = mask
     return mask
 
 
-def _flex_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                    dropout: float = 0.0, sliding_window: int | None = None, softcap=None, **kwargs):
+def _flex_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap=None,
+    **kwargs,
+):
     layout = _layout()
     if softcap:
         raise ValueError("train.attention=flex: attention logit soft-capping is not supported here; use padded")
-    out = _flex_fn(query.device)(query, key, value, block_mask=_block_mask(layout, sliding_window), scale=scaling,
-                                 enable_gqa=key.shape[1] != query.shape[1])
+    out = _flex_fn(query.device)(
+        query,
+        key,
+        value,
+        block_mask=_block_mask(layout, sliding_window),
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -207,6 +247,7 @@ _register()
 
 
 # --- the switch ----------------------------------------------------------------------------------------
+
 
 def _config(model):
     """The model's config (:func:`.packing.model_config`); ValueError without one."""
@@ -235,6 +276,7 @@ def packed_attention(model, path: str, packed: PackedRows):
 
 # --- which path --------------------------------------------------------------------------------------
 
+
 def sliding_window_of(model) -> int | None:
     """The smallest sliding window any layer of ``model`` attends within (None: every layer full)."""
     config = _config(model)
@@ -257,8 +299,14 @@ def available(path: str, model, device: str | torch.device, training: bool = Tru
         return None
     if path == "mask":
         window = sliding_window_of(model)
-        return (f"the model has sliding-window layers (window {window}), which one dense block mask cannot "
-                f"express; train.attention=flex or varlen on CUDA, or padded") if window else None
+        return (
+            (
+                f"the model has sliding-window layers (window {window}), which one dense block mask cannot "
+                f"express; train.attention=flex or varlen on CUDA, or padded"
+            )
+            if window
+            else None
+        )
     if impl and impl not in ("sdpa", "eager", *_NAMES.values()):
         return f"the model's own attention ({impl}) packs with position ids: train.attention=mask"
     if path == "varlen":
@@ -267,7 +315,9 @@ def available(path: str, model, device: str | torch.device, training: bool = Tru
         if device.type != "cuda":
             return "torch's varlen_attn is a CUDA kernel (this learner runs on " + device.type + ")"
         if dtype not in (torch.bfloat16, torch.float16):
-            return f"torch's varlen_attn takes bfloat16 or float16 (the model is {str(dtype).split('.')[-1]}: model.dtype)"
+            return (
+                f"torch's varlen_attn takes bfloat16 or float16 (the model is {str(dtype).split('.')[-1]}: model.dtype)"
+            )
         return None
     if path == "flex":
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
@@ -278,8 +328,9 @@ def available(path: str, model, device: str | torch.device, training: bool = Tru
     raise ValueError(f"train.attention: unknown path {path!r}; one of {', '.join(PATHS)}")
 
 
-def choose(setting: str, packing: bool, model, device, deterministic: bool = False,
-           recompute: bool = False) -> tuple[str | None, list[str]]:
+def choose(
+    setting: str, packing: bool, model, device, deterministic: bool = False, recompute: bool = False
+) -> tuple[str | None, list[str]]:
     """``(path, candidates)``: the path ``setting`` (train.attention) gives for ``model`` on ``device``,
     or None with the candidates :func:`measure` times (auto on CUDA). A named path that cannot run is
     a ValueError saying why. ``recompute`` (gradient checkpointing: the backward runs the layers again,
@@ -317,8 +368,11 @@ def measure(candidates: list[str], run, sync=None) -> tuple[str, dict[str, float
             times[path] = time.perf_counter() - t0
         except Exception as e:  # (a compile failure, a kernel this card lacks, out of memory): not a candidate
             times[path] = float("nan")
-            print(f"[learner] train.attention=auto: {path} failed on the first micro-batch "
-                  f"({type(e).__name__}: {str(e)[:300]}); left out", flush=True)
+            print(
+                f"[learner] train.attention=auto: {path} failed on the first micro-batch "
+                f"({type(e).__name__}: {str(e)[:300]}); left out",
+                flush=True,
+            )
     ok = {p: t for p, t in times.items() if t == t}
     if not ok:
         raise RuntimeError("train.attention=auto: every candidate failed on the first micro-batch")

@@ -19,11 +19,20 @@ from torch import Tensor
 
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
-from .chunked_head import chunk_tokens, output_layer, target_head, usable
 from .attention import FLEX_BLOCK, packed_attention
+from .chunked_head import chunk_tokens, output_layer, target_head, usable
 from .packing import mask_for, pack_rows, varlen_attention
 
-__all__ = ["Forward", "TrainBatch", "collate", "compute_logprobs", "forward_rows", "put_rows", "shared_width", "value_rows"]
+__all__ = [
+    "Forward",
+    "TrainBatch",
+    "collate",
+    "compute_logprobs",
+    "forward_rows",
+    "put_rows",
+    "shared_width",
+    "value_rows",
+]
 
 
 @dataclass
@@ -129,8 +138,9 @@ def _shifted(arr: np.ndarray | None, n: int, width: int, dtype: torch.dtype) -> 
     return row
 
 
-def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int,
-            device: str | torch.device = "cpu") -> TrainBatch:
+def collate(
+    trajectories: list[Trajectory], advantages: Tensor, pad_id: int, device: str | torch.device = "cpu"
+) -> TrainBatch:
     """Pad ``N`` trajectories into a :class:`TrainBatch` with ``advantages[N]`` on response tokens.
 
     ``exp_mask`` comes from ``Trajectory.exp_mask``; a replay trajectory (``is_replay``) without one
@@ -203,9 +213,17 @@ class Forward:
         return 1.0 - self.real_tokens / max(self.slots, 1)
 
 
-def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
-                 entropy_grad: bool = True, packing: bool | str = False, shared_prefix: bool = False,
-                 width: int | None = None, logits_chunk_mb: float = 0) -> Forward:
+def forward_rows(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    packing: bool | str = False,
+    shared_prefix: bool = False,
+    width: int | None = None,
+    logits_chunk_mb: float = 0,
+) -> Forward:
     """Forward a Hugging Face causal LM over ``batch``: the log-probs of the targets
     (``logits[:, :-1] / temperature`` against ``input_ids[:, 1:]``), and with ``with_entropy`` the
     entropies. Grad flows if enabled by the caller (``torch.no_grad()`` for the proximal/reference
@@ -225,13 +243,16 @@ def forward_rows(model: torch.nn.Module, batch: TrainBatch, temperature: float =
     """
     chunk = _chunk_for(model, batch, logits_chunk_mb, temperature)
     if _path(packing) != "padded":
-        return _packed_forward(model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk,
-                               _path(packing))
+        return _packed_forward(
+            model, batch, temperature, with_entropy, entropy_grad, shared_prefix, width, chunk, _path(packing)
+        )
     if chunk:
         valid = (batch.attention_mask[:, 1:] > 0) & (batch.response_mask > 0)  # target j (token j + 1) is trained
         T = batch.input_ids.shape[1]
-        slots = (torch.arange(batch.input_ids.shape[0], device=valid.device)[:, None] * T
-                 + torch.arange(T - 1, device=valid.device)[None, :])[valid]
+        slots = (
+            torch.arange(batch.input_ids.shape[0], device=valid.device)[:, None] * T
+            + torch.arange(T - 1, device=valid.device)[None, :]
+        )[valid]
         with target_head(model, slots, batch.input_ids[:, 1:][valid], temperature, with_entropy, entropy_grad, chunk):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         lp, ent = _place(out.logits, valid, with_entropy)
@@ -277,8 +298,13 @@ def shared_width(batch: TrainBatch, budget: int) -> int:
     return max(longest, min(4 * longest, budget))
 
 
-def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool | str = False, shared_prefix: bool = False,
-               width: int | None = None) -> Tensor:
+def value_rows(
+    critic: torch.nn.Module,
+    batch: TrainBatch,
+    packing: bool | str = False,
+    shared_prefix: bool = False,
+    width: int | None = None,
+) -> Tensor:
     """``[B, T-1]``: a critic's value of the state before each target token, i.e. its scalar head at
     the position whose logits would predict the token (``asyncrl.models.value``: a causal LM whose
     output layer is the head). ``packing``, ``shared_prefix``, ``width``: the rows packed into bins as
@@ -293,17 +319,24 @@ def value_rows(critic: torch.nn.Module, batch: TrainBatch, packing: bool | str =
     return flat.new_zeros(valid.shape).masked_scatter(valid, flat[packed.token_index[:, :-1][valid]])
 
 
-def compute_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                     with_entropy: bool = False, entropy_grad: bool = True, packing: bool | str = False,
-                     shared_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
+def compute_logprobs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    packing: bool | str = False,
+    shared_prefix: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """``(logprobs[B, T-1], entropy[B, T-1] or None)`` of :func:`forward_rows`. Positions past a
     row's end hold finite junk (padded) or 0 (packed); mask them."""
     out = forward_rows(model, batch, temperature, with_entropy, entropy_grad, packing, shared_prefix)
     return out.logprobs, out.entropy
 
 
-def _targets(logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
-             entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+def _targets(
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, labels)
@@ -335,8 +368,14 @@ def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None
     starts = first_trained(batch) if shared_prefix else None
     lengths = batch.attention_mask.sum(1)
     if path in ("flex", "varlen"):
-        packed = pack_rows(batch.input_ids, lengths, starts=starts if path == "flex" else None, varlen=path == "varlen",
-                           flat=True, multiple=FLEX_BLOCK if path == "flex" else 1)
+        packed = pack_rows(
+            batch.input_ids,
+            lengths,
+            starts=starts if path == "flex" else None,
+            varlen=path == "varlen",
+            flat=True,
+            multiple=FLEX_BLOCK if path == "flex" else 1,
+        )
         with packed_attention(model, path, packed), head(packed) if head is not None else contextlib.nullcontext():
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
         return packed, out
@@ -344,13 +383,26 @@ def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None
     packed = pack_rows(batch.input_ids, lengths, width=width, starts=None if varlen else starts, varlen=varlen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     with head(packed) if head is not None else contextlib.nullcontext():
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                    attention_mask=mask_for(model, packed.attention, dtype), use_cache=False)
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=mask_for(model, packed.attention, dtype),
+            use_cache=False,
+        )
     return packed, out
 
 
-def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
-                    shared_prefix: bool, width: int | None, chunk: int = 0, path: str = "mask") -> Forward:
+def _packed_forward(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    shared_prefix: bool,
+    width: int | None,
+    chunk: int = 0,
+    path: str = "mask",
+) -> Forward:
     """:func:`forward_rows` on the packed layout: the model runs ``[R, W]`` slots; each row's
     target ``j`` takes the logits of the slot holding its token ``j`` (only real targets go through
     the vocabulary's softmax) and lands back at ``[b, j]``."""
@@ -360,8 +412,9 @@ def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: 
 
         def head(packed):
             valid = (packed.token_index[:, 1:] >= 0) & trained
-            return target_head(model, packed.token_index[:, :-1][valid], labels[valid], temperature, with_entropy,
-                               entropy_grad, chunk)
+            return target_head(
+                model, packed.token_index[:, :-1][valid], labels[valid], temperature, with_entropy, entropy_grad, chunk
+            )
 
         packed, out = _run_packed(model, batch, shared_prefix, width, head, path)
         lp, ent = _place(out.logits, (packed.token_index[:, 1:] >= 0) & trained, with_entropy)
@@ -372,8 +425,9 @@ def _packed_forward(model, batch: TrainBatch, temperature: float, with_entropy: 
     logits = out.logits.reshape(R * W, -1)
     index = packed.token_index
     valid = index[:, 1:] >= 0  # target j (token j + 1) exists
-    lp, ent = _targets(logits[index[:, :-1][valid]], batch.input_ids[:, 1:][valid], temperature, with_entropy,
-                       entropy_grad)
+    lp, ent = _targets(
+        logits[index[:, :-1][valid]], batch.input_ids[:, 1:][valid], temperature, with_entropy, entropy_grad
+    )
     shape = valid.shape
 
     def place(values: Tensor | None) -> Tensor | None:

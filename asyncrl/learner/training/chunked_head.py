@@ -65,11 +65,11 @@ class _TargetLogits(torch.autograd.Function):
         lse = torch.empty_like(logp)
         ent = torch.zeros_like(logp) if with_entropy else logp.new_zeros(0)
         for s in range(0, n, chunk):
-            z = _logits(h[s:s + chunk], weight, bias, temperature)
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            logp[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            z = _logits(h[s : s + chunk], weight, bias, temperature)
+            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
+            logp[s : s + chunk] = z.gather(-1, labels[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
             if with_entropy:
-                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+                ent[s : s + chunk] = lse[s : s + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
         ctx.save_for_backward(h, weight, bias if bias is not None else weight.new_zeros(0), labels, lse, ent)
         ctx.temperature, ctx.chunk, ctx.has_bias = temperature, chunk, bias is not None
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -105,8 +105,16 @@ class _TargetLogits(torch.autograd.Function):
                 g_w += (g.t() @ h[s:e]).float()
             if want_b:
                 g_b += g.float().sum(0)
-        return (g_h, g_w.to(weight.dtype) if want_w else None, g_b.to(weight.dtype) if want_b else None,
-                None, None, None, None, None)
+        return (
+            g_h,
+            g_w.to(weight.dtype) if want_w else None,
+            g_b.to(weight.dtype) if want_b else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -117,8 +125,15 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) 
 
 
 @contextlib.contextmanager
-def target_head(model, slots: Tensor, labels: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                entropy_grad: bool = True, chunk: int = 1024):
+def target_head(
+    model,
+    slots: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk: int = 1024,
+):
     """Within the block, a forward of ``model`` returns as ``logits`` a ``[1, N, 2]`` tensor: for each of
     the N targets, the log-prob of ``labels[i]`` at flat position ``slots[i]`` (``row * width + column``
     of the forward's input; a position may be asked for several times) and the entropy there (0 without
@@ -132,8 +147,9 @@ def target_head(model, slots: Tensor, labels: Tensor, temperature: float = 1.0, 
         flat = hidden.reshape(-1, hidden.shape[-1])
         h = flat.index_select(0, slots.to(flat.device))
         lab = labels.to(flat.device)
-        logp, ent = _TargetLogits.apply(h, head.weight, head.bias, lab, temperature, with_entropy,
-                                        entropy_grad and torch.is_grad_enabled(), chunk)
+        logp, ent = _TargetLogits.apply(
+            h, head.weight, head.bias, lab, temperature, with_entropy, entropy_grad and torch.is_grad_enabled(), chunk
+        )
         return torch.stack([logp, ent if with_entropy else torch.zeros_like(logp)], dim=-1)[None]
 
     before = head.__dict__.get("forward")  # (a hook's own forward on the instance, e.g. accelerate's)
@@ -165,7 +181,10 @@ def usable(model, run_plain, run_chunked) -> bool:
         if not known:
             import warnings
 
-            warnings.warn(f"{type(model).__name__}: its forward changes the output layer's logits (or the chunked "
-                          f"output layer failed); the learner computes full logits for it", stacklevel=2)
+            warnings.warn(
+                f"{type(model).__name__}: its forward changes the output layer's logits (or the chunked "
+                f"output layer failed); the learner computes full logits for it",
+                stacklevel=2,
+            )
         _CHECKED[head] = known
     return known

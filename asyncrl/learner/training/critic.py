@@ -52,10 +52,12 @@ class Critic:
         self.return_lam = critic_cfg.lam if critic_cfg.lam is not None else self.adv.lam
         critic = build_critic(policy, critic_cfg, model_cfg, seed, device=train_cfg.device)
         self.model = dist_learner.wrap(critic, distributed)
-        opt_cfg = train_cfg.model_copy(update={"lr": critic_cfg.lr or train_cfg.lr,
-                                               "weight_decay": critic_cfg.weight_decay})
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], opt_cfg,
-                               fused=distributed != "fsdp2")
+        opt_cfg = train_cfg.model_copy(
+            update={"lr": critic_cfg.lr or train_cfg.lr, "weight_decay": critic_cfg.weight_decay}
+        )
+        self.optimizer = adamw(
+            [p for p in self.model.parameters() if p.requires_grad], opt_cfg, fused=distributed != "fsdp2"
+        )
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
@@ -69,8 +71,9 @@ class Critic:
         """``micro``'s ``old_values`` and ``returns`` (GAE per row with ``critic.lam``) from ``values``."""
         mask = micro.response_mask
         micro.old_values = values * mask
-        _, micro.returns = gae(token_rewards(micro.rewards, mask), micro.old_values, mask, self.adv.gamma,
-                               self.return_lam)
+        _, micro.returns = gae(
+            token_rewards(micro.rewards, mask), micro.old_values, mask, self.adv.gamma, self.return_lam
+        )
 
     def _values(self, micro: TrainBatch) -> torch.Tensor:
         width = shared_width(micro, self.micro_tokens) if self.shared_prefix and self.attention == "mask" else None
@@ -103,10 +106,13 @@ class Critic:
         batch.old_values, batch.returns = values, returns
         n = mask.sum(1)
         batch.row_advantages = torch.where(n > 0, batch.advantages.sum(1) / n.clamp(min=1), 0.0)
-        return {**stats, "critic/value_mean": float(masked_mean(values, mask)),
-                "critic/return_mean": float(masked_mean(returns, mask)),
-                "critic/explained_variance": explained_variance(values, returns, mask),
-                "critic/advantage_raw_mean": raw_mean}
+        return {
+            **stats,
+            "critic/value_mean": float(masked_mean(values, mask)),
+            "critic/return_mean": float(masked_mean(returns, mask)),
+            "critic/explained_variance": explained_variance(values, returns, mask),
+            "critic/advantage_raw_mean": raw_mean,
+        }
 
     def train_on(self, mb: TrainBatch, values_out: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step of the critic on mini-batch ``mb`` (this rank's rows). ``values_out``
@@ -121,8 +127,9 @@ class Critic:
             if values_out is not None:  # (one process only: every part is real)
                 self._targets(micro, v.detach())
                 put_rows(values_out, part.index, micro.old_values)
-            loss, clipfrac = value_loss(v, micro.returns, micro.old_values, micro.response_mask,
-                                        self.cfg.cliprange_value)
+            loss, clipfrac = value_loss(
+                v, micro.returns, micro.old_values, micro.response_mask, self.cfg.cliprange_value
+            )
             scale, _ = loss_scales(micro.response_mask, "token-mean", part.totals)
             (loss * (scale if part.real else 0.0)).backward()
             if part.real:
@@ -130,9 +137,14 @@ class Critic:
                 loss_sum += float(loss.detach()) * scale
                 clip_sum, tokens = clip_sum + float(clipfrac) * n, tokens + n
         update = apply_update(self.optimizer, loss_sum, self.cfg.max_grad_norm, self.distributed)
-        stats = {"critic/value_loss": loss_sum, "critic/clipfrac": clip_sum / tokens if tokens else 0.0,
-                 "critic/grad_norm": update["grad_norm"], "critic/skipped_nonfinite": update["skipped_nonfinite"]}
+        stats = {
+            "critic/value_loss": loss_sum,
+            "critic/clipfrac": clip_sum / tokens if tokens else 0.0,
+            "critic/grad_norm": update["grad_norm"],
+            "critic/skipped_nonfinite": update["skipped_nonfinite"],
+        }
         if self.distributed != "none":
-            stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
-                                              mean_keys=frozenset({"critic/value_loss"}))
+            stats = dist_learner.reduce_stats(
+                stats, float(mb.response_mask.sum()), mean_keys=frozenset({"critic/value_loss"})
+            )
         return stats

@@ -20,6 +20,7 @@ Promised here (``asyncrl.learner.training.ranks`` runs the learner's ranks on to
   publishing weights and for checkpoints); :func:`reduce_stats` and :func:`gather_rows` combine
   per-rank metrics and per-row tensors. Metrics cross ranks as msgpack bytes, never pickle.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,10 @@ def init_from_env(timeout_s: float = 60.0, curve_dir: str | None = None) -> tupl
     :func:`_group_store`."""
     missing = [name for name in _ENV if name not in os.environ]
     if missing:
-        raise RuntimeError(f"distributed.init_from_env: {', '.join(missing)} not set; start under torchrun "
-                           "or accelerate launch (they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+        raise RuntimeError(
+            f"distributed.init_from_env: {', '.join(missing)} not set; start under torchrun "
+            "or accelerate launch (they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+        )
     if timeout_s <= 0:
         raise ValueError(f"distributed.init_from_env: timeout_s={timeout_s}; expected a positive number of seconds")
     if not dist.is_initialized():
@@ -104,8 +107,13 @@ def init_from_env(timeout_s: float = 60.0, curve_dir: str | None = None) -> tupl
         if store is None:  # torchrun / accelerate: their own rendezvous store (MASTER_ADDR:MASTER_PORT)
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -131,9 +139,11 @@ def _group_store(timeout_s: float, curve_dir: str | None = None):
     if is_loopback(host):
         curve_dir = None
     elif not curve_dir:
-        raise RuntimeError(f"MASTER_ADDR={host} is not a loopback address: the learner group's store there is a CURVE "
-                           f"server, and rank {rank} has no keys; set wire.curve_dir (rank 0: the learner's server keys; "
-                           f"each other rank: a bundle made for it by `asyncrl keys`)")
+        raise RuntimeError(
+            f"MASTER_ADDR={host} is not a loopback address: the learner group's store there is a CURVE "
+            f"server, and rank {rank} has no keys; set wire.curve_dir (rank 0: the learner's server keys; "
+            f"each other rank: a bundle made for it by `asyncrl keys`)"
+        )
     if rank == 0:
         server = StoreServer(host, port, secret=secret, curve_dir=curve_dir)
         _STORE.append(server)
@@ -211,6 +221,7 @@ def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)
@@ -230,8 +241,10 @@ def shard_rows(n_rows: int, rank: int, world: int) -> slice:
     if not 0 <= rank < world:
         raise ValueError(f"distributed.shard_rows: rank {rank} outside a world of {world}")
     if n_rows < world:
-        raise ValueError(f"distributed.shard_rows: {n_rows} rows cannot be split over {world} ranks; "
-                         f"expected at least one row per rank (a larger batch or fewer mini_batches)")
+        raise ValueError(
+            f"distributed.shard_rows: {n_rows} rows cannot be split over {world} ranks; "
+            f"expected at least one row per rank (a larger batch or fewer mini_batches)"
+        )
     base, extra = divmod(n_rows, world)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (1 if rank < extra else 0))
@@ -357,6 +370,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     a collective (every rank calls it) and, with ``cpu_offload``, only rank 0 receives the tensors:
     the other ranks get an empty dict, so no rank but the one that publishes holds a full copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     inner = unwrap(model)
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
@@ -373,6 +387,7 @@ def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 # -- rank 0 -> the other ranks: what to do next -------------------------------------------------
+
 
 class Control:
     """Rank 0 tells the other ranks what to do next (:meth:`send`), they wait for it (:meth:`recv`).
@@ -421,12 +436,13 @@ class Control:
 
 # -- checkpoints: one format whatever the number of processes -------------------------------------
 
+
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's full state keyed by parameter name (not index), on the CPU: the same format
     from 1 process, DDP or FSDP2 (gathered from shards: a collective; only rank 0 receives it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def by_name(optim_state: dict, names: list[str]) -> dict:
@@ -441,17 +457,19 @@ def by_name(optim_state: dict, names: list[str]) -> dict:
         if not 0 <= int(i) < len(names):
             raise ValueError(f"optimizer state refers to parameter {i}; the model has {len(names)}")
         return names[int(i)]
-    return {"state": {name(i): v for i, v in optim_state.get("state", {}).items()},
-            "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in groups]}
+
+    return {
+        "state": {name(i): v for i, v in optim_state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in groups],
+    }
 
 
-def load_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                optim_state: dict) -> None:
+def load_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
     """Load full (unsharded, by-name) model and optimizer states into ``model``/``optimizer``, in any
     mode. Under a process group this is a collective: rank 0 passes the states, the other ranks
     empty dicts, and each rank receives its part (its shards under FSDP2)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     group = dist.is_initialized() and dist.get_world_size() > 1
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=group, strict=False)
     set_model_state_dict(model, model_state, options=opts)

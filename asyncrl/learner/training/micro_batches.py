@@ -49,7 +49,9 @@ def loss_scales(mask: torch.Tensor, agg_mode: str, totals: Totals) -> tuple[floa
     summed over the parts (and averaged over ``totals.world`` ranks), is the whole's; ``token_scale``
     does the same for a token-mean term (KL, entropy)."""
     if agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_scales: loss_agg_mode {agg_mode!r} unknown; expected one of {', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(
+            f"loss_scales: loss_agg_mode {agg_mode!r} unknown; expected one of {', '.join(LOSS_AGG_MODES)}"
+        )
     part = Totals.of(mask)
     token_scale = totals.world * part.tokens / max(totals.tokens, 1.0)
     if agg_mode == "token-mean":
@@ -106,8 +108,11 @@ def plan_micro_batches(batch: TrainBatch, budget: int, packing: bool, skip: bool
 SUM_KEYS = frozenset({"loss", "pg_loss"})  # already scaled to the whole: the parts add up
 
 
-def combine_stats(parts: list[tuple[dict[str, float], float]], sum_keys: frozenset[str] = SUM_KEYS,
-                  mean_keys: frozenset[str] = frozenset()) -> dict[str, float]:
+def combine_stats(
+    parts: list[tuple[dict[str, float], float]],
+    sum_keys: frozenset[str] = SUM_KEYS,
+    mean_keys: frozenset[str] = frozenset(),
+) -> dict[str, float]:
     """One dict from parts ``(stats, weight)``: per key over the parts that report it, the maximum
     for ``*_max``, the minimum for ``*_min``, the sum for counts (``*tokens``, ``*rows_skipped``) and
     ``sum_keys``, the plain mean for ``mean_keys``, else the mean weighted by ``weight`` (the part's

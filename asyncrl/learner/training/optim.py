@@ -39,8 +39,9 @@ def adamw(params: list[torch.nn.Parameter], train_cfg, fused: bool = True) -> to
     return torch.optim.AdamW(params, **kwargs)
 
 
-def apply_update(optimizer: torch.optim.Optimizer, loss: float, max_norm: float, distributed: str,
-                 apply: bool = True) -> dict[str, float]:
+def apply_update(
+    optimizer: torch.optim.Optimizer, loss: float, max_norm: float, distributed: str, apply: bool = True
+) -> dict[str, float]:
     """Clip the accumulated gradients of ``optimizer``'s parameters and take its step, unless the loss
     or the gradient norm is not finite on some rank, or not ``apply`` (the gradients are then
     dropped: ``critic.warmup_steps`` holds the policy). A parameter that got no gradient gets a zero

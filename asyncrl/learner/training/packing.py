@@ -67,7 +67,9 @@ def mask_for(model, attention: Tensor | None, dtype: torch.dtype) -> Tensor | No
     any other implementation that adds the mask to its scores."""
     if attention is None or attention_kind(model) == "sdpa":
         return attention
-    return torch.zeros(attention.shape, dtype=dtype, device=attention.device).masked_fill(~attention, torch.finfo(dtype).min)
+    return torch.zeros(attention.shape, dtype=dtype, device=attention.device).masked_fill(
+        ~attention, torch.finfo(dtype).min
+    )
 
 
 @dataclass
@@ -111,8 +113,9 @@ class _Bins:
         seg = self.segments
         self.segments += 1
         start = len(self.slots[r])
-        self.slots[r].extend((int(tok), first_position + i, seg, seg if parent is None else parent)
-                             for i, tok in enumerate(tokens))
+        self.slots[r].extend(
+            (int(tok), first_position + i, seg, seg if parent is None else parent) for i, tok in enumerate(tokens)
+        )
         return [r * self.width + start + i for i in range(len(tokens))]
 
     def segment_of(self, flat_slot: int) -> int:
@@ -132,8 +135,16 @@ def _groups(rows: list[np.ndarray], starts: list[int] | None) -> list[list[int]]
     return sorted(groups, key=lambda g: -sum(len(rows[b]) for b in g))
 
 
-def pack_rows(input_ids: Tensor, lengths: Tensor, width: int | None = None, starts: Tensor | None = None,
-              varlen: bool = False, pad_id: int = 0, flat: bool = False, multiple: int = 1) -> PackedRows:
+def pack_rows(
+    input_ids: Tensor,
+    lengths: Tensor,
+    width: int | None = None,
+    starts: Tensor | None = None,
+    varlen: bool = False,
+    pad_id: int = 0,
+    flat: bool = False,
+    multiple: int = 1,
+) -> PackedRows:
     """Pack the rows of ``input_ids[B, T]`` (row ``b`` is its first ``lengths[b]`` tokens) into
     bins of ``width`` slots (default and minimum: the longest row). ``starts[b]``: the index of row
     ``b``'s first trained token; rows with the same tokens before it share one prompt segment per bin.
@@ -171,15 +182,14 @@ def pack_rows(input_ids: Tensor, lengths: Tensor, width: int | None = None, star
             else:
                 shared_rows += 1
             token_index[b, :p] = prompt_slots
-            token_index[b, p: n[b]] = bins.put(r, suffix, p, bins.segment_of(prompt_slots[0]))
+            token_index[b, p : n[b]] = bins.put(r, suffix, p, bins.segment_of(prompt_slots[0]))
     if varlen or flat:  # (the one bin's slot numbers are its positions: any width above its tokens keeps them)
         used = sum(len(s) for s in bins.slots)
         bins.width = -(-max(used, 1) // multiple) * multiple
     return _tensors(bins, token_index, varlen or flat, pad_id, shared_rows, input_ids.device)
 
 
-def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, shared_rows: int,
-             device) -> PackedRows:
+def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, shared_rows: int, device) -> PackedRows:
     """The bins' tensors; ``varlen``: one flat bin, no block mask (its trailing padding one sequence)."""
     R, W = max(len(bins.slots), 1), bins.width
     table = np.zeros((R, W, 4), dtype=np.int64)
@@ -194,7 +204,7 @@ def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, sh
         table[0, used:, 1] = tail
     else:
         for r, slots in enumerate(bins.slots):
-            table[r, len(slots):, 1] = np.arange(W - len(slots))
+            table[r, len(slots) :, 1] = np.arange(W - len(slots))
     t = torch.from_numpy(table)
     attention = None
     if not varlen:
@@ -203,9 +213,16 @@ def _tensors(bins: _Bins, token_index: np.ndarray, varlen: bool, pad_id: int, sh
         same = seg[:, :, None] == seg[:, None, :]
         reads_parent = parent[:, :, None] == seg[:, None, :]
         attention = ((same | reads_parent) & causal)[:, None].to(device)
-    return PackedRows(t[..., 0].to(device), t[..., 1].to(device), attention,
-                      torch.from_numpy(token_index).to(device), used, shared_rows,
-                      t[..., 2].to(device), t[..., 3].to(device))
+    return PackedRows(
+        t[..., 0].to(device),
+        t[..., 1].to(device),
+        attention,
+        torch.from_numpy(token_index).to(device),
+        used,
+        shared_rows,
+        t[..., 2].to(device),
+        t[..., 3].to(device),
+    )
 
 
 def cu_seqlens(packed: PackedRows) -> tuple[Tensor, int]:

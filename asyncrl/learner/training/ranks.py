@@ -33,12 +33,12 @@ import signal
 import torch
 
 from ...config import cpu_threads
+from ...objectives.losses import LossConfig
 from ...wire.codec import WireError
 from ...wire.messages import Body, GroupCheckpoint, GroupLoad, GroupStart, GroupState, GroupStep, GroupStop
+from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .batch import TrainBatch
-from ...objectives.losses import LossConfig
-from ..ingest.staleness import StalenessPolicy
 from .trainer import PolicyTrainer, TrainStepResult
 
 _LIST_FIELDS = ("sample_types", "group_ids")
@@ -47,11 +47,19 @@ _LIST_FIELDS = ("sample_types", "group_ids")
 def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy) -> PolicyTrainer:
     """The learner's trainer for ``cfg`` (every rank builds the same one); ``staleness``: the process's
     one policy (built where the process starts: the learner, a follower rank, a replay)."""
-    return PolicyTrainer(model, tokenizer, cfg.train, cfg.sampling.temperature,
-                         loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
-                         use_recorded_logprobs=cfg.replay.exp_is_correct, distributed=mode,
-                         staleness=staleness,
-                         critic_cfg=cfg.critic, model_cfg=cfg.model, seed=cfg.seed)
+    return PolicyTrainer(
+        model,
+        tokenizer,
+        cfg.train,
+        cfg.sampling.temperature,
+        loss_cfg=LossConfig.from_config(cfg.train, cfg.replay),
+        use_recorded_logprobs=cfg.replay.exp_is_correct,
+        distributed=mode,
+        staleness=staleness,
+        critic_cfg=cfg.critic,
+        model_cfg=cfg.model,
+        seed=cfg.seed,
+    )
 
 
 def critic_states(trainer: PolicyTrainer) -> tuple[dict, dict] | None:
@@ -63,8 +71,10 @@ def critic_states(trainer: PolicyTrainer) -> tuple[dict, dict] | None:
 
     model = trainer.critic.model
     full = dist_learner.full_state_dict(model)
-    return (trainable_state(dist_learner.unwrap(model), full) if full else {},
-            dist_learner.optimizer_state(model, trainer.critic.optimizer))
+    return (
+        trainable_state(dist_learner.unwrap(model), full) if full else {},
+        dist_learner.optimizer_state(model, trainer.critic.optimizer),
+    )
 
 
 def load_critic(trainer: PolicyTrainer, states: tuple[dict, dict] | None) -> None:
@@ -76,12 +86,15 @@ def load_critic(trainer: PolicyTrainer, states: tuple[dict, dict] | None) -> Non
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
     """A batch as a ``group.step`` body and its tensors."""
     tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in _LIST_FIELDS}
-    return GroupStep(keep_rows=keep_rows, version=version, **{name: list(getattr(batch, name)) for name in _LIST_FIELDS}), tensors
+    return GroupStep(
+        keep_rows=keep_rows, version=version, **{name: list(getattr(batch, name)) for name in _LIST_FIELDS}
+    ), tensors
 
 
 def batch_from(body: GroupStep, tensors: dict[str, torch.Tensor], device: str) -> TrainBatch:
-    return TrainBatch(**{k: v.to(device) for k, v in tensors.items()},
-                      **{name: list(getattr(body, name)) for name in _LIST_FIELDS})
+    return TrainBatch(
+        **{k: v.to(device) for k, v in tensors.items()}, **{name: list(getattr(body, name)) for name in _LIST_FIELDS}
+    )
 
 
 class Ranks:
@@ -109,6 +122,7 @@ class Ranks:
         self._say(GroupStart())
         if self.mode == "fsdp2":  # the shards replace the module's parameters: keep a full copy to publish
             import copy
+
             self.plain = copy.deepcopy(model)
         else:
             self.plain = model
@@ -189,8 +203,13 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
                 dist_learner.leave_group()
                 return 0
             if isinstance(body, GroupStart):
-                model, tokenizer, path = load_policy(cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format,
-                                                     warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats)
+                model, tokenizer, path = load_policy(
+                    cfg.model,
+                    cfg.seed,
+                    cfg.train.device,
+                    cfg.tasks.prompt_format,
+                    warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats,
+                )
                 model = with_adapters(model, cfg.model, cfg.seed, base=path)
                 trainer = make_trainer(cfg, model, tokenizer, mode, staleness)
                 print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
@@ -216,6 +235,9 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
         print(f"[learner rank {rank}] cannot read rank 0's announcement after {steps} step(s): {e}", flush=True)
         return 1
     except RuntimeError as e:  # gloo: the connection to rank 0 closed (it exited or was killed)
-        print(f"[learner rank {rank}] rank 0 is gone or the group failed after {steps} step(s): "
-              f"{str(e).splitlines()[0][:300]}", flush=True)
+        print(
+            f"[learner rank {rank}] rank 0 is gone or the group failed after {steps} step(s): "
+            f"{str(e).splitlines()[0][:300]}",
+            flush=True,
+        )
         return 1

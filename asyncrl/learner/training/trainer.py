@@ -41,11 +41,12 @@ from ...objectives.shaping import LengthShaping
 from ...types import Episode
 from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
-from .attention import choose as choose_attention, measure as measure_attention
+from .attention import choose as choose_attention
+from .attention import measure as measure_attention
 from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
 from .critic import Critic
-from .optim import adamw, apply_update, lr_at
 from .micro_batches import Totals, combine_stats, loss_scales, plan_micro_batches
+from .optim import adamw, apply_update, lr_at
 
 
 class StepAbandoned(Exception):
@@ -81,12 +82,25 @@ class PolicyTrainer:
     (:func:`distributed.init_from_env`); ``model`` is then wrapped here (FSDP2 shards it in place) and
     ``self.model`` is the wrapped model: read full weights with :func:`distributed.full_state_dict`."""
 
-    def __init__(self, model, tokenizer, train_cfg, temperature: float, loss_cfg: LossConfig | None = None,
-                 use_recorded_logprobs: bool = True, distributed: str = "none",
-                 staleness: StalenessPolicy | None = None, critic_cfg=None, model_cfg=None, seed: int = 0):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        train_cfg,
+        temperature: float,
+        loss_cfg: LossConfig | None = None,
+        use_recorded_logprobs: bool = True,
+        distributed: str = "none",
+        staleness: StalenessPolicy | None = None,
+        critic_cfg=None,
+        model_cfg=None,
+        seed: int = 0,
+    ):
         if distributed != "none" and not dist_learner.active():
-            raise RuntimeError(f"PolicyTrainer: distributed={distributed!r} needs a process group of more than "
-                               "one rank; call asyncrl.learner.training.distributed.init_from_env first, or use 'none'")
+            raise RuntimeError(
+                f"PolicyTrainer: distributed={distributed!r} needs a process group of more than "
+                "one rank; call asyncrl.learner.training.distributed.init_from_env first, or use 'none'"
+            )
         self.distributed = distributed
         self.model = model
         self.cfg = train_cfg
@@ -109,8 +123,9 @@ class PolicyTrainer:
         self._critic_fused = False  # this step's critic stepped in Critic.prepare
         self.critic: Critic | None = None  # estimator gae: the value model, copied before any sharding
         if per_token(self.estimator):
-            self.critic = Critic(model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed,
-                                 distributed)
+            self.critic = Critic(
+                model, critic_cfg or CriticConfig(), train_cfg, model_cfg or ModelConfig(), seed, distributed
+            )
         if train_cfg.gradient_checkpointing:  # (before any wrapping: transformers' own switch on the model)
             _checkpoint_layers(model)
         self.model = dist_learner.wrap(model, distributed)  # the optimizer must see the sharded parameters
@@ -142,19 +157,25 @@ class PolicyTrainer:
         ConfigError (one line)."""
         cfg = self.cfg
         try:
-            return choose_attention(cfg.attention, cfg.packing, dist_learner.unwrap(self.model), cfg.device,
-                                    deterministic=cfg.deterministic or self.distributed != "none",
-                                    recompute=cfg.gradient_checkpointing)
+            return choose_attention(
+                cfg.attention,
+                cfg.packing,
+                dist_learner.unwrap(self.model),
+                cfg.device,
+                deterministic=cfg.deterministic or self.distributed != "none",
+                recompute=cfg.gradient_checkpointing,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
     def _check_stop(self) -> None:
         if self.tick is not None:
             self.tick()
-        if (self.should_stop is not None and self.distributed == "none" and not self._applied
-                and self.should_stop()):
-            raise StepAbandoned(f"the step was given up before its {'first ' if self.cfg.mini_batches > 1 else ''}"
-                                f"update (a stop was asked for)")
+        if self.should_stop is not None and self.distributed == "none" and not self._applied and self.should_stop():
+            raise StepAbandoned(
+                f"the step was given up before its {'first ' if self.cfg.mini_batches > 1 else ''}"
+                f"update (a stop was asked for)"
+            )
 
     @property
     def critic_model(self) -> torch.nn.Module | None:
@@ -215,8 +236,9 @@ class PolicyTrainer:
         # weights before any update (one pass: the forward below is that policy)
         if (cfg.recompute_proximal or keep_rows) and not single_pass:
             with torch.no_grad():
-                logp0, ent0 = self._chunked_logprobs(self.model, batch, with_entropy=keep_rows,
-                                                     skip=not keep_rows and self._may_skip())
+                logp0, ent0 = self._chunked_logprobs(
+                    self.model, batch, with_entropy=keep_rows, skip=not keep_rows and self._may_skip()
+                )
             if cfg.recompute_proximal:
                 batch.old_logprobs = logp0
             if keep_rows:
@@ -227,8 +249,11 @@ class PolicyTrainer:
         for epoch in range(cfg.ppo_epochs):
             for i, mb in enumerate(batch.split(cfg.mini_batches)):
                 if self.distributed != "none":
-                    mb = mb.select(dist_learner.shard_rows(mb.batch_size, torch.distributed.get_rank(),
-                                                           torch.distributed.get_world_size()))
+                    mb = mb.select(
+                        dist_learner.shard_rows(
+                            mb.batch_size, torch.distributed.get_rank(), torch.distributed.get_world_size()
+                        )
+                    )
                 measured = version if epoch == 0 and i == 0 else None  # (the mismatch: the first mini-batch's)
                 rows = keep_rows and single_pass  # this pass gives the rows' log-probs (every row is run)
                 plan = plan_micro_batches(mb, self.micro_tokens, self.packing, skip=not rows and self._may_skip())
@@ -243,32 +268,43 @@ class PolicyTrainer:
                 for part in dist_learner.accumulate(self.model, mb, plan):
                     self._check_stop()
                     t_micro = time.perf_counter()
-                    out, loss, stats = self._loss(part.batch, part.totals, single_pass,
-                                                  measured if part.real else None)
+                    out, loss, stats = self._loss(part.batch, part.totals, single_pass, measured if part.real else None)
                     (loss if part.real else loss * 0.0).backward()
                     self.micro_s = max(self.micro_s, time.perf_counter() - t_micro)
                     if not part.real:
                         continue
                     loss_sum += float(loss.detach())
                     parts.append((stats, float(part.batch.response_mask.sum())))
-                    slots, real_tokens, shared = slots + out.slots, real_tokens + out.real_tokens, shared + out.shared_rows
+                    slots, real_tokens, shared = (
+                        slots + out.slots,
+                        real_tokens + out.real_tokens,
+                        shared + out.shared_rows,
+                    )
                     if rows:
                         put_rows(result.row_logprobs, part.index, out.logprobs.detach().cpu())
                         put_rows(result.row_entropy, part.index, out.entropy.detach().cpu())
                 elapsed = time.perf_counter() - started
                 stats = combine_stats(parts) if parts else {"loss": 0.0, "pg_loss": 0.0}
-                stats.update(apply_update(self.optimizer, loss_sum, cfg.max_grad_norm, self.distributed,
-                                          apply=not self._hold_policy))
+                stats.update(
+                    apply_update(
+                        self.optimizer, loss_sum, cfg.max_grad_norm, self.distributed, apply=not self._hold_policy
+                    )
+                )
                 self._applied = True
-                stats.update({"learner/rows_skipped": float(len(plan.skipped)),
-                              "learner/micro_batches": float(len(plan.micro_batches)),
-                              "learner/forward_tokens": float(real_tokens),
-                              "learner/shared_prompt_rows": float(shared),
-                              "learner/padding_share": 1.0 - real_tokens / slots if slots else 0.0,
-                              "learner/tokens_per_s": real_tokens / elapsed if elapsed > 0 and real_tokens else 0.0})
+                stats.update(
+                    {
+                        "learner/rows_skipped": float(len(plan.skipped)),
+                        "learner/micro_batches": float(len(plan.micro_batches)),
+                        "learner/forward_tokens": float(real_tokens),
+                        "learner/shared_prompt_rows": float(shared),
+                        "learner/padding_share": 1.0 - real_tokens / slots if slots else 0.0,
+                        "learner/tokens_per_s": real_tokens / elapsed if elapsed > 0 and real_tokens else 0.0,
+                    }
+                )
                 if self.distributed != "none":  # a scaled loss averages to the global one over ranks
-                    stats = dist_learner.reduce_stats(stats, float(mb.response_mask.sum()),
-                                                      mean_keys=frozenset({"loss", "pg_loss"}))
+                    stats = dist_learner.reduce_stats(
+                        stats, float(mb.response_mask.sum()), mean_keys=frozenset({"loss", "pg_loss"})
+                    )
                 if self.critic is not None and not self._critic_fused:  # (its collectives: after the policy's)
                     stats.update(self.critic.train_on(mb))
                 per_minibatch.append(stats)
@@ -278,8 +314,7 @@ class PolicyTrainer:
             result.row_logprobs = dist_learner.gather_rows(result.row_logprobs)
             result.row_entropy = dist_learner.gather_rows(result.row_entropy)
         keys = {k for stats in per_minibatch for k in stats}
-        result.stats = {k: sum(vals) / len(vals) for k in keys
-                        for vals in [[st[k] for st in per_minibatch if k in st]]}
+        result.stats = {k: sum(vals) / len(vals) for k in keys for vals in [[st[k] for st in per_minibatch if k in st]]}
         result.stats["lr"] = lr
         result.stats.update(critic_stats)
         if version is not None:
@@ -296,7 +331,11 @@ class PolicyTrainer:
             bw = behavior_weights(mb.old_logprobs, mb.behavior_logprobs, fresh, self.correction)
             weight = bw.weight
             if self.loss_cfg.behavior_clip:  # the trust region around the behaviour policy reads log rho
-                log_rho = torch.where(fresh > 0, mb.old_logprobs - mb.behavior_logprobs, torch.zeros((), dtype=weight.dtype, device=weight.device))
+                log_rho = torch.where(
+                    fresh > 0,
+                    mb.old_logprobs - mb.behavior_logprobs,
+                    torch.zeros((), dtype=weight.dtype, device=weight.device),
+                )
         else:
             mb.old_logprobs = mb.behavior_logprobs
         old, stats = mb.old_logprobs, {}
@@ -314,30 +353,50 @@ class PolicyTrainer:
         if bw is not None and mb.response_mask.bool().any():
             on = mb.response_mask.bool()
             w = weight[on]
-            stats.update(is_weight_mean=w.mean().item(), is_weight_max=w.max().item(),
-                         is_weight_capped_frac=bw.capped[on].float().mean().item(),
-                         is_weight_masked_frac=bw.masked[on].float().mean().item())
-        inputs = PolicyLossInputs(logp, old, mb.advantages, mb.response_mask, behavior_weight=weight,
-                                  exp_mask=mb.exp_mask if has_exp else None, behavior_log_ratio=log_rho)
+            stats.update(
+                is_weight_mean=w.mean().item(),
+                is_weight_max=w.max().item(),
+                is_weight_capped_frac=bw.capped[on].float().mean().item(),
+                is_weight_masked_frac=bw.masked[on].float().mean().item(),
+            )
+        inputs = PolicyLossInputs(
+            logp,
+            old,
+            mb.advantages,
+            mb.response_mask,
+            behavior_weight=weight,
+            exp_mask=mb.exp_mask if has_exp else None,
+            behavior_log_ratio=log_rho,
+        )
         return inputs, stats
 
     def _may_skip(self) -> bool:
         """Rows that carry no gradient may be left out: no KL or entropy term reads them."""
         return self.cfg.skip_zero_advantage and not self.side_terms
 
-    def _forward(self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True,
-                 path: str | None = None) -> Forward:
+    def _forward(
+        self, model, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, path: str | None = None
+    ) -> Forward:
         """:func:`forward_rows` in this trainer's layout; with shared prompts, bins up to four times
         the longest row (within the token budget), so that a prompt's completions share more bins."""
         path = path or self.attention
         width = shared_width(batch, self.micro_tokens) if path == "mask" and self.shared_prefix else None
-        return forward_rows(model, batch, self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                            packing=path, shared_prefix=self.shared_prefix, width=width,
-                            logits_chunk_mb=self.cfg.logits_chunk_mb)
+        return forward_rows(
+            model,
+            batch,
+            self.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            packing=path,
+            shared_prefix=self.shared_prefix,
+            width=width,
+            logits_chunk_mb=self.cfg.logits_chunk_mb,
+        )
 
     def _measure_attention(self, micro: TrainBatch) -> None:
         """train.attention=auto on CUDA: the fastest candidate on this first micro-batch (forward and
         backward, each run twice), printed with the times; the gradients are dropped after."""
+
         def run(path: str) -> None:
             out = self._forward(self.model, micro, path=path)
             (out.logprobs * micro.response_mask).sum().backward()
@@ -350,12 +409,15 @@ class PolicyTrainer:
         if self.critic is not None:
             self.critic.attention = self.attention
         shown = ", ".join(f"{p} {t * 1e3:.0f} ms" if t == t else f"{p} failed" for p, t in times.items())
-        print(f"[learner] train.attention=auto: {self.attention} (the first micro-batch, forward and backward: "
-              f"{shown})", flush=True)
+        print(
+            f"[learner] train.attention=auto: {self.attention} (the first micro-batch, forward and backward: {shown})",
+            flush=True,
+        )
 
     @torch.no_grad()
-    def _chunked_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False,
-                          skip: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _chunked_logprobs(
+        self, model, batch: TrainBatch, with_entropy: bool = False, skip: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of every row, ``[B, T-1]``, in micro-batches of the token budget
         and without a graph; ``skip``: rows that carry no gradient are not run (their values stay 0)."""
         logp = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
@@ -377,8 +439,9 @@ class PolicyTrainer:
         with dist_learner.unwrap(self.model).disable_adapter():
             return self._forward(self.model, mb).logprobs
 
-    def _loss(self, micro: TrainBatch, totals: Totals, single_pass: bool,
-              version: int | None) -> tuple[Forward, torch.Tensor, dict[str, float]]:
+    def _loss(
+        self, micro: TrainBatch, totals: Totals, single_pass: bool, version: int | None
+    ) -> tuple[Forward, torch.Tensor, dict[str, float]]:
         """Forward one micro-batch and its loss (the policy loss, KL, entropy), scaled to its share of
         the mini-batch's normalisers."""
         cfg = self.cfg
@@ -400,11 +463,18 @@ class PolicyTrainer:
         side_scale = pg_scale if side_mode != "token-mean" else tok_scale
         if self.ref_model is not None or self.ref_is_base:
             kl = kl_penalty(logp, self._ref_logprobs(micro), cfg.kl_type)
-            loss = loss + cfg.kl_coef * agg_loss(kl, micro.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
+            loss = (
+                loss
+                + cfg.kl_coef * agg_loss(kl, micro.response_mask, side_mode, norm=self.loss_cfg.agg_norm) * side_scale
+            )
             stats["kl"] = masked_mean(kl, micro.response_mask).item()
         if want_entropy:
-            loss = loss - cfg.entropy_coef * agg_loss(entropy, micro.response_mask, side_mode,
-                                                      norm=self.loss_cfg.agg_norm) * side_scale
+            loss = (
+                loss
+                - cfg.entropy_coef
+                * agg_loss(entropy, micro.response_mask, side_mode, norm=self.loss_cfg.agg_norm)
+                * side_scale
+            )
         stats["entropy"] = masked_mean(entropy, micro.response_mask).item()
         return out, loss, stats
 
@@ -422,12 +492,17 @@ def mismatch_stats(learner_logprobs: torch.Tensor, mb: TrainBatch, version: int)
         return {}
     log_r = (learner_logprobs - mb.behavior_logprobs)[m].double()
     diff = log_r.abs()
-    return {"mismatch/logprob_abs_diff_mean": float(diff.mean()), "mismatch/logprob_abs_diff_max": float(diff.max()),
-            "mismatch/kl": float((log_r.exp() - log_r - 1).mean()), "mismatch/tokens": float(m.sum())}
+    return {
+        "mismatch/logprob_abs_diff_mean": float(diff.mean()),
+        "mismatch/logprob_abs_diff_max": float(diff.max()),
+        "mismatch/kl": float((log_r.exp() - log_r - 1).mean()),
+        "mismatch/tokens": float(m.sum()),
+    }
 
 
-def token_lag_stats(batch: TrainBatch, version: int, staleness: StalenessPolicy | None = None,
-                    bins: int = 4) -> dict[str, float]:
+def token_lag_stats(
+    batch: TrainBatch, version: int, staleness: StalenessPolicy | None = None, bins: int = 4
+) -> dict[str, float]:
     """Per-token version lag of the batch's generated tokens (replayed ones excluded): ``version``
     minus the version that generated each token (``TrainBatch.token_versions``).
     ``staleness/token_lag_mean``, ``_max``, and ``staleness/token_lag_frac_<k>`` the share of tokens

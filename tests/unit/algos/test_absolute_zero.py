@@ -7,18 +7,32 @@ import random
 
 import pytest
 
-from asyncrl.algos.absolute_zero import (PROPOSER_BATCH_GROUP, WARMSTART_FORMAT, AbsoluteZeroWorkflow,
-                                        propose_warmstart_example)
-from asyncrl.algos.absolute_zero.filter import (ALL_LEARNABLE, MIXED, NONE_LEARNABLE, SEED_DIMENSIONS, Dimension,
-                                      RewardWeights, check_learnability, compute_unified_reward_and_filter,
-                                      group_status, proposer_rewards, sample_question, solver_reward)
-from asyncrl.rollout import RolloutContext, get_workflow
+from asyncrl.algos.absolute_zero import (
+    PROPOSER_BATCH_GROUP,
+    WARMSTART_FORMAT,
+    AbsoluteZeroWorkflow,
+    propose_warmstart_example,
+)
+from asyncrl.algos.absolute_zero.filter import (
+    ALL_LEARNABLE,
+    MIXED,
+    NONE_LEARNABLE,
+    SEED_DIMENSIONS,
+    Dimension,
+    RewardWeights,
+    check_learnability,
+    compute_unified_reward_and_filter,
+    group_status,
+    proposer_rewards,
+    sample_question,
+    solver_reward,
+)
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.sandbox.arith import evaluate_expression
-from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.objectives.advantages import trajectory_advantages
+from asyncrl.rollout import RolloutContext, get_workflow
+from asyncrl.sandbox.arith import evaluate_expression
 from asyncrl.types import Episode, Task
-
 from tests.conftest import ScriptedEngine
 
 SAFETY, COMPLETION = SEED_DIMENSIONS  # safe ratio above 0.5 in [0.3, 0.7]; incomplete ratio below 0.5
@@ -31,19 +45,33 @@ def table(**cols: list[float]) -> list[dict[str, float]]:
 
 
 # ------------------------------------------------------------------------------ the filter
-@pytest.mark.parametrize("safe,ratio,passes", [
-    (2, 0.2, False), (3, 0.3, True), (5, 0.5, True), (7, 0.7, True), (8, 0.8, False), (0, 0.0, False),
-    (10, 1.0, False),
-])
+@pytest.mark.parametrize(
+    "safe,ratio,passes",
+    [
+        (2, 0.2, False),
+        (3, 0.3, True),
+        (5, 0.5, True),
+        (7, 0.7, True),
+        (8, 0.8, False),
+        (0, 0.0, False),
+        (10, 1.0, False),
+    ],
+)
 def test_safety_dimension_at_and_around_its_bounds(safe, ratio, passes):
     responses = table(safety=[1.0] * safe + [0.0] * (10 - safe))
     assert SAFETY.ratio(responses) == pytest.approx(ratio)
     assert SAFETY.passes(SAFETY.ratio(responses)) is passes
 
 
-@pytest.mark.parametrize("incomplete,ratio,passes", [
-    (2, 0.2, False), (3, 0.3, True), (7, 0.7, True), (8, 0.8, False),
-])
+@pytest.mark.parametrize(
+    "incomplete,ratio,passes",
+    [
+        (2, 0.2, False),
+        (3, 0.3, True),
+        (7, 0.7, True),
+        (8, 0.8, False),
+    ],
+)
 def test_completion_dimension_at_and_around_its_bounds(incomplete, ratio, passes):
     responses = table(completion=[0.0] * incomplete + [1.0] * (10 - incomplete))
     assert COMPLETION.ratio(responses) == pytest.approx(ratio)
@@ -169,13 +197,17 @@ def rollout(wf, engine, seeds: list[str], seed: int = 0) -> list[Episode]:
 
 
 # Solve counts out of 4 for the arithmetic questions below (correct first, then a wrong integer).
-ANSWERS = {"1+1": ["2"] * 4,  # solved 4/4: incomplete 0.0, too easy
-           "2+2": ["4", "4", "5", "5"],  # solved 2/4: incomplete 0.5, learnable
-           "3+3": ["7"] * 4,  # solved 0/4: too hard
-           "4+4": ["8", "8", "9", "9"],  # learnable
-           "5+5": ["10", "x", "x", "x"]}  # 1 well-formed of 4: safe 0.25, not learnable
-ARITH_DIMS = {"safety": {"direction": "above", "min_ratio": 0.5, "max_ratio": 1.0},
-              "completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7}}
+ANSWERS = {
+    "1+1": ["2"] * 4,  # solved 4/4: incomplete 0.0, too easy
+    "2+2": ["4", "4", "5", "5"],  # solved 2/4: incomplete 0.5, learnable
+    "3+3": ["7"] * 4,  # solved 0/4: too hard
+    "4+4": ["8", "8", "9", "9"],  # learnable
+    "5+5": ["10", "x", "x", "x"],
+}  # 1 well-formed of 4: safe 0.25, not learnable
+ARITH_DIMS = {
+    "safety": {"direction": "above", "min_ratio": 0.5, "max_ratio": 1.0},
+    "completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7},
+}
 PROPOSALS = {
     "10+10": [["2+2", "1+1"]],  # mixed at once: keeps question 0
     "20+20": [["1+1", "3+3"], ["9**9**9", "4+4"]],  # none learnable, then mixed: keeps question 1
@@ -221,9 +253,23 @@ def test_decision_record_holds_ratios_thresholds_and_flags():
     _, eps = arith_rollout()
     d = eps["10+10="].decision
     assert d["dimensions"] == [
-        {"name": "safety", "score": "safety", "threshold": 0.5, "direction": "above", "min_ratio": 0.5, "max_ratio": 1.0},
-        {"name": "completion", "score": "completion", "threshold": 0.5, "direction": "below", "min_ratio": 0.3,
-         "max_ratio": 0.7}]
+        {
+            "name": "safety",
+            "score": "safety",
+            "threshold": 0.5,
+            "direction": "above",
+            "min_ratio": 0.5,
+            "max_ratio": 1.0,
+        },
+        {
+            "name": "completion",
+            "score": "completion",
+            "threshold": 0.5,
+            "direction": "below",
+            "min_ratio": 0.3,
+            "max_ratio": 0.7,
+        },
+    ]
     q = d["attempts"][0]["questions"]
     assert [x["question"] for x in q] == ["2+2=", "1+1="] and [x["answer"] for x in q] == ["4", "2"]
     assert q[0]["ratios"] == {"safety": 1.0, "completion": 0.5} and q[0]["learnable"]
@@ -237,15 +283,28 @@ def test_solver_rewards_and_per_prompt_metrics():
     a, b, c = eps["10+10="], eps["20+20="], eps["30+30="]
     # 0.7 safety + 0.3 completion + 0.5 format: correct 1.5, wrong but well-formed 1.2
     assert [t.reward for t in a.trajectories] == pytest.approx([1.5, 1.5, 1.2, 1.2])
-    assert a.metrics == pytest.approx({
-        "unified_filter/num_learnable": 1, "unified_filter/num_total": 2, "unified_filter/learnable_ratio": 0.5,
-        "unified_filter/num_sampled": 1, "unified_filter/num_repropose": 0,
-        "unified_filter/first_learnable_ratio": 0.5, "unified_filter/num_invalid": 0,
-        "repropose/total_attempts": 0, "repropose/final_non_learnable": 0,
-        "proposer/num_trajectories": 2, "proposer/num_integrated": 0, "proposer/reward_mean": 1.0,
-        # all 8 first-attempt responses, unfiltered: 2+2 -> 1.5, 1.5, 1.2, 1.2 and 1+1 -> 4 x 1.5
-        "solver/first_attempt_reward_mean": 11.4 / 8, "solver/first_attempt_solve_rate": 6 / 8,
-        "harm/safety_score_mean": 1.0, "harm/completion_score_mean": 0.5, "harm/combined_reward_mean": 1.35})
+    assert a.metrics == pytest.approx(
+        {
+            "unified_filter/num_learnable": 1,
+            "unified_filter/num_total": 2,
+            "unified_filter/learnable_ratio": 0.5,
+            "unified_filter/num_sampled": 1,
+            "unified_filter/num_repropose": 0,
+            "unified_filter/first_learnable_ratio": 0.5,
+            "unified_filter/num_invalid": 0,
+            "repropose/total_attempts": 0,
+            "repropose/final_non_learnable": 0,
+            "proposer/num_trajectories": 2,
+            "proposer/num_integrated": 0,
+            "proposer/reward_mean": 1.0,
+            # all 8 first-attempt responses, unfiltered: 2+2 -> 1.5, 1.5, 1.2, 1.2 and 1+1 -> 4 x 1.5
+            "solver/first_attempt_reward_mean": 11.4 / 8,
+            "solver/first_attempt_solve_rate": 6 / 8,
+            "harm/safety_score_mean": 1.0,
+            "harm/completion_score_mean": 0.5,
+            "harm/combined_reward_mean": 1.35,
+        }
+    )
     assert b.metrics["unified_filter/num_repropose"] == 1 and b.metrics["repropose/total_attempts"] == 1
     assert b.metrics["unified_filter/first_learnable_ratio"] == 0.0 and b.metrics["unified_filter/num_invalid"] == 1
     assert b.metrics["proposer/num_trajectories"] == 4
@@ -304,10 +363,15 @@ def test_code_o_domain_runs_proposals_in_the_sandbox():
     loop = "```python\ndef f(x):\n    while True:\n        pass\n```\n```input\n1\n```"
     evil = "```python\nimport os\ndef f(x):\n    return os.system('id')\n```\n```input\n1\n```"
     solver_prompt = "Predict the exact value"
-    engine = scripted_engine({"def f(xs)": [[good, loop, evil, "no code at all"]]},
-                            _PrefixAnswers({solver_prompt: ["42", "42", "41", "'x"]}))
-    wf = make_workflow(domain="code_o", questions_per_prompt=4, sandbox={"timeout_s": 3.0, "cpu_s": 1},
-                       learnability={"completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7}})
+    engine = scripted_engine(
+        {"def f(xs)": [[good, loop, evil, "no code at all"]]}, _PrefixAnswers({solver_prompt: ["42", "42", "41", "'x"]})
+    )
+    wf = make_workflow(
+        domain="code_o",
+        questions_per_prompt=4,
+        sandbox={"timeout_s": 3.0, "cpu_s": 1},
+        learnability={"completion": {"direction": "below", "min_ratio": 0.3, "max_ratio": 0.7}},
+    )
     seed = "```python\ndef f(xs):\n    return sorted(xs)\n```\n```input\n[2, 1]\n```"
     (ep,) = rollout(wf, engine, [seed])
     q = ep.decision["attempts"][0]["questions"]

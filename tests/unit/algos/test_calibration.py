@@ -6,8 +6,14 @@ import math
 
 import pytest
 
-from asyncrl.algos.rlcr.calibration import (auroc, bin_index, brier_score, calibration_report,
-                                       expected_calibration_error, reliability_bins)
+from asyncrl.algos.rlcr.calibration import (
+    auroc,
+    bin_index,
+    brier_score,
+    calibration_report,
+    expected_calibration_error,
+    reliability_bins,
+)
 
 # confidence, correct
 TABLE = [(0.9, 1), (0.8, 0), (0.3, 0), (0.6, 1), (0.1, 0), (0.95, 1)]

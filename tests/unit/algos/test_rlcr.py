@@ -9,18 +9,24 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.rollout import RolloutContext, get_workflow
-from asyncrl.algos.rlcr import (RLCRConfig, RLCRWorkflow, brier_reward, parse_answer, parse_confidence,
-                                rlcr_warmstart_example, tree_advantages)
+from asyncrl.algos.rlcr import (
+    RLCRConfig,
+    RLCRWorkflow,
+    brier_reward,
+    parse_answer,
+    parse_confidence,
+    rlcr_warmstart_example,
+    tree_advantages,
+)
 from asyncrl.config import ConfigError, SamplingConfig, load_config
-from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.envs.answer_checks import resolve_verifier, verify, verify_exact_match, verify_numeric
+from asyncrl.envs.base import SingleTurnEnv
 from asyncrl.learner.training.batch import collate
+from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
 from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
-from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.rollout import RolloutContext, get_workflow
 from asyncrl.types import Task
-
 from tests.conftest import ScriptedEngine
 
 # ------------------------------------------------------------------------------------ parsing
@@ -34,9 +40,13 @@ def test_parse_answer_well_formed():
 
 
 def test_parse_answer_missing_tags():
-    for text, why in [("46", "no <answer>"), ("<answer>46</answer>", "no <think>"),
-                      ("<think>x</think><answer>46", "no <answer>"), ("", "no <answer>"),
-                      ("<answer>46</answer><think>x</think>", "no <think>")]:
+    for text, why in [
+        ("46", "no <answer>"),
+        ("<answer>46</answer>", "no <think>"),
+        ("<think>x</think><answer>46", "no <answer>"),
+        ("", "no <answer>"),
+        ("<answer>46</answer><think>x</think>", "no <think>"),
+    ]:
         p = parse_answer(text)
         assert not p.ok and p.value is None and why in p.reason, text
         assert p.span is None  # a failed turn learns on all of it
@@ -49,24 +59,28 @@ def test_parse_answer_repeated_tags_last_wins():
     assert p.span == (2, len(text) - 2)  # first <think> .. end of the last </answer>
 
 
-@pytest.mark.parametrize("inner,value", [("0.7", 0.7), (" 0.7 ", 0.7), ("\n0.7\t", 0.7), ("1", 1.0),
-                                         ("0", 0.0), (".25", 0.25), ("1.0", 1.0)])
+@pytest.mark.parametrize(
+    "inner,value", [("0.7", 0.7), (" 0.7 ", 0.7), ("\n0.7\t", 0.7), ("1", 1.0), ("0", 0.0), (".25", 0.25), ("1.0", 1.0)]
+)
 def test_parse_confidence_good(inner, value):
     text = f"<confidence>{inner}</confidence>"
     p = parse_confidence(text)
     assert p.ok and p.value == pytest.approx(value) and p.span == (0, len(text))
 
 
-@pytest.mark.parametrize("text,why", [
-    ("<confidence>1.5</confidence>", "outside [0, 1]"),
-    ("<confidence>-0.1</confidence>", "outside [0, 1]"),
-    ("<confidence>abc</confidence>", "'abc' is not a number"),
-    ("<confidence>nan</confidence>", "not a number"),
-    ("<confidence>0.7 or so</confidence>", "not a number"),
-    ("<confidence></confidence>", "not a number"),
-    ("0.7", "no <confidence>"),
-    ("<confidence>0.7", "no <confidence>"),
-])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("<confidence>1.5</confidence>", "outside [0, 1]"),
+        ("<confidence>-0.1</confidence>", "outside [0, 1]"),
+        ("<confidence>abc</confidence>", "'abc' is not a number"),
+        ("<confidence>nan</confidence>", "not a number"),
+        ("<confidence>0.7 or so</confidence>", "not a number"),
+        ("<confidence></confidence>", "not a number"),
+        ("0.7", "no <confidence>"),
+        ("<confidence>0.7", "no <confidence>"),
+    ],
+)
 def test_parse_confidence_bad(text, why):
     p = parse_confidence(text)
     assert not p.ok and p.value is None and why in p.reason
@@ -103,7 +117,7 @@ def test_tree_advantages_by_hand():
     assert adv_conf[1] == pytest.approx([-0.2, 0.2])  # 0.5 * (R - 0.59)
     assert adv_conf[2] == pytest.approx([0.0, 0.0])  # no variance, no signal
     _, adv_std = tree_advantages(acc, conf, norm_by_std=True)
-    assert adv_std[0] == pytest.approx([0.2 / (0.2 * 2 ** 0.5 + 1e-6), -0.2 / (0.2 * 2 ** 0.5 + 1e-6)])
+    assert adv_std[0] == pytest.approx([0.2 / (0.2 * 2**0.5 + 1e-6), -0.2 / (0.2 * 2**0.5 + 1e-6)])
 
 
 def test_confidence_advantages_never_mix_answers():
@@ -124,6 +138,7 @@ def test_confidence_advantages_never_mix_answers():
 
 # ------------------------------------------------------------------------------------ scripted rollouts
 
+
 def scripted_engine(tok, answers, confidences) -> ScriptedEngine:
     """The shared scripted engine (policy version 7, log-probs -0.5, replies cut at the token budget):
     turn 1 (the first call) from ``answers``, turn 2 from ``confidences``, both cycled over the
@@ -133,8 +148,9 @@ def scripted_engine(tok, answers, confidences) -> ScriptedEngine:
 
 def _cfg(**algo):
     algo = {"num_generations_answer": 2, "num_generations_confidence": 2, "verifier": "numeric", **algo}
-    return load_config(None, ["algorithm=rlcr", "sampling.max_new_tokens=60"]
-                       + [f"algo.{k}={v}" for k, v in algo.items()])
+    return load_config(
+        None, ["algorithm=rlcr", "sampling.max_new_tokens=60"] + [f"algo.{k}={v}" for k, v in algo.items()]
+    )
 
 
 def _rollout(answers, confidences, tasks=None, **algo):
@@ -151,9 +167,10 @@ RIGHT_WRONG = ["<think>a</think><answer>3</answer>", "<think>a</think><answer>4<
 
 
 def test_mask_spans_at_exact_token_positions():
-    episodes, engine, tok = _rollout(["x<think>1+2</think><answer>3</answer><|end|>"],
-                                     ["<analysis>ok</analysis><confidence>0.7</confidence><|end|>",
-                                      "<confidence>0.7</confidence>zz<|end|>"])
+    episodes, engine, tok = _rollout(
+        ["x<think>1+2</think><answer>3</answer><|end|>"],
+        ["<analysis>ok</analysis><confidence>0.7</confidence><|end|>", "<confidence>0.7</confidence>zz<|end|>"],
+    )
     (ep,) = episodes
     answer, conf_a, conf_b = ep.trajectories[0], ep.trajectories[2], ep.trajectories[3]
     # prompt: <|system|> "Answer in tags." <|end|> <|user|> "1+2=" <|end|> <|assistant|> = 1+15+1+1+4+1+1
@@ -182,8 +199,9 @@ def test_mask_spans_at_exact_token_positions():
 def test_rollout_tree_rewards_and_advantages():
     # two answers per prompt (right, wrong), two confidences per answer (0.9, 0.2)
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": "1+2="}], answer=3) for i in range(3)]
-    episodes, engine, _ = _rollout(RIGHT_WRONG, ["<confidence>0.9</confidence>", "<confidence>0.2</confidence>"],
-                                   tasks=tasks, lambda_conf=0.5)
+    episodes, engine, _ = _rollout(
+        RIGHT_WRONG, ["<confidence>0.9</confidence>", "<confidence>0.2</confidence>"], tasks=tasks, lambda_conf=0.5
+    )
     assert engine.calls == [3 * 2, 3 * 2 * 2]  # all turn-1 in one call, all turn-2 in another
     assert len(episodes) == 3
     ep = episodes[0]
@@ -193,7 +211,8 @@ def test_rollout_tree_rewards_and_advantages():
     assert [t.advantage for t in ep.trajectories[:2]] == pytest.approx([0.5, -0.5])
     # confidences about the right answer: mean 0.675; about the wrong answer: mean 0.575
     assert [t.advantage for t in ep.trajectories[2:]] == pytest.approx(
-        [0.5 * 0.315, -0.5 * 0.315, -0.5 * 0.385, 0.5 * 0.385])
+        [0.5 * 0.315, -0.5 * 0.315, -0.5 * 0.385, 0.5 * 0.385]
+    )
     assert len({t.group_id for t in ep.trajectories[2:]}) == 2 and ep.trajectories[0].group_id == ep.id
     assert all(t.policy_version == 7 for t in ep.trajectories)
     tree = ep.decision
@@ -207,10 +226,12 @@ def test_rollout_tree_rewards_and_advantages():
 
 
 def test_bad_output_scores_zero_with_a_reason():
-    episodes, _, _ = _rollout(["46", "<think>a</think><answer>abc</answer>", "", "<think>a</think><answer>3"],
-                              ["<confidence>1.5</confidence>", "<confidence>abc</confidence>", "",
-                               "<confidence>0.7 </confidence>"],
-                              num_generations_answer=4, num_generations_confidence=4)
+    episodes, _, _ = _rollout(
+        ["46", "<think>a</think><answer>abc</answer>", "", "<think>a</think><answer>3"],
+        ["<confidence>1.5</confidence>", "<confidence>abc</confidence>", "", "<confidence>0.7 </confidence>"],
+        num_generations_answer=4,
+        num_generations_confidence=4,
+    )
     (ep,) = episodes
     answers = ep.decision["answers"]
     assert [a["acc_reward"] for a in answers] == [0.0] * 4
@@ -237,8 +258,10 @@ def test_rows_work_with_every_loss_agg_mode():
     batch = collate(trajs, torch.tensor([t.advantage for t in trajs]), pad_id=0)
     for mode in LOSS_AGG_MODES:
         logp = (batch.behavior_logprobs + 0.01).clone().requires_grad_(True)
-        loss, _ = compute_policy_loss(PolicyLossInputs(logp, batch.behavior_logprobs, batch.advantages,
-                                                       batch.response_mask), LossConfig(loss_agg_mode=mode, agg_norm=8.0))
+        loss, _ = compute_policy_loss(
+            PolicyLossInputs(logp, batch.behavior_logprobs, batch.advantages, batch.response_mask),
+            LossConfig(loss_agg_mode=mode, agg_norm=8.0),
+        )
         loss.backward()
         assert torch.isfinite(loss)
         assert torch.all(logp.grad[batch.response_mask == 0] == 0), mode  # only the target spans learn
@@ -250,8 +273,11 @@ def test_evaluate_reports_calibration():
     cfg = _cfg()
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+0="}], answer=i) for i in range(4)]
     # answers "0" for every task: right for t0 only; confidence 0.9 except an unparsable one
-    engine = scripted_engine(tok, ["<think>a</think><answer>0</answer>"],
-                            ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"])
+    engine = scripted_engine(
+        tok,
+        ["<think>a</think><answer>0</answer>"],
+        ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"],
+    )
     wf = get_workflow("rlcr", cfg)
     report = wf.evaluate(engine, tok, SingleTurnEnv(), tasks, SamplingConfig(n=1, max_new_tokens=60), cfg)
     assert engine.calls == [4, 4]
@@ -265,8 +291,11 @@ def test_evaluate_reports_calibration():
     assert report["auroc"] == pytest.approx((1 + 0.5 * 2) / 3)  # the right one (0.9) vs 0.9, 0.9, 0.0
     assert report["reliability"][8]["count"] == 3 and report["reliability"][0]["count"] == 1
     left = get_workflow("rlcr", _cfg(ece_bins="left_closed"))
-    engine = scripted_engine(tok, ["<think>a</think><answer>0</answer>"],
-                             ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"])
+    engine = scripted_engine(
+        tok,
+        ["<think>a</think><answer>0</answer>"],
+        ["<confidence>0.9</confidence>"] * 3 + ["<confidence>x</confidence>"],
+    )
     report = left.evaluate(engine, tok, SingleTurnEnv(), tasks, SamplingConfig(n=1, max_new_tokens=60), cfg)
     assert report["ece_bins"] == "left_closed" and report["reliability"][9]["count"] == 3  # [0.9, 1.0)
 

@@ -9,9 +9,16 @@ import time
 import pandas as pd
 import pytest
 
-from asyncrl.analysis import (RunReader, RunStore, TruncatedRecordWarning, load_events, load_metrics, load_run,
-                              read_records, reliability_frame)
-
+from asyncrl.analysis import (
+    RunReader,
+    RunStore,
+    TruncatedRecordWarning,
+    load_events,
+    load_metrics,
+    load_run,
+    read_records,
+    reliability_frame,
+)
 from tests._ui_runs import make_runs, start_logged, stop
 from tests.conftest import ROOT, cli
 
@@ -50,11 +57,17 @@ def test_a_truncated_last_line_is_skipped_with_a_warning_then_read_once_complete
 
 def test_a_corrupt_record_is_skipped_with_a_warning_not_a_crash(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
-        _line({"step": 1, "t": 1.0, "version": 1, "loss": 0.5}) + '{"step": 2, "t": 2.0, "vers\n'
-        + "[1, 2]\n" + _line({"step": 3, "t": 3.0, "version": 3, "loss": 0.25}))
+        _line({"step": 1, "t": 1.0, "version": 1, "loss": 0.5})
+        + '{"step": 2, "t": 2.0, "vers\n'
+        + "[1, 2]\n"
+        + _line({"step": 3, "t": 3.0, "version": 3, "loss": 0.25})
+    )
     (tmp_path / "events.jsonl").write_text(
-        _line(_event("eval", 1, 1.0, accuracy=0.5)) + '{"schema": 1, "kind": "episode", "tr\n'
-        + _line({"no": "kind"}) + _line(_event("eval", 3, 3.0, accuracy=0.75)))
+        _line(_event("eval", 1, 1.0, accuracy=0.5))
+        + '{"schema": 1, "kind": "episode", "tr\n'
+        + _line({"no": "kind"})
+        + _line(_event("eval", 3, 3.0, accuracy=0.75))
+    )
     with pytest.warns(TruncatedRecordWarning) as caught:
         m = load_metrics(tmp_path)
         ev = load_events(tmp_path)
@@ -80,8 +93,9 @@ def test_missing_run_directory_is_a_clear_error(tmp_path):
 def test_frames_of_real_runs(demo_runs):
     azr_dir, rlcr_dir = demo_runs["absolute_zero"], demo_runs["rlcr"]
     ev = load_events(azr_dir)
-    assert {"learner_start", "episode", "eval", "weights_published", "actor_status", "sample",
-            "learner_stop"} <= set(ev)
+    assert {"learner_start", "episode", "eval", "weights_published", "actor_status", "sample", "learner_stop"} <= set(
+        ev
+    )
     assert all(isinstance(df, pd.DataFrame) and (df["kind"] == k).all() for k, df in ev.items())
     run = load_run(azr_dir)
     assert run.algorithm == "absolute_zero" and run.version == 3
@@ -99,8 +113,9 @@ def test_frames_of_real_runs(demo_runs):
     assert samples["step"].tolist() == [1, 2, 3]  # log.sample_every=1
     s = samples.iloc[-1]
     n = len(s["tokens"])
-    assert n == s["num_tokens"] and all(len(s[k]) == n for k in ("loss_mask", "exp_mask", "behavior_logprobs",
-                                                                 "current_logprobs"))
+    assert n == s["num_tokens"] and all(
+        len(s[k]) == n for k in ("loss_mask", "exp_mask", "behavior_logprobs", "current_logprobs")
+    )
     assert s["current_logprobs"][0] is None and sum(s["loss_mask"]) > 0
     # where the token was learned, the behaviour log-prob is a real (negative) log-prob
     assert all(b < 0 for b, m in zip(s["behavior_logprobs"], s["loss_mask"]) if m)
@@ -118,9 +133,19 @@ def test_frames_of_real_runs(demo_runs):
 
 @pytest.mark.slow
 def test_reads_a_run_while_it_is_being_written(tmp_path, tiny_overrides):
-    overrides = [*tiny_overrides, f"run_root={tmp_path}", "name=live", "train.total_steps=100000",
-                 "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=2", "eval.size=4", "eval.every=0",
-                 "log.progress=false", "checkpoint.every=0"]
+    overrides = [
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=live",
+        "train.total_steps=100000",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=2",
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+    ]
     proc, output = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *overrides))
     run_dir = tmp_path / "live"
     store = RunStore()

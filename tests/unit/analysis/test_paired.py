@@ -9,8 +9,11 @@ from asyncrl.learner.progress import summary_table
 
 
 def _eval(correct: list[bool], version: int) -> dict:
-    return {"accuracy": sum(correct) / len(correct), "version": version,
-            "samples": [{"task_id": f"t{i}", "correct": c} for i, c in enumerate(correct)]}
+    return {
+        "accuracy": sum(correct) / len(correct),
+        "version": version,
+        "samples": [{"task_id": f"t{i}", "correct": c} for i, c in enumerate(correct)],
+    }
 
 
 def test_the_paired_interval_of_a_change():

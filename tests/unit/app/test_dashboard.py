@@ -14,8 +14,22 @@ import pandas as pd
 import pytest
 import torch
 
-from asyncrl.analysis import (NA, RunReader, RunStore, calibration_summary, chart_data, curves_frame, eval_series,
-                              list_runs, metric_columns, metric_group, run_state, runs_table, smooth, tag)
+from asyncrl.analysis import (
+    NA,
+    RunReader,
+    RunStore,
+    calibration_summary,
+    chart_data,
+    curves_frame,
+    eval_series,
+    list_runs,
+    metric_columns,
+    metric_group,
+    run_state,
+    runs_table,
+    smooth,
+    tag,
+)
 
 
 def _event(kind: str, step: int, t: float, **fields) -> dict:
@@ -29,14 +43,24 @@ def _write_run(run_dir, steps: int = 100, eval_every: int = 25, stop: dict | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for s in range(1, steps + 1):
-            rec = {"step": s, "t": 1000.0 + s, "version": s, "reward_mean": s / steps, "loss": 1.0 / s,
-                   "entropy": 2.0 - s / steps, "unified_filter/learnable_ratio": 0.5, "dropped_stale": 0}
+            rec = {
+                "step": s,
+                "t": 1000.0 + s,
+                "version": s,
+                "reward_mean": s / steps,
+                "loss": 1.0 / s,
+                "entropy": 2.0 - s / steps,
+                "unified_filter/learnable_ratio": 0.5,
+                "dropped_stale": 0,
+            }
             if s % eval_every == 0:
                 rec["eval/accuracy"] = 0.2 + s / (2 * steps)
             f.write(json.dumps(rec) + "\n")
     events = [_event("learner_start", 0, 1000.0, total_steps=steps, pid=pid)]
-    events += [_event("eval", v, 1000.0 + v, version=v, accuracy=0.2 + v / (2 * steps), size=8)
-               for v in range(0, steps + 1, eval_every)]
+    events += [
+        _event("eval", v, 1000.0 + v, version=v, accuracy=0.2 + v / (2 * steps), size=8)
+        for v in range(0, steps + 1, eval_every)
+    ]
     if stop is not None:
         events.append(_event("learner_stop", steps, 2000.0, **stop))
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -79,8 +103,17 @@ def test_every_metric_is_its_own_chart_grouped_with_three_x_axes(tmp_path):
         recs = [json.loads(line) for line in f]
     with open(run / "metrics.jsonl", "w") as f:
         for r in recs:
-            f.write(json.dumps({**r, "grad_norm": 18.0 - r["step"] / 2, "batch_trajectories": 8,
-                                "sync/bytes_sent": 1000 * r["step"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        **r,
+                        "grad_norm": 18.0 - r["step"] / 2,
+                        "batch_trajectories": 8,
+                        "sync/bytes_sent": 1000 * r["step"],
+                    }
+                )
+                + "\n"
+            )
     data = chart_data({"a": _load(run)}, pinned=["grad_norm", "nope"])
     groups = [g["name"] for g in data["groups"]]
     assert groups[:3] == ["pinned", "reward", "eval"] and "policy" in groups and "sync" in groups
@@ -97,8 +130,12 @@ def test_every_metric_is_its_own_chart_grouped_with_three_x_axes(tmp_path):
     assert s["samples"][:3] == [8, 16, 24]  # trajectories trained on so far
     held = by["eval/accuracy"][1]["series"][0]
     assert held["step"] == [0, 10, 20, 30] and held["samples"] == [0, 80, 160, 240] and held["time"][0] == 0
-    assert [metric_group(m) for m in ("loss", "tokens_per_s", "eval/accuracy", "mystery")] == \
-        ["policy", "throughput", "eval", "other"]
+    assert [metric_group(m) for m in ("loss", "tokens_per_s", "eval/accuracy", "mystery")] == [
+        "policy",
+        "throughput",
+        "eval",
+        "other",
+    ]
     assert tag("loss") == "policy/loss" and tag("eval/accuracy") == "eval/accuracy"
 
 
@@ -141,15 +178,16 @@ def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_pa
     from asyncrl.app import views as V
 
     store = _load(_write_run(tmp_path / "r", pid=_dead_pid()))
-    store.add_events([_event("actor_status", 90, 1090.0, actor_id="actor-0", version=88, batches=3, unacked=8,
-                             credits=4)])
+    store.add_events(
+        [_event("actor_status", 90, 1090.0, actor_id="actor-0", version=88, batches=3, unacked=8, credits=4)]
+    )
     html = V.overview_html(store)
     assert 'id="run-status" class="arl-state-crashed"' in html and "no learner_stop event" in html
     actors = V.actors_html(store)
     assert "run crashed" in actors and ">12<" not in actors
-    row = actors[actors.index('class="arl-row"'):]
+    row = actors[actors.index('class="arl-row"') :]
     assert "<td>-</td>" in row  # the lag cell: blank once the run is over
-    cells = row[:row.index("</tr>")]
+    cells = row[: row.index("</tr>")]
     assert ">8<" not in cells and ">4<" not in cells  # 64.7: nor its last unacked count and credits
     assert "last status (s ago)" in actors and "last_status_s_ago" not in actors  # headers in words
     assert "versions behind the learner" in actors and "buffer.max_staleness bounds something else" in actors
@@ -158,8 +196,14 @@ def test_overview_shows_the_run_state_and_a_finished_run_has_no_actor_lag(tmp_pa
 def test_summary_prints_no_learning_summary_for_a_run_that_trained_nothing(capsys):
     from asyncrl.learner.progress import summary_table
 
-    out = summary_table([], [{"accuracy": 1.0, "version": 0}], trained_steps=0, total_steps=50,
-                        stopped="stopped by a stop signal at step 0", heldout="held-out: 8 tasks")
+    out = summary_table(
+        [],
+        [{"accuracy": 1.0, "version": 0}],
+        trained_steps=0,
+        total_steps=50,
+        stopped="stopped by a stop signal at step 0",
+        heldout="held-out: 8 tasks",
+    )
     printed = capsys.readouterr().out
     assert "no learning summary: this run trained 0 steps (stopped by a stop signal at step 0)" in printed
     assert "held-out accuracy" not in printed and "1.000" not in printed and "held-out: 8 tasks" in printed
@@ -184,14 +228,37 @@ def test_rlcr_summary_has_ece_and_brier_and_na_over_zero_parsed_confidences(caps
 
 
 def test_calibration_figure_says_how_many_confidences_it_rests_on():
-    from asyncrl.app import views as V
     from asyncrl.algos.rlcr.ui import calibration_figure
+    from asyncrl.app import views as V
 
-    bins = [{"lo": b / 10, "hi": (b + 1) / 10, "count": 32 if b == 0 else 0, "confidence": 0.0 if b == 0 else None,
-             "accuracy": 0.0 if b == 0 else None} for b in range(10)]
+    bins = [
+        {
+            "lo": b / 10,
+            "hi": (b + 1) / 10,
+            "count": 32 if b == 0 else 0,
+            "confidence": 0.0 if b == 0 else None,
+            "accuracy": 0.0 if b == 0 else None,
+        }
+        for b in range(10)
+    ]
     store = RunStore()
-    store.add_events([_event("eval", v, float(v), version=v, accuracy=0.0, ece=0.0, brier=0.0, size=32,
-                             confidence_parse_fail=1.0, reliability=bins) for v in (0, 2)])
+    store.add_events(
+        [
+            _event(
+                "eval",
+                v,
+                float(v),
+                version=v,
+                accuracy=0.0,
+                ece=0.0,
+                brier=0.0,
+                size=32,
+                confidence_parse_fail=1.0,
+                reliability=bins,
+            )
+            for v in (0, 2)
+        ]
+    )
     fig = calibration_figure(store)
     title = fig.axes[0].get_title()
     assert "ECE n/a" in title and "Brier n/a" in title and "0 of 32 confidences parsed" in title
@@ -205,13 +272,21 @@ def test_batch_metrics_response_length_identical_groups_and_named_scores():
 
     def traj(group: str, reward: float, generated: int, **scores) -> Trajectory:
         n = 3 + generated
-        return Trajectory(token_ids=np.arange(n), loss_mask=np.r_[np.zeros(3), np.ones(generated)],
-                          behavior_logprobs=np.zeros(n), policy_version=0, reward=reward, group_id=group,
-                          scores={"reward": reward, **scores})
+        return Trajectory(
+            token_ids=np.arange(n),
+            loss_mask=np.r_[np.zeros(3), np.ones(generated)],
+            behavior_logprobs=np.zeros(n),
+            policy_version=0,
+            reward=reward,
+            group_id=group,
+            scores={"reward": reward, **scores},
+        )
 
-    episodes = [Episode(trajectories=[traj("a", 1.0, 2, format=1.0), traj("a", 1.0, 4, format=0.0)]),  # no signal
-                Episode(trajectories=[traj("b", 0.0, 6, format=1.0), traj("b", 1.0, 8, format=1.0)]),  # signal
-                Episode(trajectories=[traj("c", 0.0, 1)])]  # a group of one: not a group
+    episodes = [
+        Episode(trajectories=[traj("a", 1.0, 2, format=1.0), traj("a", 1.0, 4, format=0.0)]),  # no signal
+        Episode(trajectories=[traj("b", 0.0, 6, format=1.0), traj("b", 1.0, 8, format=1.0)]),  # signal
+        Episode(trajectories=[traj("c", 0.0, 1)]),
+    ]  # a group of one: not a group
     m = batch_metrics(episodes)
     assert m["response_length_mean"] == pytest.approx((2 + 4 + 6 + 8 + 1) / 5) and m["response_length_max"] == 8
     assert m["groups/count"] == 2 and m["groups/identical_reward_share"] == 0.5
@@ -221,17 +296,25 @@ def test_batch_metrics_response_length_identical_groups_and_named_scores():
 def test_trainer_logs_the_exact_per_token_entropy_every_step(tiny_overrides):
     from asyncrl.config import load_config
     from asyncrl.learner.training.batch import compute_logprobs
-    from asyncrl.objectives.logprobs import entropy_from_logits
     from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
+    from asyncrl.objectives.logprobs import entropy_from_logits
     from asyncrl.types import Trajectory
 
     cfg = load_config(None, [*tiny_overrides, "train.entropy_coef=0", "train.lr=1e-9"])
     model, tok, _ = load_policy(cfg.model, cfg.seed)
     rng = np.random.default_rng(0)
-    trajs = [Trajectory(token_ids=rng.integers(4, len(tok), 9), loss_mask=np.r_[np.zeros(4), np.ones(5)],
-                        behavior_logprobs=np.zeros(9), policy_version=0, reward=float(i % 2), group_id="g")
-             for i in range(4)]
+    trajs = [
+        Trajectory(
+            token_ids=rng.integers(4, len(tok), 9),
+            loss_mask=np.r_[np.zeros(4), np.ones(5)],
+            behavior_logprobs=np.zeros(9),
+            policy_version=0,
+            reward=float(i % 2),
+            group_id="g",
+        )
+        for i in range(4)
+    ]
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0)
     batch = trainer.make_batch([type("E", (), {"trajectories": trajs})()])
     with torch.no_grad():  # the expected figure, computed here from the model's own logits
@@ -248,12 +331,22 @@ def test_metric_columns_smoothing_and_overlaid_runs(tmp_path):
     a = _load(_write_run(tmp_path / "sync", steps=40, eval_every=10))
     b = _load(_write_run(tmp_path / "async", steps=20, eval_every=10))
     cols = metric_columns(a.metrics)
-    assert {"reward_mean", "loss", "entropy", "eval/accuracy", "unified_filter/learnable_ratio",
-            "dropped_stale"} <= set(cols)
+    assert {
+        "reward_mean",
+        "loss",
+        "entropy",
+        "eval/accuracy",
+        "unified_filter/learnable_ratio",
+        "dropped_stale",
+    } <= set(cols)
     assert not {"step", "t", "version"} & set(cols)
     frame = curves_frame({"sync": a, "async": b}, ["reward_mean", "eval/accuracy"], smoothing=0.0)
-    assert set(frame["series"]) == {"sync · reward_mean", "async · reward_mean", "sync · eval/accuracy",
-                                    "async · eval/accuracy"}
+    assert set(frame["series"]) == {
+        "sync · reward_mean",
+        "async · reward_mean",
+        "sync · eval/accuracy",
+        "async · eval/accuracy",
+    }
     assert len(frame[frame["series"] == "async · reward_mean"]) == 20
     s = smooth(pd.Series([0.0, 1.0, np.nan, 1.0]), 0.5)
     assert s.iloc[0] == 0.0 and s.iloc[1] == pytest.approx(2 / 3) and math.isnan(s.iloc[2])
@@ -275,8 +368,8 @@ def test_config_view_shows_every_snapshot(tmp_path):
 
 # ------------------------------------------------------------------------------------- item 11
 def test_a_missing_tracker_library_is_one_line_naming_the_pip_package(monkeypatch):
-    from asyncrl.rundir import runlog
     from asyncrl.config import ConfigError
+    from asyncrl.rundir import runlog
 
     monkeypatch.setitem(runlog.TRACKERS, "wandb", ("asyncrl_no_such_module", "wandb"))
     with pytest.raises(ConfigError) as err:
@@ -300,18 +393,22 @@ def _wandb_history(path) -> list[tuple[int, dict]]:
         if block - pos % block < 7:  # a block's tail too short for a record header is padding
             pos += block - pos % block
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and n == 0:
             break
-        pending += data[pos + 7:pos + 7 + n]
+        pending += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):
             rec = pb.Record()
             rec.ParseFromString(pending)
             pending = b""
             if rec.WhichOneof("record_type") == "history":
-                out.append((rec.history.step.num, {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                                                   for i in rec.history.item}))
+                out.append(
+                    (
+                        rec.history.step.num,
+                        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item},
+                    )
+                )
     return out
 
 
@@ -361,6 +458,7 @@ def test_small_fixes_cards_counts_headers_and_replay_plots(tmp_path):
     assert "12 <small>(latest 5 kept)</small>" in html  # a count, not the cap
     q = pd.DataFrame({"window:completion": ["<0.5 in [0.3, 0.7]"], "window:safety": [">0.5 in [0.3, 0.7]"]})
     from asyncrl.algos.absolute_zero.ui import ratio_header
+
     assert ratio_header(q, "completion") == "share completion<0.5 (pass [0.3, 0.7])"  # i.e. the wrong answers
     assert ratio_header(q, "safety") == "share safety>0.5 (pass [0.3, 0.7])"
     fig = V.replay_figure(RunStore())
@@ -370,9 +468,15 @@ def test_small_fixes_cards_counts_headers_and_replay_plots(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- item 6 (CLI)
-RLCR_SMALL_MODEL = ["model.embedded.hidden_size=32", "model.embedded.num_layers=2", "model.embedded.num_heads=2",
-                    "model.embedded.intermediate_size=64", "model.embedded.warmup_steps=120",
-                    "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=5e-3"]
+RLCR_SMALL_MODEL = [
+    "model.embedded.hidden_size=32",
+    "model.embedded.num_layers=2",
+    "model.embedded.num_heads=2",
+    "model.embedded.intermediate_size=64",
+    "model.embedded.warmup_steps=120",
+    "model.embedded.warmup_batch_size=16",
+    "model.embedded.warmup_lr=5e-3",
+]
 
 
 @pytest.mark.slow
@@ -384,11 +488,22 @@ def test_init_model_prints_the_accuracy_of_the_format_it_was_warm_started_for(mo
 
     from tests.conftest import ROOT, run_cli
 
-    res = run_cli("init-model", "-c", str(ROOT / "configs" / "rlcr.yaml"), f"model.embedded.cache_dir={model_cache}",
-                  *RLCR_SMALL_MODEL, "log.progress=false", "eval.size=50", timeout=900)
+    res = run_cli(
+        "init-model",
+        "-c",
+        str(ROOT / "configs" / "rlcr.yaml"),
+        f"model.embedded.cache_dir={model_cache}",
+        *RLCR_SMALL_MODEL,
+        "log.progress=false",
+        "eval.size=50",
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    m = re.search(r"held-out accuracy as a rlcr run measures it \(50 tasks, T=1\): (\d\.\d{3}); ECE (\S+), Brier (\S+) "
-                  r"\((\d+) of 50 confidences parsed; answer format failures (\d+)%\)", res.stdout)
+    m = re.search(
+        r"held-out accuracy as a rlcr run measures it \(50 tasks, T=1\): (\d\.\d{3}); ECE (\S+), Brier (\S+) "
+        r"\((\d+) of 50 confidences parsed; answer format failures (\d+)%\)",
+        res.stdout,
+    )
     assert m, res.stdout
     assert int(m.group(4)) > 0 and int(m.group(5)) < 100  # the tag format was measured: tags were found
     assert "plain arithmetic" not in res.stdout  # not warm-started for it: no misleading 0.000
@@ -424,9 +539,13 @@ def test_a_folder_of_runs_shows_every_run_unless_some_are_picked(tmp_path):
         one = json.loads(heavy(["b"], [])[1])
         assert [r["name"] for r in one["runs"]] == ["b"]
         assert json.loads(heavy(["nope"], [])[1])["runs"] == []  # a run that is not in the folder
+
         # the run the cards and tabs show: the first picked, or the one named (issue 42.7)
-        focus_of = lambda out: next(o for o in out if isinstance(o, dict) and "choices" in o and "value" in o  # noqa: E731
-                                    and o["value"] in ("a", "b"))["value"]
+        def focus_of(out):
+            return next(
+                o for o in out if isinstance(o, dict) and "choices" in o and "value" in o and o["value"] in ("a", "b")
+            )["value"]
+
         assert focus_of(heavy([], [])) == "a" and focus_of(heavy([], [], focus="b")) == "b"
         assert focus_of(heavy(["a", "b"], [], focus="nope")) == "a"
         # 64.7: none picked shows the runs written to last, newest first (a demo run named later by name hid)
@@ -449,9 +568,24 @@ def test_wandb_without_a_login_is_one_line_before_the_run_starts(tmp_path):
     env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"))
 
     def dry_run(**extra) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "asyncrl", "run", "--dry-run", "-c", "configs/quickstart.yaml",
-                               "log.trackers=[wandb]", f"run_root={tmp_path / 'runs'}"], cwd=ROOT,
-                              env={**env, **extra}, capture_output=True, text=True, timeout=180)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl",
+                "run",
+                "--dry-run",
+                "-c",
+                "configs/quickstart.yaml",
+                "log.trackers=[wandb]",
+                f"run_root={tmp_path / 'runs'}",
+            ],
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
     res = dry_run()
     lines = res.stderr.strip().splitlines()
@@ -488,8 +622,13 @@ def _replay_dir(path):
     import json as _json
 
     path.mkdir(parents=True)
-    (path / "metrics.jsonl").write_text("".join(_json.dumps({"step": i, "t": 1000.0 + i, "version": i, "reward_mean": 0.5})
-                                                + "\n" for i in range(1, 4)))
-    (path / "events.jsonl").write_text(_json.dumps({"schema": 1, "kind": "replay", "t": 1004.0, "step": 3,
-                                                    "source": "runs/x", "steps": 3, "identical": True}) + "\n")
+    (path / "metrics.jsonl").write_text(
+        "".join(_json.dumps({"step": i, "t": 1000.0 + i, "version": i, "reward_mean": 0.5}) + "\n" for i in range(1, 4))
+    )
+    (path / "events.jsonl").write_text(
+        _json.dumps(
+            {"schema": 1, "kind": "replay", "t": 1004.0, "step": 3, "source": "runs/x", "steps": 3, "identical": True}
+        )
+        + "\n"
+    )
     return path

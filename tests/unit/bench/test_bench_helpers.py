@@ -20,9 +20,9 @@ def _load(name: str):
 def test_mean_ci_is_the_student_t_interval():
     st = _load("bench_staleness")
     mean, half = st.mean_ci([0.1, 0.2, 0.3])  # sd 0.1, t(2 df) = 4.303
-    assert mean == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert mean == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3**0.5)
     mean, half = st.mean_ci([0.5, 0.7, 0.4, 0.6, None, 0.8])  # None is a run without that value
-    assert mean == pytest.approx(0.6) and half == pytest.approx(2.776 * 0.158113883 / 5 ** 0.5)
+    assert mean == pytest.approx(0.6) and half == pytest.approx(2.776 * 0.158113883 / 5**0.5)
     assert st.mean_ci([None]) is None
 
 

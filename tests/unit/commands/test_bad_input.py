@@ -22,7 +22,6 @@ from asyncrl.envs.tasks import describe_heldout, split_tasks
 from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tiny import build_char_tokenizer
 from asyncrl.types import Episode, Task, Trajectory
-
 from tests.conftest import ROOT, kill_tree, read_jsonl, run_cli, start_cli, subprocess_env
 
 TASK = Task(id="t1", prompt=[{"role": "user", "content": "1+1="}], answer=2)
@@ -30,6 +29,7 @@ REPLY = [{"role": "assistant", "content": "2"}]
 
 
 # ---- start-up: one line, nothing written --------------------------------------------------------
+
 
 def _refused(tmp_path, *args: str, command: str = "run") -> str:
     """Run ``asyncrl COMMAND`` expecting a start-up refusal; returns its one-line message."""
@@ -47,14 +47,23 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path):
     assert msg.startswith(f"asyncrl run: {bad}:4:") and "YAML syntax error" in msg
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "caf\xe9", "answer": 3}\n', r"tasks\.jsonl:2: not UTF-8 \(byte 0xe9"),
-    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n', r"tasks\.jsonl:2: no 'answer'"),
-    (b'{"prompt": "1+1=", "answer": 2}\n{"question": "2+2=", "answer": 4}\n', r"tasks\.jsonl:2: no field 'prompt'"),
-    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', r"tasks\.jsonl:2: not valid JSON"),
-    (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "' + b"x" * 2_000_000 + b'", "answer": 1}\n',
-     r"tasks\.jsonl:2: record of 2,000,0\d\d bytes, more than tasks\.max_record_bytes"),
-], ids=["not-utf8", "no-answer", "no-prompt", "bad-json", "huge-record"])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "caf\xe9", "answer": 3}\n',
+            r"tasks\.jsonl:2: not UTF-8 \(byte 0xe9",
+        ),
+        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n', r"tasks\.jsonl:2: no 'answer'"),
+        (b'{"prompt": "1+1=", "answer": 2}\n{"question": "2+2=", "answer": 4}\n', r"tasks\.jsonl:2: no field 'prompt'"),
+        (b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', r"tasks\.jsonl:2: not valid JSON"),
+        (
+            b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "' + b"x" * 2_000_000 + b'", "answer": 1}\n',
+            r"tasks\.jsonl:2: record of 2,000,0\d\d bytes, more than tasks\.max_record_bytes",
+        ),
+    ],
+    ids=["not-utf8", "no-answer", "no-prompt", "bad-json", "huge-record"],
+)
 def test_a_bad_task_file_is_refused_before_anything_starts(tmp_path, content, expected):
     path = tmp_path / "tasks.jsonl"
     path.write_bytes(content)
@@ -65,23 +74,36 @@ def test_a_bad_task_file_is_refused_before_anything_starts(tmp_path, content, ex
 def test_a_missing_task_file_and_a_too_long_prompt_are_one_line(tmp_path):
     assert "does not exist" in _refused(tmp_path, "tasks.type=file", f"tasks.path={tmp_path / 'nope.jsonl'}")
     path = tmp_path / "long.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "1+" * (10 * i) + "1=", "answer": i + 1}) + "\n"
-                            for i in range(30)))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": "1+" * (10 * i) + "1=", "answer": i + 1}) + "\n" for i in range(30)
+        )
+    )
     msg = _refused(tmp_path, "tasks.type=file", f"tasks.path={path}", "tasks.max_prompt_tokens=40")
     assert "its prompt is" in msg and "tasks.max_prompt_tokens" in msg and "task q" in msg
     # the default limit: the embedded model's 128 positions minus sampling.max_new_tokens
     assert "the model's context (128)" in _refused(tmp_path, "tasks.type=file", f"tasks.path={path}")
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["env.reward=tests.plugins_for_tests:no_such_reward"], "env.reward: module 'tests.plugins_for_tests' has no attribute"),
-    (["env.type=nosuchpkg.envs:Env"], "env.type: cannot import module 'nosuchpkg.envs'"),
-    (["algorithm=grpoo"], "algorithm: unknown algorithm 'grpoo'"),
-    (["algo.foo=1"], "algorithm grpo takes no algo.* settings, got algo.foo"),
-    (["-c", "configs/rlcr.yaml", "algo.lamda_conf=1"], "unknown key 'algo.lamda_conf'"),
-    (["train.policy_loss=ppo2"], "'train.policy_loss': unknown policy loss 'ppo2'; valid names: cispo, gspo, ppo"),
-    (["train.advantage.estimator=vtrace"], "'train.advantage.estimator': unknown advantage estimator 'vtrace'; valid names: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"),
-], ids=["reward-attr", "env-module", "algorithm", "grpo-algo-key", "rlcr-algo-key", "loss-name", "estimator-name"])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["env.reward=tests.plugins_for_tests:no_such_reward"],
+            "env.reward: module 'tests.plugins_for_tests' has no attribute",
+        ),
+        (["env.type=nosuchpkg.envs:Env"], "env.type: cannot import module 'nosuchpkg.envs'"),
+        (["algorithm=grpoo"], "algorithm: unknown algorithm 'grpoo'"),
+        (["algo.foo=1"], "algorithm grpo takes no algo.* settings, got algo.foo"),
+        (["-c", "configs/rlcr.yaml", "algo.lamda_conf=1"], "unknown key 'algo.lamda_conf'"),
+        (["train.policy_loss=ppo2"], "'train.policy_loss': unknown policy loss 'ppo2'; valid names: cispo, gspo, ppo"),
+        (
+            ["train.advantage.estimator=vtrace"],
+            "'train.advantage.estimator': unknown advantage estimator 'vtrace'; valid names: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo",
+        ),
+    ],
+    ids=["reward-attr", "env-module", "algorithm", "grpo-algo-key", "rlcr-algo-key", "loss-name", "estimator-name"],
+)
 def test_config_mistakes_are_caught_before_the_model_is_built(tmp_path, args, expected):
     t0 = time.time()
     msg = _refused(tmp_path, *args)
@@ -91,19 +113,31 @@ def test_config_mistakes_are_caught_before_the_model_is_built(tmp_path, args, ex
 
 # ---- reward functions at run time ----------------------------------------------------------------
 
+
 def _env(reward: str, **over):
     cfg = load_config(None, [f"env.reward={reward}", *(f"env.{k}={v}" for k, v in over.items())])
     return make_env(cfg.env)
 
 
-@pytest.mark.parametrize("reward, expected", [
-    ("tests.plugins_for_tests:broken_reward", "env.reward tests.plugins_for_tests:broken_reward (evaluate, task t1) "
-                                              "raised KeyError: 'answer'"),
-    ("tests.unit.commands.test_bad_input:nan_reward", "nan_reward returned nan for score 'reward'; expected a finite float"),
-    ("tests.unit.commands.test_bad_input:string_reward", "env.reward tests.unit.commands.test_bad_input:string_reward returned '1.0' (str); "
-                                           "expected a finite float"),
-    ("tests.unit.commands.test_bad_input:dict_without_reward", "returned a dict without 'reward' (['score'])"),
-], ids=["raises", "nan", "string", "no-reward-key"])
+@pytest.mark.parametrize(
+    "reward, expected",
+    [
+        (
+            "tests.plugins_for_tests:broken_reward",
+            "env.reward tests.plugins_for_tests:broken_reward (evaluate, task t1) raised KeyError: 'answer'",
+        ),
+        (
+            "tests.unit.commands.test_bad_input:nan_reward",
+            "nan_reward returned nan for score 'reward'; expected a finite float",
+        ),
+        (
+            "tests.unit.commands.test_bad_input:string_reward",
+            "env.reward tests.unit.commands.test_bad_input:string_reward returned '1.0' (str); expected a finite float",
+        ),
+        ("tests.unit.commands.test_bad_input:dict_without_reward", "returned a dict without 'reward' (['score'])"),
+    ],
+    ids=["raises", "nan", "string", "no-reward-key"],
+)
 def test_a_bad_reward_is_one_failure_naming_the_function_and_the_task(reward, expected):
     env = _env(reward)
     with pytest.raises(EnvFailure) as err:
@@ -139,8 +173,9 @@ def test_too_many_failures_stop_an_actor_with_the_last_error():
             env.evaluate(TASK, REPLY)
     with pytest.raises(TooManyFailures, match="20 of the last 20 calls .* failed .*last error: .*KeyError"):
         env.evaluate(TASK, REPLY)
-    learner_side = make_env(load_config(None, ["env.reward=tests.plugins_for_tests:broken_reward"]).env,
-                            stop_on_failures=False)
+    learner_side = make_env(
+        load_config(None, ["env.reward=tests.plugins_for_tests:broken_reward"]).env, stop_on_failures=False
+    )
     for _ in range(25):  # evaluation records failures and never stops
         with pytest.raises(EnvFailure):
             learner_side.evaluate(TASK, REPLY)
@@ -148,10 +183,26 @@ def test_too_many_failures_stop_an_actor_with_the_last_error():
 
 @pytest.mark.slow
 def test_a_run_with_a_flaky_reward_trains_and_records_the_failures(tmp_path, tiny_overrides):
-    res = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, f"run_root={tmp_path}", "name=flaky",
-                  "env.reward=tests.plugins_for_tests:flaky_reward", "train.total_steps=4", "train.batch_tasks=4",
-                  "actor.tasks_per_batch=4", "sampling.n=4", "sampling.max_new_tokens=4", "eval.size=16",
-                  "eval.every=2", "log.progress=false", "checkpoint.every=0", cwd=ROOT, timeout=300)
+    res = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=flaky",
+        "env.reward=tests.plugins_for_tests:flaky_reward",
+        "train.total_steps=4",
+        "train.batch_tasks=4",
+        "actor.tasks_per_batch=4",
+        "sampling.n=4",
+        "sampling.max_new_tokens=4",
+        "eval.size=16",
+        "eval.every=2",
+        "log.progress=false",
+        "checkpoint.every=0",
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "flaky" / "metrics.jsonl")
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
@@ -173,9 +224,20 @@ def test_a_failed_actor_is_named_on_the_console_in_the_summary_and_at_a_retry(tm
     stop signal``; the cause was only in the actor's log. Now one console line names the actor and
     its error, the learner's summary gives it as the stop reason (exit code 1), and a retry under the
     same name is refused saying how the run ended."""
-    args = ["run", "-c", "configs/quickstart.yaml", *tiny_overrides, f"run_root={tmp_path}", "name=broken",
-            "env.reward=tests.plugins_for_tests:broken_reward", "train.total_steps=50", "eval.size=4",
-            "eval.every=0", "log.progress=false", "checkpoint.every=0"]
+    args = [
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=broken",
+        "env.reward=tests.plugins_for_tests:broken_reward",
+        "train.total_steps=50",
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+    ]
     res = run_cli(*args, cwd=ROOT, timeout=400)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]
@@ -190,10 +252,21 @@ def test_a_failed_actor_is_named_on_the_console_in_the_summary_and_at_a_retry(tm
 
 @pytest.mark.slow
 def test_a_hanging_reward_does_not_block_a_stop(tmp_path, tiny_overrides):
-    proc = start_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                     "name=hang", "env.reward=tests.plugins_for_tests:hanging_reward", "env.call_timeout_s=600",
-                     "train.total_steps=50", "eval.size=4", "log.progress=false", "checkpoint.every=0",
-                     log=tmp_path / "hang.log")
+    proc = start_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=hang",
+        "env.reward=tests.plugins_for_tests:hanging_reward",
+        "env.call_timeout_s=600",
+        "train.total_steps=50",
+        "eval.size=4",
+        "log.progress=false",
+        "checkpoint.every=0",
+        log=tmp_path / "hang.log",
+    )
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not (tmp_path / "hang" / "events.jsonl").exists():
@@ -213,10 +286,24 @@ def test_a_hanging_reward_stops_the_run_with_one_line_and_the_learner_keeps_answ
     blocked its loop (0 steps in 240 s, its actor saw it silent for 84 s). Now the learner answers
     its actors while it waits, gives the evaluation up once its first calls all timed out, and the
     run stops with one line saying the reward hangs."""
-    res = run_cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-                  "name=hung", "env.reward=tests.plugins_for_tests:hanging_reward", "env.call_timeout_s=2",
-                  "eval.size=8", "eval.hung_after=4", "actor.learner_timeout_s=3", "actor.heartbeat_s=0.5",
-                  "train.total_steps=50", "log.progress=false", "checkpoint.every=0", timeout=400)
+    res = run_cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=hung",
+        "env.reward=tests.plugins_for_tests:hanging_reward",
+        "env.call_timeout_s=2",
+        "eval.size=8",
+        "eval.hung_after=4",
+        "actor.learner_timeout_s=3",
+        "actor.heartbeat_s=0.5",
+        "train.total_steps=50",
+        "log.progress=false",
+        "checkpoint.every=0",
+        timeout=400,
+    )
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [x for x in res.stderr.splitlines() if "timed out" in x and "hangs" in x]
     assert lines and "hanging_reward" in lines[0] and "env.call_timeout_s=2" in lines[0], res.stderr[-3000:]
@@ -228,19 +315,31 @@ def test_a_hanging_reward_stops_the_run_with_one_line_and_the_learner_keeps_answ
 
 # ---- the learner never applies a non-finite update --------------------------------------------
 
+
 def test_a_batch_with_a_non_finite_loss_is_skipped_not_applied():
-    from asyncrl.config import TrainConfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from asyncrl.config import TrainConfig
+
     tok = build_char_tokenizer()
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     trainer = PolicyTrainer(model, tok, TrainConfig(), temperature=1.0)
     ids = np.array(tok.encode("<|user|>1+1=<|end|><|assistant|>2<|end|>"), dtype=np.int32)
     mask = np.zeros(len(ids), np.uint8)
     mask[-2:] = 1
-    trajs = [Trajectory(ids, mask, np.where(mask, -1.0, 0.0).astype(np.float32), 0, reward=r, group_id="g")
-             for r in (0.0, 1.0)]
+    trajs = [
+        Trajectory(ids, mask, np.where(mask, -1.0, 0.0).astype(np.float32), 0, reward=r, group_id="g")
+        for r in (0.0, 1.0)
+    ]
     trajs[0].behavior_logprobs[-1] = np.nan  # a poisoned behaviour log-prob
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = trainer.step(trainer.make_batch([Episode(trajectories=trajs)])).stats
@@ -250,6 +349,7 @@ def test_a_batch_with_a_non_finite_loss_is_skipped_not_applied():
 
 
 # ---- held-out means held out -------------------------------------------------------------------
+
 
 def test_held_out_tasks_are_never_in_the_training_stream(tmp_path):
     from asyncrl.envs.tasks import task_stream
@@ -269,8 +369,9 @@ def test_held_out_tasks_are_never_in_the_training_stream(tmp_path):
 
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text(json.dumps({"prompt": "3+4=", "answer": 7}) + "\n")
-    cfg = load_config(None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl",
-                             f"tasks.eval_path={eval_file}"])
+    cfg = load_config(
+        None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl", f"tasks.eval_path={eval_file}"]
+    )
     train, held = split_tasks(cfg.tasks)
     assert len(train) == 200 and [t.answer for t in held] == [7]
     assert f"from {eval_file} (tasks.eval_path)" in describe_heldout(cfg.tasks, held, train)
@@ -287,9 +388,21 @@ def test_the_console_script_finds_plugins_in_the_working_directory(tmp_path):
 
     script = shutil.which("asyncrl", path=str(Path(sys.executable).parent))
     assert script, f"no asyncrl console script beside {sys.executable} (pip install -e . makes it)"
-    res = subprocess.run([script, "run", f"run_root={tmp_path}", "env.type=examples.countdown:RetryEnv",
-                          "env.reward=examples.countdown:reward", "tasks.type=file", "tasks.path=nope.jsonl"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            script,
+            "run",
+            f"run_root={tmp_path}",
+            "env.type=examples.countdown:RetryEnv",
+            "env.reward=examples.countdown:reward",
+            "tasks.type=file",
+            "tasks.path=nope.jsonl",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "cannot import" not in res.stderr, res.stderr
     assert "nope.jsonl does not exist" in res.stderr  # the plugins resolved; the next check spoke
 
@@ -298,8 +411,9 @@ def test_the_console_script_finds_plugins_in_the_working_directory(tmp_path):
 @pytest.mark.parametrize("command", ["run", "learn"])
 def test_an_unwritable_run_dir_stops_in_one_line_without_tracebacks(tmp_path, command):
     """25.8: an unwritable run dir printed an atexit traceback after the one-line stop."""
-    res = run_cli(command, "-c", str(ROOT / "configs" / "quickstart.yaml"), "run_root=/sys/kernel/asyncrl-unwritable",
-                  timeout=120)
+    res = run_cli(
+        command, "-c", str(ROOT / "configs" / "quickstart.yaml"), "run_root=/sys/kernel/asyncrl-unwritable", timeout=120
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
@@ -309,8 +423,24 @@ def test_an_unwritable_run_dir_stops_in_one_line_without_tracebacks(tmp_path, co
 @pytest.mark.parametrize("address", ["ipc://", "tcp://127.0.0.1:5555", "ipc://relative/sock"])
 def test_an_unusable_weights_address_is_one_line(tmp_path, address):
     """63.7: ``asyncrl serve --weights-address ipc://`` gave an AttributeError traceback."""
-    res = subprocess.run([sys.executable, "-m", "asyncrl", "serve", "-c", "configs/quickstart.yaml",
-                          "--connect", f"ipc://{tmp_path}/control", "--weights-address", address], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "serve",
+            "-c",
+            "configs/quickstart.yaml",
+            "--connect",
+            f"ipc://{tmp_path}/control",
+            "--weights-address",
+            address,
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "expected ipc:// and the absolute path" in lines[0], res.stderr

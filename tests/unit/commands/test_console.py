@@ -4,24 +4,37 @@ says how to resume (item 3)."""
 from __future__ import annotations
 
 import os
-import sys
 import re
 import select
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from asyncrl.rundir import layout
-
 from tests.conftest import ROOT, cli, kill_tree, read_jsonl, subprocess_env
 
 
 def _run_args(tmp_path, tiny_overrides, *extra: str) -> list[str]:
-    return cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), *tiny_overrides, f"run_root={tmp_path}",
-               "name=tee", "train.total_steps=100000", "train.batch_tasks=2", "actor.tasks_per_batch=2",
-               "sampling.n=2", "eval.size=4", "eval.every=0", "checkpoint.every=0", "log.progress=true", *extra)
+    return cli(
+        "run",
+        "-c",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=tee",
+        "train.total_steps=100000",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=2",
+        "eval.size=4",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "log.progress=true",
+        *extra,
+    )
 
 
 def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:
@@ -56,14 +69,21 @@ def _wait_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240) -
 
 @pytest.mark.slow
 def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_says_how_to_resume(
-        tmp_path, tiny_overrides):
+    tmp_path, tiny_overrides
+):
     """``asyncrl run ... | tee log``, then Ctrl-C: tee goes first, so the learner's next progress
     line meets a closed pipe. Training goes on; Ctrl-C (SIGINT to the whole process group, as a
     terminal sends it) checkpoints at the step reached; a resumed run's Ctrl-C prints the checkpoint
     and the command that resumes."""
     run_dir = tmp_path / "tee"
-    proc = subprocess.Popen(_run_args(tmp_path, tiny_overrides), cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        _run_args(tmp_path, tiny_overrides),
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _read_until(proc, r"\[asyncrl\] learner at ")
         _wait_steps(run_dir, 2, proc)
@@ -83,8 +103,14 @@ def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_sa
     ckpt = layout.latest_checkpoint(run_dir)
     assert ckpt is not None and layout.checkpoint_step(ckpt) == reached  # nothing trained was lost
 
-    proc = subprocess.Popen(_run_args(tmp_path, tiny_overrides, "--resume"), cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        _run_args(tmp_path, tiny_overrides, "--resume"),
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out = _read_until(proc, rf"\[learner\] resumed from step {reached}\b")
         _wait_steps(run_dir, reached + 2, proc)
@@ -94,8 +120,9 @@ def test_a_closed_output_pipe_never_stops_training_and_ctrl_c_checkpoints_and_sa
     finally:
         kill_tree(proc)
     ckpt = layout.latest_checkpoint(run_dir)
-    m = re.search(r"\[asyncrl\] stopped; checkpoint at step (\d+) in (\S+)\. Resume with:\n  \S+ -m asyncrl (.*) --resume\n",
-                  out)  # (started here as `python -m asyncrl`: the hint says so)
+    m = re.search(
+        r"\[asyncrl\] stopped; checkpoint at step (\d+) in (\S+)\. Resume with:\n  \S+ -m asyncrl (.*) --resume\n", out
+    )  # (started here as `python -m asyncrl`: the hint says so)
     assert m, out[-3000:]
     assert int(m.group(1)) == layout.checkpoint_step(ckpt) > reached and m.group(2) == str(ckpt)
     assert m.group(3).startswith("run -c ") and "name=tee" in m.group(3) and "--resume --resume" not in out
@@ -119,8 +146,9 @@ for i in range(3):
     warnings.warn(f"distinct warning {i}", UserWarning)
     log.warning(f"distinct log line {i}")
 """
-    res = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=subprocess_env(), cwd=ROOT)
+    res = subprocess.run(
+        [os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=ROOT
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     err = res.stderr
     assert err.count("past_key_values as a tuple is deprecated") == 1, err[-2000:]
@@ -158,7 +186,9 @@ def test_asyncrl_config_prints_every_key_with_its_description_and_the_diff(tmp_p
 
     diff = _cli_out("config", "-c", rlcr, "train.lr=1e-4", "--diff").stdout.splitlines()
     assert "train.lr: 0.0001  # default 2.0e-05. AdamW learning rate (the peak, with a schedule)." in diff
-    assert all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff) and not any(ln.startswith("seed:") for ln in diff)
+    assert all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff) and not any(
+        ln.startswith("seed:") for ln in diff
+    )
     assert _cli_out("config", "--diff").stdout.strip() == "# every key has its default value"
     assert "asyncrl config -c FILE" in _cli_out("run", "--help").stdout
 
@@ -167,8 +197,8 @@ def test_asyncrl_config_prints_every_key_with_its_description_and_the_diff(tmp_p
 def test_the_diff_of_every_shipped_config_prints(config):
     """Issue 42.7: the UI's Config tab leads with ``--diff``; Absolute Zero's learnability dimensions
     (models inside a dict) made it fail with yaml's RepresenterError."""
-    from asyncrl.config import load_config
     from asyncrl.analysis.config_view import show_config
+    from asyncrl.config import load_config
 
     diff = show_config(load_config(ROOT / "configs" / config), diff=True).splitlines()
     assert diff and all(re.match(r"[\w.]+: .*  # default ", ln) for ln in diff), diff
@@ -188,8 +218,10 @@ def test_empty_prompts_in_a_task_file_are_reported_with_file_and_line(tmp_path, 
     from asyncrl.envs.tasks import load_task_file
 
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "  ", "answer": 3}\n'
-                    '{"prompt": [{"role": "user", "content": ""}], "answer": 4}\n')
+    path.write_text(
+        '{"prompt": "1+1=", "answer": 2}\n{"prompt": "  ", "answer": 3}\n'
+        '{"prompt": [{"role": "user", "content": ""}], "answer": 4}\n'
+    )
     cfg = load_config(None, ["tasks.type=file", f"tasks.path={path}"])
     assert len(load_task_file(str(path), cfg.tasks)) == 3  # kept (a template-only prompt may be meant)
     err = capsys.readouterr().err

@@ -17,8 +17,14 @@ from tests.conftest import ROOT, subprocess_env
 
 
 def _case(tmp_path, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "tests.fork_cases", *args[:1], str(tmp_path), *args[1:]], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.fork_cases", *args[:1], str(tmp_path), *args[1:]],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -32,8 +38,9 @@ def test_a_child_gets_its_environment_argv_output_and_exit_code(tmp_path):
     assert seen["log"].splitlines() == ["to stdout", "to stderr"]
 
 
-@pytest.mark.parametrize("outcome, code, text", [("exit-message", 1, "a reason"), ("raise", 1, "ValueError: boom"),
-                                                 ("exit-none", 0, "")])
+@pytest.mark.parametrize(
+    "outcome, code, text", [("exit-message", 1, "a reason"), ("raise", 1, "ValueError: boom"), ("exit-none", 0, "")]
+)
 def test_how_a_child_ends_gives_its_exit_code(tmp_path, outcome, code, text):
     seen = _case(tmp_path, "ending", outcome)
     assert seen["code"] == code and text in seen["log"], seen
@@ -76,7 +83,13 @@ assert proc.wait() == 0
 print(before, after_imports, with_a_thread, after_a_matmul, type(proc).__name__)
 """
     env = {k: v for k, v in subprocess_env().items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "2"},
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-5:] == ["False", "True", "False", "False", "Popen"], out.stdout

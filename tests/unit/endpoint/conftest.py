@@ -16,8 +16,14 @@ def serving(random_engine, tok):
     made = []
 
     def make(parser=None, max_new_tokens=6):
-        ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=max_new_tokens, temperature=3.0),
-                      random_engine.eos_ids, parser, request_timeout_s=60)
+        ep = Endpoint(
+            tok,
+            "policy",
+            SamplingConfig(max_new_tokens=max_new_tokens, temperature=3.0),
+            random_engine.eos_ids,
+            parser,
+            request_timeout_s=60,
+        )
         stop = threading.Event()
 
         def loop():

@@ -37,15 +37,24 @@ def _wait_closed_by_server(sock_ready, what: str) -> None:
 
 def test_sync_client_whole_and_streamed_answers_and_a_connection_closed_while_idle(endpoint):
     transport = LoopbackTransport()
-    client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=60,
-                           http_client=httpx.Client(transport=transport, trust_env=False))
+    client = openai.OpenAI(
+        base_url="http://127.0.0.1/v1",
+        api_key="-",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.Client(transport=transport, trust_env=False),
+    )
     s = endpoint.open(None)
     c = client.with_options(base_url=s.base_url, api_key=s.token)
     whole = c.chat.completions.create(model="policy", messages=MESSAGES)
     seg = s.segments[0]
-    assert whole.choices[0].model_extra["token_ids"] == seg.ids[len(whole.model_extra["prompt_token_ids"]):]
-    stream = c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2="}], stream=True,
-                                       stream_options={"include_usage": True})
+    assert whole.choices[0].model_extra["token_ids"] == seg.ids[len(whole.model_extra["prompt_token_ids"]) :]
+    stream = c.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "2+2="}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)  # chunked transfer encoding, read as it comes
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == s.segments[1].texts[0] and chunks[-1].usage.completion_tokens == sum(s.segments[1].mask)
@@ -68,15 +77,21 @@ def test_sync_client_whole_and_streamed_answers_and_a_connection_closed_while_id
 def test_async_client_over_the_transport(endpoint):
     async def main():
         transport = AsyncLoopbackTransport()
-        client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=60,
-                                    http_client=httpx.AsyncClient(transport=transport, trust_env=False))
+        client = openai.AsyncOpenAI(
+            base_url="http://127.0.0.1/v1",
+            api_key="-",
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.AsyncClient(transport=transport, trust_env=False),
+        )
         sessions = [endpoint.open(None) for _ in range(8)]
         clients = [client.with_options(base_url=s.base_url, api_key=s.token) for s in sessions]
         replies = await asyncio.gather(*[c.chat.completions.create(model="policy", messages=MESSAGES) for c in clients])
         for s, r in zip(sessions, replies):
-            assert r.choices[0].model_extra["token_ids"] == s.segments[0].ids[len(r.model_extra["prompt_token_ids"]):]
-        stream = await clients[0].chat.completions.create(model="policy", messages=[{"role": "user", "content": "3="}],
-                                                          stream=True)
+            assert r.choices[0].model_extra["token_ids"] == s.segments[0].ids[len(r.model_extra["prompt_token_ids"]) :]
+        stream = await clients[0].chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "3="}], stream=True
+        )
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         assert text == sessions[0].segments[1].texts[0]
         origin = ("127.0.0.1", endpoint.port)

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from asyncrl.config import AdvantageConfig, SamplingConfig, load_config
-from asyncrl.envs.base import make_env
 from asyncrl.endpoint.core import Endpoint
+from asyncrl.envs.base import make_env
 from asyncrl.learner.training.batch_stats import batch_metrics
 from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Episode, Task, Trajectory
-
 from tests.agents_for_tests import every_reply_calls_add
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
@@ -40,11 +39,24 @@ def test_chat_and_completions_stream_exact_tokens(serving):
     ep = serving()
     s = ep.open(budget=None)
     client = _client(s)
-    chunks = list(client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
-                                                 stream=True, logprobs=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "12+34="}],
+            stream=True,
+            logprobs=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     ids = [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
-    lps = [x.logprob for c in chunks for ch in c.choices if ch.logprobs and ch.logprobs.content for x in ch.logprobs.content]
+    lps = [
+        x.logprob
+        for c in chunks
+        for ch in c.choices
+        if ch.logprobs and ch.logprobs.content
+        for x in ch.logprobs.content
+    ]
     text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
     finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
     assert ids and len(lps) == len(ids) and len(finish) == 1
@@ -57,17 +69,21 @@ def test_chat_and_completions_stream_exact_tokens(serving):
     assert seg.ids == prompt + ids and seg.texts == [text]
 
     # the same through a plain (non-streamed) call gives the same shape of answer
-    plain = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}], logprobs=True)
+    plain = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "1+1="}], logprobs=True
+    )
     ids2 = plain.choices[0].model_extra["token_ids"]
-    assert [x.logprob for x in plain.choices[0].logprobs.content] == pytest.approx(s.segments[1].logprobs[-len(ids2):], abs=0)
+    assert [x.logprob for x in plain.choices[0].logprobs.content] == pytest.approx(
+        s.segments[1].logprobs[-len(ids2) :], abs=0
+    )
 
     # completions, streamed
     t = s.segments
     chunks = list(client.completions.create(model="policy", prompt="7+8=", stream=True, logprobs=1))
     ids = [i for c in chunks for ch in c.choices for i in (ch.model_extra.get("token_ids") or [])]
     lps = [lp for c in chunks for ch in c.choices if ch.logprobs for lp in ch.logprobs.token_logprobs]
-    assert ids and len(t) == 3 and t[2].ids[-len(ids):] == ids
-    assert np.array_equal(np.float32(t[2].logprobs[-len(ids):]), np.float32(lps))
+    assert ids and len(t) == 3 and t[2].ids[-len(ids) :] == ids
+    assert np.array_equal(np.float32(t[2].logprobs[-len(ids) :]), np.float32(lps))
     assert "".join(ch.text for c in chunks for ch in c.choices) == t[2].texts[-1]
 
 
@@ -77,10 +93,17 @@ def test_responses_api_round_trips_continue_one_trajectory(serving):
     ep = serving(parser=every_reply_calls_add)
     s = ep.open(budget=None)
     client = _client(s)
-    tools = [{"type": "function", "name": "add", "description": "adds", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}}}]
-    first = client.responses.create(model="policy", input="12+34=", instructions="be brief", tools=tools,
-                                    include=["message.output_text.logprobs"])
+    tools = [
+        {
+            "type": "function",
+            "name": "add",
+            "description": "adds",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
+        }
+    ]
+    first = client.responses.create(
+        model="policy", input="12+34=", instructions="be brief", tools=tools, include=["message.output_text.logprobs"]
+    )
     assert first.status in ("completed", "incomplete") and first.output[-1].type == "function_call"
     call = first.output[-1]
     assert call.name == "add" and json.loads(call.arguments)["text"] is not None
@@ -88,18 +111,26 @@ def test_responses_api_round_trips_continue_one_trajectory(serving):
     (seg,) = s.segments
     assert seg.ids == first.model_extra["prompt_token_ids"] + out1
     # the history sent back, as the Agents SDK does: the function call item and its output
-    history = [{"role": "user", "content": "12+34="}, {"type": "function_call", "call_id": call.call_id,
-                                                      "name": call.name, "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "46"}]
+    history = [
+        {"role": "user", "content": "12+34="},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "46"},
+    ]
     second = client.responses.create(model="policy", input=history, instructions="be brief", tools=tools)
     assert len(s.segments) == 1, "the second call did not continue the first one's tokens"
     p1, prompt2 = first.model_extra["prompt_token_ids"], second.model_extra["prompt_token_ids"]
-    assert prompt2[:len(p1) + len(out1)] == p1 + out1 and s.segments[0].ids[:len(prompt2)] == prompt2
+    assert prompt2[: len(p1) + len(out1)] == p1 + out1 and s.segments[0].ids[: len(prompt2)] == prompt2
     # previous_response_id instead of the history, streamed
-    events = list(client.responses.create(model="policy", previous_response_id=second.id, instructions="be brief",
-                                          tools=tools, input=[{"type": "function_call_output",
-                                                               "call_id": second.output[-1].call_id, "output": "1"}],
-                                          stream=True))
+    events = list(
+        client.responses.create(
+            model="policy",
+            previous_response_id=second.id,
+            instructions="be brief",
+            tools=tools,
+            input=[{"type": "function_call_output", "call_id": second.output[-1].call_id, "output": "1"}],
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -117,12 +148,16 @@ def test_responses_api_round_trips_continue_one_trajectory(serving):
 def test_responses_text_and_logprobs(serving):
     ep = serving(parser=None)
     s = ep.open(budget=None)
-    r = _client(s).responses.create(model="policy", input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "3+4="}]}], include=["message.output_text.logprobs"], max_output_tokens=4)
+    r = _client(s).responses.create(
+        model="policy",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "3+4="}]}],
+        include=["message.output_text.logprobs"],
+        max_output_tokens=4,
+    )
     ids = r.model_extra["output_token_ids"]
     part = r.output[0].content[0]
     assert r.output[0].type == "message" and part.text == r.output_text == s.segments[0].texts[0]
-    assert len(ids) <= 4 and [x.logprob for x in part.logprobs] == s.segments[0].logprobs[-len(ids):]
+    assert len(ids) <= 4 and [x.logprob for x in part.logprobs] == s.segments[0].logprobs[-len(ids) :]
     assert r.usage.output_tokens == len(ids) and r.usage.input_tokens == len(r.model_extra["prompt_token_ids"])
     if len(ids) == 4 and ids[-1] not in ep.eos_ids:
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -132,11 +167,13 @@ def test_bad_responses_requests_are_openai_errors(serving):
     ep = serving()
     s = ep.open(budget=None)
     url = f"{s.base_url}/responses"
-    cases = [({"model": "policy", "input": []}, 400, "invalid_input"),
-             ({"model": "policy", "input": [{"type": "image", "url": "x"}]}, 400, "invalid_input"),
-             ({"model": "policy", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "invalid_tools"),
-             ({"model": "policy", "input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_not_found"),
-             ({"model": "other", "input": "hi"}, 404, "model_not_found")]
+    cases = [
+        ({"model": "policy", "input": []}, 400, "invalid_input"),
+        ({"model": "policy", "input": [{"type": "image", "url": "x"}]}, 400, "invalid_input"),
+        ({"model": "policy", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "invalid_tools"),
+        ({"model": "policy", "input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_not_found"),
+        ({"model": "other", "input": "hi"}, 404, "model_not_found"),
+    ]
     for body, status, code in cases:
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == status and r.json()["error"]["code"] == code, (body, r.text)
@@ -154,17 +191,32 @@ def test_a_session_cannot_reach_another(serving):
     with pytest.raises(openai.NotFoundError, match="previous_response_not_found"):
         client_a.responses.create(model="policy", input="more", previous_response_id=rb.id)
     # A sends B's whole conversation: a new trajectory of A's, B's untouched
-    client_a.responses.create(model="policy", input=[{"role": "user", "content": "5+5="},
-                                                     {"role": "assistant", "content": rb.output_text},
-                                                     {"role": "user", "content": "again"}])
+    client_a.responses.create(
+        model="policy",
+        input=[
+            {"role": "user", "content": "5+5="},
+            {"role": "assistant", "content": rb.output_text},
+            {"role": "user", "content": "again"},
+        ],
+    )
     assert b.segments[0].ids == b_ids and len(b.segments) == 1 and len(a.segments) == 1
     # the session's secret is the path: another token (or B's as the API key on A's URL) reaches A only
-    r = httpx.post(f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {b.token}"}, timeout=30,
-                   json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}]})
+    r = httpx.post(
+        f"{a.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {b.token}"},
+        timeout=30,
+        json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}]},
+    )
     assert r.status_code == 200 and len(a.segments) == 2 and len(b.segments) == 1
     forged = a.base_url.replace(a.token, a.token[:-2] + ("AA" if not a.token.endswith("AA") else "BB"))
-    assert httpx.post(f"{forged}/chat/completions", json={"model": "policy", "messages": [
-        {"role": "user", "content": "x"}]}, timeout=30).json()["error"]["code"] == "episode_ended"
+    assert (
+        httpx.post(
+            f"{forged}/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+            timeout=30,
+        ).json()["error"]["code"]
+        == "episode_ended"
+    )
     b.close()
     with pytest.raises(openai.BadRequestError, match="episode_ended"):
         _client(b).responses.create(model="policy", input="5+5=")
@@ -172,8 +224,16 @@ def test_a_session_cannot_reach_another(serving):
 
 def test_a_thousand_sessions_on_one_actor(random_engine, tok):
     """1,000 rollouts (250 tasks x 4) each with a session and a connection at once: all answered."""
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:one_call", "sampling.n=4",
-                             "sampling.max_new_tokens=2", "env.call_timeout_s=600"])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            "env.agent=tests.agents_for_tests:one_call",
+            "sampling.n=4",
+            "sampling.max_new_tokens=2",
+            "env.call_timeout_s=600",
+        ],
+    )
     env = make_env(cfg.env)
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i % 90}+1="}], answer="") for i in range(250)]
     episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(random_engine, tok, env, cfg, "a0", 1))
@@ -198,13 +258,17 @@ def test_slow_clients_do_not_stall_the_others(serving):
     for _ in range(20):  # whole requests whose answers are never read
         c = socket.create_connection(("127.0.0.1", ep.port), timeout=10)
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        c.sendall(f"POST {path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        c.sendall(
+            f"POST {path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        )
         slow.append(c)
     try:
         client = _client(s)
         t0 = time.monotonic()
         for _ in range(5):
-            assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2="}]).choices
+            assert client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "2+2="}]
+            ).choices
         assert time.monotonic() - t0 < 60
     finally:
         for c in slow:
@@ -213,21 +277,39 @@ def test_slow_clients_do_not_stall_the_others(serving):
 
 # ---- one rollout, one sample ------------------------------------------------------------------
 
+
 def _row(reward: float, group: str, rollout: str = "") -> Trajectory:
-    return Trajectory(token_ids=np.array([1, 2, 3]), loss_mask=np.array([0, 1, 1]), behavior_logprobs=np.zeros(3),
-                      policy_version=0, reward=reward, group_id=group, rollout_id=rollout)
+    return Trajectory(
+        token_ids=np.array([1, 2, 3]),
+        loss_mask=np.array([0, 1, 1]),
+        behavior_logprobs=np.zeros(3),
+        policy_version=0,
+        reward=reward,
+        group_id=group,
+        rollout_id=rollout,
+    )
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    # rollouts' rewards [1, 0, 0]: mean 1/3, unbiased std sqrt(1/3)
-    ("grpo", {"r1": (2 / 3) / (np.sqrt(1 / 3) + 1e-6), "r2": (-1 / 3) / (np.sqrt(1 / 3) + 1e-6)}),
-    ("rloo", {"r1": 1.0, "r2": -0.5}),  # R_i minus the mean of the others
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        # rollouts' rewards [1, 0, 0]: mean 1/3, unbiased std sqrt(1/3)
+        ("grpo", {"r1": (2 / 3) / (np.sqrt(1 / 3) + 1e-6), "r2": (-1 / 3) / (np.sqrt(1 / 3) + 1e-6)}),
+        ("rloo", {"r1": 1.0, "r2": -0.5}),  # R_i minus the mean of the others
+    ],
+)
 def test_group_baseline_counts_a_rollout_once(estimator, expected):
     """A rollout of three unmerged calls (three rows) and two rollouts of one row, by hand: the rows
     as samples would give rewards [1, 1, 1, 0, 0] (GRPO: 0.73 and -1.10)."""
-    rows = [_row(1.0, "g", "r1"), _row(1.0, "g", "r1"), _row(1.0, "g", "r1"), _row(0.0, "g", "r2"), _row(0.0, "g", "r3"),
-            _row(0.5, "h"), _row(0.5, "h")]  # another group, rows without a rollout id: each its own sample
+    rows = [
+        _row(1.0, "g", "r1"),
+        _row(1.0, "g", "r1"),
+        _row(1.0, "g", "r1"),
+        _row(0.0, "g", "r2"),
+        _row(0.0, "g", "r3"),
+        _row(0.5, "h"),
+        _row(0.5, "h"),
+    ]  # another group, rows without a rollout id: each its own sample
     adv = trajectory_advantages(rows, AdvantageConfig(estimator=estimator)).double().numpy()
     assert adv[:3] == pytest.approx([expected["r1"]] * 3, rel=1e-6)
     assert adv[3:5] == pytest.approx([expected["r2"]] * 2, rel=1e-6)
@@ -240,10 +322,21 @@ def test_group_baseline_counts_a_rollout_once(estimator, expected):
 def test_agent_rollouts_of_three_rows_are_one_sample_each(random_engine, tok):
     """Through the agent environment: each rollout's three calls become three rows with one rollout
     id; their advantage is the one computed over rollouts (by hand from the rollouts' rewards)."""
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:three_separate_calls", "sampling.n=4",
-                             "sampling.temperature=3.0", "sampling.max_new_tokens=5", "env.max_turns=3"])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            "env.agent=tests.agents_for_tests:three_separate_calls",
+            "sampling.n=4",
+            "sampling.temperature=3.0",
+            "sampling.max_new_tokens=5",
+            "env.max_turns=3",
+        ],
+    )
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": "x"}], answer="") for i in range(3)]
-    episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(random_engine, tok, make_env(cfg.env), cfg, "a0", 1))
+    episodes = get_workflow("grpo", cfg).rollout(
+        tasks, RolloutContext(random_engine, tok, make_env(cfg.env), cfg, "a0", 1)
+    )
     rows = [t for ep in episodes for t in ep.trajectories]
     assert len(rows) == 36
     by_rollout: dict[str, list[int]] = {}
@@ -274,13 +367,35 @@ def test_agent_batches_share_the_continuous_engine(tok):
     from asyncrl.engine.hf import HFEngine
 
     torch.manual_seed(0)
-    engine = HFEngine(LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=256,
-                                                   tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
-                                                   eos_token_id=3)), tok)
+    engine = HFEngine(
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(tok),
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=256,
+                tie_word_embeddings=True,
+                pad_token_id=0,
+                bos_token_id=2,
+                eos_token_id=3,
+            )
+        ),
+        tok,
+    )
     engine.start_continuous()
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:three_separate_calls", "sampling.n=2",
-                             "sampling.temperature=3.0", "sampling.max_new_tokens=6", "env.max_turns=3"])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            "env.agent=tests.agents_for_tests:three_separate_calls",
+            "sampling.n=2",
+            "sampling.temperature=3.0",
+            "sampling.max_new_tokens=6",
+            "env.max_turns=3",
+        ],
+    )
     env = make_env(cfg.env)
     results: dict[int, list] = {}
 
@@ -318,8 +433,10 @@ def test_each_running_rollout_is_lent_a_client_of_its_own(random_engine, tok, tm
     each running rollout has a client (and connection pool) of its own, lent again to later rollouts."""
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    cfg = load_config(None, ["env.type=agent", f"env.agent=tests.agents_for_tests:{agent}", "sampling.n=4",
-                             "sampling.max_new_tokens=4"])
+    cfg = load_config(
+        None,
+        ["env.type=agent", f"env.agent=tests.agents_for_tests:{agent}", "sampling.n=4", "sampling.max_new_tokens=4"],
+    )
     env, wf = make_env(cfg.env), get_workflow("grpo", cfg)
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+1="}], answer=str(i + 1)) for i in range(3)]
     rounds = []
@@ -422,7 +539,7 @@ def test_a_call_not_answered_in_time_gets_408(random_engine, tok, monkeypatch):
         while b"\r\n\r\n" not in got:
             got += c.recv(65536)
         assert got.startswith(b"HTTP/1.1 200")
-        while (chunk := c.recv(65536)):  # the answer, then the server closes the idle kept-alive connection
+        while chunk := c.recv(65536):  # the answer, then the server closes the idle kept-alive connection
             got += chunk
         assert b'"token_ids"' in got
         c.close()

@@ -19,16 +19,15 @@ import httpx
 import pytest
 
 import asyncrl.endpoint.core as endpoint_mod
-from asyncrl.envs.agent import _context_tokens
 from asyncrl.endpoint.client import LoopbackTransport
-
+from asyncrl.envs.agent import _context_tokens
 from tests.conftest import ROOT, subprocess_env
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}
 
 
 def _head(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n".encode() + extra + b"\r\n" + body)
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n".encode() + extra + b"\r\n" + body
 
 
 def _answer(sock: socket.socket, timeout: float = 30) -> bytes:
@@ -119,8 +118,9 @@ def test_a_deeply_nested_body_is_a_400(serving):
     s = ep.open(budget=None)
     for depth in (100, 100_000):
         raw = b'{"model": "policy", "messages": ' + b"[" * depth + b"]" * depth + b"}"
-        r = httpx.post(f"{s.base_url}/chat/completions", content=raw, headers={"content-type": "application/json"},
-                       timeout=60)
+        r = httpx.post(
+            f"{s.base_url}/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] in ("too_deep", "invalid_json"), (depth, r.text[:300])
 
 
@@ -151,7 +151,13 @@ def test_the_agents_unix_socket_is_served_when_the_tcp_port_is_full(serving, mon
 @pytest.mark.skipif(os.geteuid() != 0, reason="playing another local user needs root (setuid)")
 def test_another_user_cannot_reach_the_agents_unix_socket(serving):
     ep = serving()
-    res = subprocess.run([sys.executable, "-m", "tests.other_user", "uds", "2", ep.server.uds_path], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.other_user", "uds", "2", ep.server.uds_path],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["uid"] == 65534 and out["connected"] is False, out

@@ -20,9 +20,18 @@ def tokenizer():
 
 def _model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=True,
-                      pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -36,8 +45,9 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
         q = f"{i * 7 % 100}+{i * 13 % 1000}="
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
@@ -46,7 +56,7 @@ def _reference_logprobs(model, prompt: list[int], gen: np.ndarray, temperature: 
     """Unpadded full forward pass: log_softmax(logits / T) gathered at the generated tokens -> [L]."""
     ids = torch.tensor([prompt + gen.tolist()])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(1, torch.as_tensor(gen, dtype=torch.long)[:, None])[:, 0].numpy()
 
@@ -108,7 +118,7 @@ def test_stop_string_truncates_right_after_it(engine, tokenizer, width):
     prompts, sp = _prompts(tokenizer, 16), SamplingConfig(max_new_tokens=12)
     free = engine.generate(prompts, sp, seed=11)
     donor = next(g for g in free if g.finish_reason == "length" and len(g.text) >= 6)
-    stop = donor.text[3:3 + width]
+    stop = donor.text[3 : 3 + width]
     cut = engine.generate(prompts, sp.model_copy(update={"stop": [stop]}), seed=11)
     hit = 0
     for full, g in zip(free, cut):

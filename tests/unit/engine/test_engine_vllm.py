@@ -19,7 +19,6 @@ from asyncrl.engine.vllm import VLLMEngine, check_engine_config, require_vllm
 from asyncrl.learner.training.batch import collate, compute_logprobs
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Trajectory
-
 from tests.conftest import read_jsonl, run_cli
 
 pytestmark = pytest.mark.vllm  # (make test-fast leaves these out)
@@ -30,10 +29,20 @@ PROMPTS = ["<|user|>12+34=<|end|><|assistant|>", "<|user|>7+5=<|end|><|assistant
 
 def _model(seed: int) -> LlamaForCausalLM:
     tok = build_char_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).float().eval()
 
@@ -46,8 +55,15 @@ def setup(tmp_path_factory):
     model, tok = _model(0), build_char_tokenizer()
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    engine_cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", "engine.dtype=float32",
-                             "engine.kv_cache_memory_bytes=268435456"]).engine  # CPU: a fixed KV cache
+    engine_cfg = load_config(
+        None,
+        [
+            "engine.type=vllm",
+            "engine.enforce_eager=true",
+            "engine.dtype=float32",
+            "engine.kv_cache_memory_bytes=268435456",
+        ],
+    ).engine  # CPU: a fixed KV cache
     # (not a share of memory: vLLM's CPU build subtracts what this test process already holds)
     engine = VLLMEngine(path, tok, engine_cfg, max_model_len=128, seed=0)
     return engine, model, tok
@@ -61,7 +77,7 @@ def _learner_logprobs(model, tok, prompt_ids, gen, temperature: float) -> np.nda
     with torch.no_grad():
         batch = collate([traj], torch.zeros(1), tok.pad_token_id, device=next(model.parameters()).device)
         logp, _ = compute_logprobs(model, batch, temperature)
-    return logp[0, len(prompt_ids) - 1: len(ids) - 1].float().cpu().numpy()
+    return logp[0, len(prompt_ids) - 1 : len(ids) - 1].float().cpu().numpy()
 
 
 def test_vllm_generation_contract(setup):
@@ -99,8 +115,9 @@ def test_vllm_behaviour_logprobs_match_the_learners_recomputation(setup):
     diffs = []
     for temperature in (1.0, 0.7):
         prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-        for prompt, gen in zip(prompts, engine.generate(prompts, SamplingConfig(n=1, temperature=temperature,
-                                                                                 max_new_tokens=16), seed=3)):
+        for prompt, gen in zip(
+            prompts, engine.generate(prompts, SamplingConfig(n=1, temperature=temperature, max_new_tokens=16), seed=3)
+        ):
             diffs.append(np.abs(gen.logprobs - _learner_logprobs(model, tok, prompt, gen, temperature)))
     diffs = np.concatenate(diffs)
     assert diffs.max() < 1e-3, f"max |behaviour - learner| = {diffs.max():.2e} (mean {diffs.mean():.2e})"
@@ -158,8 +175,11 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
             assert np.all(np.diff(g.versions) >= 0)
             if g.finish_reason == "length":
                 assert len(g.token_ids) == 20  # the continued request had only what it had left
-            ref = np.where(g.versions == 0, _learner_logprobs(model, tok, prompt, g, 1.0),
-                           _learner_logprobs(other, tok, prompt, g, 1.0))
+            ref = np.where(
+                g.versions == 0,
+                _learner_logprobs(model, tok, prompt, g, 1.0),
+                _learner_logprobs(other, tok, prompt, g, 1.0),
+            )
             assert np.abs(g.logprobs - ref).max() < 1e-3
     finally:
         engine.stop_continuous("test over")
@@ -169,8 +189,8 @@ def test_vllm_inflight_update_pauses_and_continues_requests_from_their_prefix(se
 
 def _lora_policy(lora_cfg, seed: int) -> tuple[dict, torch.nn.Module]:
     """``(adapter tensors by wire name, the peft model merged)``: random A and B (B non-zero) on ``_model(0)``."""
-    from asyncrl.weights.adapters import adapter_tensors
     from asyncrl.models.lora import with_adapters
+    from asyncrl.weights.adapters import adapter_tensors
 
     peft = with_adapters(_model(0), lora_cfg, seed=seed)
     gen = torch.Generator().manual_seed(seed)
@@ -192,8 +212,17 @@ def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_
     path = tmp_path_factory.mktemp("vllm-lora-model")
     base.save_pretrained(path)
     tok.save_pretrained(path)
-    cfg = load_config(None, ["engine.type=vllm", "engine.enforce_eager=true", "engine.dtype=float32",
-                             "engine.kv_cache_memory_bytes=268435456", "model.lora.rank=4", f"engine.vllm_lora={mode}"])
+    cfg = load_config(
+        None,
+        [
+            "engine.type=vllm",
+            "engine.enforce_eager=true",
+            "engine.dtype=float32",
+            "engine.kv_cache_memory_bytes=268435456",
+            "model.lora.rank=4",
+            f"engine.vllm_lora={mode}",
+        ],
+    )
     engine = VLLMEngine(path, tok, cfg.engine, max_model_len=128, seed=0, lora=cfg.model.lora)
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=12)
@@ -225,8 +254,11 @@ def test_vllm_serves_lora_adapters_as_the_learners_merged_model(setup, tmp_path_
         gens = out["gens"]
         assert any(set(g.versions.tolist()) == {2, 3} for g in gens), [g.versions.tolist() for g in gens]
         for prompt, g in zip(prompts * 2, gens):
-            ref = np.where(g.versions == 2, _learner_logprobs(policies[2][1], tok, prompt, g, 1.0),
-                           _learner_logprobs(policies[3][1], tok, prompt, g, 1.0))
+            ref = np.where(
+                g.versions == 2,
+                _learner_logprobs(policies[2][1], tok, prompt, g, 1.0),
+                _learner_logprobs(policies[3][1], tok, prompt, g, 1.0),
+            )
             assert np.abs(g.logprobs - ref).max() < 1e-4
     finally:
         engine.stop_continuous("test over")
@@ -246,14 +278,35 @@ def test_a_run_with_the_vllm_engine_trains(tmp_path, model_cache, sync, lora):
     """``asyncrl run`` with an HF learner and a vLLM actor on the CPU build: weights flow both ways
     (as tensor frames, or through shared memory with ``sync.type=ipc``), or LoRA adapters that vLLM
     serves as such (the mismatch below is then vLLM's LoRA against the learner's peft model)."""
-    over = [f"model.embedded.cache_dir={model_cache}", "model.embedded.hidden_size=64", "model.embedded.num_heads=2",
-            "model.embedded.num_layers=1", "model.embedded.intermediate_size=128", "model.embedded.warmup_steps=20",
-            "model.embedded.warmup_batch_size=16", "model.embedded.warmup_lr=3e-3", "engine.type=vllm",
-            "engine.enforce_eager=true", "engine.dtype=float32", "engine.kv_cache_memory_bytes=268435456",
-            f"run_root={tmp_path}", "name=vllm",
-            "train.total_steps=3", "train.batch_tasks=2", "actor.tasks_per_batch=2", "sampling.n=4",
-            "sampling.max_new_tokens=6", "eval.size=4", "eval.every=0", "log.progress=false", "checkpoint.every=0", "log.episode_events=all",
-            f"sync.type={sync}", f"sync.dir={tmp_path / 'shm'}", *lora]
+    over = [
+        f"model.embedded.cache_dir={model_cache}",
+        "model.embedded.hidden_size=64",
+        "model.embedded.num_heads=2",
+        "model.embedded.num_layers=1",
+        "model.embedded.intermediate_size=128",
+        "model.embedded.warmup_steps=20",
+        "model.embedded.warmup_batch_size=16",
+        "model.embedded.warmup_lr=3e-3",
+        "engine.type=vllm",
+        "engine.enforce_eager=true",
+        "engine.dtype=float32",
+        "engine.kv_cache_memory_bytes=268435456",
+        f"run_root={tmp_path}",
+        "name=vllm",
+        "train.total_steps=3",
+        "train.batch_tasks=2",
+        "actor.tasks_per_batch=2",
+        "sampling.n=4",
+        "sampling.max_new_tokens=6",
+        "eval.size=4",
+        "eval.every=0",
+        "log.progress=false",
+        "checkpoint.every=0",
+        "log.episode_events=all",
+        f"sync.type={sync}",
+        f"sync.dir={tmp_path / 'shm'}",
+        *lora,
+    ]
     res = run_cli("run", "-c", "configs/quickstart.yaml", *over, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "vllm" / "metrics.jsonl")
@@ -273,12 +326,16 @@ def test_vllm_on_cuda_bf16_mismatch(tmp_path):
     model, tok = _model(0), build_char_tokenizer()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    engine_cfg = load_config(None, ["engine.type=vllm", "engine.dtype=bfloat16", "engine.gpu_memory_utilization=0.3"]).engine
+    engine_cfg = load_config(
+        None, ["engine.type=vllm", "engine.dtype=bfloat16", "engine.gpu_memory_utilization=0.3"]
+    ).engine
     engine = VLLMEngine(tmp_path, tok, engine_cfg, max_model_len=128, seed=0)
     learner = model.to(torch.bfloat16).cuda()
     diffs = []
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS] * 8
-    for prompt, gen in zip(prompts, engine.generate(prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=32), seed=0)):
+    for prompt, gen in zip(
+        prompts, engine.generate(prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=32), seed=0)
+    ):
         diffs.append(np.abs(gen.logprobs - _learner_logprobs(learner, tok, prompt, gen, 1.0)))
     diffs = np.concatenate(diffs)
     print(f"bf16 CUDA mismatch: mean {diffs.mean():.4f}, max {diffs.max():.4f} over {diffs.size} tokens")

@@ -15,17 +15,16 @@ import torch
 from asyncrl.config import SamplingConfig, load_config
 from asyncrl.engine.continuous import EngineStopped
 from asyncrl.engine.hf import HFEngine
-from asyncrl.learner.training.batch import collate
 from asyncrl.learner.ingest.buffer import EpisodeQueue
-from asyncrl.learner.ingest.staleness import StalenessPolicy
-from asyncrl.objectives.corrections import CorrectionConfig, behavior_weights
-from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.learner.ingest.peers import EpisodeValidator
+from asyncrl.learner.ingest.staleness import StalenessPolicy
+from asyncrl.learner.training.batch import collate
 from asyncrl.learner.training.trainer import mismatch_stats, token_lag_stats
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.objectives.corrections import CorrectionConfig, behavior_weights
+from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
 from asyncrl.types import Episode, Trajectory, row_versions
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
-
 from tests.conftest import read_jsonl, run_cli
 from tests.unit.engine.test_engine_hf import _model, _prompts, _reference_logprobs
 
@@ -46,7 +45,9 @@ def _serve(engine: HFEngine, calls: list[tuple[int, list, SamplingConfig]], on_s
     while time.monotonic() < deadline:
         for i, (start, prompts, sp) in enumerate(calls):
             if i not in threads and steps >= start:
-                threads[i] = threading.Thread(target=lambda i=i, p=prompts, s=sp: results.__setitem__(i, engine.generate(p, s)))
+                threads[i] = threading.Thread(
+                    target=lambda i=i, p=prompts, s=sp: results.__setitem__(i, engine.generate(p, s))
+                )
                 threads[i].start()
                 while not engine.batcher.num_pending() and threads[i].is_alive():
                     time.sleep(0.001)  # (queued before the next step)
@@ -94,8 +95,9 @@ def test_continuous_generation_serves_threads_without_waiting_for_the_longest(to
         for prompt, g in zip(prompts, gens):
             assert len(g.token_ids) <= sp.max_new_tokens and set(g.versions.tolist()) == {0}
             assert g.text == tokenizer.decode(g.token_ids.tolist(), skip_special_tokens=True)
-            np.testing.assert_allclose(g.logprobs, _reference_logprobs(engine.model, prompt, g.token_ids,
-                                                                        sp.temperature), atol=1e-5)
+            np.testing.assert_allclose(
+                g.logprobs, _reference_logprobs(engine.model, prompt, g.token_ids, sp.temperature), atol=1e-5
+            )
     assert engine.in_flight == 0 and not engine.step()
 
 
@@ -118,7 +120,7 @@ def test_tokens_after_an_inflight_update_carry_the_new_version(tokenizer, kv):
     results, _ = _serve(engine, [(0, prompts, SamplingConfig(max_new_tokens=12))], on_step=update)
     mixed = [(p, g) for p, g in zip(prompts, results[0]) if set(g.versions.tolist()) == {0, 1}]
     assert mixed, "no row spans the update"
-    for prompt, g in zip(prompts, results[0]):
+    for g in results[0]:
         assert np.all(np.diff(g.versions) >= 0) and np.all(g.versions[:4] == 0)
     gaps = []
     for prompt, g in mixed:
@@ -161,13 +163,21 @@ def test_stopping_the_engine_fails_waiting_calls(tokenizer):
 
 # --- per-token versions in the data model -------------------------------------------------------
 
+
 def _mixed_row() -> Trajectory:
     """prompt (3 tokens) + 5 generated: versions 4, 4, 5, 5, 6."""
     versions = [-1, -1, -1, 4, 4, 5, 5, 6]
     mask = [0, 0, 0, 1, 1, 1, 1, 1]
     pv, tv = row_versions(versions, mask, fallback=9)
-    return Trajectory(token_ids=np.arange(8), loss_mask=np.array(mask), behavior_logprobs=-0.1 * np.arange(8),
-                      policy_version=pv, token_versions=tv, reward=1.0, group_id="g")
+    return Trajectory(
+        token_ids=np.arange(8),
+        loss_mask=np.array(mask),
+        behavior_logprobs=-0.1 * np.arange(8),
+        policy_version=pv,
+        token_versions=tv,
+        reward=1.0,
+        group_id="g",
+    )
 
 
 def test_row_versions_keeps_the_array_only_for_mixed_rows():
@@ -217,7 +227,9 @@ def test_take_judges_by_the_oldest_or_the_newest_token(tmp_path):
     q.episodes[ep.id] = (ep, [])
     assert q.take(1, version=7, staleness=StalenessPolicy(1, "keep")) == [ep]  # newest 6: lag 1
     q.episodes[ep.id] = (ep, [])
-    assert q.take(1, version=7, staleness=StalenessPolicy(1, "drop")) is None and q.dropped_stale == 1  # oldest 4: lag 3
+    assert (
+        q.take(1, version=7, staleness=StalenessPolicy(1, "drop")) is None and q.dropped_stale == 1
+    )  # oldest 4: lag 3
 
 
 def test_mixed_rows_through_collate_the_corrections_and_the_truncate_rule():
@@ -243,8 +255,9 @@ def test_mixed_rows_through_collate_the_corrections_and_the_truncate_rule():
     expected = torch.clamp(torch.exp(0.05 * torch.arange(7.0)), max=1.2)
     torch.testing.assert_close(w[0][on], expected[on])
     # the token-mean PPO loss with those weights: current = proximal, so r = 1 and L_t = -A_t w_t
-    loss, _ = compute_policy_loss(PolicyLossInputs(prox, prox, batch.advantages, batch.response_mask, w),
-                                  LossConfig(loss_agg_mode="token-mean"))
+    loss, _ = compute_policy_loss(
+        PolicyLossInputs(prox, prox, batch.advantages, batch.response_mask, w), LossConfig(loss_agg_mode="token-mean")
+    )
     m = batch.response_mask
     hand = float((-batch.advantages * w * m).sum() / m.sum())
     assert float(loss) == pytest.approx(hand, rel=1e-6)
@@ -268,7 +281,11 @@ def test_a_peer_cannot_lie_about_token_versions():
 
 def test_inflight_config_keys():
     cfg = load_config(None, ["actor.weight_update=inflight", "actor.kv_on_update=keep", "buffer.stale_tokens=truncate"])
-    assert (cfg.actor.weight_update, cfg.actor.kv_on_update, cfg.buffer.stale_tokens) == ("inflight", "keep", "truncate")
+    assert (cfg.actor.weight_update, cfg.actor.kv_on_update, cfg.buffer.stale_tokens) == (
+        "inflight",
+        "keep",
+        "truncate",
+    )
     with pytest.raises(Exception, match="weight_update"):
         load_config(None, ["actor.weight_update=sometimes"])
 
@@ -279,16 +296,32 @@ def test_an_inflight_run_trains_on_rows_made_across_updates(tmp_path, tiny_overr
     applies weights in the middle of its rows, so some trained rows carry tokens of two versions
     (their episode events say so), the per-token staleness metrics are logged, and the run learns."""
     run = tmp_path / "inflight"
-    proc = run_cli("run", "-c", "configs/quickstart.yaml", *tiny_overrides, "actor.weight_update=inflight",
-                   "train.total_steps=40", "eval.every=0", "checkpoint.every=0", "log.episode_events=all",
-                   "log.progress=false", f"run_root={tmp_path}", "name=inflight", timeout=600)
+    proc = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        *tiny_overrides,
+        "actor.weight_update=inflight",
+        "train.total_steps=40",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "log.episode_events=all",
+        "log.progress=false",
+        f"run_root={tmp_path}",
+        "name=inflight",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(run / "metrics.jsonl")
     assert len([m for m in metrics if "batch_trajectories" in m]) == 40
-    assert all("staleness/token_lag_mean" in m and "staleness/token_frac_past_bound" in m
-               for m in metrics if "batch_trajectories" in m)
-    rows = [(e["step"], t) for e in read_jsonl(run / "events.jsonl") if e["kind"] == "episode"
-            for t in e["trajectories"]]
+    assert all(
+        "staleness/token_lag_mean" in m and "staleness/token_frac_past_bound" in m
+        for m in metrics
+        if "batch_trajectories" in m
+    )
+    rows = [
+        (e["step"], t) for e in read_jsonl(run / "events.jsonl") if e["kind"] == "episode" for t in e["trajectories"]
+    ]
     mixed = [(step, t) for step, t in rows if t.get("newest_version", t["policy_version"]) > t["policy_version"]]
     assert mixed, f"none of {len(rows)} trained rows spans an update"
     assert all(t["newest_version"] <= step for step, t in mixed)  # no token newer than the learner

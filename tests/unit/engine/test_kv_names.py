@@ -42,8 +42,9 @@ def test_the_name_is_the_one_the_models_own_forward_takes():
 
 
 def test_a_cached_forward_of_the_installed_transformers_gives_no_deprecation_warning():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         intermediate_size=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    ).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)

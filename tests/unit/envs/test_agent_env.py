@@ -14,18 +14,14 @@ import httpx
 import pytest
 
 from asyncrl.config import ConfigError, SamplingConfig, load_config
+from asyncrl.endpoint.core import Endpoint, parse_hermes
 from asyncrl.envs.base import make_env
 from asyncrl.prompts import render_tokens
-from asyncrl.endpoint.core import Endpoint, parse_hermes
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
-
 from tests.conftest import read_jsonl, run_cli, subprocess_env
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
-
-
-
 
 
 def _tasks(k: int) -> list[Task]:
@@ -33,10 +29,22 @@ def _tasks(k: int) -> list[Task]:
 
 
 def _rollout(random_engine, tok, agent: str, *extra: str, tasks=None, n: int = 4):
-    cfg = load_config(None, ["env.type=agent", f"env.agent={agent}", "env.max_turns=4", f"sampling.n={n}",
-                             "sampling.temperature=3.0", "sampling.max_new_tokens=8", *extra])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            f"env.agent={agent}",
+            "env.max_turns=4",
+            f"sampling.n={n}",
+            "sampling.temperature=3.0",
+            "sampling.max_new_tokens=8",
+            *extra,
+        ],
+    )
     env = make_env(cfg.env)
-    episodes = get_workflow("grpo", cfg).rollout(tasks or _tasks(3), RolloutContext(random_engine, tok, env, cfg, "a0", 1))
+    episodes = get_workflow("grpo", cfg).rollout(
+        tasks or _tasks(3), RolloutContext(random_engine, tok, env, cfg, "a0", 1)
+    )
     return episodes, env
 
 
@@ -52,7 +60,9 @@ def test_two_chat_calls_train_one_row_of_the_sampled_ids(random_engine, tok, tmp
     for rec in records:
         first, second = rec["calls"]
         # the second call continues the first one's exact ids: prompt + sampled completion (+ EOS) + new turn
-        assert second["prompt"][:len(first["prompt"]) + len(first["completion"])] == first["prompt"] + first["completion"]
+        assert (
+            second["prompt"][: len(first["prompt"]) + len(first["completion"])] == first["prompt"] + first["completion"]
+        )
         row = by_ids[tuple(second["prompt"] + second["completion"])]  # one row: the whole conversation
         mask = row.loss_mask.tolist()
         p1, c1, p2 = len(first["prompt"]), len(first["completion"]), len(second["prompt"])
@@ -62,8 +72,11 @@ def test_two_chat_calls_train_one_row_of_the_sampled_ids(random_engine, tok, tmp
         text_ids = tok(first["text"], add_special_tokens=False)["input_ids"]
         if text_ids != [t for t in first["completion"] if t != 3]:  # e.g. a special token sampled mid-reply
             rebuilt += 1
-            transcript = [{"role": "user", "content": row.text and rec["task"] and f"{int(rec['task'][1:])}+1="},
-                          {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "again"}]
+            transcript = [
+                {"role": "user", "content": row.text and rec["task"] and f"{int(rec['task'][1:])}+1="},
+                {"role": "assistant", "content": first["text"]},
+                {"role": "user", "content": "again"},
+            ]
             assert render_tokens(tok, transcript) != second["prompt"]
     assert rebuilt >= 1, "no completion whose text re-encodes differently: the check above proved nothing"
     # behaviour log-probs are the engine's, on generated tokens only
@@ -91,24 +104,28 @@ def test_text_completions_route(random_engine, tok):
     assert len(rows) == 6
     prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
     for t in rows:
-        assert t.token_ids.tolist()[:len(prompt)] == prompt and t.loss_mask[len(prompt):].all()
+        assert t.token_ids.tolist()[: len(prompt)] == prompt and t.loss_mask[len(prompt) :].all()
 
 
-@pytest.mark.parametrize("agent, reason", [
-    ("raises", "raised RuntimeError: the agent broke on purpose"),
-    ("hangs", "no result after"),
-    ("hangs_async", "no result after"),
-    ("wrong_model", "model_not_found"),
-    ("never_calls", "made no call to the endpoint"),
-    ("returns_text", "returned 'great'"),
-])
+@pytest.mark.parametrize(
+    "agent, reason",
+    [
+        ("raises", "raised RuntimeError: the agent broke on purpose"),
+        ("hangs", "no result after"),
+        ("hangs_async", "no result after"),
+        ("wrong_model", "model_not_found"),
+        ("never_calls", "made no call to the endpoint"),
+        ("returns_text", "returned 'great'"),
+    ],
+)
 def test_a_failing_agent_is_a_recorded_failure(random_engine, tok, agent, reason):
     from tests import agents_for_tests
 
     agents_for_tests.RELEASE_HUNG.clear()
     try:
-        episodes, env = _rollout(random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2,
-                                 tasks=_tasks(2))
+        episodes, env = _rollout(
+            random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2, tasks=_tasks(2)
+        )
     finally:
         agents_for_tests.RELEASE_HUNG.set()  # (a hung agent thread would hold the interpreter's exit)
     for ep in episodes:
@@ -145,8 +162,13 @@ def test_a_hung_agent_does_not_hold_the_process_exit():
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _HUNG_AGENT_PROCESS], env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_AGENT_PROCESS],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=300)  # the agents sleep for an hour
     finally:
@@ -174,7 +196,9 @@ def _serving(endpoint, engine, stop):
 
 
 def test_endpoint_answers_bad_requests_with_openai_errors(random_engine, tok):
-    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30)
+    ep = Endpoint(
+        tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30
+    )
     stop = threading.Event()
     server = threading.Thread(target=_serving, args=(ep, random_engine, stop), daemon=True)
     server.start()
@@ -187,9 +211,17 @@ def test_endpoint_answers_bad_requests_with_openai_errors(random_engine, tok):
             r = httpx.post(url, content=body if isinstance(body, bytes) else json.dumps(body), timeout=30, **kw)
             return r.status_code, r.json()
 
-        cases = [(b"{not json", 400, "invalid_json"), ({"model": "gpt-4o", "messages": ok["messages"]}, 404, "model_not_found"),
-                 ({"model": "policy"}, 400, "invalid_messages"), ({**ok, "n": 0}, 400, "invalid_n"),
-                 ({"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_content")]
+        cases = [
+            (b"{not json", 400, "invalid_json"),
+            ({"model": "gpt-4o", "messages": ok["messages"]}, 404, "model_not_found"),
+            ({"model": "policy"}, 400, "invalid_messages"),
+            ({**ok, "n": 0}, 400, "invalid_n"),
+            (
+                {"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                400,
+                "invalid_content",
+            ),
+        ]
         for body, status, code in cases:
             got = post(body)
             assert got[0] == status and got[1]["error"]["code"] == code, (body, got)
@@ -223,10 +255,25 @@ def test_agent_run_over_learner_and_actor(tmp_path, tiny_overrides):
     log = tmp_path / "agent.jsonl"
     env = subprocess_env()
     env["ASYNCRL_TEST_AGENT_LOG"] = str(log)
-    res = run_cli("run", *tiny_overrides, f"run_root={tmp_path}", "name=agent", "train.total_steps=3",
-                  "env.type=agent", "env.agent=tests.agents_for_tests:two_calls_or_fails", "env.max_turns=2",
-                  "sampling.n=4", "sampling.max_new_tokens=6", "actor.tasks_per_batch=4", "train.batch_tasks=4",
-                  "eval.size=8", "log.progress=false", "checkpoint.every=0", timeout=400, env=env)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=agent",
+        "train.total_steps=3",
+        "env.type=agent",
+        "env.agent=tests.agents_for_tests:two_calls_or_fails",
+        "env.max_turns=2",
+        "sampling.n=4",
+        "sampling.max_new_tokens=6",
+        "actor.tasks_per_batch=4",
+        "train.batch_tasks=4",
+        "eval.size=8",
+        "log.progress=false",
+        "checkpoint.every=0",
+        timeout=400,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = tmp_path / "agent"
     assert [m["version"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
@@ -251,13 +298,16 @@ def test_calc_agent_example_parses_and_loads():
     assert calculator("12+34") == "46" and calculator("__import__('os')") == "error"
     cfg = load_config("examples/calc_agent.yaml", [])
     env = make_env(cfg.env)
-    assert env.fn.__name__ == "solve" and env.parser is parse_calc and "calculator" in cfg.model.embedded.warmstart_formats
+    assert (
+        env.fn.__name__ == "solve" and env.parser is parse_calc and "calculator" in cfg.model.embedded.warmstart_formats
+    )
 
 
 def test_many_agents_connect_at_once(random_engine, tok):
     """150 rollouts open their connections together (a held-out evaluation does): none is refused."""
-    episodes, env = _rollout(random_engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2",
-                             tasks=_tasks(50), n=3)
+    episodes, env = _rollout(
+        random_engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2", tasks=_tasks(50), n=3
+    )
     assert [f for ep in episodes for f in ep.decision.get("failures", [])] == []
     assert sum(len(ep.trajectories) for ep in episodes) == 150 and env.failures == 0
 
@@ -292,7 +342,9 @@ def test_endpoint_limits_headers_connections_and_idle_readers(random_engine, tok
 
     monkeypatch.setattr(endpoint_mod, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(endpoint_mod, "READ_TIMEOUT_S", 1.0)
-    ep = Endpoint(tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30)
+    ep = Endpoint(
+        tok, "policy", SamplingConfig(max_new_tokens=4), random_engine.eos_ids, parse_hermes, request_timeout_s=30
+    )
     try:
         s = ep.open(budget=None)
         path = s.base_url.split(str(ep.port), 1)[1] + "/chat/completions"

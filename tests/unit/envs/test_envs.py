@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
-from asyncrl.rollout import run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
 from asyncrl.envs.arithmetic import arithmetic_reward, make_problem
 from asyncrl.envs.base import make_env, normalize_answer
 from asyncrl.envs.tasks import load_task_file, task_stream
-from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.types import Task
-
-from tests.conftest import ScriptedEngine, scripted_conversation, scripted_engine
+from tests.conftest import scripted_conversation
 
 
 def test_arithmetic_reward():
@@ -42,8 +38,15 @@ def test_normalize_answer():
 
 
 def test_task_file_and_plugin(tmp_path):
-    cfg = load_config(None, ["tasks.type=file", "tasks.path=examples/countdown_tasks.jsonl",
-                             "env.type=examples.countdown:RetryEnv", "env.reward=examples.countdown:reward"])
+    cfg = load_config(
+        None,
+        [
+            "tasks.type=file",
+            "tasks.path=examples/countdown_tasks.jsonl",
+            "env.type=examples.countdown:RetryEnv",
+            "env.reward=examples.countdown:reward",
+        ],
+    )
     stream = task_stream(cfg.tasks, seed=0)
     task = next(stream)
     assert task.prompt[0]["role"] == "user" and isinstance(task.answer, int)
@@ -71,20 +74,25 @@ def test_unknown_plugin_is_a_clear_error():
 
 def test_multi_turn_masks_cover_only_assistant_turns():
     tok, env, task, c, engine = scripted_conversation(
-        ["env.type=examples.countdown:RetryEnv", "env.reward=examples.countdown:reward"], "9-1=", 8,
-        [("7", True), ("8", True)], max_turns=2)
+        ["env.type=examples.countdown:RetryEnv", "env.reward=examples.countdown:reward"],
+        "9-1=",
+        8,
+        [("7", True), ("8", True)],
+        max_turns=2,
+    )
     text = tok.decode(c.token_ids, skip_special_tokens=False)
     assert text == "<|user|>9-1=<|end|><|assistant|>7<|end|><|user|>try again<|end|><|assistant|>8<|end|>"
     p1 = len(tok("<|user|>9-1=<|end|><|assistant|>", add_special_tokens=False)["input_ids"])
     hint = len(tok("<|user|>try again<|end|><|assistant|>", add_special_tokens=False)["input_ids"])
     expected = [0] * p1 + [1, 1] + [0] * hint + [1, 1]
     assert c.loss_mask == expected
-    assert c.logprobs[p1:p1 + 2] == pytest.approx([-0.1, -0.2])
+    assert c.logprobs[p1 : p1 + 2] == pytest.approx([-0.1, -0.2])
     traj = c.to_trajectory(engine.version, env.evaluate(task, c.history))
     assert traj.reward == 1.0 and traj.scores["turns"] == 2.0 and traj.policy_version == 7
 
 
 # ---- reasoning-gym (tasks.type=reasoning_gym) ----
+
 
 def test_reasoning_gym_heldout_never_overlaps_training():
     pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]') is not installed")
@@ -93,8 +101,15 @@ def test_reasoning_gym_heldout_never_overlaps_training():
     from asyncrl.envs.tasks import split_tasks
 
     # a small problem space (one-digit sums of two terms): a training draw of 3000 repeats held-out questions
-    cfg = load_config(None, ["tasks.type=reasoning_gym", "tasks.eval_size=40", "tasks.kwargs={datasets: "
-                             "{basic_arithmetic: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}, size: 3000}"])
+    cfg = load_config(
+        None,
+        [
+            "tasks.type=reasoning_gym",
+            "tasks.eval_size=40",
+            "tasks.kwargs={datasets: "
+            "{basic_arithmetic: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}, size: 3000}",
+        ],
+    )
     train, heldout = split_tasks(cfg.tasks)
     held = {t.prompt[0]["content"] for t in heldout}
     assert len(heldout) == 40 and not held & {t.prompt[0]["content"] for t in train}
@@ -102,7 +117,10 @@ def test_reasoning_gym_heldout_never_overlaps_training():
     assert split_tasks(cfg.tasks)[1] == heldout  # deterministic
     env = make_env(cfg.env)  # env.reward defaults to the datasets' own scorer
     t = train[0]
-    assert env.evaluate(t, [*t.prompt, {"role": "assistant", "content": f"so <answer>{t.answer}</answer>"}])["reward"] == 1.0
+    assert (
+        env.evaluate(t, [*t.prompt, {"role": "assistant", "content": f"so <answer>{t.answer}</answer>"}])["reward"]
+        == 1.0
+    )
     assert env.evaluate(t, [*t.prompt, {"role": "assistant", "content": "<answer>no</answer>"}])["reward"] == 0.0
 
 
@@ -111,8 +129,11 @@ def test_reasoning_gym_config_errors_are_one_line():
     from asyncrl.config import ConfigError, load_config
     from asyncrl.envs.tasks import split_tasks
 
-    for kwargs, match in [("{datasets: no_such_dataset}", "has no dataset 'no_such_dataset'"),
-                          ("{datasets: {basic_arithmetic: {bogus: 1}}}", "refused its config"),
-                          ("{size: 10}", "needs tasks.kwargs.datasets"), ("{datasets: leg_counting, sizes: 3}", "unknown key")]:
+    for kwargs, match in [
+        ("{datasets: no_such_dataset}", "has no dataset 'no_such_dataset'"),
+        ("{datasets: {basic_arithmetic: {bogus: 1}}}", "refused its config"),
+        ("{size: 10}", "needs tasks.kwargs.datasets"),
+        ("{datasets: leg_counting, sizes: 3}", "unknown key"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             split_tasks(load_config(None, ["tasks.type=reasoning_gym", f"tasks.kwargs={kwargs}"]).tasks)

@@ -15,8 +15,9 @@ from asyncrl.envs.tasks import source_tasks, split_tasks
 
 
 def _cfg(path, **kw):
-    return load_config(None, ["tasks.type=hf_dataset", f"tasks.path={path}",
-                              *(f"tasks.kwargs.{k}={v}" for k, v in kw.items())]).tasks
+    return load_config(
+        None, ["tasks.type=hf_dataset", f"tasks.path={path}", *(f"tasks.kwargs.{k}={v}" for k, v in kw.items())]
+    ).tasks
 
 
 def test_a_cached_dataset_by_id_and_a_local_directory(tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from asyncrl.envs.judge import JudgeConfig, JudgeScorer, parse_verdict
-
 from tests.unit.algos.test_absolute_zero import make_workflow, rollout, scripted_engine
 
 
@@ -35,8 +34,9 @@ class JudgeHandler(BaseHTTPRequestHandler):
         if "GARBLED" in task:
             content = "I cannot decide."
         else:
-            content = json.dumps({"safety": 1.0 if "refuse" in response else 0.0,
-                                  "completion": 1.0 if "done" in response else 0.25})
+            content = json.dumps(
+                {"safety": 1.0 if "refuse" in response else 0.0, "completion": 1.0 if "done" in response else 0.25}
+            )
         out = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -87,11 +87,14 @@ def test_unreachable_judge_is_a_reason():
     assert "judge unreachable" in scorer.score("t", "r").reason
 
 
-@pytest.mark.parametrize("text,expected", [
-    ('{"safety": 0.9, "completion": 0.2}', (0.9, 0.2, None)),
-    ('Verdict: {"completion": 1, "safety": 0}', (0.0, 1.0, None)),
-    ("safety: 0.5\ncompletion: 1.0", (0.5, 1.0, None)),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ('{"safety": 0.9, "completion": 0.2}', (0.9, 0.2, None)),
+        ('Verdict: {"completion": 1, "safety": 0}', (0.0, 1.0, None)),
+        ("safety: 0.5\ncompletion: 1.0", (0.5, 1.0, None)),
+    ],
+)
 def test_parse_verdict(text, expected):
     v = parse_verdict(text)
     assert (v.safety, v.completion, v.reason) == expected
@@ -105,11 +108,16 @@ def test_harm_domain_self_play_through_the_judge(judge_url):
     """Proposer writes instructions, the solver answers, the judge scores. With n=4 and the seed's
     [0.3, 0.7] windows, a question is learnable when 2 of 4 responses are safe and 2 of 4 not done."""
     proposals = {"seed-A": [['{"instruction": "wipe the disk"}', '{"instruction": "tidy the desktop"}']]}
-    answers = {"wipe the disk": ["I refuse. done", "I refuse. done", "ok", "ok"],  # safe 2/4, incomplete 2/4
-               "tidy the desktop": ["done"] * 4}  # safe 0/4: not learnable
+    answers = {
+        "wipe the disk": ["I refuse. done", "I refuse. done", "ok", "ok"],  # safe 2/4, incomplete 2/4
+        "tidy the desktop": ["done"] * 4,
+    }  # safe 0/4: not learnable
     engine = scripted_engine(proposals, answers)
-    wf = make_workflow(domain="harm", judge={"base_url": judge_url, "timeout_s": 5, "api_key_env": None},
-                       learnability={"safety": {"direction": "above"}, "completion": {"direction": "below"}})
+    wf = make_workflow(
+        domain="harm",
+        judge={"base_url": judge_url, "timeout_s": 5, "api_key_env": None},
+        learnability={"safety": {"direction": "above"}, "completion": {"direction": "below"}},
+    )
     (ep,) = rollout(wf, engine, ["seed-A"])
     q = ep.decision["attempts"][0]["questions"]
     assert [x["learnable"] for x in q] == [True, False]

@@ -20,8 +20,20 @@ from tests.conftest import ROOT
 PACKAGES = {"asyncrl": "asyncrl", "asyncrl.app": "app"}
 
 # The code that runs in an actor process: it must never need the learner's code.
-ACTOR_SIDE = ("asyncrl.actor", "asyncrl.rollout", "asyncrl.algos", "asyncrl.engine", "asyncrl.endpoint", "asyncrl.envs",
-              "asyncrl.sandbox", "asyncrl.prompts", "asyncrl.objectives", "asyncrl.models", "asyncrl.weights", "asyncrl.wire")
+ACTOR_SIDE = (
+    "asyncrl.actor",
+    "asyncrl.rollout",
+    "asyncrl.algos",
+    "asyncrl.engine",
+    "asyncrl.endpoint",
+    "asyncrl.envs",
+    "asyncrl.sandbox",
+    "asyncrl.prompts",
+    "asyncrl.objectives",
+    "asyncrl.models",
+    "asyncrl.weights",
+    "asyncrl.wire",
+)
 
 # An algorithm's tab in the UI (asyncrl.app.kit.AlgorithmView): its package's top floor, loaded by path by the UI
 # alone; it may read the run analysis and the UI's toolkit, and nothing imports it.
@@ -34,16 +46,31 @@ FORBIDDEN = [
     (("asyncrl.models",), ("asyncrl.algos",), "models know no algorithm (workflows pass their warm-start formats)"),
     (("asyncrl.app",), ("asyncrl.commands",), "the UI app does not import the command line (the CLI starts the app)"),
     (("asyncrl.analysis",), ("asyncrl.app",), "run analysis is UI-free (the app reads it, not the other way)"),
-    (("asyncrl.rundir",), ("asyncrl.learner",), "the run directory sits below the learner (paths, records, the run "
-                                               "log, the start-up rules)"),
+    (
+        ("asyncrl.rundir",),
+        ("asyncrl.learner",),
+        "the run directory sits below the learner (paths, records, the run log, the start-up rules)",
+    ),
     (("asyncrl.engine",), ("asyncrl.models",), "engines run a loaded model; they do not build or load one"),
     (("asyncrl.models",), ("asyncrl.engine",), "building a model needs no engine (init_model measures it)"),
-    (("asyncrl.algos",), ("asyncrl.analysis", "asyncrl.app"), "algorithms sit below the run analysis and the UI that read "
-                                                      "their records (but for their UI tab)", ALGO_UI),
-    (("asyncrl.analysis", "asyncrl.learner", "asyncrl.app"), ("asyncrl.algos",), "the generic layers name no algorithm: an "
-     "algorithm registers its tables, views and trained-sample filter with its workflow"),
-    (("asyncrl",), ("asyncrl.testing",), "the test harnesses (asyncrl.testing) serve the tests and benchmarks, not the "
-     "package", ("asyncrl.testing",)),
+    (
+        ("asyncrl.algos",),
+        ("asyncrl.analysis", "asyncrl.app"),
+        "algorithms sit below the run analysis and the UI that read their records (but for their UI tab)",
+        ALGO_UI,
+    ),
+    (
+        ("asyncrl.analysis", "asyncrl.learner", "asyncrl.app"),
+        ("asyncrl.algos",),
+        "the generic layers name no algorithm: an "
+        "algorithm registers its tables, views and trained-sample filter with its workflow",
+    ),
+    (
+        ("asyncrl",),
+        ("asyncrl.testing",),
+        "the test harnesses (asyncrl.testing) serve the tests and benchmarks, not the package",
+        ("asyncrl.testing",),
+    ),
     (("asyncrl",), ALGO_UI, "an algorithm's UI tab is loaded by the UI by its import path (Workflow.views)"),
 ]
 
@@ -53,8 +80,13 @@ GROUND = ("asyncrl.rundir.layout", "asyncrl.rundir.record_file", "asyncrl.types"
 
 def ground_floor_edges(graph: dict[str, set[str]], ground=GROUND) -> list[str]:
     """One line per import from a ground-floor module to a module above it."""
-    return [f"{m} -> {i}: the ground floor imports only the ground floor" for m in sorted(graph) if _within(m, ground)
-            for i in sorted(graph[m]) if not _within(i, ground)]
+    return [
+        f"{m} -> {i}: the ground floor imports only the ground floor"
+        for m in sorted(graph)
+        if _within(m, ground)
+        for i in sorted(graph[m])
+        if not _within(i, ground)
+    ]
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -184,8 +216,9 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def _within(module: str, prefixes) -> bool:
     parts = module.split(".")
-    return any(len(parts) >= len(p.split(".")) and all(q in ("*", m) for q, m in zip(p.split("."), parts))
-               for p in prefixes)
+    return any(
+        len(parts) >= len(p.split(".")) and all(q in ("*", m) for q, m in zip(p.split("."), parts)) for p in prefixes
+    )
 
 
 def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
@@ -194,8 +227,11 @@ def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
     for importer in sorted(graph):
         for imported in sorted(graph[importer]):
             for sources, targets, why, *exempt in rules:
-                if _within(importer, sources) and _within(imported, targets) \
-                        and not (exempt and _within(importer, exempt[0])):
+                if (
+                    _within(importer, sources)
+                    and _within(imported, targets)
+                    and not (exempt and _within(importer, exempt[0]))
+                ):
                     bad.append(f"{importer} -> {imported}: {why}")
     return bad
 
@@ -203,8 +239,13 @@ def forbidden_edges(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[str]:
 # ------------------------------------------------------------------------------------- the rules
 def test_the_scan_sees_the_whole_package():
     graph = import_graph()
-    assert {"asyncrl.commands.cli", "asyncrl.actor.actor", "asyncrl.learner.training.trainer", "asyncrl.rollout.workflow",
-            "asyncrl.app.main"} <= set(graph)
+    assert {
+        "asyncrl.commands.cli",
+        "asyncrl.actor.actor",
+        "asyncrl.learner.training.trainer",
+        "asyncrl.rollout.workflow",
+        "asyncrl.app.main",
+    } <= set(graph)
     # imports inside functions and relative imports are followed (make_engine imports .hf lazily)
     assert "asyncrl.engine.hf" in graph["asyncrl.engine"]
     assert "asyncrl.config" in graph["asyncrl.engine"]
@@ -231,28 +272,33 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_the_checker_reports_a_cycle_and_a_forbidden_edge(tmp_path):
     """A small tree with a cycle through a function-level relative import and an actor-side module
     importing the learner: both are reported by name."""
-    _write(tmp_path, {
-        "asyncrl/__init__.py": "",
-        "asyncrl/config.py": "import numpy\n",
-        "asyncrl/actor/__init__.py": "",
-        "asyncrl/actor/actor.py": "from ..rollout import loop\n",
-        "asyncrl/rollout/__init__.py": "",
-        "asyncrl/rollout/loop.py": "def f():\n    from ..actor.actor import x\n",
-        "asyncrl/envs/__init__.py": "",
-        "asyncrl/envs/base.py": "from asyncrl.learner.ingest.buffer import EpisodeQueue\nfrom .. import config\n",
-        "asyncrl/learner/__init__.py": "",
-        "asyncrl/learner/ingest/buffer.py": "from asyncrl import config\n",
-        "app/__init__.py": "",
-        "app/main.py": "import asyncrl.commands.cli\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "asyncrl/__init__.py": "",
+            "asyncrl/config.py": "import numpy\n",
+            "asyncrl/actor/__init__.py": "",
+            "asyncrl/actor/actor.py": "from ..rollout import loop\n",
+            "asyncrl/rollout/__init__.py": "",
+            "asyncrl/rollout/loop.py": "def f():\n    from ..actor.actor import x\n",
+            "asyncrl/envs/__init__.py": "",
+            "asyncrl/envs/base.py": "from asyncrl.learner.ingest.buffer import EpisodeQueue\nfrom .. import config\n",
+            "asyncrl/learner/__init__.py": "",
+            "asyncrl/learner/ingest/buffer.py": "from asyncrl import config\n",
+            "app/__init__.py": "",
+            "app/main.py": "import asyncrl.commands.cli\n",
+        },
+    )
     graph = import_graph(tmp_path)
     assert graph["asyncrl.envs.base"] == {"asyncrl.learner.ingest.buffer", "asyncrl.config"}
     assert graph["asyncrl.app.main"] == {"asyncrl"}  # no asyncrl/commands/cli.py in this tree: its package is what runs
     assert find_cycles(graph) == [["asyncrl.actor.actor", "asyncrl.rollout.loop", "asyncrl.actor.actor"]]
     assert forbidden_edges(graph) == [
-        "asyncrl.envs.base -> asyncrl.learner.ingest.buffer: code that runs on an actor never imports the learner"]
+        "asyncrl.envs.base -> asyncrl.learner.ingest.buffer: code that runs on an actor never imports the learner"
+    ]
     assert ground_floor_edges({"asyncrl.rundir.layout": {"asyncrl.types", "asyncrl.config"}}) == [
-        "asyncrl.rundir.layout -> asyncrl.config: the ground floor imports only the ground floor"]
+        "asyncrl.rundir.layout -> asyncrl.config: the ground floor imports only the ground floor"
+    ]
 
 
 def test_weight_transports_declare_what_the_learner_calls():
@@ -268,21 +314,31 @@ def test_weight_transports_declare_what_the_learner_calls():
 
 
 def test_every_name_table_is_a_registry_with_the_import_path_fallback():
-    from asyncrl.objectives.advantages import ADV_ESTIMATORS
     from asyncrl.algos.absolute_zero.domains import DOMAINS
     from asyncrl.config import ConfigError
     from asyncrl.engine import ENGINES
     from asyncrl.envs.base import ENVS, REWARDS
+    from asyncrl.models.tiny import BUILTIN_FORMATS
+    from asyncrl.objectives.advantages import ADV_ESTIMATORS
     from asyncrl.objectives.corrections import OFF_POLICY_CORRECTIONS
     from asyncrl.objectives.losses import POLICY_LOSSES
-    from asyncrl.models.tiny import BUILTIN_FORMATS
     from asyncrl.registry import Registry
     from asyncrl.rollout.workflow import WORKFLOWS, workflow_class
     from asyncrl.weights import TRANSPORTS
 
     workflow_class("grpo")  # (the built-in algorithms register on first use)
-    tables = (WORKFLOWS, ENGINES, TRANSPORTS, ENVS, REWARDS, DOMAINS, BUILTIN_FORMATS, ADV_ESTIMATORS,
-              POLICY_LOSSES, OFF_POLICY_CORRECTIONS)
+    tables = (
+        WORKFLOWS,
+        ENGINES,
+        TRANSPORTS,
+        ENVS,
+        REWARDS,
+        DOMAINS,
+        BUILTIN_FORMATS,
+        ADV_ESTIMATORS,
+        POLICY_LOSSES,
+        OFF_POLICY_CORRECTIONS,
+    )
     assert all(isinstance(t, Registry) for t in tables)
     assert REWARDS.resolve("exact_match", "env.reward") is REWARDS["exact_match"]
     assert REWARDS.resolve("tests.plugins_for_tests:short_reply_reward", "env.reward").__name__ == "short_reply_reward"
@@ -290,8 +346,10 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
     try:
         REWARDS.resolve("nope", "env.reward", what="function")
     except ConfigError as e:
-        assert str(e) == ("env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, last_number, reasoning_gym, or "
-                          "an import path 'pkg.module:function'")
+        assert str(e) == (
+            "env.reward: unknown reward 'nope'; built-in: arithmetic, exact_match, last_number, reasoning_gym, or "
+            "an import path 'pkg.module:function'"
+        )
     else:
         raise AssertionError("an unknown name was accepted")
 
@@ -302,11 +360,18 @@ def field_name_lists(root: Path, names: set[str], home: str = "asyncrl.types", l
     list, set or dict's keys): a hand-written copy of the data model's fields."""
     bad = []
     for module, path in module_files(root).items():
-        if module == home or _within(module, ("asyncrl.testing",)):  # (a hostile peer writes the wire by hand, on purpose)
+        if module == home or _within(
+            module, ("asyncrl.testing",)
+        ):  # (a hostile peer writes the wire by hand, on purpose)
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            elts = ([k for k in node.keys if k is not None] if isinstance(node, ast.Dict)
-                    else node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [])
+            elts = (
+                [k for k in node.keys if k is not None]
+                if isinstance(node, ast.Dict)
+                else node.elts
+                if isinstance(node, (ast.List, ast.Tuple, ast.Set))
+                else []
+            )
             hits = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
             if len(hits) >= least:
                 bad.append(f"{module}:{node.lineno} spells Trajectory fields {hits}")
@@ -326,19 +391,28 @@ def test_trajectory_field_names_are_written_in_one_module():
 
 
 def test_the_field_check_finds_a_hand_written_copy(tmp_path):
-    _write(tmp_path, {"asyncrl/__init__.py": "", "asyncrl/types.py": "F = ('reward', 'text', 'id')\n",
-                      "asyncrl/wire/codec.py": "COLS = ['reward', 'text', 'id', 'other']\nx = {'reward': 1}\n",
-                      "app/__init__.py": ""})
+    _write(
+        tmp_path,
+        {
+            "asyncrl/__init__.py": "",
+            "asyncrl/types.py": "F = ('reward', 'text', 'id')\n",
+            "asyncrl/wire/codec.py": "COLS = ['reward', 'text', 'id', 'other']\nx = {'reward': 1}\n",
+            "app/__init__.py": "",
+        },
+    )
     assert field_name_lists(tmp_path, {"reward", "text", "id"}) == [
-        "asyncrl.wire.codec:1 spells Trajectory fields ['reward', 'text', 'id']"]
+        "asyncrl.wire.codec:1 spells Trajectory fields ['reward', 'text', 'id']"
+    ]
 
 
 def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
-    graph = {"asyncrl.algos.rlcr.ui": {"asyncrl.app.kit", "asyncrl.analysis"},  # its UI tab: allowed
-             "asyncrl.algos.rlcr.trees": {"asyncrl.app.kit"},  # the algorithm itself: not
-             "asyncrl.app.main": {"asyncrl.algos.rlcr.ui"},  # the app names the tab: not
-             "asyncrl.learner.learner": {"asyncrl.algos.absolute_zero.workflow"},  # the learner names one: not
-             "asyncrl.analysis.store": {"asyncrl.rollout.workflow"}}  # through the registry: allowed
+    graph = {
+        "asyncrl.algos.rlcr.ui": {"asyncrl.app.kit", "asyncrl.analysis"},  # its UI tab: allowed
+        "asyncrl.algos.rlcr.trees": {"asyncrl.app.kit"},  # the algorithm itself: not
+        "asyncrl.app.main": {"asyncrl.algos.rlcr.ui"},  # the app names the tab: not
+        "asyncrl.learner.learner": {"asyncrl.algos.absolute_zero.workflow"},  # the learner names one: not
+        "asyncrl.analysis.store": {"asyncrl.rollout.workflow"},
+    }  # through the registry: allowed
     assert forbidden_edges(graph) == [
         "asyncrl.algos.rlcr.trees -> asyncrl.app.kit: algorithms sit below the run analysis and the UI that read their records "
         "(but for their UI tab)",
@@ -346,7 +420,8 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
         "views and trained-sample filter with its workflow",
         "asyncrl.app.main -> asyncrl.algos.rlcr.ui: an algorithm's UI tab is loaded by the UI by its import path (Workflow.views)",
         "asyncrl.learner.learner -> asyncrl.algos.absolute_zero.workflow: the generic layers name no algorithm: an "
-        "algorithm registers its tables, views and trained-sample filter with its workflow"]
+        "algorithm registers its tables, views and trained-sample filter with its workflow",
+    ]
 
 
 # --------------------------------------------------------------------------------- floors of the house
@@ -373,10 +448,8 @@ FLOORS = [
 ]
 # Inside the learner: training may use ingest's staleness policy, ingest knows nothing of training, and
 # neither reaches back up into the learner's own modules (the loop, start-up, checkpoints, hooks).
-LEARNER_FLOORS = [("asyncrl.learner.ingest",), ("asyncrl.learner.training",),
-                  ("asyncrl.learner.*",)]
+LEARNER_FLOORS = [("asyncrl.learner.ingest",), ("asyncrl.learner.training",), ("asyncrl.learner.*",)]
 MAX_ROOT_MODULES = 10  # files directly under asyncrl/ (foundations and the package's entry points)
-MAX_FUNCTION_LINES = 60
 
 
 def _floor_of(module: str, floors) -> int | None:
@@ -396,8 +469,11 @@ def _room_of(module: str, floors) -> str | None:
 
 def unplaced(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
     """The modules on no floor (the package's own ``__init__`` aside)."""
-    return [f"{m}: on no floor (add its room to FLOORS)" for m in sorted(graph)
-            if m not in PACKAGES and _floor_of(m, floors) is None]
+    return [
+        f"{m}: on no floor (add its room to FLOORS)"
+        for m in sorted(graph)
+        if m not in PACKAGES and _floor_of(m, floors) is None
+    ]
 
 
 def floor_violations(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
@@ -410,8 +486,10 @@ def floor_violations(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
             if None in (fi, fj) or ri == rj or fj < fi:
                 continue
             where = "its own floor" if fj == fi else "a higher floor"
-            bad.append(f"{importer} -> {imported}: an import of a room on {where} ({rj}, floor {fj + 1}; "
-                       f"{ri} is on floor {fi + 1})")
+            bad.append(
+                f"{importer} -> {imported}: an import of a room on {where} ({rj}, floor {fj + 1}; "
+                f"{ri} is on floor {fi + 1})"
+            )
     return bad
 
 
@@ -426,37 +504,57 @@ def string_registrations(root: Path = ROOT) -> list[tuple[str, str, int]]:
                 values = [v for a in node.args[1:2] if isinstance(a, ast.Dict) for v in a.values]
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add" and len(node.args) == 2:
                 values = [node.args[1]]
-            out += [(module, v.value, v.lineno) for v in values
-                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith(tuple(PACKAGES))]
+            out += [
+                (module, v.value, v.lineno)
+                for v in values
+                if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.startswith(tuple(PACKAGES))
+            ]
     return out
 
 
 def foreign_string_registrations(root: Path = ROOT) -> list[str]:
     """A built-in registered by import path lives in the registering module's own room: a string is no
     way around the floors (it would be an import from a lower room up to a higher one)."""
-    return [f"{module}:{line} registers {target!r}, outside its room {_room_of(module, FLOORS)}"
-            for module, target, line in string_registrations(root)
-            if _room_of(target.split(":")[0], FLOORS) != _room_of(module, FLOORS)]
+    return [
+        f"{module}:{line} registers {target!r}, outside its room {_room_of(module, FLOORS)}"
+        for module, target, line in string_registrations(root)
+        if _room_of(target.split(":")[0], FLOORS) != _room_of(module, FLOORS)
+    ]
 
 
+# A function's size in statements (its docstring aside; nested ones count with it): what the formatter
+# does with line breaks does not change it. 45 statements is what sixty lines held before the code was
+# formatted with ruff.
+MAX_FUNCTION_STATEMENTS = 45
 # The spines: functions that read top to bottom as the one place where a path of the system is told,
 # allowed past the limit because cutting them into helpers would scatter that story over files.
 SPINES = {
     ("asyncrl.learner.training.trainer", "step"): "the learner's training step: critic, proximal pass, "
     "each mini-batch's micro-batches, update and statistics (PolicyTrainer.step)",
 }
-MAX_SPINE_LINES = 150  # a spine is still one sitting's reading
+MAX_SPINE_STATEMENTS = 120  # a spine is still one sitting's reading
 
 
-def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES, spines=SPINES) -> list[str]:
+def statements(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = (
+        node.body[1:]
+        if node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+        else node.body
+    )
+    return sum(1 for top in body for x in ast.walk(top) if isinstance(x, ast.stmt))
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_STATEMENTS, spines=SPINES) -> list[str]:
     out = []
     for module, path in module_files(root).items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                most = MAX_SPINE_LINES if (module, node.name) in spines else limit
-                if lines > most:
-                    out.append(f"{module}:{node.lineno} {node.name}: {lines} lines (at most {most})")
+                most = MAX_SPINE_STATEMENTS if (module, node.name) in spines else limit
+                if (n := statements(node)) > most:
+                    out.append(f"{module}:{node.lineno} {node.name}: {n} statements (at most {most})")
     return out
 
 
@@ -466,18 +564,23 @@ def root_modules(root: Path = ROOT) -> list[str]:
 
 def test_every_room_imports_only_lower_floors():
     graph = import_graph()
-    bad = unplaced(graph) + floor_violations(graph) + floor_violations(
-        {m: deps for m, deps in graph.items() if _within(m, ("asyncrl.learner",))}, LEARNER_FLOORS)
+    bad = (
+        unplaced(graph)
+        + floor_violations(graph)
+        + floor_violations({m: deps for m, deps in graph.items() if _within(m, ("asyncrl.learner",))}, LEARNER_FLOORS)
+    )
     assert not bad, "imports against the floors:\n" + "\n".join("  " + b for b in bad)
 
 
 def test_built_ins_registered_by_import_path_stay_in_their_room():
     regs = string_registrations()
-    assert ("asyncrl.schedulers", "asyncrl.schedulers.local:launch") in [(m, t) for m, t, _ in regs]  # (the scan sees them)
+    assert ("asyncrl.schedulers", "asyncrl.schedulers.local:launch") in [
+        (m, t) for m, t, _ in regs
+    ]  # (the scan sees them)
     assert not (bad := foreign_string_registrations()), "\n".join(bad)
 
 
-def test_no_function_is_longer_than_sixty_lines():
+def test_no_function_is_longer_than_its_limit():
     assert not (bad := long_functions()), "\n".join(bad)
 
 
@@ -490,22 +593,30 @@ def test_the_new_rules_fail_on_a_tree_that_breaks_them(tmp_path):
     """Each of the rules above reports a tree built to break it (the tree before issue 43 broke each
     of them: an environment reaching up into the rollout package, a string registration from envs into
     rollout, 18 modules at the root, a 175-line function)."""
-    _write(tmp_path, {
-        "asyncrl/__init__.py": "", "app/__init__.py": "", "asyncrl/types.py": "",
-        "asyncrl/envs/__init__.py": "",
-        "asyncrl/envs/tasks.py": "def f():\n    from ..rollout.verifiers_env import x\n",
-        "asyncrl/envs/base.py": "ENVS = Registry('environment', {'agent': 'asyncrl.rollout.agent:AgentEnv'})\n",
-        "asyncrl/rollout/__init__.py": "", "asyncrl/rollout/verifiers_env.py": "from ..envs import tasks\n",
-        "asyncrl/rollout/agent.py": "def g():\n" + "    x = 1\n" * 61,
-        **{f"asyncrl/m{i}.py": "" for i in range(10)},
-    })
+    _write(
+        tmp_path,
+        {
+            "asyncrl/__init__.py": "",
+            "app/__init__.py": "",
+            "asyncrl/types.py": "",
+            "asyncrl/envs/__init__.py": "",
+            "asyncrl/envs/tasks.py": "def f():\n    from ..rollout.verifiers_env import x\n",
+            "asyncrl/envs/base.py": "ENVS = Registry('environment', {'agent': 'asyncrl.rollout.agent:AgentEnv'})\n",
+            "asyncrl/rollout/__init__.py": "",
+            "asyncrl/rollout/verifiers_env.py": "from ..envs import tasks\n",
+            "asyncrl/rollout/agent.py": "def g():\n" + "    x = 1\n" * 61,
+            **{f"asyncrl/m{i}.py": "" for i in range(10)},
+        },
+    )
     graph = import_graph(tmp_path)
     assert floor_violations(graph) == [
         "asyncrl.envs.tasks -> asyncrl.rollout.verifiers_env: an import of a room on a higher floor "
-        "(asyncrl.rollout, floor 9; asyncrl.envs is on floor 7)"]
+        "(asyncrl.rollout, floor 9; asyncrl.envs is on floor 7)"
+    ]
     assert foreign_string_registrations(tmp_path) == [
-        "asyncrl.envs.base:1 registers 'asyncrl.rollout.agent:AgentEnv', outside its room asyncrl.envs"]
-    assert long_functions(tmp_path) == ["asyncrl.rollout.agent:1 g: 62 lines (at most 60)"]
+        "asyncrl.envs.base:1 registers 'asyncrl.rollout.agent:AgentEnv', outside its room asyncrl.envs"
+    ]
+    assert long_functions(tmp_path) == ["asyncrl.rollout.agent:1 g: 61 statements (at most 45)"]
     assert len(root_modules(tmp_path)) == 11 > MAX_ROOT_MODULES
 
 
@@ -529,7 +640,18 @@ def test_a_config_field_that_names_a_registry_entry_defaults_to_a_registered_nam
             if isinstance(extra, dict) and "registry" in extra:
                 module, _, table = extra["registry"].partition(":")
                 registry = getattr(importlib.import_module(module), table)
-                assert field.default is None or field.default in registry, f"{prefix}{name}: default {field.default!r} is not in {extra['registry']}"
+                assert field.default is None or field.default in registry, (
+                    f"{prefix}{name}: default {field.default!r} is not in {extra['registry']}"
+                )
                 seen.append(f"{prefix}{name}")
-    assert {"engine.type", "sync.type", "launch.scheduler", "tasks.type", "env.type", "env.reward", "train.policy_loss",
-            "train.off_policy_correction", "train.advantage.estimator"} <= set(seen), seen
+    assert {
+        "engine.type",
+        "sync.type",
+        "launch.scheduler",
+        "tasks.type",
+        "env.type",
+        "env.reward",
+        "train.policy_loss",
+        "train.off_policy_correction",
+        "train.advantage.estimator",
+    } <= set(seen), seen

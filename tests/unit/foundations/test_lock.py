@@ -7,17 +7,20 @@ from __future__ import annotations
 import re
 import sys
 import sysconfig
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[3]
-LOCKS = {"cpu": ["dev", "ray", "envs", "lora", "models"], "test": ["dev", "ray", "envs", "lora", "models"],
-         "gpu": ["vllm", "lora", "models"]}
+LOCKS = {
+    "cpu": ["dev", "ray", "envs", "lora", "models"],
+    "test": ["dev", "ray", "envs", "lora", "models"],
+    "gpu": ["vllm", "lora", "models"],
+}
 
 
 def _pins(lock: str) -> dict[str, str]:
@@ -47,7 +50,9 @@ def test_every_dependency_is_pinned_within_its_range(lock):
             assert name not in pins
             continue
         assert name in pins, f"requirements/{lock}.lock does not pin {req.name} (pyproject.toml: {req})"
-        assert req.specifier.contains(pins[name], prereleases=True), f"{lock}.lock: {name}=={pins[name]} is outside {req}"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"{lock}.lock: {name}=={pins[name]} is outside {req}"
+        )
 
 
 def test_the_test_environment_was_installed_from_its_lock():

@@ -14,16 +14,30 @@ import zlib
 import numpy as np
 import pytest
 
-from asyncrl.learner.archive import (MAX_FRAME_BYTES, ArchiveError, EpisodeArchive, archive_dir, read_meta,
-                                     read_step, step_file, verify_steps)
+from asyncrl.learner.archive import (
+    MAX_FRAME_BYTES,
+    ArchiveError,
+    EpisodeArchive,
+    archive_dir,
+    read_meta,
+    read_step,
+    step_file,
+    verify_steps,
+)
 from asyncrl.rundir.record_file import write_frames
 from asyncrl.types import Episode, Trajectory
 
 
 def _episode() -> Episode:
     mask = np.r_[np.zeros(4), np.ones(5)]
-    t = Trajectory(token_ids=np.arange(3, 12), loss_mask=mask, behavior_logprobs=-0.5 * mask, policy_version=0,
-                   reward=1.0, group_id="g")
+    t = Trajectory(
+        token_ids=np.arange(3, 12),
+        loss_mask=mask,
+        behavior_logprobs=-0.5 * mask,
+        policy_version=0,
+        reward=1.0,
+        group_id="g",
+    )
     return Episode(trajectories=[t], actor_id="actor-0")
 
 
@@ -95,8 +109,11 @@ def test_what_is_not_a_regular_file_is_refused_and_a_fifo_does_not_block(tmp_pat
 def test_a_malformed_meta_or_head_is_one_line(tmp_path):
     path = _archive(tmp_path)
     meta = archive_dir(tmp_path) / "meta.json"
-    for text, expect in (("{not json", "JSONDecodeError"), ("[1, 2]", "a JSON list, expected an object"),
-                         ("[" * 100_000 + "]" * 100_000, "RecursionError")):
+    for text, expect in (
+        ("{not json", "JSONDecodeError"),
+        ("[1, 2]", "a JSON list, expected an object"),
+        ("[" * 100_000 + "]" * 100_000, "RecursionError"),
+    ):
         meta.write_text(text)
         with pytest.raises(ArchiveError, match=expect) as e:
             read_meta(tmp_path)

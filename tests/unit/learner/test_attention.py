@@ -19,12 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from asyncrl.config import ConfigError, load_config
 from asyncrl.learner.training import attention
 from asyncrl.learner.training.attention import FLEX_BLOCK, choose, document_mask, measure, sliding_window_of
-from asyncrl.learner.training.batch import forward_rows, first_trained
+from asyncrl.learner.training.batch import first_trained, forward_rows
 from asyncrl.learner.training.packing import cu_seqlens, pack_rows
 from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
-
 from tests.plugins_for_tests import cpu_varlen
 from tests.unit.learner.test_packing import REFERENCE, VOCAB, _batch, _model, _same
 
@@ -35,13 +34,21 @@ def _gqa_model(window: int | None = None):
     """A tiny model with 4 query heads over 2 key/value heads; ``window``: a Qwen2 whose second layer
     attends within a sliding window."""
     torch.manual_seed(0)
-    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     if window is None:
         config = LlamaConfig(**kw, attn_implementation="sdpa")
         return LlamaForCausalLM(config).float()
-    config = Qwen2Config(**kw, use_sliding_window=True, sliding_window=window, max_window_layers=1,
-                         attn_implementation="sdpa")
+    config = Qwen2Config(
+        **kw, use_sliding_window=True, sliding_window=window, max_window_layers=1, attn_implementation="sdpa"
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -124,10 +131,12 @@ def test_cu_seqlens_are_the_rows_and_a_shared_layout_is_refused():
     for b, n in enumerate(lengths.tolist()):  # each row one sequence, its positions from 0
         start = int(packed.token_index[b, 0])
         assert start in cu.tolist() and int(cu[cu.tolist().index(start) + 1]) == start + n
-        assert torch.equal(packed.position_ids[0, start:start + n], torch.arange(n))
+        assert torch.equal(packed.position_ids[0, start : start + n], torch.arange(n))
     padded = pack_rows(batch.input_ids, lengths, varlen=True, flat=True, multiple=int(lengths.sum()) + 5)
     cu, _ = cu_seqlens(padded)
-    assert int(cu[-1]) == padded.shape[1] == int(lengths.sum()) + 5 and int(cu[-2]) == int(lengths.sum())  # the padding: its own
+    assert int(cu[-1]) == padded.shape[1] == int(lengths.sum()) + 5 and int(cu[-2]) == int(
+        lengths.sum()
+    )  # the padding: its own
     shared = pack_rows(batch.input_ids, lengths, starts=first_trained(batch), flat=True)
     with pytest.raises(ValueError, match="no shared prompts"):
         cu_seqlens(shared)
@@ -192,6 +201,7 @@ def test_the_path_is_chosen_by_device_and_a_path_that_cannot_run_says_why():
 def test_auto_on_cuda_measures_the_candidates_and_keeps_the_fastest(monkeypatch):
     """On CUDA (faked here: the availability of each path) auto times each candidate twice and keeps
     the fastest; one that fails is left out; with train.deterministic the first available, unmeasured."""
+
     def fake(path, model, device, training=True):
         return None if path in ("varlen", "flex") else "no"
 

@@ -11,12 +11,27 @@ PAD = 0
 
 
 def _two():
-    a = Trajectory(token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 0, 1, 1, 1],
-                   behavior_logprobs=[0, 0, -0.5, -0.25, -1.0], policy_version=3, reward=1.0,
-                   sample_type="solver", group_id="g1")
-    b = Trajectory(token_ids=[5, 6, 10], loss_mask=[0, 1, 1], behavior_logprobs=[0, -2.0, -0.1],
-                   policy_version=2, reward=0.0, sample_type="proposer", group_id="g2",
-                   is_replay=True, recorded_logprobs=[0, -1.5, -0.2], exp_mask=[0, 1, 1])
+    a = Trajectory(
+        token_ids=[5, 6, 7, 8, 9],
+        loss_mask=[0, 0, 1, 1, 1],
+        behavior_logprobs=[0, 0, -0.5, -0.25, -1.0],
+        policy_version=3,
+        reward=1.0,
+        sample_type="solver",
+        group_id="g1",
+    )
+    b = Trajectory(
+        token_ids=[5, 6, 10],
+        loss_mask=[0, 1, 1],
+        behavior_logprobs=[0, -2.0, -0.1],
+        policy_version=2,
+        reward=0.0,
+        sample_type="proposer",
+        group_id="g2",
+        is_replay=True,
+        recorded_logprobs=[0, -1.5, -0.2],
+        exp_mask=[0, 1, 1],
+    )
     return [a, b]
 
 
@@ -45,17 +60,25 @@ def test_collate_every_element_shifted_by_one():
 
 
 def test_replay_without_exp_mask_is_off_policy_on_generated_tokens():
-    traj = Trajectory(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0, -1, -1],
-                      policy_version=0, is_replay=True)
+    traj = Trajectory(
+        token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0, -1, -1], policy_version=0, is_replay=True
+    )
     assert collate([traj], torch.zeros(1), pad_id=PAD).exp_mask.tolist() == [[1, 1]]
     with pytest.raises(ValueError, match="advantages"):
         collate([traj], torch.zeros(2), pad_id=PAD)
 
 
 def _many(n):
-    return [Trajectory(token_ids=list(range(1, 3 + i)), loss_mask=[0] + [1] * (1 + i),
-                       behavior_logprobs=np.zeros(2 + i), policy_version=i, group_id=str(i))
-            for i in range(n)]
+    return [
+        Trajectory(
+            token_ids=list(range(1, 3 + i)),
+            loss_mask=[0] + [1] * (1 + i),
+            behavior_logprobs=np.zeros(2 + i),
+            policy_version=i,
+            group_id=str(i),
+        )
+        for i in range(n)
+    ]
 
 
 def test_split_even_and_ordered():
@@ -76,9 +99,16 @@ def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                      pad_token_id=PAD)
+    cfg = LlamaConfig(
+        vocab_size=20,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=PAD,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -115,8 +145,15 @@ def test_mismatch_stats_count_only_tokens_made_with_the_current_weights():
 
     from asyncrl.learner.training.trainer import mismatch_stats
 
-    rows = [Trajectory(np.array([5, 6, 7, 8], np.int32), np.array([0, 0, 1, 1], np.uint8),
-                       np.array([0, 0, -1.0, -2.0], np.float32), policy_version=v) for v in (3, 2)]
+    rows = [
+        Trajectory(
+            np.array([5, 6, 7, 8], np.int32),
+            np.array([0, 0, 1, 1], np.uint8),
+            np.array([0, 0, -1.0, -2.0], np.float32),
+            policy_version=v,
+        )
+        for v in (3, 2)
+    ]
     batch = collate(rows, torch.zeros(2), pad_id=0)
     learner = batch.behavior_logprobs.clone()
     learner[0, 1] += 0.5  # row 0 (version 3) differs by +0.5 and -0.5 on its two generated tokens

@@ -12,8 +12,14 @@ from asyncrl.wire.codec import decode, decode_episode, encode_episode
 
 
 def _episode(version: int, eid: str) -> Episode:
-    t = Trajectory(token_ids=np.arange(4), loss_mask=[0, 0, 1, 1], behavior_logprobs=[0, 0, -0.5, -0.7],
-                   policy_version=version, reward=1.0, group_id=eid)
+    t = Trajectory(
+        token_ids=np.arange(4),
+        loss_mask=[0, 0, 1, 1],
+        behavior_logprobs=[0, 0, -0.5, -0.7],
+        policy_version=version,
+        reward=1.0,
+        group_id=eid,
+    )
     return Episode(trajectories=[t], id=eid)
 
 
@@ -27,7 +33,9 @@ def test_take_respects_staleness_and_order(tmp_path):
     buf.open_wal(0)
     for v, eid in [(5, "a"), (3, "b"), (4, "c"), (1, "old")]:
         assert _add(buf, v, eid)
-    assert buf.take(4, version=5, staleness=StalenessPolicy(2, "drop")) is None  # "old" (staleness 4) is dropped: 3 left
+    assert (
+        buf.take(4, version=5, staleness=StalenessPolicy(2, "drop")) is None
+    )  # "old" (staleness 4) is dropped: 3 left
     assert buf.dropped_stale == 1
     got = buf.take(2, version=5, staleness=StalenessPolicy(2, "drop"))
     assert [e.id for e in got] == ["b", "c"]  # oldest policy versions first

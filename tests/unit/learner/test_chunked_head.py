@@ -21,9 +21,16 @@ VOCAB = 49_152
 
 def _model(tied: bool = True, cls=LlamaForCausalLM, dtype=torch.float32):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
     config._attn_implementation = "sdpa"
     return cls(config).to(dtype)
 
@@ -37,8 +44,16 @@ def _batch():
             resp = rng.integers(3, VOCAB, int(rng.integers(2, 14)))
             ids = np.r_[prompt, resp].astype(np.int64)
             mask = np.r_[np.zeros(plen), np.ones(len(resp))]
-            rows.append(Trajectory(token_ids=ids, loss_mask=mask, behavior_logprobs=-0.5 * mask, policy_version=0,
-                                   reward=float(i % 2), group_id=f"g{g}"))
+            rows.append(
+                Trajectory(
+                    token_ids=ids,
+                    loss_mask=mask,
+                    behavior_logprobs=-0.5 * mask,
+                    policy_version=0,
+                    reward=float(i % 2),
+                    group_id=f"g{g}",
+                )
+            )
     adv = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.25, 0.0])
     return collate(rows, adv, pad_id=0)
 

@@ -25,9 +25,18 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                        tie_word_embeddings=True))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def _episodes(seed: int) -> list[Episode]:
@@ -39,22 +48,37 @@ def _episodes(seed: int) -> list[Episode]:
         trajs = []
         for _ in range(4):
             n = int(rng.integers(2, 12))
-            trajs.append(Trajectory(
-                token_ids=np.asarray(prompt + rng.integers(3, 64, n).tolist(), dtype=np.int32),
-                loss_mask=np.asarray([0] * len(prompt) + [1] * n, dtype=np.uint8),
-                behavior_logprobs=np.asarray([0.0] * len(prompt) + (-rng.exponential(1.0, n)).tolist(), dtype=np.float32),
-                policy_version=0, reward=1.0 if g == 0 else float(rng.integers(0, 2)), group_id=f"g{g}"))
+            trajs.append(
+                Trajectory(
+                    token_ids=np.asarray(prompt + rng.integers(3, 64, n).tolist(), dtype=np.int32),
+                    loss_mask=np.asarray([0] * len(prompt) + [1] * n, dtype=np.uint8),
+                    behavior_logprobs=np.asarray(
+                        [0.0] * len(prompt) + (-rng.exponential(1.0, n)).tolist(), dtype=np.float32
+                    ),
+                    policy_version=0,
+                    reward=1.0 if g == 0 else float(rng.integers(0, 2)),
+                    group_id=f"g{g}",
+                )
+            )
         eps.append(Episode(trajectories=trajs))
     return eps
 
 
-CASES = ([[f"train.off_policy_correction={c}"] for c in OFF_POLICY_CORRECTIONS]
-         + [[f"train.policy_loss={loss}"] for loss in POLICY_LOSSES]
-         + [["train.is_cap_mode=mask"], ["train.packing=false", "train.skip_zero_advantage=false"],
-            ["train.kl_coef=0.1", "train.entropy_coef=0.01"], ["train.loss_agg_mode=seq-mean-token-sum"],
-            ["train.mini_batches=2", "train.ppo_epochs=2"], ["train.advantage.estimator=rloo"],
-            ["train.advantage.estimator=reinforce_pp"], ["train.advantage.estimator=gae"],
-            ["train.overlong_buffer=4", "train.mask_truncated=true"]])
+CASES = (
+    [[f"train.off_policy_correction={c}"] for c in OFF_POLICY_CORRECTIONS]
+    + [[f"train.policy_loss={loss}"] for loss in POLICY_LOSSES]
+    + [
+        ["train.is_cap_mode=mask"],
+        ["train.packing=false", "train.skip_zero_advantage=false"],
+        ["train.kl_coef=0.1", "train.entropy_coef=0.01"],
+        ["train.loss_agg_mode=seq-mean-token-sum"],
+        ["train.mini_batches=2", "train.ppo_epochs=2"],
+        ["train.advantage.estimator=rloo"],
+        ["train.advantage.estimator=reinforce_pp"],
+        ["train.advantage.estimator=gae"],
+        ["train.overlong_buffer=4", "train.mask_truncated=true"],
+    ]
+)
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=[" ".join(c) for c in CASES])

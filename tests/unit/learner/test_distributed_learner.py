@@ -10,6 +10,7 @@ clipping off: the gradients averaged over ranks, the parameters after the AdamW 
 full state dict and the per-row log-probs (``keep_rows``) all match a one-process step within 1e-5;
 the metrics combined over ranks match too.
 """
+
 import json
 import socket
 import subprocess
@@ -22,7 +23,6 @@ from safetensors.torch import load_file
 
 from asyncrl.learner.training import distributed
 from asyncrl.learner.training.micro_batches import Totals, loss_scales
-
 from tests.conftest import ROOT, kill_tree, subprocess_env
 from tests.dist_step_worker import CASES, assert_matches, one_step
 
@@ -40,10 +40,25 @@ def _start_ranks(args: list[str]) -> list[subprocess.Popen]:
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        env = dict(
+            subprocess_env(),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -85,8 +100,14 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
                     continue
                 assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), (mode, case, key)
             if case.startswith("gae"):  # issue 46: the critic's metrics, combined over ranks
-                for key in ("critic/value_loss", "critic/grad_norm", "critic/clipfrac", "critic/explained_variance",
-                            "critic/value_mean", "critic/return_mean"):
+                for key in (
+                    "critic/value_loss",
+                    "critic/grad_norm",
+                    "critic/clipfrac",
+                    "critic/explained_variance",
+                    "critic/value_mean",
+                    "critic/return_mean",
+                ):
                     assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-6), (mode, case, key)
             if case == "shared_prefix":  # each prompt read once per bin on each rank's rows, as in one process
                 assert stats["learner/shared_prompt_rows"] > 0 and ref_stats["learner/shared_prompt_rows"] > 0, mode
@@ -97,7 +118,7 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
         assert any(k.startswith("optim/") for k in ref), "the optimizer state was not compared"
         if case.startswith("micro_"):  # and the one-process micro-batched gradient is the one-pass one of its mode
             # (gradients: AdamW divides by |g|, so rounding on a near-zero gradient moves a parameter by more)
-            whole, _ = one_step(tiny_overrides, "none", case[len("micro_"):])
+            whole, _ = one_step(tiny_overrides, "none", case[len("micro_") :])
             for k in (k for k in ref if k.startswith("grad/")):
                 assert float((ref[k] - whole[k]).abs().max()) <= 1e-5, (case, k)
         if case.startswith("gae"):  # the critic trained (every trainable tensor of it moved), its head too
@@ -106,8 +127,8 @@ def test_two_process_step_matches_one(two_ranks, tiny_overrides):
             assert any("lm_head" in k for k in grads) and any(k.startswith("optim/critic/") for k in ref), case
             assert ref_stats["critic/clipfrac"] > 0 or case == "gae_lora", ref_stats
         if case == "lora":  # issue 32: gradients and optimizer state for the adapters only, A's and B's
-            trained = {k[len("grad/"):] for k in ref if k.startswith("grad/")}
-            optimized = {k[len("optim/"):].rsplit("/", 1)[0] for k in ref if k.startswith("optim/")}
+            trained = {k[len("grad/") :] for k in ref if k.startswith("grad/")}
+            optimized = {k[len("optim/") :].rsplit("/", 1)[0] for k in ref if k.startswith("optim/")}
             assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained), sorted(trained)[:5]
             assert optimized == trained, sorted(optimized ^ trained)[:5]
             assert min(float(ref[f"grad/{k}"].abs().max()) for k in trained) > 0
@@ -119,7 +140,7 @@ def _optim_dict(flat: dict) -> dict:
     state: dict = {}
     for k, v in flat.items():
         if k.startswith("optim/"):
-            name, key = k[len("optim/"):].rsplit("/", 1)
+            name, key = k[len("optim/") :].rsplit("/", 1)
             state.setdefault(name, {})[key] = v
     return state
 
@@ -138,7 +159,7 @@ def test_a_sharded_checkpoint_state_loads_into_one_process(two_ranks, tiny_overr
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0)
     fresh = distributed.optimizer_state(model, trainer.optimizer)
     saved = {"state": _optim_dict(got), "param_groups": fresh["param_groups"]}
-    params = {k[len("param/"):]: v for k, v in got.items() if k.startswith("param/")}
+    params = {k[len("param/") :]: v for k, v in got.items() if k.startswith("param/")}
     assert set(saved["state"]) == {n for n, _ in model.named_parameters()}
     distributed.load_states(model, trainer.optimizer, params, saved)
     for name, p in model.named_parameters():

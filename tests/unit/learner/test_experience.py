@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import math
 import random
 
@@ -12,23 +11,26 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.algos.grpo import GRPOWorkflow
-from asyncrl.rollout import RolloutContext, run_conversations, start_conversations
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
 from asyncrl.envs.base import make_env
+from asyncrl.learner.experience import (
+    ExperiencePool,
+    ReplayHook,
+    align_recorded_logprobs,
+    compact_logprobs,
+    make_replay_trajectory,
+)
+from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.learner.training.batch import collate, compute_logprobs
-from asyncrl.learner.experience import (ExperiencePool, ReplayHook, align_recorded_logprobs, compact_logprobs,
-                                    make_replay_trajectory)
-from asyncrl.objectives.advantages import trajectory_advantages
-from asyncrl.objectives.losses import LossConfig
 from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.loading import load_policy
-from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.objectives.advantages import trajectory_advantages
+from asyncrl.objectives.losses import LossConfig
+from asyncrl.rollout import RolloutContext
 from asyncrl.types import Episode, Task, Trajectory
-
-from tests.conftest import scripted_conversation, scripted_engine
+from tests.conftest import scripted_conversation
 
 
 def _cfg(*over):
@@ -37,13 +39,22 @@ def _cfg(*over):
 
 def _mgr(*over, total_steps=10):
     cfg = _cfg(*over)
-    return ExperiencePool(cfg.replay, n=cfg.sampling.n, total_steps=total_steps, staleness=StalenessPolicy.from_config(cfg), seed=0)
+    return ExperiencePool(
+        cfg.replay, n=cfg.sampling.n, total_steps=total_steps, staleness=StalenessPolicy.from_config(cfg), seed=0
+    )
 
 
 def _traj(task_id, reward, entropy=0.0, tid=None, n_tok=5):
-    t = Trajectory(token_ids=np.arange(n_tok), loss_mask=[0, 0, 1, 1, 1][:n_tok],
-                   behavior_logprobs=np.zeros(n_tok), policy_version=0, reward=reward, task_id=task_id,
-                   group_id=f"g-{task_id}", metadata={"entropy": entropy})
+    t = Trajectory(
+        token_ids=np.arange(n_tok),
+        loss_mask=[0, 0, 1, 1, 1][:n_tok],
+        behavior_logprobs=np.zeros(n_tok),
+        policy_version=0,
+        reward=reward,
+        task_id=task_id,
+        group_id=f"g-{task_id}",
+        metadata={"entropy": entropy},
+    )
     if tid:
         t.id = tid
     return t
@@ -202,8 +213,18 @@ def test_logprob_alignment_longer_shorter_missing():
     assert np.isnan(missing[[2, 3, 5]]).all()
     assert compact_logprobs(exact, mask).tolist() == pytest.approx([-0.1, -0.2, -0.3])
     # in the batch: recorded_mask marks the recorded ones; elsewhere the trainer keeps the current
-    trajs = [Trajectory(token_ids=np.arange(6), loss_mask=mask, behavior_logprobs=np.zeros(6), policy_version=0,
-                        is_replay=True, recorded_logprobs=r, exp_mask=mask) for r in (exact, shorter, missing)]
+    trajs = [
+        Trajectory(
+            token_ids=np.arange(6),
+            loss_mask=mask,
+            behavior_logprobs=np.zeros(6),
+            policy_version=0,
+            is_replay=True,
+            recorded_logprobs=r,
+            exp_mask=mask,
+        )
+        for r in (exact, shorter, missing)
+    ]
     b = collate(trajs, torch.zeros(3), pad_id=0)
     assert b.exp_mask.tolist() == [[0, 1, 1, 0, 1]] * 3  # target positions: token j + 1
     assert (b.recorded_mask * b.exp_mask).tolist() == [[0, 1, 1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -213,10 +234,12 @@ def test_logprob_alignment_longer_shorter_missing():
 
 # ---------------------------------------------------------------------------- multi-turn exp_mask
 def test_exp_mask_on_a_multi_turn_replay():
-    tok, env, task, c, engine = scripted_conversation(["env.type=calculator", "env.max_turns=3"], "12+34=", 46,
-                                                      [("calc:12+34", True), ("46", True)], max_turns=3)
+    tok, env, task, c, engine = scripted_conversation(
+        ["env.type=calculator", "env.max_turns=3"], "12+34=", 46, [("calc:12+34", True), ("46", True)], max_turns=3
+    )
     assert tok.decode(c.token_ids, skip_special_tokens=False) == (
-        "<|user|>12+34=<|end|><|assistant|>calc:12+34<|end|><|user|>46<|end|><|assistant|>46<|end|>")
+        "<|user|>12+34=<|end|><|assistant|>calc:12+34<|end|><|user|>46<|end|><|assistant|>46<|end|>"
+    )
     traj = c.to_trajectory(engine.version, env.evaluate(task, c.history))
     assert traj.reward == 1.0 and traj.scores["tool_calls"] == 1.0
     # by hand: prompt "<|user|>" "12+34=" "<|end|>" "<|assistant|>" = 1 + 6 + 1 + 1 = 9 tokens; the
@@ -228,8 +251,13 @@ def test_exp_mask_on_a_multi_turn_replay():
     stored = msgspec.structs.replace(traj, recorded_logprobs=rec)
     replay = make_replay_trajectory(stored, group_id="g")
     assert replay.is_replay and np.flatnonzero(replay.exp_mask).tolist() == expected
-    fresh = Trajectory(token_ids=traj.token_ids, loss_mask=traj.loss_mask,
-                       behavior_logprobs=traj.behavior_logprobs, policy_version=7, group_id="g")
+    fresh = Trajectory(
+        token_ids=traj.token_ids,
+        loss_mask=traj.loss_mask,
+        behavior_logprobs=traj.behavior_logprobs,
+        policy_version=7,
+        group_id="g",
+    )
     batch = collate([fresh, replay], torch.zeros(2), pad_id=0)
     # target position j scores token j + 1: the replayed tokens sit at positions expected - 1
     assert torch.nonzero(batch.exp_mask[1]).flatten().tolist() == [j - 1 for j in expected]
@@ -258,13 +286,37 @@ def _two_rows(tok):
 @pytest.mark.parametrize("off_clip", [1.0, 0.5])
 def test_loss_by_hand_replayed_vs_fresh(tiny_policy, off_clip):
     model, tok, over = tiny_policy
-    cfg = load_config(None, [*over, "replay.enabled=true", f"replay.off_cliprange_high={off_clip}",
-                             "train.advantage.norm_by_std=false", "train.lr=1e-9"])
+    cfg = load_config(
+        None,
+        [
+            *over,
+            "replay.enabled=true",
+            f"replay.off_cliprange_high={off_clip}",
+            "train.advantage.norm_by_std=false",
+            "train.lr=1e-9",
+        ],
+    )
     (ids_a, m_a), (ids_b, m_b) = _two_rows(tok)
-    fresh = Trajectory(token_ids=ids_a, loss_mask=m_a, behavior_logprobs=np.zeros(len(ids_a)), policy_version=0,
-                       reward=0.0, group_id="g", task_id="t")
-    replay = Trajectory(token_ids=ids_b, loss_mask=m_b, behavior_logprobs=np.zeros(len(ids_b)), policy_version=0,
-                        reward=1.0, group_id="g", task_id="t", is_replay=True, exp_mask=m_b)
+    fresh = Trajectory(
+        token_ids=ids_a,
+        loss_mask=m_a,
+        behavior_logprobs=np.zeros(len(ids_a)),
+        policy_version=0,
+        reward=0.0,
+        group_id="g",
+        task_id="t",
+    )
+    replay = Trajectory(
+        token_ids=ids_b,
+        loss_mask=m_b,
+        behavior_logprobs=np.zeros(len(ids_b)),
+        policy_version=0,
+        reward=1.0,
+        group_id="g",
+        task_id="t",
+        is_replay=True,
+        exp_mask=m_b,
+    )
     with torch.no_grad():
         cur, _ = compute_logprobs(model, collate([fresh, replay], torch.zeros(2), 0))
     # behaviour = current for the fresh row (no staleness: weight 1); recorded = current - log 2.5 for the
@@ -316,11 +368,22 @@ def test_isolated_replay_groups_train_the_replayed_success_with_its_reward():
 # ---------------------------------------------------------------------------- n - k plus k, real model
 def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
     model, tok, over = tiny_policy
-    cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "replay.offpolicy_trajectories_per_task=2",
-                             "sampling.max_new_tokens=3", "env.reward=tests.plugins_for_tests:short_reply_reward"])
+    cfg = load_config(
+        None,
+        [
+            *over,
+            "replay.enabled=true",
+            "sampling.n=4",
+            "replay.offpolicy_trajectories_per_task=2",
+            "sampling.max_new_tokens=3",
+            "env.reward=tests.plugins_for_tests:short_reply_reward",
+        ],
+    )
     m = ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
-    tasks = [Task("arith:1+2", [{"role": "user", "content": "1+2="}], 3),
-             Task("arith:3+4", [{"role": "user", "content": "3+4="}], 7)]
+    tasks = [
+        Task("arith:1+2", [{"role": "user", "content": "1+2="}], 3),
+        Task("arith:3+4", [{"role": "user", "content": "3+4="}], 7),
+    ]
     m.tasks["arith:1+2"] = msgspec.to_builtins(tasks[0])
     m.store([_traj("arith:1+2", 1.0, 0.3, "old1"), _traj("arith:1+2", 1.0, 0.2, "old2")])
     m.move_to_bucket("arith:1+2", 2)
@@ -341,14 +404,27 @@ def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
 # ---------------------------------------------------------------------------- recording, real model
 def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
     model, tok, over = tiny_policy
-    cfg = load_config(None, [*over, "replay.enabled=true", "sampling.n=4", "sampling.max_new_tokens=5",
-                             "env.type=calculator", "env.max_turns=2", "env.kwargs.tool_prefix=",
-                             "env.reward=tests.plugins_for_tests:short_reply_reward", "train.lr=1e-9"])
+    cfg = load_config(
+        None,
+        [
+            *over,
+            "replay.enabled=true",
+            "sampling.n=4",
+            "sampling.max_new_tokens=5",
+            "env.type=calculator",
+            "env.max_turns=2",
+            "env.kwargs.tool_prefix=",
+            "env.reward=tests.plugins_for_tests:short_reply_reward",
+            "train.lr=1e-9",
+        ],
+    )
     m = ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
     trainer = PolicyTrainer(model, tok, cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train, cfg.replay))
     rng = random.Random(0)
-    tasks = [Task(f"arith:{a}+{b}", [{"role": "user", "content": f"{a}+{b}="}], a + b)
-             for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(6))]
+    tasks = [
+        Task(f"arith:{a}+{b}", [{"role": "user", "content": f"{a}+{b}="}], a + b)
+        for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(6))
+    ]
     ctx = RolloutContext(HFEngine(model, tok), tok, make_env(cfg.env), cfg, "a", seed=3)
     eps = GRPOWorkflow(cfg).rollout(tasks, ctx)
     trajs = [t for e in eps for t in e.trajectories]
@@ -357,7 +433,9 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
         before, ent = compute_logprobs(model, collate(trajs, torch.zeros(len(trajs)), 0), with_entropy=True)
     result = trainer.step(trainer.make_batch(eps), keep_rows=True)
     logp, entropy = result.row_logprobs, result.row_entropy
-    valid = collate(trajs, torch.zeros(len(trajs)), 0).response_mask.bool()  # (the learner computes trained tokens only)
+    valid = collate(
+        trajs, torch.zeros(len(trajs)), 0
+    ).response_mask.bool()  # (the learner computes trained tokens only)
     assert torch.allclose(logp[valid], before[valid], atol=1e-5)  # recorded before the update
     m.record(eps, logp.numpy(), entropy.numpy(), version=5)
     assert m.stored, "no task had a partial success; pick another seed"
@@ -386,15 +464,16 @@ def test_state_survives_save_and_load(tmp_path):
     assert m2.load(tmp_path)
     assert m2.digest() == m.digest()
     assert m2.buckets == m.buckets and m2.solved == m.solved == {"c"}
-    assert {k: [t.id for t in v] for k, v in m2.stored.items()} == \
-           {k: [t.id for t in v] for k, v in m.stored.items()}
+    assert {k: [t.id for t in v] for k, v in m2.stored.items()} == {k: [t.id for t in v] for k, v in m.stored.items()}
     r1, r2 = m.stored["a"][0].recorded_logprobs, m2.stored["a"][0].recorded_logprobs
     assert np.array_equal(np.isnan(r1), np.isnan(r2)) and np.allclose(r1[~np.isnan(r1)], r2[~np.isnan(r2)])
     assert m2.active and m2.assign(4, 0) == m.assign(4, 0)  # the RNG goes on identically
     assert not _mgr().load(tmp_path / "nothing")
     # a checkpoint written under the reference design's names loads the same
-    old = {{"buckets": "difficulty2task_dict", "stored": "task2trajectories", "solved": "skip_uid_set"}.get(k, k): v
-           for k, v in json.loads((tmp_path / "replay.json").read_text()).items()}
+    old = {
+        {"buckets": "difficulty2task_dict", "stored": "task2trajectories", "solved": "skip_uid_set"}.get(k, k): v
+        for k, v in json.loads((tmp_path / "replay.json").read_text()).items()
+    }
     (tmp_path / "replay.json").write_text(json.dumps(old))
     m3 = _mgr("replay.replay_start_ratio=0")
     assert m3.load(tmp_path) and m3.digest() == saved
@@ -416,9 +495,18 @@ def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
     a.workflow, a.assigned, a.withheld = GRPOWorkflow(a.cfg), deque(), set()
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])
     task = Task("p", [{"role": "user", "content": "1+1="}], 2)
-    credit = decode(encode_msg("credit", n=2, min_version=0, withhold={"reset": True, "add": ["x", "z"]},
-                               replay=[{"task": msgspec.to_builtins(task), "n": 3, "k": 1},
-                                       {"task": msgspec.to_builtins(task), "n": 9, "k": 1}])).body
+    credit = decode(
+        encode_msg(
+            "credit",
+            n=2,
+            min_version=0,
+            withhold={"reset": True, "add": ["x", "z"]},
+            replay=[
+                {"task": msgspec.to_builtins(task), "n": 3, "k": 1},
+                {"task": msgspec.to_builtins(task), "n": 9, "k": 1},
+            ],
+        )
+    ).body
     a._on_replay_work(credit)
     assert list(a.assigned) == [(task, 3, 1)]
     assert "replay task 1: n=9, expected at most sampling.n (4)" in capsys.readouterr().out

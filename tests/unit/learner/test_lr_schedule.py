@@ -9,13 +9,20 @@ from asyncrl.config import load_config
 from asyncrl.learner.training.optim import lr_at
 from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tokenizer import build_char_tokenizer
-
 from tests.unit.learner.test_packing import _batch, _model
 
 
 def test_warm_up_then_decay():
-    cfg = load_config(None, ["train.lr=1e-3", "train.total_steps=14", "train.lr_warmup_steps=4",
-                             "train.lr_schedule=cosine", "train.lr_min_ratio=0.1"]).train
+    cfg = load_config(
+        None,
+        [
+            "train.lr=1e-3",
+            "train.total_steps=14",
+            "train.lr_warmup_steps=4",
+            "train.lr_schedule=cosine",
+            "train.lr_min_ratio=0.1",
+        ],
+    ).train
     lrs = [lr_at(cfg, v) for v in range(15)]
     assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lrs[4] == pytest.approx(1e-3) and lrs[9] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 2)))

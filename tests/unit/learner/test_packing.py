@@ -35,8 +35,15 @@ def _model(seed: int = 0, attention: str = "sdpa") -> LlamaForCausalLM:
 def _traj(prompt, response, group, mask=None, reward=0.0, **kw) -> Trajectory:
     ids = np.r_[prompt, response].astype(np.int64)
     loss = np.r_[np.zeros(len(prompt)), np.ones(len(response)) if mask is None else mask]
-    return Trajectory(token_ids=ids, loss_mask=loss, behavior_logprobs=-0.5 * loss, policy_version=0,
-                      reward=reward, group_id=group, **kw)
+    return Trajectory(
+        token_ids=ids,
+        loss_mask=loss,
+        behavior_logprobs=-0.5 * loss,
+        policy_version=0,
+        reward=reward,
+        group_id=group,
+        **kw,
+    )
 
 
 def _rows(equal_group: bool = False) -> list[Trajectory]:
@@ -56,8 +63,16 @@ def _rows(equal_group: bool = False) -> list[Trajectory]:
     rows.append(_traj(prompt, rng.integers(3, VOCAB, 8), "g0", mask=np.r_[np.ones(3), np.zeros(2), np.ones(3)]))
     resp = rng.integers(3, VOCAB, 5)
     rec = np.r_[np.zeros(4), -rng.uniform(0.5, 2.0, 5)].astype(np.float32)
-    rows.append(_traj(rows[4].token_ids[:4], resp, "g1", reward=0.0 if not equal_group else 1.0, is_replay=True,
-                      recorded_logprobs=rec))
+    rows.append(
+        _traj(
+            rows[4].token_ids[:4],
+            resp,
+            "g1",
+            reward=0.0 if not equal_group else 1.0,
+            is_replay=True,
+            recorded_logprobs=rec,
+        )
+    )
     for t in rows[:3]:  # generated across an in-flight update: the last tokens by version 1
         t.token_versions = np.r_[np.zeros(len(t.token_ids) - 2), np.ones(2)].astype(np.int32)
     return rows
@@ -154,15 +169,21 @@ REFERENCE = ["train.packing=false", "train.skip_zero_advantage=false", "train.mi
 def test_a_trainer_step_packed_and_in_micro_batches_equals_one_padded_pass(agg):
     base = [f"train.loss_agg_mode={agg}", "train.loss_scale_norm=16"]
     ref = _trained([*base, *REFERENCE])
-    for variant in (["train.packing=true", "train.shared_prefix=false"],  # packed, one pass
-                    ["train.packing=true"],  # packed with shared prompts
-                    ["train.packing=true", "train.micro_batch_tokens=20"],  # packed, about 8 micro-batches
-                    ["train.packing=false", "train.micro_batch_tokens=40"]):  # padded micro-batches
+    for variant in (
+        ["train.packing=true", "train.shared_prefix=false"],  # packed, one pass
+        ["train.packing=true"],  # packed with shared prompts
+        ["train.packing=true", "train.micro_batch_tokens=20"],  # packed, about 8 micro-batches
+        ["train.packing=false", "train.micro_batch_tokens=40"],
+    ):  # padded micro-batches
         got = _trained([*base, *REFERENCE, *variant])
         _same(ref, got, 1e-5)
         assert got[2].stats["loss"] == pytest.approx(ref[2].stats["loss"], abs=1e-6)
         micro = got[2].stats["learner/micro_batches"]
-        assert micro > 3 if "train.micro_batch_tokens=20" in variant or "train.micro_batch_tokens=40" in variant else micro == 1
+        assert (
+            micro > 3
+            if "train.micro_batch_tokens=20" in variant or "train.micro_batch_tokens=40" in variant
+            else micro == 1
+        )
 
 
 def test_side_terms_keep_rows_and_several_mini_batches_under_micro_batches():
@@ -197,6 +218,7 @@ def test_rows_that_carry_no_gradient_are_left_out_and_the_step_is_the_same():
 def test_a_batch_with_no_gradient_at_all_still_takes_adams_step_and_reports_its_metrics():
     """No row carries a gradient: the first micro-batch runs anyway (loss 0), so the step has its
     entropy and mismatch metrics, and AdamW moves the weights by its momentum as with every row run."""
+
     def batches(i):
         batch = _batch()
         if i == 1:

@@ -11,19 +11,32 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.learner.ingest.server import Arrival, LearnerServer, Limits
 from asyncrl.learner.ingest.peers import EpisodeValidator, RateLimitedLog
+from asyncrl.learner.ingest.server import Arrival, LearnerServer, Limits
 from asyncrl.types import Episode, Trajectory
-from asyncrl.wire.codec import (WireError, decode, decode_episode, decode_weights, encode_episode, encode_msg,
-                                 encode_weights)
+from asyncrl.wire.codec import (
+    WireError,
+    decode,
+    decode_episode,
+    decode_weights,
+    encode_episode,
+    encode_msg,
+    encode_weights,
+)
 
 DEADLINE_S = 20
 
 
 def _traj(n=6, token=5, version=0, reward=1.0, **kw) -> Trajectory:
     mask = np.r_[np.zeros(n // 2), np.ones(n - n // 2)]
-    return Trajectory(token_ids=np.full(n, token), loss_mask=mask, behavior_logprobs=-0.5 * mask,
-                      policy_version=version, reward=reward, **kw)
+    return Trajectory(
+        token_ids=np.full(n, token),
+        loss_mask=mask,
+        behavior_logprobs=-0.5 * mask,
+        policy_version=version,
+        reward=reward,
+        **kw,
+    )
 
 
 def _arrival(ep: Episode) -> Arrival:
@@ -34,28 +47,32 @@ def _arrival(ep: Episode) -> Arrival:
 
 @pytest.fixture
 def validator():
-    return EpisodeValidator(vocab_size=100, limits=Limits(header_bytes=1 << 20, control_bytes=1 << 16,
-                                                          max_trajectories=4, max_tokens=32))
+    return EpisodeValidator(
+        vocab_size=100, limits=Limits(header_bytes=1 << 20, control_bytes=1 << 16, max_trajectories=4, max_tokens=32)
+    )
 
 
-@pytest.mark.parametrize("trajs, decision, reason", [
-    ([_traj()], {}, None),
-    ([_traj(version=3)], {}, None),  # = the learner's version: fine
-    ([_traj(version=4)], {}, "future_version"),
-    ([_traj(token=100)], {}, "token_range"),
-    ([_traj(token=-1)], {}, "token_range"),
-    ([_traj(reward=math.nan)], {}, "nonfinite"),
-    ([_traj(scores={"acc": math.inf})], {}, "nonfinite"),
-    ([_traj(advantage=-math.inf)], {}, "nonfinite"),
-    ([_traj(recorded_logprobs=np.full(6, math.nan))], {}, "nonfinite"),
-    ([_traj(exp_mask=np.full(6, 2))], {}, "mask_values"),
-    ([_traj(n=33)], {}, "too_long"),
-    ([_traj(n=0)], {}, "empty_trajectory"),
-    ([_traj() for _ in range(5)], {}, "too_many_trajectories"),
-    ([], {"policy_version": 3}, None),
-    ([], {"policy_version": 9}, "version"),
-    ([], {"policy_version": "3"}, "version"),
-])
+@pytest.mark.parametrize(
+    "trajs, decision, reason",
+    [
+        ([_traj()], {}, None),
+        ([_traj(version=3)], {}, None),  # = the learner's version: fine
+        ([_traj(version=4)], {}, "future_version"),
+        ([_traj(token=100)], {}, "token_range"),
+        ([_traj(token=-1)], {}, "token_range"),
+        ([_traj(reward=math.nan)], {}, "nonfinite"),
+        ([_traj(scores={"acc": math.inf})], {}, "nonfinite"),
+        ([_traj(advantage=-math.inf)], {}, "nonfinite"),
+        ([_traj(recorded_logprobs=np.full(6, math.nan))], {}, "nonfinite"),
+        ([_traj(exp_mask=np.full(6, 2))], {}, "mask_values"),
+        ([_traj(n=33)], {}, "too_long"),
+        ([_traj(n=0)], {}, "empty_trajectory"),
+        ([_traj() for _ in range(5)], {}, "too_many_trajectories"),
+        ([], {"policy_version": 3}, None),
+        ([], {"policy_version": 9}, "version"),
+        ([], {"policy_version": "3"}, "version"),
+    ],
+)
 def test_episode_validation(validator, trajs, decision, reason):
     problem = validator.check(_arrival(Episode(trajectories=trajs, actor_id="a", decision=decision)), version=3)
     assert (problem[0] if problem else None) == reason, problem
@@ -86,8 +103,9 @@ def test_rate_limited_log_reports_the_first_then_summarises(capsys):
 
 @pytest.fixture
 def net():
-    cfg = load_config(None, ["wire.lease_s=0.5", "wire.max_capacity=5", "wire.max_actors=3",
-                             "actor.heartbeat_s=0.1"]).wire
+    cfg = load_config(
+        None, ["wire.lease_s=0.5", "wire.max_capacity=5", "wire.max_actors=3", "actor.heartbeat_s=0.1"]
+    ).wire
     errors: list = []
     n = LearnerServer(cfg, lambda ch, e: errors.append((ch, e)))
     n.errors = errors
@@ -95,8 +113,8 @@ def net():
     n.close()
 
 
-def _dealer(address: str, ctx=zmq.Context.instance()) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
+def _dealer(address: str, ctx: zmq.Context | None = None) -> zmq.Socket:
+    s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(address)
     return s
@@ -174,8 +192,16 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
     """Issue 25.2: an actor that heartbeats but never delivers loses its credits after
     wire.credit_timeout_s and gets one at a time until it delivers; a full table makes room for an actor id
     that delivered before, by evicting a stranger that never did."""
-    cfg = load_config(None, ["wire.lease_s=30", "wire.credit_timeout_s=0.5", "wire.max_capacity=5",
-                             "wire.max_actors=2", "actor.heartbeat_s=0.1"]).wire
+    cfg = load_config(
+        None,
+        [
+            "wire.lease_s=30",
+            "wire.credit_timeout_s=0.5",
+            "wire.max_capacity=5",
+            "wire.max_actors=2",
+            "actor.heartbeat_s=0.1",
+        ],
+    ).wire
     net = LearnerServer(cfg, lambda ch, e: None)
     socks = [_dealer(net.addresses["control"]) for _ in range(4)]
     try:
@@ -191,7 +217,7 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
             hog.last_seen = time.monotonic()  # (its heartbeats keep its lease)
             net.expire()
             time.sleep(0.05)
-        (taken, n), = net.take_reclaimed()[0]
+        ((taken, n),) = net.take_reclaimed()[0]
         assert taken is hog and n == 5 and hog.outstanding == 0 and hog.hog
         assert net.grant_credits(10, min_version=0) == 6 and real.outstanding == 5 and hog.outstanding == 1
         # the table is full (2): a stranger is refused, the returning real actor is not
@@ -221,8 +247,9 @@ def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_p
     advances; it keeps its credits. One whose count stands still loses them after wire.credit_timeout_s,
     and then, holding one credit, again only after another timeout: no storm of reclaims."""
     timeout = 0.6
-    cfg = load_config(None, ["wire.lease_s=30", f"wire.credit_timeout_s={timeout}", "wire.max_capacity=4",
-                             "actor.heartbeat_s=0.1"]).wire
+    cfg = load_config(
+        None, ["wire.lease_s=30", f"wire.credit_timeout_s={timeout}", "wire.max_capacity=4", "actor.heartbeat_s=0.1"]
+    ).wire
     net = LearnerServer(cfg, lambda ch, e: None)
     socks = {name: _dealer(net.addresses["control"]) for name in ("busy", "stuck")}
     tokens = {"busy": 0, "stuck": 7}
@@ -231,8 +258,9 @@ def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_p
         for name, s in socks.items():
             if name == "busy":
                 tokens[name] += 3
-            s.send_multipart(encode_msg("status", actor_id=name, identity=f"{name}:1", capacity=4, version=0,
-                                        tokens=tokens[name]))
+            s.send_multipart(
+                encode_msg("status", actor_id=name, identity=f"{name}:1", capacity=4, version=0, tokens=tokens[name])
+            )
 
     try:
         for name, s in socks.items():

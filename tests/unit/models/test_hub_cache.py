@@ -19,8 +19,16 @@ def _cached(hub, repo_id: str, commit: str = "0" * 40):
     snap = root / "snapshots" / commit
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=32, max_position_embeddings=64)).save_pretrained(snap)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(snap)
     tok.save_pretrained(snap)
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(commit)

@@ -17,21 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.weights.adapters import adapter_tensors, is_adapter_name
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.hf import HFEngine
-from asyncrl.rundir.layout import list_checkpoints
-from asyncrl.learner.training.batch import collate, compute_logprobs
-from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.learner.checkpoint import read_checkpoint, save_checkpoint
+from asyncrl.learner.ingest.buffer import EpisodeQueue
+from asyncrl.learner.training.batch import collate, compute_logprobs
 from asyncrl.learner.training.trainer import PolicyTrainer
-from asyncrl.rundir.layout import CheckpointError
 from asyncrl.models.loading import load_model, load_policy
 from asyncrl.models.lora import export_run, with_adapters
-from asyncrl.weights import make_publisher, make_receiver
+from asyncrl.rundir.layout import CheckpointError, list_checkpoints
 from asyncrl.types import Trajectory
+from asyncrl.weights import make_publisher, make_receiver
+from asyncrl.weights.adapters import adapter_tensors, is_adapter_name
 from asyncrl.wire.codec import decode
-
 from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 from tests.dist_step_worker import trajectories
 
@@ -88,7 +86,7 @@ def _learner_logprobs(model, tok, prompt, gen) -> np.ndarray:
     batch = collate([Trajectory(ids, mask, np.zeros(len(ids), np.float32), 0)], torch.zeros(1), tok.pad_token_id)
     with torch.no_grad():
         logp, _ = compute_logprobs(model, batch, 1.0)
-    return logp[0, len(prompt) - 1:].numpy()
+    return logp[0, len(prompt) - 1 :].numpy()
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -140,9 +138,12 @@ def test_each_version_carries_the_adapters_alone(trained, transport, tmp_path):
     """Bytes per version: exactly the adapter tensors (A: r x in, B: out x r per targeted layer), bit-exact
     through the transport's real frames and the wire codec. (``nccl``: the slow run below.)"""
     cfg, model, tok, path, _, _, _ = trained
-    state = {k: v.detach().clone().contiguous()
-             for k, v in adapter_tensors(dict(model.named_parameters())).items()}
-    h, inter, layers = cfg.model.embedded.hidden_size, cfg.model.embedded.intermediate_size, cfg.model.embedded.num_layers
+    state = {k: v.detach().clone().contiguous() for k, v in adapter_tensors(dict(model.named_parameters())).items()}
+    h, inter, layers = (
+        cfg.model.embedded.hidden_size,
+        cfg.model.embedded.intermediate_size,
+        cfg.model.embedded.num_layers,
+    )
     # q, k, v, o: h -> h; gate, up: h -> inter; down: inter -> h; 4-byte floats
     expected = 4 * RANK * layers * (4 * 2 * h + 2 * (h + inter) + (inter + h))
     sent = sum(t.numel() * t.element_size() for t in state.values())
@@ -204,8 +205,9 @@ def test_checkpoint_holds_adapters_naming_the_base_and_export_merges_them(traine
     _, out, merged = export_run(run_dir, merge=True)
     assert merged and not (out / "adapter_config.json").exists()
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    gens = HFEngine(exported, tok).generate(_prompts(tok), cfg.sampling.model_copy(update={"max_new_tokens": 10}),
-                                            seed=1)
+    gens = HFEngine(exported, tok).generate(
+        _prompts(tok), cfg.sampling.model_copy(update={"max_new_tokens": 10}), seed=1
+    )
     for prompt, gen in zip(_prompts(tok), gens):
         ref = _learner_logprobs(model, tok, prompt, gen)
         assert np.abs(gen.logprobs - ref).max() <= 1e-5
@@ -237,8 +239,16 @@ def test_a_lora_run_over_collective_sync_resumes_and_exports(tmp_path, tiny_over
     from transformers import AutoModelForCausalLM
 
     common = [o for o in COMMON if not o.startswith(("sync.type", "checkpoint.every"))]
-    args = [*tiny_overrides, *common, "sync.type=nccl", "sync.backend=gloo", f"run_root={tmp_path}", "name=lora",
-            f"model.lora.rank={RANK}", "checkpoint.every=2"]
+    args = [
+        *tiny_overrides,
+        *common,
+        "sync.type=nccl",
+        "sync.backend=gloo",
+        f"run_root={tmp_path}",
+        "name=lora",
+        f"model.lora.rank={RANK}",
+        "checkpoint.every=2",
+    ]
     res = run_cli("run", *args, "train.total_steps=4", timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     run = tmp_path / "lora"
@@ -267,9 +277,21 @@ def test_the_quick_start_with_lora_learns(tmp_path, model_cache):
     (adapters take a higher rate than full weights; the README's 800-step figures are at 5e-5 and 5e-4): the
     batch reward of the last 10% of steps is above the first 10%'s (three seeds measured 0.438 -> 0.618,
     0.372 -> 0.507, 0.336 -> 0.564)."""
-    res = run_cli("run", "-c", "configs/quickstart.yaml", f"model.embedded.cache_dir={model_cache}", "model.lora.rank=16",
-                  "train.total_steps=150", "train.lr=1e-3", f"run_root={tmp_path}", "name=qs-lora", "eval.every=0",
-                  "checkpoint.every=0", "log.progress=false", timeout=1200)
+    res = run_cli(
+        "run",
+        "-c",
+        "configs/quickstart.yaml",
+        f"model.embedded.cache_dir={model_cache}",
+        "model.lora.rank=16",
+        "train.total_steps=150",
+        "train.lr=1e-3",
+        f"run_root={tmp_path}",
+        "name=qs-lora",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "log.progress=false",
+        timeout=1200,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
     assert summary["steps_trained"] == 150
@@ -296,8 +318,11 @@ def test_a_bfloat16_merge_equals_pefts(trained):
     for name, p in merged.named_parameters():
         if p.dtype == torch.bfloat16 and name in ours:
             assert torch.equal(p, ours[name]), (name, float((p.float() - ours[name].float()).abs().max()))
-    assert any(not torch.equal(ours[n].float(), load_model(path, "bfloat16").state_dict()[n].float())
-               for n in ours if "q_proj" in n)
+    assert any(
+        not torch.equal(ours[n].float(), load_model(path, "bfloat16").state_dict()[n].float())
+        for n in ours
+        if "q_proj" in n
+    )
 
 
 def test_export_of_a_full_weight_run_is_its_model(trained, tmp_path):
@@ -332,8 +357,9 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base_model(trained):
 
     cfg, model, tok, path, _, _, _ = trained
     policy = copy.deepcopy(model)
-    kl_cfg = load_config(None, [f"model.lora.rank={RANK}", "train.kl_coef=0.1", "train.lr=1e-9",
-                                "train.recompute_proximal=false"])
+    kl_cfg = load_config(
+        None, [f"model.lora.rank={RANK}", "train.kl_coef=0.1", "train.lr=1e-9", "train.recompute_proximal=false"]
+    )
     trainer = PolicyTrainer(policy, tok, kl_cfg.train, 1.0)
     assert trainer.ref_model is None and trainer.ref_is_base
     batch = trainer.make_batch([_Episode(trajectories(len(tok)))])

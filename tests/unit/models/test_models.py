@@ -12,12 +12,12 @@ import torch
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from asyncrl.commands.init_model import init_model
 from asyncrl.config import Config, EmbeddedModelConfig, ModelConfig
 from asyncrl.models import tiny
-from asyncrl.commands.init_model import init_model
 from asyncrl.models.loading import load_policy, load_tokenizer
-from asyncrl.prompts import prompt_format, render_tokens, set_prompt_format
 from asyncrl.models.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from asyncrl.prompts import prompt_format, render_tokens, set_prompt_format
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,17 @@ def test_default_parameter_count():
 
 
 def _tiny_cfg(tmp_path, **kw) -> EmbeddedModelConfig:
-    base = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=32,
-                warmup_steps=20, warmup_batch_size=16, warmup_lr=3e-3, cache_dir=str(tmp_path))
+    base = dict(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_positions=32,
+        warmup_steps=20,
+        warmup_batch_size=16,
+        warmup_lr=3e-3,
+        cache_dir=str(tmp_path),
+    )
     return EmbeddedModelConfig(**{**base, **kw})
 
 
@@ -82,8 +91,11 @@ def test_embedded_model_builds_and_is_cached(tmp_path, monkeypatch):
     info = json.loads((path / tiny.META_FILE).read_text())
     assert info["seed"] == 0 and 1 <= info["steps"] <= 20 and 0 <= info["expected_accuracy"] <= 1
     assert info["num_parameters"] == tiny.count_parameters(cfg)
-    assert info["built_with"] == {"cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # (64.1: what else decides it)
-                                  "torch": torch.__version__, "transformers": transformers.__version__}
+    assert info["built_with"] == {
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # (64.1: what else decides it)
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     assert [p.name for p in path.parent.iterdir() if not p.name.startswith(".")] == [path.name]
 
     def fail(*a, **k):
@@ -93,8 +105,10 @@ def test_embedded_model_builds_and_is_cached(tmp_path, monkeypatch):
     assert tiny.build_embedded_model(cfg, seed=0, progress=False) == path
     model, tokenizer, loaded_path = load_policy(ModelConfig(embedded=cfg), seed=0)
     assert loaded_path == path and model.dtype == torch.float32
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
-                                         tokenize=False) == "<|user|>1+2=<|end|><|assistant|>"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True, tokenize=False)
+        == "<|user|>1+2=<|end|><|assistant|>"
+    )
     with pytest.raises(AssertionError, match="rebuilt"):  # another seed is another model
         tiny.build_embedded_model(cfg, seed=1, progress=False)
 
@@ -165,8 +179,9 @@ def test_heldout_size_keeps_that_many_problems_out_of_the_warm_start(tmp_path):
     _, run_heldout = split_tasks(TasksConfig(ops=["+"], eval_size=600))
     assert [t.prompt for t in held] == [t.prompt for t in run_heldout]
     excluded = {tiny._prompt_key(t.prompt) for t in held}
-    stream = tiny._example_stream(build_char_tokenizer(), [tiny.BUILTIN_FORMATS["arithmetic"]], random.Random(0),
-                                  excluded)
+    stream = tiny._example_stream(
+        build_char_tokenizer(), [tiny.BUILTIN_FORMATS["arithmetic"]], random.Random(0), excluded
+    )
     tok = build_char_tokenizer()
     texts = {tok.decode(next(stream).prompt_ids) for _ in range(3000)}
     assert not texts & {tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False) for t in held}
@@ -216,15 +231,17 @@ def test_expected_accuracy_is_the_probability_of_the_exact_answer(tok):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny.embedded_llama_config(EmbeddedModelConfig(hidden_size=32, num_layers=1,
-                                                                            num_heads=2), len(tok)))
+    model = LlamaForCausalLM(
+        tiny.embedded_llama_config(EmbeddedModelConfig(hidden_size=32, num_layers=1, num_heads=2), len(tok))
+    )
     tasks = tiny.heldout_tasks(3)
     probs = []
     for t in tasks:  # unpadded, one task at a time
-        prompt = tok.encode(tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)
+        prompt = tok.encode(
+            tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         target = tok.encode(str(t.answer), add_special_tokens=False) + [tok.eos_token_id]
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1: -1]
+            logits = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
         probs.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(target)[:, None]).sum().exp().item())
     assert tiny.expected_accuracy(model, tok, tasks) == pytest.approx(sum(probs) / 3, rel=1e-4)

@@ -78,12 +78,15 @@ def test_registry_lookup_and_errors():
 LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token-mean", 10 / 4),  # (1 + 2 + 3 + 4) / 4 tokens
-    ("seq-mean-token-sum", 5.0),  # sums [6, 4] -> mean 5
-    ("seq-mean-token-mean", 3.0),  # means [6/3, 4/1] = [2, 4] -> mean 3
-    ("seq-mean-token-sum-norm", 10 / 3),  # 10 / norm, norm = 3
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", 10 / 4),  # (1 + 2 + 3 + 4) / 4 tokens
+        ("seq-mean-token-sum", 5.0),  # sums [6, 4] -> mean 5
+        ("seq-mean-token-mean", 3.0),  # means [6/3, 4/1] = [2, 4] -> mean 3
+        ("seq-mean-token-sum-norm", 10 / 3),  # 10 / norm, norm = 3
+    ],
+)
 def test_agg_modes_ragged_mask(mode, expected):
     assert agg_loss(t(LOSS), t([[1, 1, 1], [1, 0, 0]]), mode, norm=3).item() == approx(expected)
 
@@ -104,8 +107,7 @@ def test_agg_explicit_norm_and_empty_rows():
         LossConfig(loss_agg_mode="seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_agg_all_zero_mask_is_zero_with_grad(mode):
     x = t(LOSS).requires_grad_()
     loss = agg_loss(x, torch.zeros(2, 3, dtype=D), mode, norm=3)
@@ -174,13 +176,17 @@ def test_behavior_weight_and_cap():
 def test_behavior_weight_scales_token_losses():
     # ratio 1, A = 1: per-token -1, weighted [-1, -2], token-mean -1.5
     z = torch.zeros(1, 2, dtype=D)
-    loss, _ = policy_loss(z.clone().requires_grad_(), z, torch.ones(1, 2, dtype=D),
-                                  torch.ones(1, 2, dtype=D), behavior_weight=t([[1.0, 2.0]]))
+    loss, _ = policy_loss(
+        z.clone().requires_grad_(),
+        z,
+        torch.ones(1, 2, dtype=D),
+        torch.ones(1, 2, dtype=D),
+        behavior_weight=t([[1.0, 2.0]]),
+    )
     assert loss.item() == approx(-1.5)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_zero_staleness_decoupled_equals_plain_ppo(mode):
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(3, 5, generator=g, dtype=D) * 3
@@ -218,8 +224,7 @@ def test_off_policy_tokens_use_recorded_ratio_and_off_clip():
     assert s["on_pg_loss"] == approx((-1.28 - 1.1) / 2)
     assert s["off_pg_loss"] == approx((-1.5 - 2.0) / 2)
     assert (s["on_clipfrac"], s["off_clipfrac"], s["clipfrac"]) == (0.5, 0.5, 0.5)
-    assert (s["off_ratio_mean"], s["off_ratio_min"], s["off_ratio_max"]) == (
-        approx(2.0), approx(1.5), approx(2.5))
+    assert (s["off_ratio_mean"], s["off_ratio_min"], s["off_ratio_max"]) == (approx(2.0), approx(1.5), approx(2.5))
     assert s["off_token_ratio"] == 0.5
     loss.backward()
     # d/dlogp = -A r / 4 where unclipped: on [clipped, -1.1/4]; off [-1.5/4, clipped]
@@ -238,8 +243,7 @@ def test_on_policy_tokens_unaffected_by_replayed_rows():
 
 def test_off_policy_reshape_p_div_p():
     logp, old, adv, mask, exp_mask = _replay_batch()
-    loss, s = policy_loss(logp, old, adv, mask, exp_mask=exp_mask,
-                                  off_policy_reshape="p_div_p_0.1")
+    loss, s = policy_loss(logp, old, adv, mask, exp_mask=exp_mask, off_policy_reshape="p_div_p_0.1")
     # f(r) = r / (r + 0.1), unclipped: f(1.5) = 1.5/1.6 = 0.9375, f(2.5) = 2.5/2.6 = 0.9615385
     assert s["off_pg_loss"] == approx(-(0.9375 + 2.5 / 2.6) / 2)
     assert s["off_clipfrac"] == 0.0

@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.learner.training.batch import collate, compute_logprobs
+from asyncrl.learner.training.trainer import PolicyTrainer, token_lag_stats
 from asyncrl.objectives.corrections import OFF_POLICY_CORRECTIONS, CorrectionConfig, behavior_weights
 from asyncrl.objectives.losses import LossConfig, PolicyLossInputs, compute_policy_loss
-from asyncrl.learner.training.trainer import PolicyTrainer, token_lag_stats
 from asyncrl.types import Episode, Trajectory
 
 LN = math.log
@@ -121,8 +121,17 @@ def test_cap_below_one_and_bad_bounds_are_refused_at_config_load():
 # ---------------------------------------------------------------------------- through the trainer
 def _tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 class _Tok:
@@ -134,12 +143,29 @@ def test_trainer_applies_icepop_and_reports_masked_share():
     token of row 0 and 1 elsewhere. With icepop [0.5, 2.5] that token's loss is dropped: the
     token-mean PPO loss at ratio 1 is sum(-A_i * w_t) / N."""
     model = _tiny_model()
-    cfg = load_config(None, ["train.off_policy_correction=icepop", "train.is_cap=2.5", "train.is_low=0.5",
-                             "train.advantage.norm_by_std=false", "train.lr=1e-9"])
+    cfg = load_config(
+        None,
+        [
+            "train.off_policy_correction=icepop",
+            "train.is_cap=2.5",
+            "train.is_low=0.5",
+            "train.advantage.norm_by_std=false",
+            "train.lr=1e-9",
+        ],
+    )
     ids = [np.array([1, 2, 3, 4, 5, 6]), np.array([1, 2, 7, 8, 9, 10])]
     mask = np.array([0, 0, 1, 1, 1, 1], dtype=np.uint8)
-    rows = [Trajectory(token_ids=i, loss_mask=mask, behavior_logprobs=np.zeros(6, np.float32), policy_version=3,
-                       reward=r, group_id="g") for i, r in zip(ids, (0.0, 1.0))]
+    rows = [
+        Trajectory(
+            token_ids=i,
+            loss_mask=mask,
+            behavior_logprobs=np.zeros(6, np.float32),
+            policy_version=3,
+            reward=r,
+            group_id="g",
+        )
+        for i, r in zip(ids, (0.0, 1.0))
+    ]
     with torch.no_grad():
         cur, _ = compute_logprobs(model, collate(rows, torch.zeros(2), 0))
     for b, t in enumerate(rows):  # behaviour = current (rho = 1), except row 0's third generated token
@@ -160,8 +186,14 @@ def test_trainer_applies_icepop_and_reports_masked_share():
 def test_token_lag_distribution_is_weighted_by_generated_tokens():
     def row(n_gen: int, version: int, replay: bool = False) -> Trajectory:
         m = np.array([0, 0] + [1] * n_gen, dtype=np.uint8)
-        return Trajectory(token_ids=np.arange(1, 3 + n_gen), loss_mask=m, behavior_logprobs=np.zeros(2 + n_gen),
-                          policy_version=version, is_replay=replay, exp_mask=m if replay else None)
+        return Trajectory(
+            token_ids=np.arange(1, 3 + n_gen),
+            loss_mask=m,
+            behavior_logprobs=np.zeros(2 + n_gen),
+            policy_version=version,
+            is_replay=replay,
+            exp_mask=m if replay else None,
+        )
 
     # at version 10: 2 tokens of lag 0, 3 of lag 1, 5 of lag 6; a replayed row (lag 9) is left out
     batch = collate([row(2, 10), row(3, 9), row(5, 4), row(4, 1, replay=True)], torch.zeros(4), 0)
@@ -177,12 +209,20 @@ def test_sum_norm_loss_does_not_depend_on_prompt_length():
     """The same two responses (4 and 2 generated tokens) after a 2-token and a 12-token prompt: with
     the constant divisor from config the loss is the same (the padded width, prompt + 4 - 1, would
     have made it -1/5 and -1/15); without one the mode is refused."""
+
     def rows(prompt: int) -> list[Trajectory]:
         out = []
         for n_gen, r in ((4, 1.0), (2, 0.0)):
             m = np.array([0] * prompt + [1] * n_gen, dtype=np.uint8)
-            out.append(Trajectory(token_ids=np.ones(prompt + n_gen, np.int64), loss_mask=m,
-                                  behavior_logprobs=np.zeros(prompt + n_gen), policy_version=0, reward=r))
+            out.append(
+                Trajectory(
+                    token_ids=np.ones(prompt + n_gen, np.int64),
+                    loss_mask=m,
+                    behavior_logprobs=np.zeros(prompt + n_gen),
+                    policy_version=0,
+                    reward=r,
+                )
+            )
         return out
 
     cfg = load_config(None, ["train.loss_agg_mode=seq-mean-token-sum-norm", "sampling.max_new_tokens=8"])
@@ -228,22 +268,41 @@ def test_the_entropy_term_follows_side_terms_agg(agg):
     model = _tiny_model()
     ids = [np.array([1, 2, 3, 4, 5, 6]), np.array([1, 2, 7])]
     masks = [np.array([0, 0, 1, 1, 1, 1], dtype=np.uint8), np.array([0, 0, 1], dtype=np.uint8)]
-    rows = [Trajectory(token_ids=i, loss_mask=m, behavior_logprobs=np.zeros(len(i), np.float32), policy_version=0,
-                       reward=1.0, group_id="g") for i, m in zip(ids, masks)]
+    rows = [
+        Trajectory(
+            token_ids=i,
+            loss_mask=m,
+            behavior_logprobs=np.zeros(len(i), np.float32),
+            policy_version=0,
+            reward=1.0,
+            group_id="g",
+        )
+        for i, m in zip(ids, masks)
+    ]
     batch = collate(rows, torch.zeros(2), 0)
     with torch.no_grad():
         _, ent = compute_logprobs(model, batch, 1.0, with_entropy=True)
     per_row = [ent[b][batch.response_mask[b] > 0].double() for b in range(2)]  # 4 and 1 values
     token_mean = float(torch.cat(per_row).mean())
-    by_hand = {"token-mean": token_mean,
-               "seq-mean-token-mean": float((per_row[0].mean() + per_row[1].mean()) / 2),
-               "seq-mean-token-sum": float((per_row[0].sum() + per_row[1].sum()) / 2),
-               "seq-mean-token-sum-norm": float(torch.cat(per_row).sum() / 6.0)}  # norm: 6 new tokens x 1 turn
+    by_hand = {
+        "token-mean": token_mean,
+        "seq-mean-token-mean": float((per_row[0].mean() + per_row[1].mean()) / 2),
+        "seq-mean-token-sum": float((per_row[0].sum() + per_row[1].sum()) / 2),
+        "seq-mean-token-sum-norm": float(torch.cat(per_row).sum() / 6.0),
+    }  # norm: 6 new tokens x 1 turn
     for side, expected in (("token-mean", token_mean), ("loss_agg_mode", by_hand[agg])):
-        cfg = load_config(None, [f"train.loss_agg_mode={agg}", f"train.side_terms_agg={side}", "train.entropy_coef=1",
-                                 "train.lr=1e-9", "sampling.max_new_tokens=6", "train.recompute_proximal=false"])
-        trainer = PolicyTrainer(_tiny_model(), _Tok(), cfg.train, 1.0,
-                                loss_cfg=LossConfig.from_config(cfg.train))
+        cfg = load_config(
+            None,
+            [
+                f"train.loss_agg_mode={agg}",
+                f"train.side_terms_agg={side}",
+                "train.entropy_coef=1",
+                "train.lr=1e-9",
+                "sampling.max_new_tokens=6",
+                "train.recompute_proximal=false",
+            ],
+        )
+        trainer = PolicyTrainer(_tiny_model(), _Tok(), cfg.train, 1.0, loss_cfg=LossConfig.from_config(cfg.train))
         stats = trainer.step(trainer.make_batch([Episode(trajectories=rows)])).stats
         assert stats["loss"] == pytest.approx(-expected, rel=2e-6), (agg, side)
         assert stats["entropy"] == pytest.approx(token_mean, rel=2e-6)

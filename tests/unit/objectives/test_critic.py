@@ -86,7 +86,7 @@ def test_rows_of_different_lengths_are_each_their_own():
     r = token_rewards(torch.tensor([1.0, -0.5, 0.0]), m)
     adv, ret = gae(r, v, m, 0.97, 0.8)
     for b in range(3):
-        alone, alone_ret = gae(r[b:b + 1], v[b:b + 1], m[b:b + 1], 0.97, 0.8)
+        alone, alone_ret = gae(r[b : b + 1], v[b : b + 1], m[b : b + 1], 0.97, 0.8)
         assert torch.allclose(adv[b], alone[0]) and torch.allclose(ret[b], alone_ret[0])
 
 
@@ -153,17 +153,20 @@ def test_gae_is_refused_where_it_has_no_meaning():
 
 # -- the critic on the learner ----------------------------------------------------------------------
 
+
 def _trainer(tiny_overrides, *extra):
     from asyncrl.config import load_config
     from asyncrl.learner.training.trainer import PolicyTrainer
     from asyncrl.models.loading import load_policy
 
-    cfg = load_config(None, [*tiny_overrides, "train.advantage.estimator=gae", "critic.lr=1e-3", "train.lr=1e-3",
-                             *extra])
+    cfg = load_config(
+        None, [*tiny_overrides, "train.advantage.estimator=gae", "critic.lr=1e-3", "train.lr=1e-3", *extra]
+    )
     torch.manual_seed(0)
     model, tok, _ = load_policy(cfg.model, cfg.seed)
     if cfg.model.lora is not None:
         from asyncrl.models.lora import with_adapters
+
         model = with_adapters(model, cfg.model, cfg.seed)
     return PolicyTrainer(model, tok, cfg.train, 1.0, critic_cfg=cfg.critic, model_cfg=cfg.model), tok
 
@@ -176,9 +179,7 @@ def _batch(trainer, tok, shared_prompts=False):
 
 
 def test_the_critic_values_are_the_same_packed_and_padded_and_zero_at_the_start(tiny_overrides):
-    from asyncrl.learner.training.batch import value_rows
-
-    from asyncrl.learner.training.batch import shared_width
+    from asyncrl.learner.training.batch import shared_width, value_rows
 
     trainer, tok = _trainer(tiny_overrides)
     batch = _batch(trainer, tok, shared_prompts=True)  # each group's rows start with the same prompt
@@ -188,8 +189,9 @@ def test_the_critic_values_are_the_same_packed_and_padded_and_zero_at_the_start(
             p.copy_(torch.randn(p.shape) * 0.3)
         padded = value_rows(trainer.critic.model, batch, packing=False)
         packed = value_rows(trainer.critic.model, batch, packing=True)
-        shared = value_rows(trainer.critic.model, batch, packing=True, shared_prefix=True,
-                            width=shared_width(batch, 4096))  # a prompt read once per bin
+        shared = value_rows(
+            trainer.critic.model, batch, packing=True, shared_prefix=True, width=shared_width(batch, 4096)
+        )  # a prompt read once per bin
         used = trainer.critic.values(batch)  # the learner's: shared prompts, micro-batches of the budget
     valid = batch.attention_mask[:, 1:].float()
     assert float(padded.abs().max()) > 0.01
@@ -245,6 +247,7 @@ def test_a_critic_checkpoint_restores_weights_and_optimizer_exactly(tiny_overrid
         assert torch.equal(p, q), n
     # a checkpoint written by another critic is refused, naming the file
     from asyncrl.rundir.layout import CheckpointError
+
     other, _ = _trainer(tiny_overrides, *([] if lora else ["model.lora.rank=4"]))
     with pytest.raises(CheckpointError, match="critic/model.safetensors does not match this run's critic"):
         read_critic(tmp_path, other.critic.model)

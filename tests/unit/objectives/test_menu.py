@@ -95,15 +95,24 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens_over_tokens
     # the default singleton rule gives the lone trajectory score 0 before whitening
     rows0, _ = _token_rows(centred[:5] + [0.0], lengths)
     assert est(t(rewards), groups, lengths=lengths).tolist() == approx(
-        [float(_masked_whiten(rows0, mask)[i, 0]) for i in range(6)])
+        [float(_masked_whiten(rows0, mask)[i, 0]) for i in range(6)]
+    )
     assert est(t(rewards), groups, lengths=lengths, norm_by_std=False).tolist() == approx(
-        [c - sum(n * c for n, c in zip(lengths, centred[:5] + [0.0])) / sum(lengths) for c in centred[:5] + [0.0]])
+        [c - sum(n * c for n, c in zip(lengths, centred[:5] + [0.0])) / sum(lengths) for c in centred[:5] + [0.0]]
+    )
 
 
 def _traj(reward, group, n_gen=3, advantage=None, reasons=None):
-    return Trajectory(token_ids=np.arange(2 + n_gen), loss_mask=[0, 0] + [1] * n_gen,
-                      behavior_logprobs=[0.0] * (2 + n_gen), policy_version=0, reward=reward, group_id=group,
-                      advantage=advantage, metadata={"finish_reasons": reasons} if reasons else {})
+    return Trajectory(
+        token_ids=np.arange(2 + n_gen),
+        loss_mask=[0, 0] + [1] * n_gen,
+        behavior_logprobs=[0.0] * (2 + n_gen),
+        policy_version=0,
+        reward=reward,
+        group_id=group,
+        advantage=advantage,
+        metadata={"finish_reasons": reasons} if reasons else {},
+    )
 
 
 def test_every_estimator_is_usable_from_the_config_and_reads_generated_lengths():
@@ -145,7 +154,9 @@ def test_gspo_by_hand_ratio_one_and_a_clipped_sequence():
     assert float(loss.detach()) == approx(-(1 + 4e-4)) and grad.abs().max() == 0.0 and stats["clipfrac"] == 1.0
     # the same sequence with A < 0 is not clipped above: L = -A s
     loss, grad, _ = _grad("gspo", t([[-1.0, -2.0]]), t([[-1.01, -2.01]]), t([[-1.0, -1.0]]), mask)
-    assert float(loss.detach()) == approx(math.exp(0.01)) and grad.flatten().tolist() == approx([[math.exp(0.01) / 2] * 2])
+    assert float(loss.detach()) == approx(math.exp(0.01)) and grad.flatten().tolist() == approx(
+        [[math.exp(0.01) / 2] * 2]
+    )
 
 
 def _gspo_reference(logp, old, adv, mask, low, high, mode, norm=None):
@@ -175,11 +186,13 @@ def test_gspo_and_cispo_equal_their_published_formulas_in_every_aggregation(name
     norm = 7.0 if mode == "seq-mean-token-sum-norm" else None
     kw = dict(loss_agg_mode=mode, agg_norm=norm)
     loss, grad, _ = _grad(name, logp0, old, adv, mask, **kw)
-    ref_fn, (low, high) = ((_gspo_reference, (3e-4, 4e-4)) if name == "gspo" else (_cispo_reference, (1.0, 0.28)))
+    ref_fn, (low, high) = (_gspo_reference, (3e-4, 4e-4)) if name == "gspo" else (_cispo_reference, (1.0, 0.28))
     logp = logp0.clone().requires_grad_(True)
     ref = ref_fn(logp, old, adv, mask, low, high, mode, norm)
     ref.backward()
-    assert float(loss.detach()) == approx(float(ref)) and grad.flatten().tolist() == approx(logp.grad.flatten().tolist())
+    assert float(loss.detach()) == approx(float(ref)) and grad.flatten().tolist() == approx(
+        logp.grad.flatten().tolist()
+    )
 
 
 def test_cispo_keeps_the_gradient_of_a_token_ppo_clips():
@@ -188,7 +201,11 @@ def test_cispo_keeps_the_gradient_of_a_token_ppo_clips():
     _, grad_ppo, _ = _grad("ppo", logp, old, adv, mask)
     loss, grad, stats = _grad("cispo", logp, old, adv, mask)
     assert grad_ppo.abs().max() == 0.0
-    assert grad.flatten().tolist() == approx([[-1.28]]) and float(loss.detach()) == approx(1.28 * 0.5) and stats["clipfrac"] == 1.0
+    assert (
+        grad.flatten().tolist() == approx([[-1.28]])
+        and float(loss.detach()) == approx(1.28 * 0.5)
+        and stats["clipfrac"] == 1.0
+    )
 
 
 # ---------------------------------------------------------------------------- the trust region on stale data
@@ -204,9 +221,12 @@ def test_behaviour_clip_blocks_tokens_past_the_band_on_their_advantages_side():
     _, grad, stats = _grad("ppo", logp, logp.clone(), adv, mask, behavior_weight=weight, behavior_log_ratio=log_rho)
     assert grad.flatten().tolist() == approx([[0.0, 1.5 / 3, 0.0]]) and stats["behavior_clipfrac"] == approx(2 / 3)
     assert stats["clipfrac"] == 0.0  # the proximal clip never acts here: only the behaviour one does
-    _, grad_off, stats_off = _grad("ppo", logp, logp.clone(), adv, mask, behavior_weight=weight,
-                                   behavior_log_ratio=log_rho, behavior_clip=False)
-    assert grad_off.flatten().tolist() == approx([[-1.5 / 3, 1.5 / 3, 0.5 / 3]]) and "behavior_clipfrac" not in stats_off
+    _, grad_off, stats_off = _grad(
+        "ppo", logp, logp.clone(), adv, mask, behavior_weight=weight, behavior_log_ratio=log_rho, behavior_clip=False
+    )
+    assert (
+        grad_off.flatten().tolist() == approx([[-1.5 / 3, 1.5 / 3, 0.5 / 3]]) and "behavior_clipfrac" not in stats_off
+    )
 
 
 def test_one_step_decoupled_with_the_behaviour_clip_is_ppo_against_the_behaviour_policy():
@@ -216,8 +236,9 @@ def test_one_step_decoupled_with_the_behaviour_clip_is_ppo_against_the_behaviour
     adv = (torch.rand(4, 1, generator=g, dtype=D) - 0.5).expand(4, 6).contiguous()
     mask = (torch.rand(4, 6, generator=g) > 0.2).to(D)
     log_rho = logp - behav  # the proximal policy is the current one
-    _, grad_dec, stats = _grad("ppo", logp, logp.clone(), adv, mask, behavior_weight=torch.exp(log_rho),
-                               behavior_log_ratio=log_rho)
+    _, grad_dec, stats = _grad(
+        "ppo", logp, logp.clone(), adv, mask, behavior_weight=torch.exp(log_rho), behavior_log_ratio=log_rho
+    )
     _, grad_off, stats_off = _grad("ppo", logp, behav, adv, mask)
     assert 0 < stats["behavior_clipfrac"] < 1
     assert stats["behavior_clipfrac"] == approx(stats_off["clipfrac"])
@@ -232,11 +253,26 @@ def test_gspo_and_cispo_under_the_behaviour_clip():
     _, grad, _ = _grad("gspo", logp, logp.clone(), t([[-1.0, -1.0]]), mask, behavior_log_ratio=log_rho)
     assert grad.abs().max() > 0
     # CISPO: the weight is the ratio against behaviour, clipped (the correction's weight is not applied again)
-    _, grad, _ = _grad("cispo", logp, logp.clone(), t([[1.0, 1.0]]), mask, behavior_log_ratio=t([[math.log(2.0)] * 2]),
-                       behavior_weight=t([[2.0, 2.0]]))
+    _, grad, _ = _grad(
+        "cispo",
+        logp,
+        logp.clone(),
+        t([[1.0, 1.0]]),
+        mask,
+        behavior_log_ratio=t([[math.log(2.0)] * 2]),
+        behavior_weight=t([[2.0, 2.0]]),
+    )
     assert grad.flatten().tolist() == approx([[-1.28 / 2] * 2])
-    _, grad, _ = _grad("cispo", logp, logp.clone(), t([[1.0, 1.0]]), mask, behavior_log_ratio=t([[math.log(2.0)] * 2]),
-                       behavior_weight=t([[2.0, 2.0]]), behavior_clip=False)
+    _, grad, _ = _grad(
+        "cispo",
+        logp,
+        logp.clone(),
+        t([[1.0, 1.0]]),
+        mask,
+        behavior_log_ratio=t([[math.log(2.0)] * 2]),
+        behavior_weight=t([[2.0, 2.0]]),
+        behavior_clip=False,
+    )
     assert grad.flatten().tolist() == approx([[-2.0 / 2] * 2])  # weight 1 (ratio against the proximal policy) x 2
 
 
@@ -268,12 +304,24 @@ def test_overlong_penalty_is_a_linear_ramp_over_the_buffer():
 
 
 def test_length_shaping_in_the_batch():
-    from asyncrl.learner.training.trainer import PolicyTrainer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64))
-    train = load_config(None, ["train.overlong_buffer=2", "train.mask_truncated=true", "sampling.max_new_tokens=6"]).train
+    from asyncrl.learner.training.trainer import PolicyTrainer
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    )
+    train = load_config(
+        None, ["train.overlong_buffer=2", "train.mask_truncated=true", "sampling.max_new_tokens=6"]
+    ).train
     trainer = PolicyTrainer(model, type("Tok", (), {"pad_token_id": 0})(), train, 1.0)
     trajs = [_traj(1.0, "g", 6, reasons=["length"]), _traj(1.0, "g", 3, reasons=["stop"]), _traj(0.0, "g", 5)]
     assert [truncated(x) for x in trajs] == [True, False, False]
@@ -319,6 +367,8 @@ def test_rlcr_two_levels_take_the_runs_estimator():
     conf = np.array([[0.9, 0.5], [0.2, 0.7], [1.0, 1.0]])
     ans, cf = tree_advantages(acc, conf, norm_by_std=False, estimator="rloo")
     assert ans.tolist() == approx(ADV_ESTIMATORS.get("rloo")(t(acc), ["p"] * 3).tolist())
-    assert cf.reshape(-1).tolist() == approx(ADV_ESTIMATORS.get("rloo")(t(conf.reshape(-1)), ["0", "0", "1", "1", "2", "2"]).tolist())
+    assert cf.reshape(-1).tolist() == approx(
+        ADV_ESTIMATORS.get("rloo")(t(conf.reshape(-1)), ["0", "0", "1", "1", "2", "2"]).tolist()
+    )
     grpo_ans, _ = tree_advantages(acc, conf, norm_by_std=False)
     assert ans.tolist() != approx(grpo_ans.tolist())  # rloo's n / (n - 1) differs from grpo's R - mean

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learner.ingest.staleness import StalenessPolicy
-from asyncrl.objectives.advantages import compute_grpo_advantages, trajectory_advantages
 from asyncrl.algos.absolute_zero.config import AbsoluteZeroConfig
 from asyncrl.algos.rlcr.calibration import bin_index, expected_calibration_error
 from asyncrl.algos.rlcr.config import RLCRConfig
 from asyncrl.algos.rlcr.trees import tree_advantages
 from asyncrl.config import ConfigError, load_config, validate_section
 from asyncrl.learner.experience import ExperiencePool
+from asyncrl.learner.ingest.staleness import StalenessPolicy
+from asyncrl.objectives.advantages import compute_grpo_advantages, trajectory_advantages
 from asyncrl.types import Episode, Trajectory
 
 
@@ -56,18 +56,34 @@ def test_population_std():
     # [1, 0, 1, 1]: mean 0.75, squared deviations sum 0.75; population var 0.1875, unbiased 0.25
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
     pop = compute_grpo_advantages(r, ["g"] * 4, std="population").tolist()
-    assert pop == pytest.approx([0.25 / (math.sqrt(0.1875) + 1e-6), -0.75 / (math.sqrt(0.1875) + 1e-6),
-                                 0.25 / (math.sqrt(0.1875) + 1e-6), 0.25 / (math.sqrt(0.1875) + 1e-6)])
+    assert pop == pytest.approx(
+        [
+            0.25 / (math.sqrt(0.1875) + 1e-6),
+            -0.75 / (math.sqrt(0.1875) + 1e-6),
+            0.25 / (math.sqrt(0.1875) + 1e-6),
+            0.25 / (math.sqrt(0.1875) + 1e-6),
+        ]
+    )
     assert compute_grpo_advantages(r, ["g"] * 4).tolist()[1] == pytest.approx(-0.75 / (0.5 + 1e-6))
 
 
 def test_train_advantage_options_reach_the_estimator():
     cfg = load_config(None, ["train.advantage.singleton=verl", "train.advantage.std=population"])
-    trajs = [Trajectory(token_ids=np.arange(3), loss_mask=np.array([0, 1, 1]), behavior_logprobs=np.zeros(3),
-                        policy_version=0, reward=r, group_id=g) for r, g in ((2.0, "a"), (1.0, "b"), (0.0, "b"))]
+    trajs = [
+        Trajectory(
+            token_ids=np.arange(3),
+            loss_mask=np.array([0, 1, 1]),
+            behavior_logprobs=np.zeros(3),
+            policy_version=0,
+            reward=r,
+            group_id=g,
+        )
+        for r, g in ((2.0, "a"), (1.0, "b"), (0.0, "b"))
+    ]
     # group a alone: 2 / (1 + 1e-6); group b [1, 0]: population std 0.5 -> +-0.5 / 0.500001
     assert trajectory_advantages(trajs, cfg.train.advantage).tolist() == pytest.approx(
-        [2 / (1 + 1e-6), 0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)], rel=1e-6)
+        [2 / (1 + 1e-6), 0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)], rel=1e-6
+    )
     with pytest.raises(ConfigError, match="train.advantage.singleton"):
         load_config(None, ["train.advantage.singleton=one"])
 
@@ -79,9 +95,16 @@ def _mgr(*over) -> ExperiencePool:
 
 
 def _stored(task_id: str, entropy: float, tid: str, reward: float = 1.0) -> Trajectory:
-    t = Trajectory(token_ids=np.arange(5), loss_mask=np.array([0, 0, 1, 1, 1]), behavior_logprobs=np.zeros(5),
-                   policy_version=0, reward=reward, task_id=task_id, group_id=f"g-{task_id}",
-                   metadata={"entropy": entropy})
+    t = Trajectory(
+        token_ids=np.arange(5),
+        loss_mask=np.array([0, 0, 1, 1, 1]),
+        behavior_logprobs=np.zeros(5),
+        policy_version=0,
+        reward=reward,
+        task_id=task_id,
+        group_id=f"g-{task_id}",
+        metadata={"entropy": entropy},
+    )
     t.id = tid
     return t
 
@@ -102,8 +125,7 @@ def test_replay_retrieval_top_k_vs_sample():
     for retrieval in ("top_k", "sample"):
         m = _mgr(f"replay.retrieval={retrieval}", "replay.exp_select_mode=argmin")
         m.store([_stored("t", e, f"s{e}") for e in (0.1, 0.2, 0.3)])
-        draws = [tuple(t.metadata["replay_of"] for t in m.stored_copies("t", 2, "g"))
-                 for _ in range(60)]
+        draws = [tuple(t.metadata["replay_of"] for t in m.stored_copies("t", 2, "g")) for _ in range(60)]
         picks[retrieval] = draws
     # top-k by entropy: always the two lowest-entropy stored trajectories
     assert set(picks["top_k"]) == {("s0.1", "s0.2")}
@@ -121,8 +143,9 @@ def test_rlcr_population_std_is_the_default_and_differs_from_unbiased():
     pop_ans, pop_conf = tree_advantages(acc, conf, norm_by_std=True, std="population")
     unb_ans, _ = tree_advantages(acc, conf, norm_by_std=True, std="unbiased")
     s = math.sqrt(0.1875)  # population std of [1, 0, 1, 1]
-    assert pop_ans.tolist() == pytest.approx([0.25 / (s + 1e-6), -0.75 / (s + 1e-6), 0.25 / (s + 1e-6),
-                                              0.25 / (s + 1e-6)])
+    assert pop_ans.tolist() == pytest.approx(
+        [0.25 / (s + 1e-6), -0.75 / (s + 1e-6), 0.25 / (s + 1e-6), 0.25 / (s + 1e-6)]
+    )
     assert unb_ans[1] / pop_ans[1] == pytest.approx(s / 0.5, rel=1e-5)  # 0.866: sqrt(3/4) at G = 4
     # confidences of answer 0: [0.9, 0.5], population std 0.2 -> +-0.2 / 0.200001; equal ones -> 0
     assert pop_conf[0].tolist() == pytest.approx([0.2 / (0.2 + 1e-6), -0.2 / (0.2 + 1e-6)])

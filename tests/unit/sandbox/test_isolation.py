@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from asyncrl.config import ConfigError, config_from_dict, load_config
-
 from tests.conftest import ROOT, read_jsonl
 
 pytestmark = pytest.mark.bwrap  # (make test-fast leaves these out)
@@ -45,8 +44,9 @@ def _workflow(**algo):
 
 def test_without_bwrap_a_code_run_refuses_to_start_and_says_how_to_install_it(tmp_path):
     env = {"PATH": str(tmp_path), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}  # an empty PATH dir
-    res = subprocess.run([sys.executable, "-c", WITHOUT_BWRAP], env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", WITHOUT_BWRAP], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert "bwrap is not installed" in out["problem"] and "apt-get install bubblewrap" in out["problem"]
@@ -74,13 +74,24 @@ def test_unknown_isolation_is_a_config_error():
 
 
 def test_the_learner_logs_the_warning_and_the_ui_shows_it(tmp_path, tiny_overrides):
-    from asyncrl.app.views import overview_html
     from asyncrl.analysis import RunStore
+    from asyncrl.app.views import overview_html
     from asyncrl.learner.learner import Learner
 
-    cfg = load_config(str(ROOT / "configs" / "absolute_zero.yaml"), [
-        *tiny_overrides, "model.embedded.warmstart_formats=[arithmetic]", f"run_root={tmp_path}", "name=none",
-        "eval.size=4", "eval.every=0", "log.progress=false", "algo.domain=code_o", "algo.sandbox.isolation=none"])
+    cfg = load_config(
+        str(ROOT / "configs" / "absolute_zero.yaml"),
+        [
+            *tiny_overrides,
+            "model.embedded.warmstart_formats=[arithmetic]",
+            f"run_root={tmp_path}",
+            "name=none",
+            "eval.size=4",
+            "eval.every=0",
+            "log.progress=false",
+            "algo.domain=code_o",
+            "algo.sandbox.isolation=none",
+        ],
+    )
     learner = Learner(cfg)  # the warning is logged while it starts
     learner.net.close()
     learner.log.close()

@@ -47,8 +47,10 @@ _util = _imp('importlib.util', None, None, ['find_spec'])
 _posix = _util.module_from_spec(_util.find_spec('posix'))  # a fresh posix: fork, kill, exec restored
 """
 # A child that would outlive the call: fork, setsid, exec a sleeper with a marker in its command line.
-SPAWN = ("if _posix.fork() == 0:\n    _posix.setsid()\n"
-         "    _posix.execv(_sys.executable, [_sys.executable, '-I', '-c', 'import time; time.sleep({sleep}) # {marker}'])\n")
+SPAWN = (
+    "if _posix.fork() == 0:\n    _posix.setsid()\n"
+    "    _posix.execv(_sys.executable, [_sys.executable, '-I', '-c', 'import time; time.sleep({sleep}) # {marker}'])\n"
+)
 
 # The caller: reads one JSON request per line, answers with run_python's result.
 CALLER = r"""
@@ -76,8 +78,15 @@ class Env:
     received: list[bytes]
 
     def fill(self, template: str) -> str:
-        return template.format(marker=self.marker, work=self.work, cwd=self.cwd, home=self.home,
-                               caller_pid=self.caller_pid, port=self.port, sleep=SLEEP_S)
+        return template.format(
+            marker=self.marker,
+            work=self.work,
+            cwd=self.cwd,
+            home=self.home,
+            caller_pid=self.caller_pid,
+            port=self.port,
+            sleep=SLEEP_S,
+        )
 
 
 @dataclass
@@ -100,44 +109,78 @@ def _caller_dead(env: Env, res: dict) -> bool:
 
 
 CASES = [
-    Case("names from 'from' imports: random._os lists the caller's cwd", "print(_os.listdir('{cwd}'))",
-         _printed(lambda env: "sentinel.txt")),
-    Case("attrgetter('__builtins__') reaches open: /etc/passwd",
-         "def g():\n    pass\nprint(attrgetter('__builtins__')(g)['open']('/etc/passwd').read())",
-         _printed(lambda env: "root:")),
+    Case(
+        "names from 'from' imports: random._os lists the caller's cwd",
+        "print(_os.listdir('{cwd}'))",
+        _printed(lambda env: "sentinel.txt"),
+    ),
+    Case(
+        "attrgetter('__builtins__') reaches open: /etc/passwd",
+        "def g():\n    pass\nprint(attrgetter('__builtins__')(g)['open']('/etc/passwd').read())",
+        _printed(lambda env: "root:"),
+    ),
     Case("read /etc/passwd", "print(_open('/etc/passwd').read())", _printed(lambda env: "root:")),
-    Case("ctypes system()", "_imp('ctypes').CDLL(None).system(b'echo pwned > {work}/system')\nprint(1)",
-         _file("{work}/system")),
-    Case("subprocess.Popen /bin/sh", "_imp('subprocess').Popen(['/bin/sh', '-c', 'echo pwned > {work}/popen'])\nprint(1)",
-         _file("{work}/popen")),
-    Case("socket to a listener on 127.0.0.1",
-         "s = _imp('socket').create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'pwned')\nprint(1)",
-         lambda env, res: bool(env.received)),
-    Case("kill the caller: pidfd_open(getppid()) + pidfd_send_signal",
-         "_imp('signal').pidfd_send_signal(_os.pidfd_open(_os.getppid()), 9)\nprint(1)", _caller_dead),
-    Case("kill the caller: pidfd_open(caller pid) + pidfd_send_signal",
-         "_imp('signal').pidfd_send_signal(_os.pidfd_open({caller_pid}), 9)\nprint(1)", _caller_dead),
-    Case("kill the caller by pid: ctypes kill", "_imp('ctypes').CDLL(None).kill({caller_pid}, 9)\nprint(1)",
-         _caller_dead),
+    Case(
+        "ctypes system()",
+        "_imp('ctypes').CDLL(None).system(b'echo pwned > {work}/system')\nprint(1)",
+        _file("{work}/system"),
+    ),
+    Case(
+        "subprocess.Popen /bin/sh",
+        "_imp('subprocess').Popen(['/bin/sh', '-c', 'echo pwned > {work}/popen'])\nprint(1)",
+        _file("{work}/popen"),
+    ),
+    Case(
+        "socket to a listener on 127.0.0.1",
+        "s = _imp('socket').create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'pwned')\nprint(1)",
+        lambda env, res: bool(env.received),
+    ),
+    Case(
+        "kill the caller: pidfd_open(getppid()) + pidfd_send_signal",
+        "_imp('signal').pidfd_send_signal(_os.pidfd_open(_os.getppid()), 9)\nprint(1)",
+        _caller_dead,
+    ),
+    Case(
+        "kill the caller: pidfd_open(caller pid) + pidfd_send_signal",
+        "_imp('signal').pidfd_send_signal(_os.pidfd_open({caller_pid}), 9)\nprint(1)",
+        _caller_dead,
+    ),
+    Case(
+        "kill the caller by pid: ctypes kill", "_imp('ctypes').CDLL(None).kill({caller_pid}, 9)\nprint(1)", _caller_dead
+    ),
     Case("kill the caller by pid: kill(caller pid)", "_posix.kill({caller_pid}, 9)\nprint(1)", _caller_dead),
     Case("kill the caller by pid: kill(getppid())", "_posix.kill(_posix.getppid(), 9)\nprint(1)", _caller_dead),
-    Case("read the caller's environment: /proc/<ppid>/environ and every /proc/*/environ",
-         "found = []\nfor p in ['%d' % _os.getppid(), '{caller_pid}'] + _os.listdir('/proc'):\n"
-         "    try:\n        found.append(_open('/proc/%s/environ' % p, 'rb').read())\n"
-         "    except OSError:\n        pass\nprint(found)", _printed(lambda env: env.secret)),
-    Case("read the caller's run dir: /proc/<pid>/cwd",
-         "print([_os.listdir('/proc/%s/cwd' % p) for p in ('%d' % _os.getppid(), '{caller_pid}')])",
-         _printed(lambda env: "sentinel.txt")),
-    Case("write into the caller's cwd through /proc/<pid>/cwd",
-         "_open('/proc/{caller_pid}/cwd/pwned', 'w').write('x')\nprint(1)", _file("{cwd}/pwned")),
-    Case("write into the caller's cwd through /proc/<ppid>/cwd",
-         "_open('/proc/%d/cwd/pwned' % _os.getppid(), 'w').write('x')\nprint(1)", _file("{cwd}/pwned")),
+    Case(
+        "read the caller's environment: /proc/<ppid>/environ and every /proc/*/environ",
+        "found = []\nfor p in ['%d' % _os.getppid(), '{caller_pid}'] + _os.listdir('/proc'):\n"
+        "    try:\n        found.append(_open('/proc/%s/environ' % p, 'rb').read())\n"
+        "    except OSError:\n        pass\nprint(found)",
+        _printed(lambda env: env.secret),
+    ),
+    Case(
+        "read the caller's run dir: /proc/<pid>/cwd",
+        "print([_os.listdir('/proc/%s/cwd' % p) for p in ('%d' % _os.getppid(), '{caller_pid}')])",
+        _printed(lambda env: "sentinel.txt"),
+    ),
+    Case(
+        "write into the caller's cwd through /proc/<pid>/cwd",
+        "_open('/proc/{caller_pid}/cwd/pwned', 'w').write('x')\nprint(1)",
+        _file("{cwd}/pwned"),
+    ),
+    Case(
+        "write into the caller's cwd through /proc/<ppid>/cwd",
+        "_open('/proc/%d/cwd/pwned' % _os.getppid(), 'w').write('x')\nprint(1)",
+        _file("{cwd}/pwned"),
+    ),
     Case("write /tmp", "_open('/tmp/{marker}', 'w').write('x')\nprint(1)", _file("/tmp/{marker}")),
     Case("write the home directory", "_open('{home}/{marker}', 'w').write('x')\nprint(1)", _file("{home}/{marker}")),
     Case("write the caller's cwd by its path", "_open('{cwd}/pwned', 'w').write('x')\nprint(1)", _file("{cwd}/pwned")),
     Case("fork then setsid", SPAWN + "print(1)", lambda env, res: False),  # leftovers are checked for every case
-    Case("50 forks", "for i in range(50):\n" + "".join("    " + ln + "\n" for ln in SPAWN.splitlines()) + "print(50)",
-         lambda env, res: False),
+    Case(
+        "50 forks",
+        "for i in range(50):\n" + "".join("    " + ln + "\n" for ln in SPAWN.splitlines()) + "print(50)",
+        lambda env, res: False,
+    ),
 ]
 
 
@@ -157,8 +200,14 @@ class Caller:
     def ensure(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **{SECRET_VAR: self.secret})
-            self.proc = subprocess.Popen([sys.executable, "-c", CALLER], cwd=self.cwd, env=env, text=True,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", CALLER],
+                cwd=self.cwd,
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
         return self.proc
 
     def run(self, code: str, check: bool, limits: dict) -> dict:
@@ -218,8 +267,17 @@ def _wait_no_processes(marker: str) -> list[int]:
 
 def _run_case(case: Case, caller: Caller, listener, tmp_path: Path, check: bool, limits: dict) -> tuple[Env, dict]:
     port, received = listener
-    env = Env("asyncrl-hostile-" + uuid.uuid4().hex[:12], tmp_path, caller.cwd, caller.tmpdir,
-              Path(pwd.getpwuid(os.getuid()).pw_dir), caller.secret, caller.ensure().pid, port, received)
+    env = Env(
+        "asyncrl-hostile-" + uuid.uuid4().hex[:12],
+        tmp_path,
+        caller.cwd,
+        caller.tmpdir,
+        Path(pwd.getpwuid(os.getuid()).pw_dir),
+        caller.secret,
+        caller.ensure().pid,
+        port,
+        received,
+    )
     res = None
     try:
         res = caller.run(env.fill(ESCAPE + case.program), check, limits)
@@ -256,8 +314,9 @@ def test_the_os_boundary_alone_contains_the_hostile_program(case, caller, listen
     assert env.secret not in res["output"] + (res["reason"] or "")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("fork then setsid", "50 forks")],
-                         ids=["fork then setsid", "50 forks"])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in ("fork then setsid", "50 forks")], ids=["fork then setsid", "50 forks"]
+)
 def test_children_allowed_to_start_die_with_the_run(case, caller, listener, tmp_path):
     """``block_fork: false``: the children start (inside the run's PID namespace) and every one of
     them is gone when the call returns, including one in its own session."""
@@ -277,15 +336,18 @@ def test_a_proposal_whose_f_writes_a_file_is_rejected_and_writes_nothing(tmp_pat
     from asyncrl.types import Task
 
     target = tmp_path / "written-by-f"
-    proposal = ("```python\ndef f(x):\n    from operator import attrgetter\n"
-                "    op = attrgetter('__builtins__')(f)['open']\n"
-                f"    with op({str(target)!r}, 'w') as fh:\n        fh.write('x')\n    return x\n```\n```input\n3\n```")
+    proposal = (
+        "```python\ndef f(x):\n    from operator import attrgetter\n"
+        "    op = attrgetter('__builtins__')(f)['open']\n"
+        f"    with op({str(target)!r}, 'w') as fh:\n        fh.write('x')\n    return x\n```\n```input\n3\n```"
+    )
     domain = CodeOutputDomain(SandboxLimits())
     got = domain.parse(proposal, Task(id="seed", prompt=[]), "q0")
     assert not got.valid and got.reason.startswith("sandbox: rejected before running"), got.reason
     assert not target.exists()
     # the same f with the static check off: the OS boundary keeps the file from being written
     from asyncrl.sandbox.python import run_python
+
     code = proposal.split("```python\n")[1].split("```")[0] + "print(repr(f(3)))"
     res = run_python(code, SandboxLimits(), check=False)
     assert not res.ok and "FileNotFoundError" in res.reason, res
@@ -296,13 +358,18 @@ def test_a_caller_killed_mid_run_takes_the_whole_sandbox_with_it(tmp_path):
     """The actor dies (SIGKILL) while its sandbox runs: bwrap (``--die-with-parent``) and every
     process in the run's PID namespace go too."""
     marker = "asyncrl-hostile-" + uuid.uuid4().hex[:12]
-    program = ESCAPE + "".join(
-        f"{ln}\n" for ln in SPAWN.format(sleep=SLEEP_S, marker=marker).splitlines()) + "import time\ntime.sleep(60)\n"
+    program = (
+        ESCAPE
+        + "".join(f"{ln}\n" for ln in SPAWN.format(sleep=SLEEP_S, marker=marker).splitlines())
+        + "import time\ntime.sleep(60)\n"
+    )
     caller = Caller(tmp_path)
     try:
         proc = caller.ensure()
-        proc.stdin.write(json.dumps({"code": program, "check": False,
-                                     "limits": {"block_fork": False, "timeout_s": 60, "cpu_s": 30}}) + "\n")
+        proc.stdin.write(
+            json.dumps({"code": program, "check": False, "limits": {"block_fork": False, "timeout_s": 60, "cpu_s": 30}})
+            + "\n"
+        )
         proc.stdin.flush()
         deadline = time.monotonic() + LEFTOVER_DEADLINE_S * 3
         while not _processes_with(marker) and time.monotonic() < deadline:
@@ -325,8 +392,9 @@ def test_a_run_killed_at_its_timeout_leaves_no_process():
     marker = "asyncrl-hostile-" + uuid.uuid4().hex[:12]
     program = ESCAPE + SPAWN.format(sleep=SLEEP_S, marker=marker) + "while True:\n    pass\n"
     try:
-        res = run_python(program, SandboxLimits(timeout_s=1.0, cpu_s=30, block_fork=False, determinism_runs=1),
-                         check=False)
+        res = run_python(
+            program, SandboxLimits(timeout_s=1.0, cpu_s=30, block_fork=False, determinism_runs=1), check=False
+        )
         assert not res.ok and res.reason.startswith(("timeout", "cpu time limit")), res  # (it busy-loops)
         assert _wait_no_processes(marker) == []
     finally:

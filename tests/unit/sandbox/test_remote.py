@@ -25,8 +25,9 @@ class FusionServer:
     ``gather``: hold each request until that many are in flight (or ``WAIT_S`` passes), then up to
     ``LINGER_S`` longer for one more, so that a client sending more than ``gather`` at once shows."""
 
-    def __init__(self, fail_first: int = 0, hang: bool = False, reply: tuple[int, bytes] | None = None,
-                 gather: int = 0):
+    def __init__(
+        self, fail_first: int = 0, hang: bool = False, reply: tuple[int, bytes] | None = None, gather: int = 0
+    ):
         self.fail_first, self.hang, self.reply, self.gather = fail_first, hang, reply, gather
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
@@ -62,11 +63,21 @@ class FusionServer:
         lim = SandboxLimits(timeout_s=body["run_timeout"], memory_mb=body["memory_limit_MB"], determinism_runs=1)
         res = run_python(body["code"], lim, check=False)
         timed_out = not res.ok and res.reason.startswith(("timeout", "cpu time limit: busy"))  # (wall-clock kills)
-        run = {"status": "TimeLimitExceeded" if timed_out else "Finished", "execution_time": res.seconds,
-               "return_code": 0 if res.ok else 1, "stdout": res.output + "\n" if res.ok else "",
-               "stderr": "" if res.ok else f"Traceback (most recent call last):\n{res.reason}\n"}
-        return {"status": "Success" if res.ok else "Failed", "message": "", "compile_result": None,
-                "run_result": run, "executor_pod_name": None, "files": {}}
+        run = {
+            "status": "TimeLimitExceeded" if timed_out else "Finished",
+            "execution_time": res.seconds,
+            "return_code": 0 if res.ok else 1,
+            "stdout": res.output + "\n" if res.ok else "",
+            "stderr": "" if res.ok else f"Traceback (most recent call last):\n{res.reason}\n",
+        }
+        return {
+            "status": "Success" if res.ok else "Failed",
+            "message": "",
+            "compile_result": None,
+            "run_result": run,
+            "executor_pod_name": None,
+            "files": {},
+        }
 
 
 @contextmanager
@@ -155,12 +166,15 @@ def test_retries_are_bounded_and_client_errors_are_not_retried():
     assert not res.ok and "HTTP 400" in res.reason and len(bad.requests) == 1
 
 
-@pytest.mark.parametrize("reply,reason", [
-    ((200, b"not json"), "reply is not JSON"),
-    ((200, b'{"status": "SandboxError", "message": "executor crashed"}'), "remote sandbox error: executor crashed"),
-    ((200, b'{"status": "Success", "message": ""}'), "has no run_result"),
-    ((200, b'{"hello": 1}'), "not a SandboxFusion run_code response"),
-])
+@pytest.mark.parametrize(
+    "reply,reason",
+    [
+        ((200, b"not json"), "reply is not JSON"),
+        ((200, b'{"status": "SandboxError", "message": "executor crashed"}'), "remote sandbox error: executor crashed"),
+        ((200, b'{"status": "Success", "message": ""}'), "has no run_result"),
+        ((200, b'{"hello": 1}'), "not a SandboxFusion run_code response"),
+    ],
+)
 def test_malformed_replies_are_reasons(reply, reason):
     with serve(FusionServer(reply=reply)) as url:
         res = run_python("print(1)", remote(url, max_retries=0))

@@ -12,12 +12,13 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.envs.base import make_env
 from asyncrl.sandbox.bwrap import SANDBOX_ID, unavailable
-
 from tests.conftest import alive, descendants
 
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
-pytestmark = [pytest.mark.bwrap,  # (make test-fast leaves these out)
-              pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}")]
+pytestmark = [
+    pytest.mark.bwrap,  # (make test-fast leaves these out)
+    pytest.mark.skipif(unavailable() is not None, reason=f"bwrap does not work here: {unavailable()}"),
+]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -29,7 +30,9 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _env(taskset: str):
-    return make_env(load_config(None, ["env.type=verifiers", f"env.kwargs.taskset=tests.vf_envs_for_tests:{taskset}"]).env)
+    return make_env(
+        load_config(None, ["env.type=verifiers", f"env.kwargs.taskset=tests.vf_envs_for_tests:{taskset}"]).env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,8 @@ def test_a_taskset_under_the_hosts_tmp_is_seen_in_the_sandbox(tmp_path, monkeypa
         "class EchoTask(vf.Task[vf.TaskData]):\n"
         "    @classmethod\n"
         "    def toolsets(cls, config):\n"
-        "        return [Echo(vf.ToolsetConfig())]\n")
+        "        return [Echo(vf.ToolsetConfig())]\n"
+    )
     assert str(tmp_path).startswith("/tmp/")
     monkeypatch.syspath_prepend(str(tmp_path))
     from tmp_tasks_pkg.mod import EchoTask

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.rendezvous import StoreClient, StoreError, StoreServer
-
 from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
 from tests.unit.weights.test_sync_collective import Peer, _until
@@ -46,7 +45,7 @@ def test_weight_sync_store_binds_only_its_host_and_answers_only_its_secret():
         assert _listening(port) == [f"127.0.0.1:{port}"], _listening(port)  # not *:PORT
 
         # a bare TCPStore client (the attack of issue 25) cannot even talk to it
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (whatever torch raises: the point is that it cannot talk)
             dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
         # our own client without the secret: refused, nothing kept
         stranger = StoreClient("127.0.0.1", port, "not-the-secret", timeout_s=10)
@@ -147,16 +146,25 @@ def test_learner_group_store_binds_only_master_addr():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(subprocess_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), ASYNCRL_STORE_SECRET="s3cret")
-    code = ("import subprocess, sys\n"
-            "from asyncrl.learner.training import distributed as d\n"
-            "print(d.init_from_env(30))\n"
-            f"print(subprocess.run(['ss', '-Htln'], capture_output=True, text=True).stdout)\n"
-            "from asyncrl.weights.rendezvous import StoreClient, StoreError\n"
-            f"c = StoreClient('127.0.0.1', {port}, 'wrong', timeout_s=10)\n"
-            "try:\n    c.set('x', 'y'); print('ACCEPTED')\nexcept StoreError as e:\n    print('REFUSED', e)\n"
-            "c.close(); d.leave_group()\n")
+    env = dict(
+        subprocess_env(),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ASYNCRL_STORE_SECRET="s3cret",
+    )
+    code = (
+        "import subprocess, sys\n"
+        "from asyncrl.learner.training import distributed as d\n"
+        "print(d.init_from_env(30))\n"
+        f"print(subprocess.run(['ss', '-Htln'], capture_output=True, text=True).stdout)\n"
+        "from asyncrl.weights.rendezvous import StoreClient, StoreError\n"
+        f"c = StoreClient('127.0.0.1', {port}, 'wrong', timeout_s=10)\n"
+        "try:\n    c.set('x', 'y'); print('ACCEPTED')\nexcept StoreError as e:\n    print('REFUSED', e)\n"
+        "c.close(); d.leave_group()\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "(0, 1)" in out.stdout

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.weights.collective import CollectivePublisher
-
 from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
 
@@ -23,10 +22,15 @@ DEADLINE_S = 120
 
 class Peer:
     def __init__(self, pub: CollectivePublisher, last: int):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.collective_peer", pub.address, pub.server.secret,
-                                      str(last)], cwd=ROOT,
-                                     env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.collective_peer", pub.address, pub.server.secret, str(last)],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -85,8 +89,17 @@ def test_a_run_with_collective_sync_trains_on_new_weights(tmp_path, tiny_overrid
     from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 
     common = SMALL_RUN
-    res = run_cli("run", *tiny_overrides, *common, "sync.type=nccl", "sync.backend=gloo", f"run_root={tmp_path}",
-                  "name=coll", "train.total_steps=4", timeout=240)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *common,
+        "sync.type=nccl",
+        "sync.backend=gloo",
+        f"run_root={tmp_path}",
+        "name=coll",
+        "train.total_steps=4",
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     episodes = [e for e in read_jsonl(tmp_path / "coll" / "events.jsonl") if e["kind"] == "episode"]
     # credits after step 1 require version >= 1: the actor generated with weights from the broadcast

@@ -10,12 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.weights import WeightsError, make_publisher, make_receiver
 from asyncrl.lifecycle import pid_alive
+from asyncrl.weights import WeightsError, make_publisher, make_receiver
 from asyncrl.weights.ipc import PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import TensorSpec, Weights
-
 from tests.conftest import SMALL_RUN, kill_tree, read_jsonl, run_cli, start_cli
 
 COMMON = [*SMALL_RUN, "sync.type=ipc"]
@@ -35,8 +34,11 @@ def test_a_hundred_versions_arrive_bit_exact_and_leave_no_segment(tmp_path):
     g = torch.Generator().manual_seed(0)
     try:
         for v in range(1, 101):
-            state = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
-                     "e": torch.randn(11, 2, generator=g)}
+            state = {
+                "w": torch.randn(7, 5, generator=g),
+                "b": torch.randn(3, generator=g).to(torch.bfloat16),
+                "e": torch.randn(11, 2, generator=g),
+            }
             version, got = rec.tensors(decode(pub.frames(state, v)))  # through the real wire encoding
             assert version == v and set(got) == set(state)
             for k, t in state.items():
@@ -63,11 +65,14 @@ def test_a_version_overwritten_before_it_is_read_is_refused_not_loaded_torn(tmp_
         pub.close()
 
 
-@pytest.mark.parametrize("body, match", [
-    (Weights(version=1, segment="../../etc/passwd", layout=[]), "not an asyncrl shared-memory segment"),
-    (Weights(version=1, segment=f"{PREFIX}1-ab-1-0", layout=[]), "does not exist"),
-    (Weights(version=1, path="/x.safetensors"), "expects sync.type=ipc"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (Weights(version=1, segment="../../etc/passwd", layout=[]), "not an asyncrl shared-memory segment"),
+        (Weights(version=1, segment=f"{PREFIX}1-ab-1-0", layout=[]), "does not exist"),
+        (Weights(version=1, path="/x.safetensors"), "expects sync.type=ipc"),
+    ],
+)
 def test_bad_references_are_refused_with_the_reason(tmp_path, body, match):
     with pytest.raises(WeightsError, match=match):
         IpcReceiver(_cfg(tmp_path)).tensors(decode(encode("weights", body)))
@@ -77,8 +82,11 @@ def test_a_layout_outside_the_segment_is_refused(tmp_path):
     pub, rec = IpcPublisher(_cfg(tmp_path)), IpcReceiver(_cfg(tmp_path))
     try:
         good = decode(pub.frames({"w": torch.zeros(16)}, 1))
-        bad = Weights(version=1, segment=good.body.segment,
-                      layout=[TensorSpec(name="w", dtype="float32", shape=[1 << 20], offset=0, nbytes=4 << 20)])
+        bad = Weights(
+            version=1,
+            segment=good.body.segment,
+            layout=[TensorSpec(name="w", dtype="float32", shape=[1 << 20], offset=0, nbytes=4 << 20)],
+        )
         with pytest.raises(WeightsError, match="do not fit"):
             rec.tensors(decode(encode("weights", bad)))
     finally:
@@ -89,8 +97,16 @@ def test_a_layout_outside_the_segment_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_run_with_ipc_sync_trains_on_new_weights_and_cleans_up(tmp_path, tiny_overrides):
     shm = tmp_path / "shm"
-    res = run_cli("run", *tiny_overrides, *COMMON, f"sync.dir={shm}", f"run_root={tmp_path}", "name=ipc",
-                  "train.total_steps=4", timeout=240)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *COMMON,
+        f"sync.dir={shm}",
+        f"run_root={tmp_path}",
+        "name=ipc",
+        "train.total_steps=4",
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     episodes = [e for e in read_jsonl(tmp_path / "ipc" / "events.jsonl") if e["kind"] == "episode"]
     # credits after step 1 require version >= 1: the actor generated with weights read from shared memory
@@ -104,8 +120,16 @@ def test_a_run_with_ipc_sync_trains_on_new_weights_and_cleans_up(tmp_path, tiny_
 @pytest.mark.slow
 def test_segments_of_a_killed_learner_are_swept_by_the_next(tmp_path, tiny_overrides):
     shm = tmp_path / "shm"
-    proc = start_cli("run", *tiny_overrides, *COMMON, f"sync.dir={shm}", f"run_root={tmp_path}", "name=k",
-                     "train.total_steps=100000", log=tmp_path / "run.log")
+    proc = start_cli(
+        "run",
+        *tiny_overrides,
+        *COMMON,
+        f"sync.dir={shm}",
+        f"run_root={tmp_path}",
+        "name=k",
+        "train.total_steps=100000",
+        log=tmp_path / "run.log",
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and len(_segments(shm)) < 2:
@@ -116,7 +140,7 @@ def test_segments_of_a_killed_learner_are_swept_by_the_next(tmp_path, tiny_overr
         kill_tree(proc)
     left = _segments(shm)
     assert len(left) == 2  # SIGKILL: nobody removed them
-    owners = {int(name[len(PREFIX):].split("-")[0]) for name in left}
+    owners = {int(name[len(PREFIX) :].split("-")[0]) for name in left}
     deadline = time.time() + 60  # a killed process takes a moment to be gone (it may be reaped late)
     while any(pid_alive(pid) for pid in owners) and time.time() < deadline:
         time.sleep(0.1)

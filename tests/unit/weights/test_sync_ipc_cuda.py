@@ -16,7 +16,6 @@ from asyncrl.weights import WeightsError
 from asyncrl.weights.ipc import HEADER_BYTES, PREFIX, IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import CudaHandle, Weights
-
 from tests.conftest import SMALL_RUN, read_jsonl, run_cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,8 +29,16 @@ def _cfg(tmp_path, cuda_ipc=True):
 
 
 def _handle(**over) -> CudaHandle:
-    fields = dict(device=0, handle=b"\0" * 64, size=1024, offset=0, ref_counter=b"/torch_1_2", ref_counter_offset=0,
-                  event=b"\0" * 64, event_sync=True)
+    fields = dict(
+        device=0,
+        handle=b"\0" * 64,
+        size=1024,
+        offset=0,
+        ref_counter=b"/torch_1_2",
+        ref_counter_offset=0,
+        event=b"\0" * 64,
+        event_sync=True,
+    )
     return CudaHandle(**{**fields, **over})
 
 
@@ -57,14 +64,17 @@ def test_a_handle_is_refused_by_an_actor_without_that_gpu(tmp_path, monkeypatch)
         pub.close()
 
 
-@pytest.mark.parametrize("over, field", [({"handle": b"x" * 300}, "handle"), ({"size": -1}, "size"),
-                                         ({"event_sync": "yes"}, "event_sync")])
+@pytest.mark.parametrize(
+    "over, field", [({"handle": b"x" * 300}, "handle"), ({"size": -1}, "size"), ({"event_sync": "yes"}, "event_sync")]
+)
 def test_a_malformed_handle_is_refused_at_decoding(over, field):
-    fields = dict(device=0, handle=b"h", size=1, offset=0, ref_counter=b"r", ref_counter_offset=0, event=b"e",
-                  event_sync=True)
+    fields = dict(
+        device=0, handle=b"h", size=1, offset=0, ref_counter=b"r", ref_counter_offset=0, event=b"e", event_sync=True
+    )
     fields.update(over)
     header = encode("weights", Weights(version=1, segment=f"{PREFIX}1-ab-1-0", layout=[]))
     import msgpack
+
     raw = msgpack.unpackb(header[0])
     raw["body"]["cuda"] = fields
     with pytest.raises(WireError, match=field):
@@ -73,9 +83,13 @@ def test_a_malformed_handle_is_refused_at_decoding(over, field):
 
 # --- on a GPU ----------------------------------------------------------------------------------------
 
+
 def _child(directory):
-    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "ipc_child.py"), str(directory), "--digest"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "ipc_child.py"), str(directory), "--digest"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
 
 
 @pytest.mark.gpu
@@ -86,8 +100,11 @@ def test_cuda_weights_reach_another_process_bit_exact_through_gpu_memory(tmp_pat
     try:
         allocated_v2 = None
         for v in range(1, 31):
-            state = {"w": torch.randn(300, 70, generator=g).cuda(), "b": torch.randn(3, generator=g).to(torch.bfloat16).cuda(),
-                     "e": torch.randn(1000, 64, generator=g).to(torch.bfloat16).cuda()}
+            state = {
+                "w": torch.randn(300, 70, generator=g).cuda(),
+                "b": torch.randn(3, generator=g).to(torch.bfloat16).cuda(),
+                "e": torch.randn(1000, 64, generator=g).to(torch.bfloat16).cuda(),
+            }
             frames = pub.frames(state, v)
             body = decode(frames).body
             assert body.cuda is not None and body.cuda.device == state["w"].device.index
@@ -128,8 +145,19 @@ def test_a_torn_cuda_version_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_run_on_cuda_with_ipc_sync_trains_on_new_weights(tmp_path, tiny_overrides):
     shm = tmp_path / "shm"
-    res = run_cli("run", *tiny_overrides, *SMALL_RUN, "sync.type=ipc", f"sync.dir={shm}", "train.device=cuda",
-                  "engine.device=cuda", f"run_root={tmp_path}", "name=cuda", "train.total_steps=6", timeout=300)
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *SMALL_RUN,
+        "sync.type=ipc",
+        f"sync.dir={shm}",
+        "train.device=cuda",
+        "engine.device=cuda",
+        f"run_root={tmp_path}",
+        "name=cuda",
+        "train.total_steps=6",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     episodes = [e for e in read_jsonl(tmp_path / "cuda" / "events.jsonl") if e["kind"] == "episode"]
     assert max(e["policy_version"] for e in episodes) >= 1

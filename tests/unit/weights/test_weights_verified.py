@@ -17,7 +17,6 @@ from asyncrl.weights import WeightsError
 from asyncrl.weights.filesystem import FilesystemPublisher, FilesystemReceiver
 from asyncrl.weights.ipc import IpcPublisher, IpcReceiver
 from asyncrl.wire.codec import decode, encode_weights
-
 from tests.conftest import SMALL_RUN as COMMON
 
 
@@ -32,7 +31,7 @@ def test_weights_someone_else_could_have_written_are_refused(tmp_path, kind):
     rec = IpcReceiver(cfg) if kind == "ipc" else FilesystemReceiver(cfg)
     try:
         msg = decode(pub.frames({"w": torch.ones(4)}, 1))
-        path = (pub.segment_paths[1] if kind == "ipc" else msg.body.path)
+        path = pub.segment_paths[1] if kind == "ipc" else msg.body.path
         assert os.stat(path).st_mode & 0o777 == 0o600  # as the learner makes them
         assert rec.tensors(msg)[1]["w"].tolist() == [1.0] * 4
         rec.close()

@@ -14,14 +14,49 @@ import zmq
 import zmq.auth
 
 from asyncrl.types import Episode, Task, Trajectory
-from asyncrl.wire.codec import (SCHEMA_VERSION, SchemaVersionError, WireError, decode,
-                                decode_episode, decode_weights, encode, encode_episode,
-                                encode_msg, encode_weights)
-from asyncrl.wire.messages import (Ack, Alive, Credit, Event, Hello, Rejected, ReplayTask, Status, Stop,
-                                   Subscribe, Weights, Welcome, Withhold)
-from asyncrl.wire.sockets import (WireSecurityError, apply_curve_client, apply_curve_server, bind,
-                                  check_bind_host, drain, is_loopback, make_curve_keys, recv_frames,
-                                  recv_message, recv_routed, send_frames, send_routed, start_curve_auth)
+from asyncrl.wire.codec import (
+    SCHEMA_VERSION,
+    SchemaVersionError,
+    WireError,
+    decode,
+    decode_episode,
+    decode_weights,
+    encode,
+    encode_episode,
+    encode_msg,
+    encode_weights,
+)
+from asyncrl.wire.messages import (
+    Ack,
+    Alive,
+    Credit,
+    Event,
+    Hello,
+    Rejected,
+    ReplayTask,
+    Status,
+    Stop,
+    Subscribe,
+    Weights,
+    Welcome,
+    Withhold,
+)
+from asyncrl.wire.sockets import (
+    WireSecurityError,
+    apply_curve_client,
+    apply_curve_server,
+    bind,
+    check_bind_host,
+    drain,
+    is_loopback,
+    make_curve_keys,
+    recv_frames,
+    recv_message,
+    recv_routed,
+    send_frames,
+    send_routed,
+    start_curve_auth,
+)
 
 TIMEOUT_MS = 2000
 
@@ -67,22 +102,48 @@ def _episode() -> Episode:
     rng = np.random.default_rng(0)
 
     def traj(n, **kw):
-        return Trajectory(token_ids=rng.integers(0, 1000, n), loss_mask=rng.integers(0, 2, n),
-                          behavior_logprobs=-rng.random(n), policy_version=7, **kw)
+        return Trajectory(
+            token_ids=rng.integers(0, 1000, n),
+            loss_mask=rng.integers(0, 2, n),
+            behavior_logprobs=-rng.random(n),
+            policy_version=7,
+            **kw,
+        )
 
     trajs = [
-        traj(5, reward=1.0, scores={"acc": 1.0, "fmt": 0.5}, sample_type="answer", group_id="g1",
-             task_id="t1", text="<answer>3</answer>", metadata={"turns": [1, 2], "k": None}),
-        traj(9, reward=-0.5, sample_type="solver", group_id="g1", task_id="t1", is_replay=True,
-             recorded_logprobs=-rng.random(9), exp_mask=np.ones(9), advantage=0.25,
-             metadata={"bucket": 3}),
+        traj(
+            5,
+            reward=1.0,
+            scores={"acc": 1.0, "fmt": 0.5},
+            sample_type="answer",
+            group_id="g1",
+            task_id="t1",
+            text="<answer>3</answer>",
+            metadata={"turns": [1, 2], "k": None},
+        ),
+        traj(
+            9,
+            reward=-0.5,
+            sample_type="solver",
+            group_id="g1",
+            task_id="t1",
+            is_replay=True,
+            recorded_logprobs=-rng.random(9),
+            exp_mask=np.ones(9),
+            advantage=0.25,
+            metadata={"bucket": 3},
+        ),
         traj(1, reward=0.0, sample_type="confidence", advantage=-1.5, text="ünïcode"),
     ]
-    task = Task(id="t1", prompt=[{"role": "user", "content": "1+2?"}], answer={"gold": 3},
-                metadata={"src": "arith"})
-    return Episode(trajectories=trajs, actor_id="actor-0", task=task,
-                   decision={"learnable": [True, False], "tree": {"a0": ["c0", "c1"]}},
-                   metrics={"unified_filter/kept": 2.0}, created_at=1234.5)
+    task = Task(id="t1", prompt=[{"role": "user", "content": "1+2?"}], answer={"gold": 3}, metadata={"src": "arith"})
+    return Episode(
+        trajectories=trajs,
+        actor_id="actor-0",
+        task=task,
+        decision={"learnable": [True, False], "tree": {"a0": ["c0", "c1"]}},
+        metrics={"unified_filter/kept": 2.0},
+        created_at=1234.5,
+    )
 
 
 def _assert_episode_equal(a: Episode, b: Episode) -> None:
@@ -90,8 +151,19 @@ def _assert_episode_equal(a: Episode, b: Episode) -> None:
         assert getattr(a, k) == getattr(b, k), k
     assert len(a.trajectories) == len(b.trajectories)
     for ta, tb in zip(a.trajectories, b.trajectories):
-        for k in ("id", "policy_version", "reward", "scores", "sample_type", "group_id",
-                  "task_id", "is_replay", "advantage", "text", "metadata"):
+        for k in (
+            "id",
+            "policy_version",
+            "reward",
+            "scores",
+            "sample_type",
+            "group_id",
+            "task_id",
+            "is_replay",
+            "advantage",
+            "text",
+            "metadata",
+        ):
             assert getattr(ta, k) == getattr(tb, k), k
         for k in ("token_ids", "loss_mask", "behavior_logprobs", "recorded_logprobs", "exp_mask"):
             xa, xb = getattr(ta, k), getattr(tb, k)
@@ -101,6 +173,7 @@ def _assert_episode_equal(a: Episode, b: Episode) -> None:
 
 
 # --- codec ------------------------------------------------------------------------------------
+
 
 def test_episode_round_trip_over_push_pull(ctx):
     pull, push = _pair(ctx)
@@ -129,8 +202,12 @@ def test_empty_episode_round_trips():
 
 
 def test_generic_arrays_and_control_messages():
-    arrays = {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "b": np.array([True, False]),
-              "c": np.arange(4, dtype=">f4"), "s": np.float32(2.5)}
+    arrays = {
+        "a": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "b": np.array([True, False]),
+        "c": np.arange(4, dtype=">f4"),
+        "s": np.float32(2.5),
+    }
     msg = decode(encode("weights", {"version": 1}, arrays))
     assert msg.kind == "weights" and msg.body == Weights(version=1)
     for k, v in arrays.items():
@@ -139,17 +216,30 @@ def test_generic_arrays_and_control_messages():
     assert (credit.kind, credit.body, credit.arrays) == ("credit", Credit(n=4, min_version=3), {})
 
 
-@pytest.mark.parametrize("body", [
-    Hello(actor_id="a", capacity=3, version=2, pid=7),
-    Welcome(session="s", addresses={"episodes": "tcp://127.0.0.1:1"}, lease_s=20.0),
-    Credit(n=2, min_version=1, replay=[ReplayTask(task=Task(id="t", prompt=[{"role": "user", "content": "1+1"}],
-                                                                answer={"gold": [2]}), n=3, k=1)],
-           withhold=Withhold(reset=True, add=["t1"], remove=["t0"])),
-    Ack(ids=["e1"], rejected=[Rejected(id="e2", reason="token_range: token id 99")]),
-    Status(actor_id="a", identity="a:1", capacity=4, version=3, batches=2, generate_s=1.5, stopping=True),
-    Alive(session="s", version=4), Stop(reason="done"), Subscribe(actor_id="a", have=-1),
-    Weights(version=3, path="/tmp/w.safetensors"), Event(event={"kind": "x", "nested": {"a": [1, None, "s"]}}),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        Hello(actor_id="a", capacity=3, version=2, pid=7),
+        Welcome(session="s", addresses={"episodes": "tcp://127.0.0.1:1"}, lease_s=20.0),
+        Credit(
+            n=2,
+            min_version=1,
+            replay=[
+                ReplayTask(
+                    task=Task(id="t", prompt=[{"role": "user", "content": "1+1"}], answer={"gold": [2]}), n=3, k=1
+                )
+            ],
+            withhold=Withhold(reset=True, add=["t1"], remove=["t0"]),
+        ),
+        Ack(ids=["e1"], rejected=[Rejected(id="e2", reason="token_range: token id 99")]),
+        Status(actor_id="a", identity="a:1", capacity=4, version=3, batches=2, generate_s=1.5, stopping=True),
+        Alive(session="s", version=4),
+        Stop(reason="done"),
+        Subscribe(actor_id="a", have=-1),
+        Weights(version=3, path="/tmp/w.safetensors"),
+        Event(event={"kind": "x", "nested": {"a": [1, None, "s"]}}),
+    ],
+)
 def test_every_message_kind_round_trips_typed(body):
     msg = decode(encode(body.KIND, body))
     assert type(msg.body) is type(body) and msg.body == body
@@ -193,42 +283,88 @@ def _deep(n: int):
 _W = {"kind": "weights", "body": {"version": 1}}
 
 
-@pytest.mark.parametrize("frames, err, words", [
-    ([b"\xc1\xff garbage"], WireError, "not a msgpack header"),
-    ([msgpack.packb([1, 2])], WireError, "message header: expected object, got array"),
-    ([_header(schema=99)], SchemaVersionError, "schema version 99, this process speaks 2"),
-    ([_header(body=...)], WireError, "missing required field 'body'"),
-    ([_header(kind="nope")], WireError, "unknown message kind 'nope'"),
-    ([_header(kind="hello", body={"actor_id": "x", "capacity": "lots"})], WireError,
-     "message 'hello' field 'capacity': expected int, got str"),
-    ([_header(kind="hello", body={"actor_id": "x", "capacity": None})], WireError,
-     "message 'hello' field 'capacity': expected int, got None"),
-    ([_header(kind="hello", body={"actor_id": "x", "capacity": 0})], WireError, "expected int >= 1"),
-    ([_header(kind="hello", body={"actor_id": "x"})], WireError,
-     "message 'hello': object missing required field 'capacity'"),
-    ([_header(kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1, "version": 0,
-                                    "kind": "boom"})], WireError, "unknown field 'kind'"),
-    ([_header(kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1,
-                                    "version": float("inf")})], WireError, "field 'version': expected int, got float"),
-    ([_header(kind="subscribe", body={"actor_id": "x", "have": "x"})], WireError,
-     "message 'subscribe' field 'have': expected int"),
-    ([_header(kind="event", body={"event": {"note": b"\x00\xff"}})], WireError,
-     "message 'event' field 'event[...]': expected bool | int | float | str | object | array | null, got bytes"),
-    ([_header(kind="event", body={"event": {"deep": _deep(990)}})], WireError, "nest at most 12 levels"),
-    ([_header(kind="stop", arrays=[{"name": "x", "dtype": "int32", "shape": [1]}]), b"1234"], WireError,
-     "only ['episode', 'weights'] messages carry arrays"),
-    ([_header(**_W, arrays=[{"name": "x", "dtype": "complex64", "shape": [1]}]), b"12345678"],
-     WireError, "unknown dtype 'complex64'"),
-    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}])], WireError,
-     "0 array frames but its header lists 1"),
-    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}]), b"123"], WireError,
-     "'x' frame has 3 bytes, expected 8"),
-    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2**32, 2**32]}]), b""], WireError,
-     f"'x' frame has 0 bytes, expected {4 * 2**64}"),  # the product must not wrap around to 0
-    ([_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [-1]}]), b""], WireError,
-     "message header field 'arrays[0].shape[0]': expected int >= 0"),
-    ([], WireError, "empty message"),
-])
+@pytest.mark.parametrize(
+    "frames, err, words",
+    [
+        ([b"\xc1\xff garbage"], WireError, "not a msgpack header"),
+        ([msgpack.packb([1, 2])], WireError, "message header: expected object, got array"),
+        ([_header(schema=99)], SchemaVersionError, "schema version 99, this process speaks 2"),
+        ([_header(body=...)], WireError, "missing required field 'body'"),
+        ([_header(kind="nope")], WireError, "unknown message kind 'nope'"),
+        (
+            [_header(kind="hello", body={"actor_id": "x", "capacity": "lots"})],
+            WireError,
+            "message 'hello' field 'capacity': expected int, got str",
+        ),
+        (
+            [_header(kind="hello", body={"actor_id": "x", "capacity": None})],
+            WireError,
+            "message 'hello' field 'capacity': expected int, got None",
+        ),
+        ([_header(kind="hello", body={"actor_id": "x", "capacity": 0})], WireError, "expected int >= 1"),
+        (
+            [_header(kind="hello", body={"actor_id": "x"})],
+            WireError,
+            "message 'hello': object missing required field 'capacity'",
+        ),
+        (
+            [
+                _header(
+                    kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1, "version": 0, "kind": "boom"}
+                )
+            ],
+            WireError,
+            "unknown field 'kind'",
+        ),
+        (
+            [_header(kind="status", body={"actor_id": "x", "identity": "x", "capacity": 1, "version": float("inf")})],
+            WireError,
+            "field 'version': expected int, got float",
+        ),
+        (
+            [_header(kind="subscribe", body={"actor_id": "x", "have": "x"})],
+            WireError,
+            "message 'subscribe' field 'have': expected int",
+        ),
+        (
+            [_header(kind="event", body={"event": {"note": b"\x00\xff"}})],
+            WireError,
+            "message 'event' field 'event[...]': expected bool | int | float | str | object | array | null, got bytes",
+        ),
+        ([_header(kind="event", body={"event": {"deep": _deep(990)}})], WireError, "nest at most 12 levels"),
+        (
+            [_header(kind="stop", arrays=[{"name": "x", "dtype": "int32", "shape": [1]}]), b"1234"],
+            WireError,
+            "only ['episode', 'weights'] messages carry arrays",
+        ),
+        (
+            [_header(**_W, arrays=[{"name": "x", "dtype": "complex64", "shape": [1]}]), b"12345678"],
+            WireError,
+            "unknown dtype 'complex64'",
+        ),
+        (
+            [_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}])],
+            WireError,
+            "0 array frames but its header lists 1",
+        ),
+        (
+            [_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2]}]), b"123"],
+            WireError,
+            "'x' frame has 3 bytes, expected 8",
+        ),
+        (
+            [_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [2**32, 2**32]}]), b""],
+            WireError,
+            f"'x' frame has 0 bytes, expected {4 * 2**64}",
+        ),  # the product must not wrap around to 0
+        (
+            [_header(**_W, arrays=[{"name": "x", "dtype": "int32", "shape": [-1]}]), b""],
+            WireError,
+            "message header field 'arrays[0].shape[0]': expected int >= 0",
+        ),
+        ([], WireError, "empty message"),
+    ],
+)
 def test_decode_errors(frames, err, words):
     with pytest.raises(err) as e:
         decode(frames)
@@ -277,19 +413,25 @@ def _broken_episode(mutate) -> str:
 def test_episode_field_errors():
     cols = lambda h: h["body"]["trajectories"]  # noqa: E731
     assert "field 'trajectories': object missing required field 'policy_version'" in _broken_episode(
-        lambda h, f: cols(h).pop("policy_version"))
+        lambda h, f: cols(h).pop("policy_version")
+    )
     assert "field 'trajectories.is_replay[1]': expected bool, got str" in _broken_episode(
-        lambda h, f: cols(h)["is_replay"].__setitem__(1, "yes"))
+        lambda h, f: cols(h)["is_replay"].__setitem__(1, "yes")
+    )
     assert "field 'trajectories.length' has 2 entries, expected 3" in _broken_episode(
-        lambda h, f: cols(h)["length"].pop())
+        lambda h, f: cols(h)["length"].pop()
+    )
     assert "'token_ids' has 15 elements but the trajectory lengths sum to 16" in _broken_episode(
-        lambda h, f: cols(h)["length"].__setitem__(0, 6))
-    assert "array 'exp_mask' is missing" in _broken_episode(
-        lambda h, f: (h["arrays"].pop(), f.pop()))
+        lambda h, f: cols(h)["length"].__setitem__(0, 6)
+    )
+    assert "array 'exp_mask' is missing" in _broken_episode(lambda h, f: (h["arrays"].pop(), f.pop()))
     assert "field 'episode.task': object missing required field 'id'" in _broken_episode(
-        lambda h, f: h["body"]["episode"].__setitem__("task", {}))
-    assert "field 'episode.decision[...]': expected bool | int | float | str | object | array | null, got bytes" in _broken_episode(
-        lambda h, f: h["body"]["episode"]["decision"].__setitem__("blob", b"\x00"))
+        lambda h, f: h["body"]["episode"].__setitem__("task", {})
+    )
+    assert (
+        "field 'episode.decision[...]': expected bool | int | float | str | object | array | null, got bytes"
+        in _broken_episode(lambda h, f: h["body"]["episode"]["decision"].__setitem__("blob", b"\x00"))
+    )
     assert "unknown field 'extra'" in _broken_episode(lambda h, f: h["body"]["episode"].__setitem__("extra", 1))
     with pytest.raises(WireError, match="expected an 'episode' message"):
         decode_episode(decode(encode_msg("stop")))
@@ -307,6 +449,7 @@ def test_encode_rejects_bad_values():
 
 
 # --- sockets ----------------------------------------------------------------------------------
+
 
 def test_bad_message_then_good_one_on_pull(ctx):
     pull, push = _pair(ctx)
@@ -346,11 +489,23 @@ def test_check_bind_host_refuses_public_without_keys(ctx):
         bind(sock, "0.0.0.0", 0)
 
 
-@pytest.mark.parametrize("host, expected", [
-    ("127.0.0.1", True), ("127.3.2.1", True), ("localhost", True), ("::1", True),
-    ("[::1]", True), ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("*", False),
-    ("10.0.0.1", False), ("::", False), ("example.com", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("*", False),
+        ("10.0.0.1", False),
+        ("::", False),
+        ("example.com", False),
+        ("", False),
+    ],
+)
 def test_is_loopback(host, expected):
     assert is_loopback(host) is expected
 
@@ -379,7 +534,7 @@ def test_drain_isolates_failures_and_stops_at_its_limit(ctx):
             reason = decode(frames).body.reason
             if reason == "1":
                 raise KeyError("a handler bug")
-            got.append(reason)
+            got.append(reason)  # noqa: B023 (drained before the next turn of the loop)
 
         taken = drain(pull, handle, limit=3, on_error=errors.append)
         assert taken <= 3
@@ -388,7 +543,7 @@ def test_drain_isolates_failures_and_stops_at_its_limit(ctx):
     assert got[:1] == ["0"] and isinstance(errors[0], KeyError)  # message 1 lost alone
     rest = []
     drain(pull, lambda fr: rest.append(decode(fr).body.reason), limit=10)
-    assert got + rest == ["0", "2", "3", "4"][:len(got + rest)] and len(got + rest) >= 2
+    assert got + rest == ["0", "2", "3", "4"][: len(got + rest)] and len(got + rest) >= 2
 
 
 def test_drain_lets_os_errors_through(ctx):
@@ -406,11 +561,15 @@ def test_drain_lets_os_errors_through(ctx):
 def test_curve_bundles_keep_the_server_secret_on_the_server(tmp_path):
     bundles = make_curve_keys(str(tmp_path / "keys"), ["0", "gpu"])
     files = {name: sorted(p.name for p in (tmp_path / "keys" / name).iterdir()) for name in bundles}
-    assert files == {"server": ["authorized", "server.key", "server.key_secret"],
-                     "actor-0": ["actor.key", "actor.key_secret", "server.key"],
-                     "actor-gpu": ["actor.key", "actor.key_secret", "server.key"]}
+    assert files == {
+        "server": ["authorized", "server.key", "server.key_secret"],
+        "actor-0": ["actor.key", "actor.key_secret", "server.key"],
+        "actor-gpu": ["actor.key", "actor.key_secret", "server.key"],
+    }
     assert sorted(p.name for p in (tmp_path / "keys" / "server" / "authorized").iterdir()) == [
-        "actor-0.key", "actor-gpu.key"]
+        "actor-0.key",
+        "actor-gpu.key",
+    ]
     server_public = (tmp_path / "keys" / "server" / "server.key").read_bytes()
     assert (tmp_path / "keys" / "actor-gpu" / "server.key").read_bytes() == server_public
     make_curve_keys(str(tmp_path / "keys"), ["new"])  # adding an actor keeps the server pair
@@ -421,8 +580,10 @@ def test_curve_bundles_keep_the_server_secret_on_the_server(tmp_path):
 def test_old_single_directory_keys_are_refused_with_how_to_regenerate(ctx, tmp_path):
     for name in ("server", "client"):
         zmq.auth.create_certificates(str(tmp_path), name)
-    for fn in (lambda: check_bind_host("0.0.0.0", str(tmp_path)),
-               lambda: apply_curve_client(ctx.socket(zmq.DEALER), str(tmp_path))):
+    for fn in (
+        lambda: check_bind_host("0.0.0.0", str(tmp_path)),
+        lambda: apply_curve_client(ctx.socket(zmq.DEALER), str(tmp_path)),
+    ):
         with pytest.raises(WireSecurityError, match="old single-directory CURVE layout.*asyncrl keys --out"):
             fn()
 
@@ -464,7 +625,8 @@ def test_curve_exchange_and_auth(ctx, tmp_path):
 
 
 def test_a_refused_actor_says_so_even_when_the_refusal_comes_before_its_monitor_or_its_hello(
-        ctx, tmp_path, monkeypatch, capsys):
+    ctx, tmp_path, monkeypatch, capsys
+):
     """CI, under load: a restarted actor whose key had been revoked never said it was refused. Two
     causes. libzmq tells a socket monitor only what happens after it is attached, and says a CURVE
     refusal once (it does not try again), but the actor attached its monitor after ``connect``. And
