@@ -67,7 +67,7 @@ browser:
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
 # bubblewrap: the OS sandbox that runs model-written code (Absolute Zero code_o, tests/test_sandbox*.py;
-# docs/absolute_zero.md). Installed once, as root or with sudo.
+# docs/algorithms/absolute_zero.md). Installed once, as root or with sudo.
 bwrap:
 	command -v bwrap >/dev/null || ( \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \

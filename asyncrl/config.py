@@ -109,7 +109,7 @@ LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class LoraSettings(_Base):
-    """LoRA adapters on the policy (``asyncrl.models.lora``; docs/lora.md)."""
+    """LoRA adapters on the policy (``asyncrl.models.lora``; docs/guide/lora.md)."""
 
     rank: int = Field(16, ge=1, description="Adapter rank r (A is r x in, B is out x r).")
     alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
@@ -359,7 +359,7 @@ class EngineConfig(_Base):
         description=(
             "vLLM with model.lora: 'merge' merges each version's adapters into the weights on the actor and "
             "loads the merged layers (vLLM generates as fast as without LoRA); 'adapter' serves them as a vLLM "
-            "LoRA adapter (enable_lora: faster updates, slower generation). docs/lora.md has the measurements."
+            "LoRA adapter (enable_lora: faster updates, slower generation). docs/guide/lora.md has the measurements."
         ),
     )
 
@@ -413,7 +413,7 @@ class ActorConfig(_Base):
             "When new weights reach the engine. batch: between generation batches (a batch runs to its longest "
             "sequence with one version; reproducible from the seed). inflight: between two decode steps; the "
             "engine generates continuously, the next batch's prompts filling rows as sequences finish, and "
-            "each token records its version (docs/inflight.md)."
+            "each token records its version (docs/design/inflight.md)."
         ),
     )
     concurrent_batches: int = Field(
@@ -429,7 +429,7 @@ class ActorConfig(_Base):
         description=(
             "weight_update=inflight, engine.type=hf: the key/value cache of the tokens before an update. recompute: "
             "rebuilt with the new weights (each token's log-prob is exactly its version's); keep: reused, as "
-            "PipelineRL does (docs/inflight.md measures the difference). vLLM always continues a request from "
+            "PipelineRL does (docs/design/inflight.md measures the difference). vLLM always continues a request from "
             "its prefix with a new cache."
         ),
     )
@@ -445,7 +445,7 @@ class AdvantageConfig(_Base):
         description=(
             "Advantage of a group of one: 'zero' (no baseline, no gradient) or 'verl' (verl's mean 0 / std 1: "
             "A = R, divided by 1 + 1e-6 with norm_by_std), which the experience-replay reference design's "
-            "isolate_replay_groups relies on (docs/replay.md)."
+            "isolate_replay_groups relies on (docs/algorithms/replay.md)."
         ),
     )
     std: Literal["unbiased", "population"] = Field(
@@ -466,7 +466,7 @@ class AdvantageConfig(_Base):
 
 
 class CriticConfig(_Base):
-    """The value model of ``train.advantage.estimator: gae`` (docs/objectives.md, "PPO with a critic")."""
+    """The value model of ``train.advantage.estimator: gae`` (docs/algorithms/objectives.md, "PPO with a critic")."""
 
     path: str | None = Field(
         None,
@@ -614,7 +614,7 @@ class TrainConfig(_Base):
         ge=0,
         description=(
             "DAPO's soft overlong punishment: the last this many tokens before overlong_max_len cost reward, "
-            "linearly from 0 to -overlong_penalty at the limit (docs/objectives.md); 0: off. The advantage "
+            "linearly from 0 to -overlong_penalty at the limit (docs/algorithms/objectives.md); 0: off. The advantage "
             "reads the shaped reward; reward_mean and the logs keep the environment's."
         ),
     )
@@ -643,7 +643,7 @@ class TrainConfig(_Base):
             "gets no gradient, as plain PPO against the behaviour policy would give it (gspo: the sequence's "
             "geometric-mean ratio against gspo_clip_*; cispo: its weight is the ratio against the behaviour policy, "
             "clipped). With one optimizer step per batch decoupled PPO's proximal policy is the current one, so its "
-            "own clip never acts and only this one bounds the update (docs/objectives.md). False: the proximal "
+            "own clip never acts and only this one bounds the update (docs/algorithms/objectives.md). False: the proximal "
             "clip alone."
         ),
     )
@@ -675,7 +675,7 @@ class TrainConfig(_Base):
         "asyncrl.objectives.corrections:OFF_POLICY_CORRECTIONS",
         "decoupled",
         description=(
-            "Behaviour weight from rho (needs recompute_proximal; docs/off_policy.md): 'decoupled' (AReaL: "
+            "Behaviour weight from rho (needs recompute_proximal; docs/design/off_policy.md): 'decoupled' (AReaL: "
             "min(rho, is_cap), or 0 above is_cap with is_cap_mode=mask), 'token_tis' (min(rho_t, is_cap)), "
             "'seq_tis' (min(prod rho_t, is_cap) per sequence), 'seq_mis' (prod rho_t, 0 above is_cap), "
             "'icepop' (rho_t inside [is_low, is_cap], else 0), 'geo_mask' (1 when the geometric mean of rho_t "
@@ -834,7 +834,7 @@ class BufferConfig(_Base):
 
 
 class ReplayConfig(_Base):
-    """Experience replay (ExGRPO-style; the reference design is in docs/replay.md). Composes with any algorithm whose
+    """Experience replay (ExGRPO-style; the reference design is in docs/algorithms/replay.md). Composes with any algorithm whose
     workflow honours per-task rollout counts (``supports_replay``; built in: grpo)."""
 
     enabled: bool = Field(False, description="Turn experience replay on.")
@@ -1299,7 +1299,9 @@ class Config(_Base):
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     replay: ReplayConfig = Field(
         default_factory=ReplayConfig,
-        description=("Experience replay of successful trajectories (ExGRPO; docs/replay.md); off by default."),
+        description=(
+            "Experience replay of successful trajectories (ExGRPO; docs/algorithms/replay.md); off by default."
+        ),
     )
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
     wire: WireConfig = Field(default_factory=WireConfig, description="Transport.")

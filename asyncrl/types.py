@@ -1,4 +1,4 @@
-"""The data model every part of asyncrl speaks (docs/architecture.md).
+"""The data model every part of asyncrl speaks (docs/design/architecture.md).
 
 A ``Task`` is one unit of work from a dataset or a proposer. A ``Trajectory`` is one token sequence
 the policy produced for it, possibly multi-turn, with per-token arrays aligned to ``token_ids``:

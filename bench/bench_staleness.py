@@ -5,7 +5,7 @@ corrections, several seeds each, at equal wall time (``--minutes``) or equal fre
     python bench/bench_staleness.py --seeds 3 --minutes 5                       # 8 settings x 3 seeds, ~2 h
     python bench/bench_staleness.py --seeds 3 --steps 400 --corrections off decoupled icepop
     python bench/bench_staleness.py --seeds 1 --minutes 0.4 --staleness 0 1 --corrections decoupled  # smoke
-    python bench/bench_staleness.py --merge runs/grid_a runs/grid_b --png docs/staleness.png  # grids together
+    python bench/bench_staleness.py --merge runs/grid_a runs/grid_b --png docs/img/staleness.png  # grids together
 
 Each run is ``asyncrl run -c CONFIG`` in its own process group (stopped with SIGINT at the time
 limit, killed if it does not stop; always killed in ``finally``). Per run it reads
@@ -26,14 +26,14 @@ per-token lag mean and max, the largest behaviour weight rho, capped and masked 
 held-out accuracy at every evaluation step all runs share (equal samples), mean ± 95% t interval over
 seeds, and each setting minus the first setting seed by seed (paired), mean ± 95% interval. The PNG's
 right panel is held-out accuracy against samples trained, with the 95% band. The study in
-``docs/staleness.md``:
+``docs/results/staleness.md``:
 
     STUDY="model.embedded.target_accuracy=0.1 model.embedded.heldout_size=1000 tasks.eval_size=1000 eval.size=1000"
     python bench/bench_staleness.py --seeds 5 --steps 800 --eval-every 100 --staleness 0 1 \
         --corrections decoupled --run-root runs/st_a --set $STUDY
     python bench/bench_staleness.py --seeds 5 --steps 800 --eval-every 100 --staleness 4 \
         --corrections off decoupled --actors 4 --run-root runs/st_b --set $STUDY
-    python bench/bench_staleness.py --merge runs/st_a runs/st_b --png docs/staleness.png
+    python bench/bench_staleness.py --merge runs/st_a runs/st_b --png docs/img/staleness.png
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# correction name -> config overrides (docs/off_policy.md); bounds where the default would not apply
+# correction name -> config overrides (docs/design/off_policy.md); bounds where the default would not apply
 CORRECTIONS: dict[str, list[str]] = {
     "off": ["train.recompute_proximal=false"],  # plain PPO against the behaviour policy
     "decoupled": [],  # the default: min(rho, is_cap)
@@ -60,15 +60,17 @@ CORRECTIONS: dict[str, list[str]] = {
     "seq_mis": ["train.off_policy_correction=seq_mis", "train.is_cap=3"],  # TRL's C = 3
     "icepop": ["train.off_policy_correction=icepop", "train.is_low=0.5"],
     "geo_mask": ["train.off_policy_correction=geo_mask", "train.is_cap=1.1"],  # length-normalised: near 1
-    "decoupled_noclip": ["train.behavior_clip=false"],  # the default before the behaviour clip (docs/objectives.md)
-    # the objectives menu (docs/objectives.md): estimators, losses, dynamic sampling, beside the default (grpo + ppo)
+    "decoupled_noclip": [
+        "train.behavior_clip=false"
+    ],  # the default before the behaviour clip (docs/algorithms/objectives.md)
+    # the objectives menu (docs/algorithms/objectives.md): estimators, losses, dynamic sampling, beside the default (grpo + ppo)
     "grpo": [],
     "rloo": ["train.advantage.estimator=rloo"],
     "reinforce_pp": ["train.advantage.estimator=reinforce_pp"],
     "gspo": ["train.policy_loss=gspo", "train.loss_agg_mode=seq-mean-token-mean"],  # the paper's aggregation
     "cispo": ["train.policy_loss=cispo"],
     "dynamic": ["buffer.filter_groups=true"],
-    # PPO with a critic (issue 46; docs/objectives.md): GAE with the defaults (gamma 1, lam 1: each token's
+    # PPO with a critic (issue 46; docs/algorithms/objectives.md): GAE with the defaults (gamma 1, lam 1: each token's
     # advantage is R - V(s_t), whitened), the critic 10x the policy's learning rate and 10 steps of value warm-up
     "gae": ["train.advantage.estimator=gae", "critic.lr=5e-4", "critic.warmup_steps=10"],
 }

@@ -6,7 +6,7 @@ best by reward, among those scoring at least ``algo.min_reward``, are trained on
 ``algo.advantage``, and the rest are not sent to the learner at all. The update raises the
 likelihood of the best samples: rejection-sampling fine-tuning, done asynchronously.
 
-What it takes (docs/architecture.md, "Adding an algorithm"): this file and a config,
+What it takes (docs/design/architecture.md, "Adding an algorithm"): this file and a config,
 ``examples/best_of_n.yaml``. From the repository's root (import paths resolve from the working
 directory)::
 

@@ -1,6 +1,6 @@
 """A tool-using agent trained as it is: a calculator offered through OpenAI tool calls.
 
-The agent is ordinary ``openai`` client code (``env.type=agent``; README "Bring your own
+The agent is ordinary ``openai`` client code (``env.type=agent``; docs/guide/your-tasks.md, "Bring your own
 environment"). It offers a ``calculator`` tool, runs the model's tool call, sends the result back as
 a ``tool`` message and takes the model's next reply as the answer. asyncrl trains on the exact
 tokens the model sampled in both calls, as one trajectory (the tool result is masked out).

@@ -9,7 +9,7 @@ of the questions and never trained on.
 Why the examples in the prompt: asked cold, SmolLM2-135M-Instruct answers in prose ("24 + 12 = 36\\n\\nThis
 is a classic example of...") and only 6% of its samples end on the right number, so most groups of 8
 are all wrong and GRPO has nothing to learn from; after the two examples 49% of its samples are right
-and most groups mix right and wrong (`asyncrl probe`, README "A real model").
+and most groups mix right and wrong (`asyncrl probe`, docs/guide/real-model.md).
 """
 
 from __future__ import annotations

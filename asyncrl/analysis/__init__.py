@@ -1,7 +1,7 @@
 """Reading a run directory into pandas: metrics, events per kind, and the algorithms' tables.
 
 Works on finished runs and on runs still being written (the learner flushes one JSON line at a
-time; see docs/events.md). A line without its newline yet (a live writer's tail) is not read; a
+time; see docs/design/events.md). A line without its newline yet (a live writer's tail) is not read; a
 complete line that is not a JSON object (a record cut short by a crash) is skipped. Both are
 reported with a :class:`TruncatedRecordWarning`, never an exception.
 

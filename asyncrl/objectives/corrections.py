@@ -1,6 +1,6 @@
 """Off-policy corrections: the detached behaviour weight of every generated token from
 ``rho_t = pi_prox(y_t) / pi_behav(y_t)`` (``train.off_policy_correction``, ``is_cap``, ``is_cap_mode``,
-``is_low``; docs/off_policy.md). A correction is one registered function; its name is all a config needs."""
+``is_low``; docs/design/off_policy.md). A correction is one registered function; its name is all a config needs."""
 
 from __future__ import annotations
 

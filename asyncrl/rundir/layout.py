@@ -8,7 +8,7 @@ from here, so a file is named in one place.
     runs/<name>/                                mode 0700: this user's alone
       config.yaml, config.resume-<step>.yaml   config snapshots (first start, each resume)
       metrics.jsonl, metrics.discarded.jsonl    one line per step (and steps a resume rolled back)
-      events.jsonl                              every event (docs/events.md)
+      events.jsonl                              every event (docs/design/events.md)
       addresses.json                            the learner's bound addresses (actors, UI)
       sock/                                     its ipc sockets (mode 0700; asyncrl.wire.sockets.socket_dir)
       learner.lock, learner.pid                 one learner per run directory

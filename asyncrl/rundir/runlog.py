@@ -1,4 +1,4 @@
-"""The run directory: config snapshot, metrics and events as JSON lines (schema in docs/events.md).
+"""The run directory: config snapshot, metrics and events as JSON lines (schema in docs/design/events.md).
 
 Every line is one JSON object with ``schema`` (EVENTS_SCHEMA), ``kind``, ``t`` (unix seconds) and
 ``step`` (learner policy version when written). Lines are flushed as written so that readers (the

@@ -1,4 +1,4 @@
-"""LoRA adapters as weight sync carries them (``model.lora``; docs/lora.md): their names, their
+"""LoRA adapters as weight sync carries them (``model.lora``; docs/guide/lora.md): their names, their
 shapes and how an engine applies them to a plain model in place. Shared by the learner's side
 (``asyncrl.models.lora``: peft, checkpoints, export) and the engines, which import no model-building code.
 

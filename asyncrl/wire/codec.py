@@ -1,4 +1,4 @@
-"""Wire format: a msgpack header + raw little-endian array frames (docs/events.md, "Wire messages").
+"""Wire format: a msgpack header + raw little-endian array frames (docs/design/events.md, "Wire messages").
 
 Every message is a multipart ZeroMQ message::
 

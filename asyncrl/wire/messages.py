@@ -1,4 +1,4 @@
-"""Typed wire messages: one msgspec Struct per message kind (docs/events.md, "Wire messages").
+"""Typed wire messages: one msgspec Struct per message kind (docs/design/events.md, "Wire messages").
 
 Every message body is a :class:`Body` subclass named on the wire by its ``KIND``. Decoding a body
 (:func:`asyncrl.wire.codec.decode`) checks every field's type and bounds and rejects unknown and
@@ -35,15 +35,17 @@ from typing import Annotated, Any, ClassVar, get_type_hints
 
 import msgspec
 
-from ..types import (
+from ..types import (  # noqa: F401 (JSON_MAX_DEPTH, Json, Task: the wire's names for them, imported from here)
+    JSON_MAX_DEPTH,
     PER_TOKEN,
     Count,
     Episode,
     Id,
+    Json,
     JsonMap,
     Name,
     Seconds,
-    Task,  # noqa: F401
+    Task,
     Version,
     new_id,
     trajectory_columns,
@@ -76,7 +78,7 @@ class Welcome(Body):
 
 class ReplayTask(Body):
     """An experience-replay assignment: generate ``n`` fresh rollouts of ``task``; the learner
-    adds ``k`` stored trajectories to them (docs/replay.md)."""
+    adds ``k`` stored trajectories to them (docs/algorithms/replay.md)."""
 
     task: Task
     n: Annotated[int, msgspec.Meta(ge=1)]

@@ -1,7 +1,7 @@
 """ZeroMQ socket helpers: loopback-only binding unless CURVE keys are set, CURVE key bundles, and
 the one receive loop every process uses (see ``asyncrl.wire.codec`` for the frame layout).
 
-Security rule (docs/events.md, "Channels and keys"): a process may bind a non-loopback address only
+Security rule (docs/design/events.md, "Channels and keys"): a process may bind a non-loopback address only
 on a socket that is a CURVE server (``apply_curve_server`` before ``bind``). ``asyncrl keys --out
 DIR`` (:func:`make_curve_keys`) makes one bundle per party, so that no machine holds a secret it
 does not need::
@@ -17,7 +17,7 @@ or DIR itself, in which case the learner takes ``DIR/server`` and actor ``<id>``
 authenticator (:func:`start_curve_auth`) admits only the public keys in ``server/authorized`` and
 reports every other key it refuses.
 
-Who may connect (README "Security"): loopback is not a trust boundary (every local user reaches
+Who may connect (docs/design/security.md): loopback is not a trust boundary (every local user reaches
 127.0.0.1), so no learner socket listens on plain TCP. Without CURVE keys the learner binds
 ``ipc://`` sockets in a private directory (:func:`private_dir`: owned by this user, mode 0700), so the
 operating system refuses every other user's ``connect``; with keys it binds TCP (loopback included)

@@ -50,7 +50,7 @@ class AbsoluteZeroConfig(BaseModel):
     mode: Literal["unified", "joint"] = Field(
         "unified",
         description=(
-            "unified (learnability filter, solver trained only); joint: also train the proposer (docs/absolute_zero.md)."
+            "unified (learnability filter, solver trained only); joint: also train the proposer (docs/algorithms/absolute_zero.md)."
         ),
     )
     proposer_update: Literal["sampled", "group"] = Field(

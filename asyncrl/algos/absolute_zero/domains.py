@@ -111,7 +111,7 @@ class ArithmeticDomain(Domain):
 
     Proposer: ``propose:12+34`` -> an expression such as ``37+45``; the safe evaluator
     (:mod:`asyncrl.sandbox.arith`) checks it and computes the answer; the solver sees ``37+45=``,
-    the format the tiny model was warm-started on. The reference design's dimensions (docs/absolute_zero.md) map to:
+    the format the tiny model was warm-started on. The reference design's dimensions (docs/algorithms/absolute_zero.md) map to:
 
     - ``completion``: 1 if the reply is exactly the right integer (the task is done), else 0;
     - ``safety``: 1 if the reply is a well-formed bare integer, 0 for anything else (text, several

@@ -1,5 +1,5 @@
 """Absolute Zero's unified reward and learnability filter (the reference design's
-``_compute_unified_reward_and_filter``, docs/absolute_zero.md), as pure functions over score tables.
+``_compute_unified_reward_and_filter``, docs/algorithms/absolute_zero.md), as pure functions over score tables.
 
 Shapes: a *question* has ``n`` responses, each a dict of named scores; a *group* is the ``k``
 questions one seed prompt produced. Learnability of a question is one check per
@@ -45,7 +45,7 @@ class Dimension:
         return self.min_ratio - RATIO_EPS <= ratio <= self.max_ratio + RATIO_EPS
 
 
-# The reference design's two dimensions and their defaults (docs/absolute_zero.md).
+# The reference design's two dimensions and their defaults (docs/algorithms/absolute_zero.md).
 SEED_DIMENSIONS = (
     Dimension("safety", "safety", 0.5, "above", 0.3, 0.7),  # safe_ratio = #(safety > 0.5) / n
     Dimension("completion", "completion", 0.5, "below", 0.3, 0.7),  # incomplete_ratio

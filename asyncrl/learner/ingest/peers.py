@@ -1,7 +1,7 @@
 """The learner's dealings with peers it does not trust: episode validation, the ingest step
 (validate -> write-ahead log -> acknowledge), control messages, leases, and rate-limited reports.
 
-Promises (docs/events.md, "Peers that misbehave"):
+Promises (docs/design/events.md, "Peers that misbehave"):
 - An episode is checked completely (:class:`EpisodeValidator`) before it is written to the WAL and
   acknowledged. An invalid one is never written and never acknowledged as kept: the actor's ``ack``
   lists it under ``rejected`` with the reason, and the actor drops it (it would be rejected again).

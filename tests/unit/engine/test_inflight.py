@@ -106,7 +106,7 @@ def test_tokens_after_an_inflight_update_carry_the_new_version(tokenizer, kv):
     """Weights change between two decode steps: tokens before carry version 0, after it version 1.
     With kv_on_update=recompute every behaviour log-prob equals a recomputation with its own
     version's weights within 1e-5; with keep, the tokens after the update were computed over keys and
-    values of the old weights, and the gap is measured (docs/inflight.md)."""
+    values of the old weights, and the gap is measured (docs/design/inflight.md)."""
     a, b = _model(tokenizer, 0), _model(tokenizer, 1)
     engine = HFEngine(_model(tokenizer, 0), tokenizer)
     engine.start_continuous(kv)

@@ -1,4 +1,4 @@
-"""The package's import structure (docs/architecture.md, "Import rules"): no import cycle between
+"""The package's import structure (docs/design/architecture.md, "Import rules"): no import cycle between
 modules, and the forbidden directions between layers.
 
 Every module under ``asyncrl/`` and ``app/`` (installed as ``asyncrl.app``) is parsed with :mod:`ast` (nothing is imported or run).
@@ -426,7 +426,7 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
 
 # --------------------------------------------------------------------------------- floors of the house
 # The package's rooms from the ground up: a module may import its own room and the rooms of lower
-# floors, never a room of its own floor or above (docs/architecture.md, "Module map"). A room is a
+# floors, never a room of its own floor or above (docs/design/architecture.md, "Module map"). A room is a
 # top-level package or module of asyncrl (``asyncrl.app``, the app/ folder, is one room; an algorithm's UI tab is a room of its own).
 FLOORS = [
     ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names", "asyncrl.testing"),

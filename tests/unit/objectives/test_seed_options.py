@@ -1,4 +1,4 @@
-"""The reference designs' options and the numeric fixes of issue 16 (docs/seed_fidelity.md), against
+"""The reference designs' options and the numeric fixes of issue 16 (docs/algorithms/seed_fidelity.md), against
 hand-computed numbers: GRPO in float64 with equal-reward groups exactly 0, verl's group-of-one rule,
 population vs unbiased std (RLCR), ECE bin edges, replay retrieval by sampling, Absolute Zero's
 question-group size."""
@@ -167,7 +167,7 @@ def test_one_question_per_group_is_refused():
     with pytest.raises(ConfigError, match=r"algo\.questions_per_prompt.*at least 2.*never mixed"):
         validate_section(AbsoluteZeroConfig, {"questions_per_prompt": 1}, "algo")
     assert validate_section(AbsoluteZeroConfig, {"questions_per_prompt": 2}, "algo").questions_per_prompt == 2
-    # where (docs/seed_fidelity.md): not at config load, which does not know the algorithm's settings, but at
+    # where (docs/algorithms/seed_fidelity.md): not at config load, which does not know the algorithm's settings, but at
     # start-up, by preflight, before anything is built or written
     from asyncrl.commands.preflight import preflight
 
