@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_tools.py [--calls 2000]
 
-Prints, for the ``add`` tool of ``tests/vf_envs_for_tests.py`` (a calculator a model calls): the
+Prints, for the ``add`` tool of ``asyncrl/testing/verifiers_tasksets.py`` (a calculator a model calls): the
 sandboxed worker's start (bubblewrap, a fresh interpreter, importing verifiers, building the
 toolsets: paid once per actor and task class, and again after a hung tool is killed), then the
 time per call through the sandbox against calling the method in process (what asyncrl did before).
@@ -26,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args()
-    taskset = load_taskset("tests.vf_envs_for_tests:ToolAddTaskset", None)
+    taskset = load_taskset("asyncrl.testing.verifiers_tasksets:ToolAddTaskset", None)
     vtask = next(iter(taskset))
     sandbox = ToolSandbox(type(vtask), vtask.config)
     try:

@@ -232,12 +232,12 @@ _ZYGOTE = None
 
 
 def _zygote():
-    """This test process's zygote (tests/zygote.py), started on first use, closed at the session's end."""
+    """This test process's zygote (tests/support/zygote.py), started on first use, closed at the session's end."""
     global _ZYGOTE
     if _ZYGOTE is None:
         import atexit
 
-        from tests.zygote import Zygote
+        from tests.support.zygote import Zygote
 
         status = Path(tempfile.mkdtemp(prefix="asyncrl-zygote-"))
         _ZYGOTE = Zygote(status, subprocess_env())
@@ -262,7 +262,7 @@ def pytest_sessionfinish(session, exitstatus):
 def start_cli(*args: str, log: Path | None = None, env: dict | None = None, **kw) -> subprocess.Popen:
     """``asyncrl ARGS`` in its own session (so :func:`kill_tree` reaches all of it); output to
     ``log`` or a pipe (text). ``asyncrl learn`` and ``serve`` with a log are forked from a preloaded
-    zygote (tests/zygote.py: no 5 s of imports each), as ``asyncrl run`` forks its children."""
+    zygote (tests/support/zygote.py: no 5 s of imports each), as ``asyncrl run`` forks its children."""
     env = env or subprocess_env()
     if log is not None and args and args[0] in ("learn", "serve") and not kw:
         proc = _zygote().start(list(args), env, log)
@@ -281,7 +281,7 @@ def start_cli(*args: str, log: Path | None = None, env: dict | None = None, **kw
 def run_cli(*args: str, timeout: float, **kw) -> subprocess.CompletedProcess:
     """Like ``subprocess.run(cli(*args), capture_output=True, text=True, timeout=...)``, but in its
     own session, and the whole process tree is killed when it times out or the test fails. Forked
-    from the preloaded zygote (tests/zygote.py) unless ``kw`` asks for more than an environment."""
+    from the preloaded zygote (tests/support/zygote.py) unless ``kw`` asks for more than an environment."""
     env = kw.pop("env", None) or subprocess_env()
     if not kw:
         with tempfile.TemporaryDirectory(prefix="asyncrl-run-cli-") as d:
@@ -400,7 +400,7 @@ SMALL_RUN = [
     "actor.tasks_per_batch=4",
     "train.batch_tasks=4",
     "train.lr=1e-3",
-    "env.reward=tests.plugins_for_tests:short_reply_reward",
+    "env.reward=tests.support.plugins:short_reply_reward",
     "eval.size=8",
     "eval.every=0",
     "actor.heartbeat_s=0.2",

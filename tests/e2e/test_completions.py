@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.analysis import load_run
 from asyncrl.app.kit import fmt
-from tests._ui_runs import screenshot, ui_in_browser, visible_text, wait_page
 from tests.conftest import ROOT, run_cli
+from tests.support.ui_runs import screenshot, ui_in_browser, visible_text, wait_page
 
 
 @pytest.fixture(scope="module")

@@ -36,18 +36,11 @@ from tests.conftest import (
     wal_ids,
 )
 from tests.conftest import SMALL_RUN as COMMON
+from tests.support.factories import episode, trajectory
 
 
 def _episode(eid: str, version: int = 0, n: int = 6) -> Episode:
-    t = Trajectory(
-        token_ids=np.arange(n),
-        loss_mask=[0, 0] + [1] * (n - 2),
-        behavior_logprobs=[0.0] * n,
-        policy_version=version,
-        reward=1.0,
-        group_id=eid,
-    )
-    return Episode(trajectories=[t], id=eid)
+    return episode(eid, trajectory(n, prompt=2, version=version, logprob=0.0, group_id=eid))
 
 
 def _write_wal(directory, ids, segment: int = 0) -> EpisodeQueue:

@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 from asyncrl.testing import netns
 from asyncrl.wire.sockets import make_curve_keys
 from tests.conftest import ROOT, read_jsonl, subprocess_env
-from tests.dist_step_worker import assert_matches, one_step
+from tests.support.dist_step_worker import assert_matches, one_step
 
 pytestmark = pytest.mark.slow
 
-WORKER = ROOT / "tests" / "dist_step_worker.py"
+WORKER = ROOT / "tests" / "support" / "dist_step_worker.py"
 STEP_CASES = ["token-mean", "shared_prefix", "micro_seq-mean-token-sum", "skip_rows"]
 
 

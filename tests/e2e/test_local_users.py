@@ -1,5 +1,5 @@
 """No trust in loopback (issue 41): another local user (a process that drops to uid 65534 after it
-starts, ``tests/other_user.py``) reaches no channel of a run, and an authorised peer cannot speak
+starts, ``tests/support/other_user.py``) reaches no channel of a run, and an authorised peer cannot speak
 for another. Real processes and real sockets throughout; every process is stopped in a ``finally``.
 
 - 41.1: the weights channel, which carried the policy and the rendezvous store's secret to anyone,
@@ -34,9 +34,9 @@ DEADLINE_S = 240
 
 
 def other_user(attack: str, seconds: float, *args: str) -> dict:
-    """Run one attack as uid 65534 (``tests.other_user``) and return what it reported."""
+    """Run one attack as uid 65534 (``tests.support.other_user``) and return what it reported."""
     res = subprocess.run(
-        [sys.executable, "-m", "tests.other_user", attack, str(seconds), *args],
+        [sys.executable, "-m", "tests.support.other_user", attack, str(seconds), *args],
         cwd=ROOT,
         env=subprocess_env(),
         capture_output=True,

@@ -2,7 +2,7 @@
 credits, and a stop in the middle of a long step keeps the steps done before it.
 
 Real ``asyncrl`` processes on loopback (``asyncrl.testing.peer_attacks.LiveRun``); the actor's engine is the real
-HF engine on a model whose forward passes are slowed down (``tests.plugins_for_tests:slow_hf_engine``),
+HF engine on a model whose forward passes are slowed down (``tests.support.plugins:slow_hf_engine``),
 so a batch takes five times ``wire.credit_timeout_s`` while its tokens come one step at a time."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_a_batch_five_times_the_credit_timeout_keeps_its_credits(tmp_path, tiny_
             "wire.lease_s=30",
             f"wire.credit_timeout_s={CREDIT_TIMEOUT_S}",
             "sampling.max_new_tokens=10",
-            "engine.type=tests.plugins_for_tests:slow_hf_engine",
+            "engine.type=tests.support.plugins:slow_hf_engine",
         ],
     )
     try:
@@ -71,7 +71,7 @@ def test_a_stop_in_the_middle_of_a_long_step_saves_the_last_step_and_its_episode
         "train.total_steps=100000",
         "train.micro_batch_tokens=16",
         "train.skip_zero_advantage=false",
-        "train.policy_loss=tests.plugins_for_tests:slow_ppo_loss",
+        "train.policy_loss=tests.support.plugins:slow_ppo_loss",
     ]
     log = tmp_path / "stop.log"
     with open(log, "w") as out:

@@ -12,8 +12,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from tests._ui_runs import make_runs
 from tests.conftest import ROOT
+from tests.support.ui_runs import make_runs
 
 NOTEBOOKS = ROOT / "notebooks"
 # notebook -> (run it reads, figures it must draw)

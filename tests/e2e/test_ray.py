@@ -23,7 +23,7 @@ from tests.conftest import ROOT, kill_tree, read_jsonl, run_cli
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed (pip install '.[ray]')", allow_module_level=True)
 
-from tests.ray_util import DEADLINE_S, Driver, _cmdline, _descendants, _listening, _metrics, ray_env  # noqa: E402,F401
+from tests.support.ray_cluster import DEADLINE_S, Driver, _cmdline, _descendants, _listening, _metrics, ray_env  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_an_actor_that_fails_for_good_is_the_learners_stop_reason(ray_env, tmp_p
         f"run_root={tmp_path}",
         "name=broken",
         "launch.ray.max_restarts=0",
-        "env.reward=tests.plugins_for_tests:broken_reward",
+        "env.reward=tests.support.plugins:broken_reward",
         "train.total_steps=50",
         "eval.size=4",
         "eval.every=0",

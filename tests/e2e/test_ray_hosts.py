@@ -29,7 +29,7 @@ from tests.conftest import ROOT, kill_tree
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed (pip install '.[ray]')", allow_module_level=True)
 
-from tests.ray_util import DEADLINE_S, Driver, _cmdline, _events, _metrics, ray_env  # noqa: E402,F401
+from tests.support.ray_cluster import DEADLINE_S, Driver, _cmdline, _events, _metrics, ray_env  # noqa: E402,F401
 
 HEAD, LEARNER_HOST, WORKER_HOSTS = 0, 1, (2, 3)
 

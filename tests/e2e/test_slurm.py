@@ -1,5 +1,5 @@
 """``asyncrl run --scheduler slurm`` against a real SLURM (Debian's slurm-wlm and munge, a one-node
-cluster started by the fixture, tests/slurm_cluster.py): the sbatch script it writes from the
+cluster started by the fixture, tests/support/slurm_cluster.py): the sbatch script it writes from the
 config, a short job submitted with ``sbatch`` that trains to completion, and ``scancel`` mid-run,
 which stops every process cleanly (the learner checkpoints) and leaves nothing behind."""
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, subprocess_env
-from tests.slurm_cluster import SlurmCluster, missing, stepds
+from tests.support.slurm_cluster import SlurmCluster, missing, stepds
 
 
 def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -18,7 +18,8 @@ import zmq
 
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.wire.codec import encode_msg
-from tests._ui_runs import (
+from tests.conftest import ROOT, cli, read_jsonl
+from tests.support.ui_runs import (
     Browser,
     LineReader,
     make_runs,
@@ -33,7 +34,6 @@ from tests._ui_runs import (
     wait_dom,
     wait_page,
 )
-from tests.conftest import ROOT, cli, read_jsonl
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ from asyncrl.analysis import (
     read_records,
     reliability_frame,
 )
-from tests._ui_runs import make_runs, start_logged, stop
 from tests.conftest import ROOT, cli
+from tests.support.ui_runs import make_runs, start_logged, stop
 
 
 @pytest.fixture(scope="session")

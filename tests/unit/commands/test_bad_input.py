@@ -89,8 +89,8 @@ def test_a_missing_task_file_and_a_too_long_prompt_are_one_line(tmp_path):
     "args, expected",
     [
         (
-            ["env.reward=tests.plugins_for_tests:no_such_reward"],
-            "env.reward: module 'tests.plugins_for_tests' has no attribute",
+            ["env.reward=tests.support.plugins:no_such_reward"],
+            "env.reward: module 'tests.support.plugins' has no attribute",
         ),
         (["env.type=nosuchpkg.envs:Env"], "env.type: cannot import module 'nosuchpkg.envs'"),
         (["algorithm=grpoo"], "algorithm: unknown algorithm 'grpoo'"),
@@ -123,8 +123,8 @@ def _env(reward: str, **over):
     "reward, expected",
     [
         (
-            "tests.plugins_for_tests:broken_reward",
-            "env.reward tests.plugins_for_tests:broken_reward (evaluate, task t1) raised KeyError: 'answer'",
+            "tests.support.plugins:broken_reward",
+            "env.reward tests.support.plugins:broken_reward (evaluate, task t1) raised KeyError: 'answer'",
         ),
         (
             "tests.unit.commands.test_bad_input:nan_reward",
@@ -159,7 +159,7 @@ def dict_without_reward(task, response):
 
 
 def test_a_reward_that_never_returns_times_out():
-    env = _env("tests.plugins_for_tests:hanging_reward", call_timeout_s=0.5)
+    env = _env("tests.support.plugins:hanging_reward", call_timeout_s=0.5)
     t0 = time.time()
     with pytest.raises(EnvFailure, match=r"no result after 0.5 s \(env.call_timeout_s\)"):
         env.evaluate(TASK, REPLY)
@@ -167,14 +167,14 @@ def test_a_reward_that_never_returns_times_out():
 
 
 def test_too_many_failures_stop_an_actor_with_the_last_error():
-    env = _env("tests.plugins_for_tests:broken_reward", max_failure_rate=0.5)
+    env = _env("tests.support.plugins:broken_reward", max_failure_rate=0.5)
     for _ in range(20):
         with pytest.raises(EnvFailure):
             env.evaluate(TASK, REPLY)
     with pytest.raises(TooManyFailures, match="20 of the last 20 calls .* failed .*last error: .*KeyError"):
         env.evaluate(TASK, REPLY)
     learner_side = make_env(
-        load_config(None, ["env.reward=tests.plugins_for_tests:broken_reward"]).env, stop_on_failures=False
+        load_config(None, ["env.reward=tests.support.plugins:broken_reward"]).env, stop_on_failures=False
     )
     for _ in range(25):  # evaluation records failures and never stops
         with pytest.raises(EnvFailure):
@@ -190,7 +190,7 @@ def test_a_run_with_a_flaky_reward_trains_and_records_the_failures(tmp_path, tin
         *tiny_overrides,
         f"run_root={tmp_path}",
         "name=flaky",
-        "env.reward=tests.plugins_for_tests:flaky_reward",
+        "env.reward=tests.support.plugins:flaky_reward",
         "train.total_steps=4",
         "train.batch_tasks=4",
         "actor.tasks_per_batch=4",
@@ -231,7 +231,7 @@ def test_a_failed_actor_is_named_on_the_console_in_the_summary_and_at_a_retry(tm
         *tiny_overrides,
         f"run_root={tmp_path}",
         "name=broken",
-        "env.reward=tests.plugins_for_tests:broken_reward",
+        "env.reward=tests.support.plugins:broken_reward",
         "train.total_steps=50",
         "eval.size=4",
         "eval.every=0",
@@ -259,7 +259,7 @@ def test_a_hanging_reward_does_not_block_a_stop(tmp_path, tiny_overrides):
         *tiny_overrides,
         f"run_root={tmp_path}",
         "name=hang",
-        "env.reward=tests.plugins_for_tests:hanging_reward",
+        "env.reward=tests.support.plugins:hanging_reward",
         "env.call_timeout_s=600",
         "train.total_steps=50",
         "eval.size=4",
@@ -293,7 +293,7 @@ def test_a_hanging_reward_stops_the_run_with_one_line_and_the_learner_keeps_answ
         *tiny_overrides,
         f"run_root={tmp_path}",
         "name=hung",
-        "env.reward=tests.plugins_for_tests:hanging_reward",
+        "env.reward=tests.support.plugins:hanging_reward",
         "env.call_timeout_s=2",
         "eval.size=8",
         "eval.hung_after=4",

@@ -39,7 +39,7 @@ def test_probe_says_when_every_group_is_the_same(tiny_overrides):
         "4",
         "--json",
         "sampling.n=2",
-        "env.reward=tests.plugins_for_tests:constant_reward",
+        "env.reward=tests.support.plugins:constant_reward",
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr

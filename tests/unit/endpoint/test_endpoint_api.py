@@ -22,7 +22,7 @@ from asyncrl.learner.training.batch_stats import batch_metrics
 from asyncrl.objectives.advantages import trajectory_advantages
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Episode, Task, Trajectory
-from tests.agents_for_tests import every_reply_calls_add
+from tests.support.agents import every_reply_calls_add
 
 openai = pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
@@ -228,7 +228,7 @@ def test_a_thousand_sessions_on_one_actor(random_engine, tok):
         None,
         [
             "env.type=agent",
-            "env.agent=tests.agents_for_tests:one_call",
+            "env.agent=tests.support.agents:one_call",
             "sampling.n=4",
             "sampling.max_new_tokens=2",
             "env.call_timeout_s=600",
@@ -326,7 +326,7 @@ def test_agent_rollouts_of_three_rows_are_one_sample_each(random_engine, tok):
         None,
         [
             "env.type=agent",
-            "env.agent=tests.agents_for_tests:three_separate_calls",
+            "env.agent=tests.support.agents:three_separate_calls",
             "sampling.n=4",
             "sampling.temperature=3.0",
             "sampling.max_new_tokens=5",
@@ -389,7 +389,7 @@ def test_agent_batches_share_the_continuous_engine(tok):
         None,
         [
             "env.type=agent",
-            "env.agent=tests.agents_for_tests:three_separate_calls",
+            "env.agent=tests.support.agents:three_separate_calls",
             "sampling.n=2",
             "sampling.temperature=3.0",
             "sampling.max_new_tokens=6",
@@ -435,7 +435,7 @@ def test_each_running_rollout_is_lent_a_client_of_its_own(random_engine, tok, tm
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
     cfg = load_config(
         None,
-        ["env.type=agent", f"env.agent=tests.agents_for_tests:{agent}", "sampling.n=4", "sampling.max_new_tokens=4"],
+        ["env.type=agent", f"env.agent=tests.support.agents:{agent}", "sampling.n=4", "sampling.max_new_tokens=4"],
     )
     env, wf = make_env(cfg.env), get_workflow("grpo", cfg)
     tasks = [Task(id=f"t{i}", prompt=[{"role": "user", "content": f"{i}+1="}], answer=str(i + 1)) for i in range(3)]

@@ -152,7 +152,7 @@ def test_the_agents_unix_socket_is_served_when_the_tcp_port_is_full(serving, mon
 def test_another_user_cannot_reach_the_agents_unix_socket(serving):
     ep = serving()
     res = subprocess.run(
-        [sys.executable, "-m", "tests.other_user", "uds", "2", ep.server.uds_path],
+        [sys.executable, "-m", "tests.support.other_user", "uds", "2", ep.server.uds_path],
         cwd=ROOT,
         env=subprocess_env(),
         capture_output=True,

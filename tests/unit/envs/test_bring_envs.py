@@ -16,10 +16,10 @@ from tests.conftest import read_jsonl, run_cli
 pytest.importorskip("verifiers.v1", reason="the envs extra (pip install -e '.[envs]') is not installed")
 pytest.importorskip("reasoning_gym", reason="the envs extra (pip install -e '.[envs]') is not installed")
 
-SINGLE = "tests.vf_envs_for_tests:AddTaskset"
+SINGLE = "asyncrl.testing.verifiers_tasksets:AddTaskset"
 MULTI = [
-    "env.kwargs.taskset=tests.vf_envs_for_tests:ToolAddTaskset",
-    "env.kwargs.tool_parser=tests.vf_envs_for_tests:add_call_parser",
+    "env.kwargs.taskset=asyncrl.testing.verifiers_tasksets:ToolAddTaskset",
+    "env.kwargs.tool_parser=asyncrl.testing.verifiers_tasksets:add_call_parser",
     "env.max_turns=3",
 ]
 
@@ -89,7 +89,11 @@ def test_verifiers_config_errors_are_one_line():
     with pytest.raises(ConfigError, match="needs its taskset: env.kwargs.taskset="):
         make_env(load_config(None, ["env.type=verifiers"]).env)
     with pytest.raises(ConfigError, match="not a verifiers Taskset"):
-        make_env(load_config(None, ["env.type=verifiers", "env.kwargs.taskset=tests.vf_envs_for_tests:AddTask"]).env)
+        make_env(
+            load_config(
+                None, ["env.type=verifiers", "env.kwargs.taskset=asyncrl.testing.verifiers_tasksets:AddTask"]
+            ).env
+        )
     with pytest.raises(ConfigError, match="refused it"):
         make_env(
             load_config(
@@ -162,7 +166,7 @@ def openenv_server(monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.openenv_for_tests", str(port)],
+        [sys.executable, "-m", "tests.support.openenv_env", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -197,7 +201,7 @@ def test_openenv_environment_through_the_agent_path(random_engine, tok, openenv_
         None,
         [
             "env.type=agent",
-            "env.agent=tests.agents_for_tests:openenv_add",
+            "env.agent=tests.support.agents:openenv_add",
             "sampling.n=3",
             "sampling.max_new_tokens=3",
             "sampling.temperature=2.0",

@@ -341,7 +341,7 @@ def test_every_name_table_is_a_registry_with_the_import_path_fallback():
     )
     assert all(isinstance(t, Registry) for t in tables)
     assert REWARDS.resolve("exact_match", "env.reward") is REWARDS["exact_match"]
-    assert REWARDS.resolve("tests.plugins_for_tests:short_reply_reward", "env.reward").__name__ == "short_reply_reward"
+    assert REWARDS.resolve("tests.support.plugins:short_reply_reward", "env.reward").__name__ == "short_reply_reward"
     assert ENVS.resolve("calculator", "env.type").__name__ == "CalculatorEnv"  # a lazily imported built-in
     try:
         REWARDS.resolve("nope", "env.reward", what="function")
@@ -429,7 +429,7 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
 # floors, never a room of its own floor or above (docs/design/architecture.md, "Module map"). A room is a
 # top-level package or module of asyncrl (``asyncrl.app``, the app/ folder, is one room; an algorithm's UI tab is a room of its own).
 FLOORS = [
-    ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names", "asyncrl.testing"),
+    ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names"),
     ("asyncrl.plugins", "asyncrl.wire", "asyncrl.prompts", "asyncrl.sandbox"),
     ("asyncrl.registry", "asyncrl.rundir"),
     ("asyncrl.schedulers", "asyncrl.weights", "asyncrl.objectives"),
@@ -444,6 +444,7 @@ FLOORS = [
     ("asyncrl.app",),
     ALGO_UI,
     ("asyncrl.commands",),
+    ("asyncrl.testing",),  # the harnesses of the tests and benchmarks may use anything; nothing uses them
     ("asyncrl.__main__",),
 ]
 # Inside the learner: training may use ingest's staleness policy, ingest knows nothing of training, and

@@ -4,7 +4,7 @@
 flex attention on a CPU without a backward, so here its forward is checked against the padded one
 (log-probs, entropies) and its mask against the block mask it replaces, slot by slot. ``varlen``:
 one flat bin of whole rows through torch's variable-length kernel, which is CUDA-only; on a CPU its
-reference (one SDPA call per sequence, ``tests.plugins_for_tests.cpu_varlen``) stands in for the
+reference (one SDPA call per sequence, ``tests.support.plugins.cpu_varlen``) stands in for the
 kernel, and everything around it (the flat bin, cu_seqlens, the registered attention function, the
 switch of the model's implementation) gives the padded step's log-probs, gradients and update for
 every aggregation mode, with a critic and with LoRA adapters. Sliding windows, GQA, and the choice
@@ -24,7 +24,7 @@ from asyncrl.learner.training.packing import cu_seqlens, pack_rows
 from asyncrl.learner.training.trainer import PolicyTrainer
 from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
-from tests.plugins_for_tests import cpu_varlen
+from tests.support.plugins import cpu_varlen
 from tests.unit.learner.test_packing import REFERENCE, VOCAB, _batch, _model, _same
 
 TOL = 1e-5

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from asyncrl.learner.ingest.buffer import EpisodeQueue
 from asyncrl.learner.ingest.staleness import StalenessPolicy
 from asyncrl.rundir.record_file import read_frame_records
-from asyncrl.types import Episode, Trajectory
+from asyncrl.types import Episode
 from asyncrl.wire.codec import decode, decode_episode, encode_episode
+from tests.support.factories import episode
 
 
 def _episode(version: int, eid: str) -> Episode:
-    t = Trajectory(
-        token_ids=np.arange(4),
-        loss_mask=[0, 0, 1, 1],
-        behavior_logprobs=[0, 0, -0.5, -0.7],
-        policy_version=version,
-        reward=1.0,
-        group_id=eid,
-    )
-    return Episode(trajectories=[t], id=eid)
+    return episode(eid, version=version)
 
 
 def _add(buf, version, eid):

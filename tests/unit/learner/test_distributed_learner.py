@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 from asyncrl.learner.training import distributed
 from asyncrl.learner.training.micro_batches import Totals, loss_scales
 from tests.conftest import ROOT, kill_tree, subprocess_env
-from tests.dist_step_worker import CASES, assert_matches, one_step
+from tests.support.dist_step_worker import CASES, assert_matches, one_step
 
-WORKER = ROOT / "tests" / "dist_step_worker.py"
+WORKER = ROOT / "tests" / "support" / "dist_step_worker.py"
 
 
 def _free_port() -> int:

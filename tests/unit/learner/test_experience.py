@@ -376,7 +376,7 @@ def test_replay_group_has_n_minus_k_fresh_plus_k_replayed(tiny_policy):
             "sampling.n=4",
             "replay.offpolicy_trajectories_per_task=2",
             "sampling.max_new_tokens=3",
-            "env.reward=tests.plugins_for_tests:short_reply_reward",
+            "env.reward=tests.support.plugins:short_reply_reward",
         ],
     )
     m = ExperiencePool(cfg.replay, n=4, total_steps=10, staleness=StalenessPolicy.from_config(cfg), seed=0)
@@ -414,7 +414,7 @@ def test_record_stores_the_learners_logprobs_and_entropy(tiny_policy):
             "env.type=calculator",
             "env.max_turns=2",
             "env.kwargs.tool_prefix=",
-            "env.reward=tests.plugins_for_tests:short_reply_reward",
+            "env.reward=tests.support.plugins:short_reply_reward",
             "train.lr=1e-9",
         ],
     )

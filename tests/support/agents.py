@@ -117,7 +117,7 @@ def two_calls_or_fails(task, client, model):
 
 
 async def openenv_add(task, client, model):
-    """Plays the OpenEnv environment served at $ASYNCRL_TEST_OPENENV_URL (tests/openenv_for_tests.py):
+    """Plays the OpenEnv environment served at $ASYNCRL_TEST_OPENENV_URL (tests/support/openenv_env.py):
     reset (seeded by the task), ask the policy, step with its answer; the environment's reward."""
     from openenv.core.generic_client import GenericEnvClient
 

@@ -1,7 +1,7 @@
 """An OpenEnv (openenv-core) environment for tests/unit/envs/test_bring_envs.py: one addition per episode,
 served over HTTP/WebSocket by OpenEnv's own server (``create_app`` + uvicorn), without Docker.
 
-    python -m tests.openenv_for_tests PORT     # serves on 127.0.0.1:PORT
+    python -m tests.support.openenv_env PORT     # serves on 127.0.0.1:PORT
 """
 
 from __future__ import annotations

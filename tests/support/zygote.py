@@ -3,7 +3,7 @@ run`` forks its own children (:mod:`asyncrl.schedulers.fork`): ``conftest.run_cl
 actors by hand (``conftest.start_cli`` with a log file, ``ResumableRun``) would otherwise pay about
 5 s of CPU importing torch and transformers for every process.
 
-``python -m tests.zygote STATUS_DIR``: imports what the commands need, then reads one JSON request a
+``python -m tests.support.zygote STATUS_DIR``: imports what the commands need, then reads one JSON request a
 line on stdin (``{"args": [...], "env": {...}, "log": path, "stderr": path or null}``) and answers one line, ``{"pid": N}``
 (``null``: it could not fork safely; the caller starts the process with exec instead). Each child
 is in a session of its own (so ``kill_tree`` reaches it as before), reads /dev/null, and writes to
@@ -44,7 +44,7 @@ class Zygote:
         self.status_dir = status_dir
         status_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", str(status_dir)],
+            [sys.executable, "-m", "tests.support.zygote", str(status_dir)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

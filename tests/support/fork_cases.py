@@ -1,6 +1,6 @@
-"""Forks for ``tests/unit/commands/test_fork.py``, made from a fresh interpreter as ``asyncrl run``
+"""Forks for ``tests/unit/schedulers/test_fork.py``, made from a fresh interpreter as ``asyncrl run``
 forks (a pytest worker has threads of its own, and a fork of a process with threads is what the
-launcher never does). ``python -m tests.fork_cases CASE DIR``: forks a child that runs the case's
+launcher never does). ``python -m tests.support.fork_cases CASE DIR``: forks a child that runs the case's
 function in place of ``asyncrl``'s ``main`` and prints one JSON line of what was observed."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from asyncrl.learner.training import distributed
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES
 from asyncrl.types import Trajectory
-from tests.plugins_for_tests import cpu_varlen
+from tests.support.plugins import cpu_varlen
 
 # gradient clipping off (so that the gradient's scale, not only its direction, is compared) and both
 # token-mean side terms on (their scaling is checked together with the policy loss's)
@@ -92,7 +92,7 @@ CASES = {
         "train.mini_batches=2",
     ],
     "gae_lora": ["train.advantage.estimator=gae", "model.lora.rank=4", "critic.lr=1e-3", "critic.max_grad_norm=1e6"],
-    # issue 62: the flat varlen layout (torch's kernel is CUDA's: tests.plugins_for_tests.cpu_varlen), with
+    # issue 62: the flat varlen layout (torch's kernel is CUDA's: tests.support.plugins.cpu_varlen), with
     # micro-batches, and with a critic and LoRA adapters
     "varlen": ["train.attention=varlen", "train.micro_batch_tokens=12"],
     "varlen_gae_lora": [

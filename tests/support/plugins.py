@@ -54,7 +54,7 @@ def constant_reward(task: Task, response: str) -> float:
 
 
 def slow_hf_engine(cfg, model_dir, tokenizer, load_model):
-    """``engine.type: tests.plugins_for_tests:slow_hf_engine``: the real HF engine on a model whose every
+    """``engine.type: tests.support.plugins:slow_hf_engine``: the real HF engine on a model whose every
     forward pass first waits ``ASYNCRL_TEST_STEP_S`` seconds, so that a batch takes minutes of wall time
     while its tokens come one step at a time (what a real model on a CPU, or a reasoning run, looks like
     to the learner)."""
@@ -76,7 +76,7 @@ def slow_hf_engine(cfg, model_dir, tokenizer, load_model):
 
 
 def slow_ppo_loss(inputs, cfg):
-    """``train.policy_loss: tests.plugins_for_tests:slow_ppo_loss``: PPO's loss after waiting
+    """``train.policy_loss: tests.support.plugins:slow_ppo_loss``: PPO's loss after waiting
     ``ASYNCRL_TEST_LOSS_S`` seconds per micro-batch, so that a learner step takes as long as a real
     model's (a stop then arrives in the middle of one)."""
     import os

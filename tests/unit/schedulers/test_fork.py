@@ -1,7 +1,7 @@
 """``asyncrl.schedulers.fork``: a child forked from the launcher looks like a freshly started
 ``asyncrl <args>`` (environment, argv, output, signals, descriptors, exit handlers, exit code), and
 the launcher forks only while that is safe. Real forks, made from a fresh interpreter as the
-launcher makes them (``tests/fork_cases.py``); each child runs a small function in place of
+launcher makes them (``tests/support/fork_cases.py``); each child runs a small function in place of
 ``asyncrl``'s ``main``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.conftest import ROOT, subprocess_env
 
 def _case(tmp_path, *args: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.fork_cases", *args[:1], str(tmp_path), *args[1:]],
+        [sys.executable, "-m", "tests.support.fork_cases", *args[:1], str(tmp_path), *args[1:]],
         cwd=ROOT,
         env=subprocess_env(),
         capture_output=True,

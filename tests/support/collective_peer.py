@@ -1,5 +1,5 @@
 """An actor's side of ``sync.type=nccl`` (gloo) in a process of its own, for tests/unit/weights/test_sync_collective.py:
-``python -m tests.collective_peer HOST:PORT KEY LAST_VERSION`` takes versions until it holds LAST_VERSION,
+``python -m tests.support.collective_peer HOST:PORT KEY LAST_VERSION`` takes versions until it holds LAST_VERSION,
 checks each against :func:`expected` bit for bit and prints ``got <version>`` (or ``bad <version>``)."""
 
 from __future__ import annotations

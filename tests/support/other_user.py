@@ -2,7 +2,7 @@
 needs, drops to uid/gid 65534 (``nobody``: on a shared machine, anyone else) and then attacks a run
 as such a user would, printing one JSON line of what it got.
 
-    python -m tests.other_user ATTACK SECONDS ARG...
+    python -m tests.support.other_user ATTACK SECONDS ARG...
 
 ``subscribe ADDRESS`` (the weights channel), ``hello ADDRESS`` (control), ``push ADDRESS``
 (episodes: a valid episode of actor ``intruder``), ``events ADDRESS`` (the event stream): each
