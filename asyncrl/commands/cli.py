@@ -311,7 +311,7 @@ def cmd_export(args) -> int:
     from ..models.lora import export_run
 
     if args.critic:
-        from ..models.value import export_run_critic
+        from ..models.critic import export_run_critic
         from ..rollout.workflow import workflow_class
 
         ckpt, out = export_run_critic(

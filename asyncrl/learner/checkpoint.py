@@ -190,7 +190,7 @@ def read_critic(path: Path, critic) -> tuple[dict, dict] | None:
     import torch
     from safetensors.torch import load_file
 
-    from ..models.value import trainable_names
+    from ..models.critic import trainable_names
     from .training.distributed import unwrap
 
     if not (path / CRITIC).is_dir():

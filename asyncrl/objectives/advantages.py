@@ -192,7 +192,7 @@ def compute_reinforce_pp_baseline_advantages(
 @ADV_ESTIMATORS.register("gae")
 def compute_gae_row_advantages(rewards: Tensor, group_ids: Sequence[str], **_: object) -> Tensor:
     """GAE (``train.advantage.estimator: gae``) is per token, from the learner's critic
-    (:func:`asyncrl.objectives.values.gae`, run by :mod:`asyncrl.learner.training.critic`), not one
+    (:func:`asyncrl.objectives.gae.gae`, run by :mod:`asyncrl.learner.training.critic`), not one
     scalar per trajectory: called as a trajectory estimator it refuses, in one line."""
     raise ValueError(
         "train.advantage.estimator=gae is computed per token by the learner's critic, not per "

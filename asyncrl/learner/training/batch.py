@@ -306,7 +306,7 @@ def value_rows(
     width: int | None = None,
 ) -> Tensor:
     """``[B, T-1]``: a critic's value of the state before each target token, i.e. its scalar head at
-    the position whose logits would predict the token (``asyncrl.models.value``: a causal LM whose
+    the position whose logits would predict the token (``asyncrl.models.critic``: a causal LM whose
     output layer is the head). ``packing``, ``shared_prefix``, ``width``: the rows packed into bins as
     :func:`forward_rows` does; the same values as the padded forward up to float rounding. 0 past a row's end."""
     if _path(packing) == "padded":

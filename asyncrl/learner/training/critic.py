@@ -3,7 +3,7 @@
 Promised here (:class:`asyncrl.learner.training.trainer.PolicyTrainer` holds one when the estimator
 is ``gae``):
 
-- The critic (:func:`asyncrl.models.value.build_critic`) lives on the learner only: actors never
+- The critic (:func:`asyncrl.models.critic.build_critic`) lives on the learner only: actors never
   need it. :meth:`Critic.prepare` runs it, without a graph, over every row of a batch before the
   step, so stale and replayed rows get the current critic's values; it places each row's reward
   (with length shaping) on its last trained token, computes GAE with ``train.advantage.gamma`` and
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from ...models.value import build_critic
+from ...models.critic import build_critic
 from ...objectives.aggregation import masked_mean
-from ...objectives.values import explained_variance, gae, masked_whiten, token_rewards, value_loss
+from ...objectives.gae import explained_variance, gae, masked_whiten, token_rewards, value_loss
 from . import distributed as dist_learner
 from .batch import TrainBatch, put_rows, shared_width, value_rows
 from .micro_batches import loss_scales, plan_micro_batches

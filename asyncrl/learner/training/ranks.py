@@ -67,7 +67,7 @@ def critic_states(trainer: PolicyTrainer) -> tuple[dict, dict] | None:
     rank 0 receives them, the others empty dicts); None without a critic."""
     if trainer.critic is None:
         return None
-    from ...models.value import trainable_state
+    from ...models.critic import trainable_state
 
     model = trainer.critic.model
     full = dist_learner.full_state_dict(model)

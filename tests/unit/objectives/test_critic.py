@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.objectives.values import explained_variance, gae, masked_whiten, token_rewards, value_loss
+from asyncrl.objectives.gae import explained_variance, gae, masked_whiten, token_rewards, value_loss
 
 
 def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
