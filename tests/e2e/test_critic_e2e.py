@@ -77,8 +77,8 @@ def test_the_quick_start_with_a_critic_learns_resumes_and_exports_its_critic(tmp
 
     from asyncrl.config import load_config
     from asyncrl.learner.training.batch import value_rows
-    from asyncrl.models.loading import load_policy
     from asyncrl.models.critic import build_critic
+    from asyncrl.models.loading import load_policy
 
     exported = AutoModelForTokenClassification.from_pretrained(out).eval()
     cfg = load_config(str(run / "config.yaml"), [])
