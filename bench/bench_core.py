@@ -278,15 +278,15 @@ def bench_weights(rounds: int) -> dict:
         raise RuntimeError(err)
 
     net = LearnerServer(cfg.wire, record)
-    orig = net._on_subscribe
+    orig = net.subscribers.on_subscribe
 
     def on_subscribe(identity, body):
         if body.applied_at is not None:
             applied[body.have] = body.applied_at
         orig(identity, body)
 
-    net._on_subscribe = on_subscribe
-    net.publish_weights(encode_weights(state, 0), 0)
+    net.subscribers.on_subscribe = on_subscribe
+    net.subscribers.publish(encode_weights(state, 0), 0)
     probe = subprocess.Popen([sys.executable, __file__, "--probe", net.addresses["weights"], str(rounds)])
     sent: dict[int, float] = {}
     while 0 not in applied:
@@ -296,7 +296,7 @@ def bench_weights(rounds: int) -> dict:
             for t in state.values():
                 t.add_(1e-6)
         sent[v] = time.time()
-        net.publish_weights(encode_weights(state, v), v)
+        net.subscribers.publish(encode_weights(state, v), v)
         while v not in applied:
             net.poll(100)
     probe.wait(timeout=60)

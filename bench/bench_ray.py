@@ -118,7 +118,7 @@ def relay_bytes(
         for v in range(1, versions + 1):
             frames = encode_weights(state, v)
             size = sum(memoryview(f).nbytes for f in frames)
-            net.publish_weights(frames, v)
+            net.subscribers.publish(frames, v)
             deadline = time.time() + 300
             while any(s.have != v for s in subs) and time.time() < deadline:
                 net.poll(20)
@@ -126,7 +126,7 @@ def relay_bytes(
                     s.take()
             if any(s.have != v for s in subs):
                 raise RuntimeError(f"version {v} did not reach every subscriber")
-        return net.weights_bytes_sent, size
+        return net.subscribers.bytes_sent, size
     finally:
         for r in relays:
             r.stopping = True

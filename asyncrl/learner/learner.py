@@ -299,7 +299,7 @@ class Learner:
                 flush=True,
             )
         if not self._stop or self._stop_reason:  # the run is over: the actors stop too
-            self.net.stop_actors(self._stop_reason or "")
+            self.net.actors.stop_all(self._stop_reason or "")
             time.sleep(0.2)  # let the stop messages leave before the sockets close
         # (a stop signal only stops this process: actors started on their own wait for a resumed
         # learner; under asyncrl run or a scheduler they are stopped by it)
@@ -359,11 +359,11 @@ class Learner:
         if len(self.net.actors) < cfg.train.min_actors:
             return
         pool = self.staleness.credit_pool()
-        free = pool - self.net.in_flight - len(self.buffer)
+        free = pool - self.net.actors.in_flight - len(self.buffer)
         if free > 0:
-            self.net.grant_credits(
+            self.net.actors.grant_credits(
                 free,
-                min_version=max(self.net.weights_version, 0),
+                min_version=max(self.net.subscribers.version, 0),
                 work=self._credit_work if self.hooks else None,
                 stranger_cap=cfg.wire.stranger_credits or max(1, pool // 2),
             )
@@ -424,7 +424,7 @@ class Learner:
             "batch_trajectories": batch.batch_size if batch is not None else 0,
             "batch_tokens": tokens,
             "buffer_size": len(self.buffer),
-            "in_flight": self.net.in_flight,
+            "in_flight": self.net.actors.in_flight,
             "episodes_acked": self.peers.ingested,
             "ingest_s": self.peers.ingest_s + self.net.decode_s,
             "dropped_stale": self.buffer.dropped_stale,
@@ -446,12 +446,12 @@ class Learner:
     def _sync_metrics(self) -> dict:
         """Weight sync since the last step: publish -> applied per actor (its ``subscribe`` says when
         its engine took the version), and the oldest version an actor holds."""
-        applied, self.net.applied = self.net.applied, []
+        applied, self.net.subscribers.applied = self.net.subscribers.applied, []
         out = {}
         if applied:
             ms = [1000 * s for _, _, s in applied]
             out.update({"sync/applied_ms_mean": float(np.mean(ms)), "sync/applied_ms_max": float(np.max(ms))})
-        out["sync/bytes_sent"] = self.net.weights_bytes_sent  # (cumulative: weights messages to every subscriber)
+        out["sync/bytes_sent"] = self.net.subscribers.bytes_sent  # (cumulative: weights messages to every subscriber)
         held = [s.have for s in self.net.subscribers.values()]
         if held:
             out["sync/actor_version_min"] = min(held)
@@ -468,7 +468,7 @@ class Learner:
             k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
             for k, v in (adapter_tensors(named) if is_lora(self.model) else dict(named)).items()
         }
-        self.net.publish_weights(self.weights_out.frames(state, self.version), self.version)
+        self.net.subscribers.publish(self.weights_out.frames(state, self.version), self.version)
         self.log.event(
             "weights_published",
             self.version,

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (asyncrl/testing/ is two levels down)
 
 
 # --- frames ------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...wire.codec import Message, WireError
 from ...wire.messages import Rejected
-from .server import ActorState, Arrival, Housekeeping, Limits, credit_timeout_s
+from .actors import ActorState, ActorTable, credit_timeout_s
+from .server import Arrival, Housekeeping, Limits
 
 _REASON_CHARS = 300  # a rejection reason sent back to the actor (the Ack field allows 1024)
 
@@ -175,9 +176,7 @@ class PeerLink(Protocol):
 
     def take_undecodable(self) -> list[tuple[str, str, WireError]]: ...
 
-    def received_from(self, actor_id: str, n: int) -> None: ...
-
-    def delivered(self, actor_id: str, n: int) -> None: ...
+    actors: ActorTable  # received_from (credits used), delivered (progress)
 
     def ack(self, by_actor: dict[str, list[str]], rejected: dict[str, list[Rejected]] | None = None) -> None: ...
 
@@ -271,7 +270,7 @@ class Peers:
             rejected[actor_id].append(Rejected(id=eid, reason=f"{err.reason}: {err}"[:_REASON_CHARS]))
         for arrival in arrivals:
             ep = arrival.episode
-            self.net.received_from(ep.actor_id, 1)
+            self.net.actors.received_from(ep.actor_id, 1)
             try:
                 problem = self.validator.check(arrival, version)
             except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
@@ -283,7 +282,7 @@ class Peers:
             if self._write(ep, arrival.frames):
                 self.ingested += 1
                 self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
-                self.net.delivered(ep.actor_id, 1)  # (progress: valid and in the buffer, nothing less)
+                self.net.actors.delivered(ep.actor_id, 1)  # (progress: valid and in the buffer, nothing less)
             else:
                 self.reports.report(
                     "duplicate_episode",

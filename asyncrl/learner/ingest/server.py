@@ -24,14 +24,11 @@ channel); one that fails is reported to ``on_bad_message`` and dropped, alone. E
 at most ``budget`` messages, a few from each socket in turn, so neither a flood nor one busy channel
 holds the learner.
 
-Flow control (AReaL's capacity rule): credits are granted only while ``in_flight + buffered`` stays
-within the pool the learner's :class:`.staleness.StalenessPolicy` sets, which bounds staleness. Credits are
-leases: an actor silent for ``wire.lease_s`` is dropped with its outstanding credits (``expire``);
-any message from it renews the lease, and a dropped actor's next heartbeat admits it again. An actor
-keeps its credits while it makes progress: a valid episode delivered, or tokens generated (its
-heartbeat's ``tokens`` count advancing, so a batch that takes minutes keeps them); one that does
-neither for ``wire.credit_timeout_s`` loses them and gets one at a time until it delivers, its clock
-restarting with each such credit.
+Who does what: this class owns the sockets, receiving and decoding, the acknowledgements and the
+events; :class:`.actors.ActorTable` (``self.actors``) admits actors and keeps their leases and credits
+(AReaL's capacity rule: credits only within the pool the learner's
+:class:`.staleness.StalenessPolicy` sets, which bounds staleness); :class:`.subscribers.WeightSubscribers`
+(``self.subscribers``) delivers weights, one version in flight per actor.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -48,7 +45,7 @@ import numpy as np
 import zmq
 
 from ...wire.codec import Message, WireError, decode, decode_episode, encode, episode_identity
-from ...wire.messages import Ack, Alive, Credit, Event, Hello, Rejected, Status, Stop, Subscribe, Welcome
+from ...wire.messages import Ack, Alive, Event, Hello, Rejected, Status, Stop, Welcome
 from ...wire.sockets import (
     apply_curve_server,
     bind,
@@ -61,10 +58,10 @@ from ...wire.sockets import (
     send_routed,
     start_curve_auth,
 )
+from .actors import ActorState, ActorTable
+from .subscribers import WEIGHTS_HWM, WeightSubscribers
 
 _CHUNK = 16  # messages taken from one socket before the next socket's turn
-_WEIGHTS_HWM = 2  # weights messages queued per subscriber, at most (one is the rule, see _send_weights)
-_WEIGHTS_RESEND_S = 5.0  # a subscriber asking again for a version already sent gets it again after this
 _BYTES_PER_TOKEN = 4  # the widest per-token array (int32 token ids, float32 log-probs)
 
 
@@ -103,39 +100,6 @@ class Arrival(NamedTuple):
 
 
 @dataclass
-class ActorState:
-    identity: bytes
-    actor_id: str
-    capacity: int
-    outstanding: int = 0
-    weights_version: int = -1
-    status: Status | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    withheld_sent: set | None = None  # replay: the skip set as last sent to this actor (None: never)
-    admitted_at: float = field(default_factory=time.monotonic)
-    progress_at: float = field(default_factory=time.monotonic)  # its last valid episode or generated token, or
-    # the grant that gave it work
-    tokens: int = -1  # the engine's token count its last status reported (-1: no status yet)
-    settled: bool = True  # all it was given came back as valid episodes (the next grant starts its clock anew)
-    delivered: int = 0  # episodes received from it
-    hog: bool = False  # its credits were taken back for want of progress: one at a time until it delivers
-
-
-@dataclass
-class Subscriber:
-    actor_id: str
-    have: int = -1  # the version it says it holds
-    sent: int = -1  # the newest version sent to it
-    sent_at: float = 0.0
-    last_seen: float = field(default_factory=time.monotonic)
-
-
-def credit_timeout_s(wire_cfg) -> float:
-    """``wire.credit_timeout_s``, or three leases when unset."""
-    return wire_cfg.credit_timeout_s or 3 * wire_cfg.lease_s
-
-
-@dataclass
 class Housekeeping:
     """What one round of upkeep found (:meth:`LearnerServer.housekeeping`), for the learner to report."""
 
@@ -165,12 +129,6 @@ class LearnerServer:
         self.ctx = zmq.Context.instance()
         self.session = uuid.uuid4().hex
         self.lease_s = wire_cfg.lease_s
-        self.credit_timeout_s = credit_timeout_s(wire_cfg)
-        self.reclaimed: list[tuple[ActorState, int]] = []  # credits taken back since the last call
-        self.evicted: list[ActorState] = []  # strangers dropped for a returning actor since the last call
-        self._hogs: dict[str, None] = {}  # actor ids whose credits were taken back (kept across hellos)
-        self._known: dict[str, None] = {}  # actor ids that delivered an episode (never refused for a stranger)
-        self.max_capacity, self.max_actors = wire_cfg.max_capacity, wire_cfg.max_actors
         self.limits = limits or Limits.from_config(wire_cfg)
         self.auth = start_curve_auth(self.ctx, wire_cfg.curve_dir) if wire_cfg.curve_dir else None
         self.on_bad_message = on_bad_message
@@ -181,7 +139,7 @@ class LearnerServer:
         )
         self.control = self._socket(zmq.ROUTER, wire_cfg, "control", prev.get("control"), max_bytes=lim.control_bytes)
         self.weights = self._socket(
-            zmq.ROUTER, wire_cfg, "weights", prev.get("weights"), max_bytes=lim.control_bytes, hwm=_WEIGHTS_HWM
+            zmq.ROUTER, wire_cfg, "weights", prev.get("weights"), max_bytes=lim.control_bytes, hwm=WEIGHTS_HWM
         )
         self.events = self._socket(
             zmq.PUB, wire_cfg, "events", prev.get("events"), max_bytes=lim.control_bytes, hwm=wire_cfg.hwm
@@ -195,20 +153,18 @@ class LearnerServer:
                 ("events", self.events),
             )
         }
-        self.actors: dict[bytes, ActorState] = {}
-        self.subscribers: dict[bytes, Subscriber] = {}
+        # the actors' admission, leases and credits; the weights channel's subscribers
+        self.actors = ActorTable(
+            wire_cfg,
+            self.send_control,
+            lambda: Welcome(session=self.session, addresses=self.addresses, lease_s=self.lease_s),
+        )
+        self.subscribers = WeightSubscribers(self.weights, wire_cfg.lease_s)
         self.undecodable: list[tuple[str, str, WireError]] = []
-        self._credit_cursor = 0  # which actor is served first by the next grant
         self.poller = zmq.Poller()
         for s in (self.episodes, self.control, self.weights):
             self.poller.register(s, zmq.POLLIN)
-        self._weights_frames: list | None = None
-        self._weights_nbytes = 0
-        self.weights_version = -1
-        self.weights_bytes_sent = 0  # every weights message sent to any subscriber, all frames
         self.decode_s = 0.0  # time spent receiving-side on episodes: key check, decode (the ingest's first part)
-        self._published_at: dict[int, float] = {}  # version -> unix time published (the last 64)
-        self.applied: list[tuple[str, int, float]] = []  # (actor, version, seconds publish -> applied)
 
     def _socket(self, kind, wire_cfg, name: str, previous_address: str | None, max_bytes: int, hwm: int | None = None):
         sock = self.ctx.socket(kind)
@@ -280,7 +236,7 @@ class LearnerServer:
         if channel == "control":
             identity = frames[0].bytes
             main = identity[:-3] if identity.endswith(b":hb") else identity  # (its heartbeat socket)
-            self.actors.pop(main, None)
+            self.actors.forget(main)
             self.send_control(
                 identity,
                 Stop(
@@ -338,7 +294,7 @@ class LearnerServer:
         if channel == "weights":
             msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("subscribe",))
             self._check_speaker(key_name, msg.body.actor_id, identity, channel)
-            self._on_subscribe(identity, msg.body)
+            self.subscribers.on_subscribe(identity, msg.body)
         else:
             msg = decode(frames[1:], max_header_bytes=self.limits.control_bytes, kinds=("hello", "status"))
             self._check_speaker(key_name, msg.body.actor_id, identity, channel)
@@ -348,76 +304,22 @@ class LearnerServer:
 
     # -- actors ---------------------------------------------------------------------------------
     def handle_control(self, identity: bytes, msg: Message) -> ActorState:
-        """Admit (``hello``) or renew (``status``) an actor; returns its state. A status from an
-        actor the learner does not know (dropped by its lease, or this learner is new) admits it
-        again. Raises WireError when the actor table is full."""
+        """Admit (``hello``) or renew (``status``, answered with ``alive``) an actor; returns its
+        state (:class:`.actors.ActorTable`). Raises WireError when the actor table is full."""
         body = msg.body
         if isinstance(body, Hello):
-            return self._admit(identity, body.actor_id, body.capacity)
+            return self.actors.admit(identity, body.actor_id, body.capacity)
         assert isinstance(body, Status)
-        main = body.identity.encode()
-        state = self.actors.get(main) or self._admit(main, body.actor_id, body.capacity)
-        state.last_seen = time.monotonic()
-        state.status = body
-        state.weights_version = body.version
-        if body.tokens > state.tokens >= 0:  # generating: a batch in progress is progress (its credits stay)
-            state.progress_at = state.last_seen
-        state.tokens = body.tokens
-        self.send_control(identity, Alive(session=self.session, version=max(self.weights_version, 0)))
-        return state
-
-    def _admit(self, identity: bytes, actor_id: str, capacity: int) -> ActorState:
-        if identity not in self.actors and len(self.actors) >= self.max_actors:
-            strangers = [a for a in self.actors.values() if a.delivered == 0]
-            if actor_id not in self._known or not strangers:
-                raise WireError(
-                    f"actor table full ({self.max_actors} actors, wire.max_actors); refused {actor_id!r}",
-                    reason="actors_full",
-                )
-            # an actor that delivered before comes back: the stranger admitted first makes room
-            stranger = min(strangers, key=lambda a: a.admitted_at)
-            del self.actors[stranger.identity]
-            self.evicted.append(stranger)
-            self.send_control(
-                stranger.identity,
-                Stop(reason=f"the actor table is full and {actor_id!r}, which delivered episodes before, came back"),
-            )
-        state = ActorState(identity, actor_id, min(capacity, self.max_capacity), hog=actor_id in self._hogs)
-        self.actors[identity] = state
-        self.send_control(identity, Welcome(session=self.session, addresses=self.addresses, lease_s=self.lease_s))
+        state = self.actors.renew(body)
+        self.send_control(identity, Alive(session=self.session, version=max(self.subscribers.version, 0)))
         return state
 
     def expire(self) -> list[ActorState]:
-        """Drop the actors and weight subscribers silent for longer than the lease; the dropped
-        actors' outstanding credits return to the pool. Returns the dropped actors."""
-        now = time.monotonic()
-        dead = [a for a in self.actors.values() if now - a.last_seen > self.lease_s]
-        for a in dead:
-            del self.actors[a.identity]
-        for a in self.actors.values():  # credits are renewed by progress, not by heartbeats
-            if a.outstanding and now - a.progress_at > self.credit_timeout_s:
-                self.reclaimed.append((a, a.outstanding))
-                a.outstanding, a.hog = 0, True
-                a.settled = True  # the one credit it gets next starts its clock anew: one reclaim per timeout, no storm
-                self._remember(self._hogs, a.actor_id)
-        live_ids = {a.actor_id for a in self.actors.values()}
-        for ident in [
-            i for i, s in self.subscribers.items() if now - s.last_seen > self.lease_s and s.actor_id not in live_ids
-        ]:
-            del self.subscribers[ident]
+        """Drop the actors and weight subscribers silent for longer than the lease, take back credits
+        held without progress; returns the dropped actors."""
+        dead = self.actors.expire()
+        self.subscribers.expire({a.actor_id for a in self.actors.values()})
         return dead
-
-    def _remember(self, table: dict, actor_id: str) -> None:
-        table.pop(actor_id, None)
-        table[actor_id] = None
-        while len(table) > 4 * self.max_actors:  # bounded: the oldest are forgotten first
-            del table[next(iter(table))]
-
-    def take_reclaimed(self) -> tuple[list[tuple[ActorState, int]], list[ActorState]]:
-        """Credits taken back for want of progress, and strangers evicted, since the last call."""
-        out = (self.reclaimed, self.evicted)
-        self.reclaimed, self.evicted = [], []
-        return out
 
     def send_control(self, identity: bytes, body) -> None:
         send_routed(self.control, identity, encode(body.KIND, body))
@@ -426,100 +328,16 @@ class LearnerServer:
         """Acknowledge episode ids (durable in the WAL) and rejected episodes to every connected
         actor with that actor id (an actor ignores ids it does not hold)."""
         rejected = rejected or {}
-        idents: dict[str, list[bytes]] = {}
-        for ident, a in self.actors.items():
-            idents.setdefault(a.actor_id, []).append(ident)
+        idents = self.actors.identities_of()
         for actor_id in set(by_actor) | set(rejected):
             ids, rej = by_actor.get(actor_id, []), rejected.get(actor_id, [])
             for ident in idents.get(actor_id, ()) if (ids or rej) else ():
                 self.send_control(ident, Ack(ids=ids, rejected=rej))
 
-    def received_from(self, actor_id: str, n: int) -> None:
-        """``n`` episodes arrived from ``actor_id``, valid or not: its credits are used and its
-        lease renewed. Progress is :meth:`delivered`."""
-        now = time.monotonic()
-        for a in self.actors.values():
-            if a.actor_id == actor_id:
-                a.outstanding = max(0, a.outstanding - n)
-                a.last_seen = now
-
-    def delivered(self, actor_id: str, n: int) -> None:
-        """``n`` valid episodes from ``actor_id`` went into the buffer: that, and only that, is
-        progress (it keeps its credits, stops being a hog or a stranger)."""
-        now = time.monotonic()
-        for a in self.actors.values():
-            if a.actor_id == actor_id:
-                a.progress_at = now
-                a.delivered += n
-                a.hog = False
-                a.settled = a.outstanding == 0
-        self._hogs.pop(actor_id, None)
-        if actor_id not in self._known:
-            self._remember(self._known, actor_id)
-
-    def _stranger(self, a: ActorState) -> bool:
-        return a.delivered == 0 and a.actor_id not in self._known
-
-    def grant_credits(self, free: int, min_version: int, work=None, stranger_cap: int | None = None) -> int:
-        """Hand out up to ``free`` credits one at a time, round-robin over the actors below their
-        capacity, starting after the actor served first last time, so that every connected actor
-        gets a share of each step's work (and so generates with each new ``min_version``).
-        Strangers (actors that have not delivered a valid episode) hold at most ``stranger_cap``
-        credits all together (None: no cap).
-
-        ``work(actor_state, n) -> dict``, if given, adds fields to an actor's credit message (the
-        learner's replay assignments and skip-set changes, see ``asyncrl.learner.experience``)."""
-        actors = list(self.actors.items())
-        if not actors:
-            return 0
-        start = self._credit_cursor % len(actors)
-        order = actors[start:] + actors[:start]
-        self._credit_cursor += 1
-        grants = {ident: 0 for ident, _ in order}
-        granted = 0
-        strangers = {ident for ident, a in order if self._stranger(a)}
-        stranger_room = (
-            len(self.actors) * self.max_capacity
-            if stranger_cap is None
-            else max(0, stranger_cap - sum(self.actors[i].outstanding for i in strangers))
-        )
-        while free > 0:
-            progress = False
-            for ident, a in order:
-                if (
-                    free > 0
-                    and a.outstanding + grants[ident] < (1 if a.hog else a.capacity)
-                    and (stranger_room > 0 or ident not in strangers)
-                ):
-                    grants[ident] += 1
-                    free -= 1
-                    granted += 1
-                    stranger_room -= ident in strangers
-                    progress = True
-            if not progress:
-                break
-        for ident, a in order:
-            if grants[ident]:
-                extra = work(a, grants[ident]) if work is not None else {}
-                self.send_control(ident, Credit(n=grants[ident], min_version=min_version, **extra))
-                if not a.outstanding and a.settled:  # the clock for its progress starts with the work (not
-                    a.progress_at = time.monotonic()  # again for credits its rejected episodes used up)
-                a.settled = False
-                a.outstanding += grants[ident]
-        return granted
-
-    @property
-    def in_flight(self) -> int:
-        return sum(a.outstanding for a in self.actors.values())
-
-    def stop_actors(self, reason: str = "") -> None:
-        for ident in list(self.actors):
-            self.send_control(ident, Stop(reason=reason))
-
     def housekeeping(self) -> Housekeeping:
         """Expire leases, then take what was reclaimed, evicted and denied since the last call."""
         dropped = self.expire()
-        reclaimed, evicted = self.take_reclaimed()
+        reclaimed, evicted = self.actors.take_reclaimed()
         return Housekeeping(dropped, reclaimed, evicted, self.take_denied())
 
     def has_actors(self) -> bool:
@@ -528,46 +346,6 @@ class LearnerServer:
     def take_denied(self) -> list[tuple[str, float]]:
         """CURVE client keys the authenticator refused since the last call (key, unix time)."""
         return self.auth.keys.take_denied() if self.auth is not None else []
-
-    # -- weights --------------------------------------------------------------------------------
-    def publish_weights(self, frames: list, version: int) -> None:
-        """Make ``version`` the current weights: ``frames`` is its ``weights`` message (made by the
-        sync transport, ``asyncrl.weights``; zero-copy frames must not change until sent). Sent at once
-        to every subscriber that holds all it was sent; the others get the newest version when they
-        say they have the previous one."""
-        self._weights_frames = frames
-        self._weights_nbytes = sum(memoryview(f).nbytes for f in frames)  # (counted once per version, sent many times)
-        self.weights_version = version
-        self._published_at[version] = time.time()
-        for old in sorted(self._published_at)[:-64]:
-            del self._published_at[old]
-        for ident, s in list(self.subscribers.items()):
-            if s.sent <= s.have:
-                self._send_weights(ident, s)
-
-    def _on_subscribe(self, identity: bytes, body: Subscribe) -> None:
-        s = self.subscribers.get(identity)
-        if s is None:
-            s = self.subscribers[identity] = Subscriber(body.actor_id)
-        published = self._published_at.get(body.have)
-        if body.applied_at is not None and body.have > s.have and published is not None:
-            self.applied.append((s.actor_id, body.have, max(body.applied_at - published, 0.0)))
-        s.have, s.last_seen = body.have, time.monotonic()
-        if self._weights_frames is None or self.weights_version <= s.have:
-            return
-        if s.sent < self.weights_version or time.monotonic() - s.sent_at > _WEIGHTS_RESEND_S:
-            self._send_weights(identity, s)
-
-    def _send_weights(self, identity: bytes, s: Subscriber) -> None:
-        try:
-            send_routed(self.weights, identity, self._weights_frames, flags=zmq.NOBLOCK)
-        except zmq.Again:  # the peer's queue is full: it is not reading; it asks again when it does
-            return
-        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
-            self.subscribers.pop(identity, None)
-            return
-        s.sent, s.sent_at = self.weights_version, time.monotonic()
-        self.weights_bytes_sent += self._weights_nbytes
 
     # -- events ---------------------------------------------------------------------------------
     def publish_event(self, record: dict) -> None:

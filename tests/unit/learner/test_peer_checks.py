@@ -137,9 +137,9 @@ def test_leases_expire_capacity_is_capped_and_a_dropped_actor_comes_back(net):
         _pump_until(net, lambda: len(net.actors) == 1)
         state = next(iter(net.actors.values()))
         assert state.capacity == 5  # wire.max_capacity
-        assert net.grant_credits(100, min_version=0) == 5 and net.in_flight == 5
+        assert net.actors.grant_credits(100, min_version=0) == 5 and net.actors.in_flight == 5
         _pump_until(net, lambda: net.expire() or not net.actors)  # silent past the lease
-        assert net.in_flight == 0  # its credits are back in the pool
+        assert net.actors.in_flight == 0  # its credits are back in the pool
         sock.send_multipart(encode_msg("status", actor_id="a", identity="a:1", capacity=2, version=0))
         _pump_until(net, lambda: len(net.actors) == 1)  # any message admits it again
         kinds = []
@@ -165,11 +165,11 @@ def test_the_actor_table_is_bounded(net):
 def test_a_subscriber_gets_one_version_at_a_time_the_newest(net):
     sub = _dealer(net.addresses["weights"])
     try:
-        net.publish_weights(encode_weights({"w": np.zeros(3, np.float32)}, 0), 0)
+        net.subscribers.publish(encode_weights({"w": np.zeros(3, np.float32)}, 0), 0)
         sub.send_multipart(encode_msg("subscribe", actor_id="s", have=-1))
         _pump_until(net, lambda: net.subscribers)
         for v in range(1, 6):  # nothing more is sent until the subscriber says it has version 0
-            net.publish_weights(encode_weights({"w": np.full(3, v, np.float32)}, v), v)
+            net.subscribers.publish(encode_weights({"w": np.full(3, v, np.float32)}, v), v)
         assert sub.poll(DEADLINE_S * 1000)
         got = [decode_weights(decode(sub.recv_multipart()))[0]]
         assert not sub.poll(300) and got == [0]
@@ -202,17 +202,17 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
         socks[1].send_multipart(encode_msg("hello", actor_id="hog", capacity=5))
         _pump_until(net, lambda: len(net.actors) == 2)
         real, hog = sorted(net.actors.values(), key=lambda a: a.actor_id != "real")
-        assert net.grant_credits(10, min_version=0) == 10 and hog.outstanding == 5
-        net.received_from("real", 5)  # the real actor delivers, the hog only heartbeats
-        net.delivered("real", 5)
+        assert net.actors.grant_credits(10, min_version=0) == 10 and hog.outstanding == 5
+        net.actors.received_from("real", 5)  # the real actor delivers, the hog only heartbeats
+        net.actors.delivered("real", 5)
         deadline = time.time() + DEADLINE_S
-        while time.time() < deadline and not net.reclaimed:
+        while time.time() < deadline and not net.actors.reclaimed:
             hog.last_seen = time.monotonic()  # (its heartbeats keep its lease)
             net.expire()
             time.sleep(0.05)
-        ((taken, n),) = net.take_reclaimed()[0]
+        ((taken, n),) = net.actors.take_reclaimed()[0]
         assert taken is hog and n == 5 and hog.outstanding == 0 and hog.hog
-        assert net.grant_credits(10, min_version=0) == 6 and real.outstanding == 5 and hog.outstanding == 1
+        assert net.actors.grant_credits(10, min_version=0) == 6 and real.outstanding == 5 and hog.outstanding == 1
         # the table is full (2): a stranger is refused, the returning real actor is not
         socks[2].send_multipart(encode_msg("hello", actor_id="stranger", capacity=5))
         with pytest.raises(WireError, match="actors_full|table full"):
@@ -223,7 +223,7 @@ def test_credits_are_renewed_by_progress_and_a_known_actor_finds_room():
         socks[3].send_multipart(encode_msg("hello", actor_id="real", capacity=5))  # restarted: a new socket
         _pump_until(net, lambda: sum(a.actor_id == "real" for a in net.actors.values()) == 2)
         assert "hog" not in {a.actor_id for a in net.actors.values()}
-        assert [a.actor_id for a in net.take_reclaimed()[1]] == ["hog"]
+        assert [a.actor_id for a in net.actors.take_reclaimed()[1]] == ["hog"]
         assert socks[1].poll(DEADLINE_S * 1000)
         kinds = [decode(socks[1].recv_multipart()).kind]
         while socks[1].poll(200):
@@ -263,7 +263,7 @@ def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_p
             s.send_multipart(encode_msg("hello", actor_id=name, capacity=4))
         _pump_until(net, lambda: len(net.actors) == 2)
         busy, stuck = sorted(net.actors.values(), key=lambda a: a.actor_id)
-        assert net.grant_credits(8, min_version=0) == 8
+        assert net.actors.grant_credits(8, min_version=0) == 8
         reclaims: list[tuple[float, str, int]] = []
         start = time.monotonic()
         while time.monotonic() - start < 8 * timeout:  # eight timeouts of generating, nothing delivered
@@ -271,8 +271,8 @@ def test_an_actor_generating_keeps_its_credits_and_a_stuck_one_loses_them_once_p
             for identity, msg in net.poll(100)[1]:
                 net.handle_control(identity, msg)
             net.expire()
-            reclaims += [(time.monotonic() - start, a.actor_id, n) for a, n in net.take_reclaimed()[0]]
-            net.grant_credits(8 - net.in_flight, min_version=0)
+            reclaims += [(time.monotonic() - start, a.actor_id, n) for a, n in net.actors.take_reclaimed()[0]]
+            net.actors.grant_credits(8 - net.actors.in_flight, min_version=0)
         assert busy.outstanding == 4 and not [r for r in reclaims if r[1] == "busy"]
         stuck_reclaims = [r for r in reclaims if r[1] == "stuck"]
         assert stuck_reclaims and stuck_reclaims[0][2] == 4  # all it held, once
