@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, cli, kill_tree, subprocess_env
+from tests.conftest import ROOT, cli, kill_tree, subprocess_env
 
 ARTIFACTS = ROOT / "test-artifacts"
 _RUNS: dict[str, Path] = {}
