@@ -1,6 +1,6 @@
 # CPU image: installs asyncrl the way the README does (make setup) and runs the demo by default.
 FROM python:3.11-slim
-# bubblewrap is the sandbox for model-written code (docs/absolute_zero.md). Docker's default seccomp
+# bubblewrap is the sandbox for model-written code (docs/algorithms/absolute_zero.md). Docker's default seccomp
 # and AppArmor profiles may refuse the namespaces and mounts it makes; a code_o run then refuses to
 # start and says why (docker run --security-opt seccomp=unconfined --security-opt apparmor=unconfined,
 # or sandbox.isolation: remote).
