@@ -84,9 +84,7 @@ def replay(
     from ..learner.archive import read_step
     from ..learner.checkpoint import read_checkpoint
     from ..learner.ingest.staleness import StalenessPolicy
-    from ..learner.training.ranks import Ranks
-    from ..models.loading import load_policy
-    from ..models.lora import with_adapters
+    from ..learner.training.ranks import Ranks, load_trainable
     from ..rollout.workflow import workflow_class
     from ..rundir.runlog import RunLog
 
@@ -96,10 +94,7 @@ def replay(
     torch.set_num_threads(int(meta["threads"]))
     deterministic_torch(cfg)
     workflow = workflow_class(cfg.algorithm)
-    model, tokenizer, model_dir = load_policy(
-        cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format, warmstart_formats=workflow.warmstart_formats
-    )
-    model = with_adapters(model, cfg.model, cfg.seed, base=model_dir)
+    model, tokenizer, _ = load_trainable(cfg)  # as the learner loads it
     staleness = StalenessPolicy.from_config(cfg)
     ranks = Ranks(None, "none")
     trainer = ranks.start(cfg, model, tokenizer, staleness)

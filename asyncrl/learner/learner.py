@@ -21,8 +21,7 @@ import torch
 
 from ..config import Config, cpu_threads, deterministic_torch
 from ..envs.guard import request_stop as request_env_stop
-from ..models.loading import load_policy
-from ..models.lora import adapter_tensors, is_lora, require_peft, with_adapters
+from ..models.lora import adapter_tensors, is_lora, require_peft
 from ..objectives.advantages import informative
 from ..rollout.workflow import workflow_class
 from ..rundir import provenance
@@ -43,7 +42,7 @@ from .ingest.staleness import StalenessPolicy
 from .progress import Progress, summary_table
 from .startup import Startup
 from .telemetry import Telemetry
-from .training.ranks import Ranks
+from .training.ranks import Ranks, load_trainable
 from .training.trainer import StepAbandoned
 
 
@@ -79,15 +78,43 @@ class Learner:
         self.start = Startup(cfg, overwrite)  # claims the run dir: nothing is written before this
         workflow = workflow_class(cfg.algorithm)
         self.counts_for_reward = workflow.counts_for_reward  # which trained rows reward_mean averages
-        model, self.tokenizer, self.model_dir = load_policy(
-            cfg.model, cfg.seed, cfg.train.device, cfg.tasks.prompt_format, warmstart_formats=workflow.warmstart_formats
-        )
-        model = with_adapters(model, cfg.model, cfg.seed, base=self.model_dir)  # model.lora: train adapters only
+        model, self.tokenizer, self.model_dir = load_trainable(cfg)  # (model.lora: adapters on it)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
+        self._open_wire(cfg)  # the sockets, the run log (and its trackers), the peers' intake
+        self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
+        self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
+        self.evaluator = Evaluator(cfg, self.tokenizer)
+        self.heldout = _describe_heldout(cfg)
+        for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
+            self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
+        self._stop, self._stop_reason = False, None  # (the reason: a stop the user asked for in the config)
+        self.trainer.should_stop = lambda: self._stop  # a stop gives up a long step instead of waiting for it
+        self.trainer.tick = self._tick  # heartbeats answered, episodes taken in, during a long step
+        self._abandoned: int | None = None  # episodes of the step a stop gave up (back in the buffer)
+        self._checkpoint_s: float | None = None  # how long the last checkpoint took to write
+        (self.run_dir / STOPPING).unlink(missing_ok=True)
+        self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
+        self._last_tick = 0.0
+        self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
+        self.version, state, report = self.start.restore(
+            self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
+        )
+        self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
+        if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
+            self.evaluator.resumed(self._earlier_evaluations())
+        self.start.flush(self.log, self.version, len(self.buffer), report)
+        self.archive = self._reproducibility()
+        self.buffer.open_wal(self.version)
+        (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
+
+    def _open_wire(self, cfg: Config) -> None:
+        """The learner's side of the wire (:class:`LearnerServer`, binding its sockets where a resumed
+        learner had them), the run log that publishes every event on it, and :class:`Peers`, which
+        validates, stores and acknowledges what arrives."""
         self.net = LearnerServer(
             cfg.wire,
             self._on_bad_message,
@@ -115,31 +142,6 @@ class Learner:
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             limits=self.net.limits,
         )
-        self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
-        self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
-        self.evaluator = Evaluator(cfg, self.tokenizer)
-        self.heldout = _describe_heldout(cfg)
-        for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
-            self.log.event("warning", self.version, source=cfg.algorithm, message=warning)
-        self._stop, self._stop_reason = False, None  # (the reason: a stop the user asked for in the config)
-        self.trainer.should_stop = lambda: self._stop  # a stop gives up a long step instead of waiting for it
-        self.trainer.tick = self._tick  # heartbeats answered, episodes taken in, during a long step
-        self._abandoned: int | None = None  # episodes of the step a stop gave up (back in the buffer)
-        self._checkpoint_s: float | None = None  # how long the last checkpoint took to write
-        (self.run_dir / STOPPING).unlink(missing_ok=True)
-        self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
-        self._last_tick = 0.0
-        self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
-        self.version, state, report = self.start.restore(
-            self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
-        )
-        self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
-        if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
-            self.evaluator.resumed(self._earlier_evaluations())
-        self.start.flush(self.log, self.version, len(self.buffer), report)
-        self.archive = self._reproducibility()
-        self.buffer.open_wal(self.version)
-        (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
 
     def _earlier_evaluations(self) -> list[dict]:
         """The run log's evaluations up to the resumed version (what the run's summary compares)."""

@@ -44,6 +44,23 @@ from .trainer import PolicyTrainer, TrainStepResult
 _LIST_FIELDS = ("sample_types", "group_ids")
 
 
+def load_trainable(cfg):
+    """``(model, tokenizer, model_dir)``: the policy a learner trains, as every rank and a replay load
+    it: the run's model (built or found, in its prompt format) with ``model.lora``'s adapters on it."""
+    from ...models.loading import load_policy
+    from ...models.lora import with_adapters
+    from ...rollout.workflow import workflow_class
+
+    model, tokenizer, path = load_policy(
+        cfg.model,
+        cfg.seed,
+        cfg.train.device,
+        cfg.tasks.prompt_format,
+        warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats,
+    )
+    return with_adapters(model, cfg.model, cfg.seed, base=path), tokenizer, path
+
+
 def make_trainer(cfg, model, tokenizer, mode: str, staleness: StalenessPolicy) -> PolicyTrainer:
     """The learner's trainer for ``cfg`` (every rank builds the same one); ``staleness``: the process's
     one policy (built where the process starts: the learner, a follower rank, a replay)."""
@@ -183,10 +200,6 @@ class Ranks:
 def follow(cfg, control: dist_learner.Control, mode: str) -> int:
     """A rank other than 0: do what rank 0 announces until it says stop (exit code 0) or is gone
     (exit code 1, one line)."""
-    from ...models.loading import load_policy
-    from ...models.lora import with_adapters
-    from ...rollout.workflow import workflow_class
-
     rank = torch.distributed.get_rank()
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops
         signal.signal(sig, signal.SIG_IGN)
@@ -203,14 +216,7 @@ def follow(cfg, control: dist_learner.Control, mode: str) -> int:
                 dist_learner.leave_group()
                 return 0
             if isinstance(body, GroupStart):
-                model, tokenizer, path = load_policy(
-                    cfg.model,
-                    cfg.seed,
-                    cfg.train.device,
-                    cfg.tasks.prompt_format,
-                    warmstart_formats=workflow_class(cfg.algorithm).warmstart_formats,
-                )
-                model = with_adapters(model, cfg.model, cfg.seed, base=path)
+                model, tokenizer, _ = load_trainable(cfg)
                 trainer = make_trainer(cfg, model, tokenizer, mode, staleness)
                 print(f"[learner rank {rank}] ready ({mode}, {torch.distributed.get_world_size()} ranks)", flush=True)
             elif trainer is None:

@@ -532,6 +532,10 @@ MAX_FUNCTION_STATEMENTS = 45
 SPINES = {
     ("asyncrl.learner.training.trainer", "step"): "the learner's training step: critic, proximal pass, "
     "each mini-batch's micro-batches, update and statistics (PolicyTrainer.step)",
+    ("asyncrl.learner.learner", "train_on"): "one step of the learner: hooks, archive, batch, the step, "
+    "version, publish, metrics (Learner.train_on)",
+    ("asyncrl.learner.learner", "_run"): "the learner's loop: pump, take, train, checkpoint, then the stop "
+    "and the summary (Learner._run)",
 }
 MAX_SPINE_STATEMENTS = 120  # a spine is still one sitting's reading
 
