@@ -242,6 +242,22 @@ class TasksConfig(_Base):
         ),
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra arguments for a custom source.")
+    ledger: bool = Field(
+        True,
+        description=(
+            "The learner deals every fresh task with the credits and keeps a ledger (<run>/ledger.jsonl, "
+            "`asyncrl ledger RUN`): each task of an epoch is trained exactly once across kills and resumes, or "
+            "dropped with a recorded reason. false: each actor draws from its own shuffled stream."
+        ),
+    )
+    requeue: list[Literal["stale", "rejected", "filtered"]] = Field(
+        ["stale", "rejected"],
+        description=(
+            "With the ledger: why a dropped task is dealt again in its epoch; the others count as used. 'stale': "
+            "past buffer.max_staleness; 'rejected': refused on receipt; 'filtered': dynamic sampling "
+            "(buffer.filter_groups). A task whose actor was lost is always dealt again."
+        ),
+    )
 
 
 class EnvConfig(_Base):
@@ -975,6 +991,15 @@ class SyncConfig(_Base):
     )
     keep: int = Field(3, ge=1, description="Filesystem sync: weight files kept.")
     every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+    digest: bool = Field(
+        True,
+        description=(
+            "A receipt for every weight version: the learner sends the SHA-256 of the tensors it publishes; an "
+            "actor checks what it received against it and that its engine holds exactly that (the HF engine "
+            "reads its weights back), refuses to generate otherwise, and stamps every episode with the digest of "
+            "the weights that generated it, which the learner checks (docs/guide/guarantees.md)."
+        ),
+    )
     cuda_ipc: bool = Field(
         True,
         description=(

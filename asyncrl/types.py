@@ -254,6 +254,8 @@ class Episode(msgspec.Struct, forbid_unknown_fields=True):
     decision: JsonMap = {}  # algorithm's record for the UI/events
     metrics: JsonMap = {}  # algorithm metrics (e.g. unified_filter/*)
     created_at: float = 0.0
+    ticket: Name = ""  # the learner's deal of its task (asyncrl.learner.ledger; "" when the actor chose the task)
+    weights_digests: dict[str, Name] = {}  # policy version -> digest of the weights that generated it (receipts)
     id: Id = msgspec.field(default_factory=new_id)
 
     @property

@@ -28,10 +28,12 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..config import Config, SyncConfig, cpu_threads, deterministic_torch
@@ -44,7 +46,8 @@ from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..rollout.workflow import RolloutContext, get_workflow
 from ..types import Task
 from ..weights import make_receiver
-from ..weights.base import check_weight_values
+from ..weights.base import WeightsError, check_weight_values
+from ..weights.digest import short, weights_digest
 from ..wire.codec import decode
 from ..wire.messages import Credit
 from .heartbeat import Heartbeat
@@ -99,6 +102,13 @@ class Actor:
         # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
         self.assigned: deque[tuple[Task, int, int]] = deque()
         self.withheld: set[str] = set()
+        # the learner's ledger: fresh tasks it dealt with the credits (and their tickets), and the tickets
+        # of the batches being generated (said in a hello: the learner deals the others again)
+        self.dealt: deque[tuple[Task, str]] = deque()
+        self._generating: dict[int, list[str]] = {}
+        # weight receipts (asyncrl.weights.digest): the digest of what the engine holds, by version
+        self.weights_digest = ""
+        self._digests: dict[int, str] = {}
 
     # -- what the heartbeat and the loop read -------------------------------------------------
     @property
@@ -125,12 +135,14 @@ class Actor:
         self.net.report_bad(channel, error)
 
     def hello(self) -> None:
-        self.net.hello(self.cfg.actor.tasks_per_batch, self.engine.version, os.getpid())
+        holding = [t for tickets in list(self._generating.values()) for t in tickets]
+        self.net.hello(self.cfg.actor.tasks_per_batch, self.engine.version, os.getpid(), holding)
 
     def _on_welcome(self, new_session: bool) -> None:
         """A welcome: the learner holds no assignments for this actor now; a new session (it
         restarted) also resends its skip set and is told which weights this actor holds."""
         self.assigned.clear()
+        self.dealt.clear()  # (not started: the learner deals them again; see hello)
         if new_session:
             print(f"[{self.actor_id}] connected to the learner; asking for its weights", flush=True)
             self.withheld = set()
@@ -164,10 +176,14 @@ class Actor:
             if version == self.engine.version and self._weights_session == self.session:
                 return False  # (any other version is applied, older ones too: a resumed learner's)
             check_weight_values(tensors)  # (names and shapes: the engine checks them before it changes any)
+            digest = self._received_digest(msg.body.digest, version, tensors)
             self.engine.update_weights(tensors, version)
+            self._check_loaded(tensors, version, digest)
             self._weights_session = self.session
             self._applied_at = time.time()
         except Exception as e:  # noqa: BLE001 - bad weights (a wrong file, a shape mismatch) are dropped
+            if isinstance(e, WeightsError) and "digest" in str(e):
+                print(f"[{self.actor_id}] error: {e}", file=sys.stderr, flush=True)
             self._report_bad("weights", e)
             return False
         finally:
@@ -177,6 +193,50 @@ class Actor:
         if self.weight_updates == 1:  # (the first only: a version a step would be a line a step)
             print(f"[{self.actor_id}] weights version {version} applied; generating", flush=True)
         return True
+
+    def _received_digest(self, published: str | None, version: int, tensors: dict) -> str:
+        """The digest of what arrived; WeightsError (nothing loaded) when it is not the one the
+        learner published for ``version``."""
+        if not self.cfg.sync.digest:
+            return ""
+        got = weights_digest(tensors)
+        if published and got != published:
+            raise WeightsError(
+                f"weights version {version} arrived with digest {short(got)}, but the learner published "
+                f"{short(published)}: damaged on the way; not loaded, not generating with it"
+            )
+        return got
+
+    def _check_loaded(self, tensors: dict, version: int, digest: str) -> None:
+        """The engine holds exactly what arrived (an engine that can read its weights back:
+        ``loaded_mismatch``), or WeightsError: this actor does not generate with the version."""
+        problem = self.engine.loaded_mismatch(tensors) if hasattr(self.engine, "loaded_mismatch") else None
+        if problem:
+            self._weights_session = None  # (the engine's weights are not this session's version)
+            self.weights_digest = ""
+            raise WeightsError(
+                f"weights version {version} (digest {short(digest)}) did not load: {problem}; not generating "
+                f"with these weights"
+            )
+        self.weights_digest = digest
+        if digest:
+            self._digests[int(version)] = digest
+            for old in sorted(self._digests)[:-64]:
+                del self._digests[old]
+
+    def _stamp(self, episodes: list, tickets: list[str | None]) -> None:
+        """Each episode's ticket (the task the learner dealt) and the digests of the weight versions
+        that generated its tokens."""
+        for ep, ticket in zip(episodes, tickets):
+            if ticket:
+                ep.ticket = ticket
+            versions = set()
+            for t in ep.trajectories:
+                if not t.is_replay:
+                    versions.add(int(t.policy_version))
+                    if t.token_versions is not None and len(t.token_versions):
+                        versions.update(int(v) for v in np.unique(t.token_versions))
+            ep.weights_digests = {str(v): self._digests[v] for v in sorted(versions) if v in self._digests}
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -196,7 +256,7 @@ class Actor:
             if self.session is None:
                 continue
             self.apply_weights(0)
-            if self.credits <= 0:
+            if not self.has_work():
                 continue
             if not self._weights_ok(100):
                 continue
@@ -262,7 +322,7 @@ class Actor:
                 if (
                     not self.stopping
                     and self.session is not None
-                    and self.credits > 0
+                    and self.has_work()
                     and len(running) < slots
                     and self._weights_ok(0)
                 ):
@@ -292,6 +352,7 @@ class Actor:
                 f"{self.cfg.algorithm!r} cannot take per-task rollout counts; generating them fresh",
                 flush=True,
             )
+        self.dealt.extend((d.task, d.ticket) for d in body.deal)
         for i, item in enumerate(body.replay):
             if item.n > self.cfg.sampling.n:
                 self._report_bad(
@@ -321,6 +382,10 @@ class Actor:
         self.stopping = True
         request_env_stop()
 
+    def has_work(self) -> bool:
+        """Credits, and (when the learner deals every task) tasks to spend them on."""
+        return self.credits > 0 and (not self.net.deals or bool(self.assigned or self.dealt))
+
     def generate_batch(self) -> None:
         batch, session = self._take_batch(), self.session
         t0 = time.time()
@@ -338,30 +403,49 @@ class Actor:
         for ep in episodes:
             self.net.send_episode(ep)
 
-    def _take_batch(self, size: int | None = None) -> tuple[list[Task], list[int], list, int]:
+    def _take_batch(self, size: int | None = None) -> tuple[list[Task], list[int], list, int, list]:
         """The next batch's tasks (at most ``size``, default ``actor.tasks_per_batch``; assigned
-        replay tasks first), rollout counts, replay k's and seed; its credits are used now."""
+        replay tasks first, then the tasks the learner dealt, or this actor's own stream when it
+        deals none), rollout counts, replay k's, seed and tickets; its credits are used now."""
         k = min(self.credits, size or self.cfg.actor.tasks_per_batch)
+        if self.net.deals:
+            k = min(k, len(self.assigned) + len(self.dealt))
         replay = self.workflow.supports_replay
-        tasks, counts, ks = [], [], []
+        tasks, counts, ks, tickets = [], [], [], []
         while self.assigned and len(tasks) < k:
             task, n, kk = self.assigned.popleft()
             tasks.append(task)
             counts.append(n if replay else self.cfg.sampling.n)
             ks.append(kk if replay else None)
+            tickets.append(None)
         while len(tasks) < k:
-            tasks.append(self._fresh_task())
+            task, ticket = self.dealt.popleft() if self.net.deals else (self._fresh_task(), None)
+            tasks.append(task)
             counts.append(self.cfg.sampling.n)
             ks.append(None)
+            tickets.append(ticket)
         seed = self.seed + 100_003 * self.batches
         self.batches += 1
         self.net.use_credits(k)
-        return tasks, counts, ks, seed
+        return tasks, counts, ks, seed, tickets
 
-    def _rollout_batch(self, tasks: list[Task], counts: list[int], ks: list, seed: int) -> list | None:
+    def _rollout_batch(
+        self, tasks: list[Task], counts: list[int], ks: list, seed: int, tickets: list | None = None
+    ) -> list | None:
         """The workflow's episodes for one batch (None when the environment failed the whole batch:
-        its assigned replay tasks go back in the queue, and the caller gives its credits back)."""
+        its assigned replay and dealt tasks go back in the queue, and the caller gives its credits
+        back), stamped with their tickets and weight digests."""
         ctx = RolloutContext(self.engine, self.tokenizer, self.env, self.cfg, self.actor_id, seed=seed)
+        tickets = tickets or [None] * len(tasks)
+        held = [t for t in tickets if t]
+        if held:
+            self._generating[seed] = held
+        try:
+            return self._rollout(tasks, counts, ks, ctx, tickets)
+        finally:
+            self._generating.pop(seed, None)
+
+    def _rollout(self, tasks, counts, ks, ctx, tickets) -> list | None:
         try:
             if any(kk is not None for kk in ks):
                 episodes = self.workflow.rollout(tasks, ctx, counts=counts)
@@ -374,7 +458,10 @@ class Actor:
             print(f"[{self.actor_id}] the environment failed a whole batch; generating it again: {e}", flush=True)
             for task, n, kk in reversed([x for x in zip(tasks, counts, ks) if x[2] is not None]):
                 self.assigned.appendleft((task, n, kk))
+            for task, ticket in reversed([x for x in zip(tasks, tickets) if x[1]]):
+                self.dealt.appendleft((task, ticket))
             return None
+        self._stamp(episodes, tickets)
         return episodes
 
     def close(self) -> None:

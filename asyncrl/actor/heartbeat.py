@@ -87,6 +87,7 @@ class Heartbeat(threading.Thread):
             up_s=time.time() - a.started,
             tokens=int(getattr(a.engine, "tokens_generated", 0)),
             stopping=a.stopping,
+            weights_digest=a.weights_digest,
         )
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)

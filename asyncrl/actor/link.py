@@ -73,7 +73,9 @@ class ActorLink:
         self.weights: zmq.Socket | None = None
         self.session: str | None = None
         self.unacked: OrderedDict[str, list] = OrderedDict()
+        self.tickets: dict[str, str] = {}  # unacknowledged episode id -> its dealt task's ticket
         self.credits = 0
+        self.deals = False  # the learner deals every fresh task (its welcome says so)
         self.min_version = 0
         self.stop_requested = False
         self.bad: Counter[str] = Counter()  # bad messages from the learner per channel
@@ -102,7 +104,7 @@ class ActorLink:
         return sock, monitor
 
     # -- control --------------------------------------------------------------------------------
-    def hello(self, capacity: int, version: int, pid: int) -> bool:
+    def hello(self, capacity: int, version: int, pid: int, holding: list[str] | None = None) -> bool:
         """Say hello to the learner; False when it could not be queued (the learner refused this
         actor's key, so the connection is gone, or a thousand hellos wait for a learner that is down).
         Never waits: a blocking send here held a refused actor for ever, before it could say why.
@@ -110,7 +112,16 @@ class ActorLink:
         try:
             send_frames(
                 self.control,
-                encode("hello", Hello(actor_id=self.actor_id, capacity=capacity, version=max(version, -1), pid=pid)),
+                encode(
+                    "hello",
+                    Hello(
+                        actor_id=self.actor_id,
+                        capacity=capacity,
+                        version=max(version, -1),
+                        pid=pid,
+                        holding=sorted(set(self.tickets.values()) | set(holding or ())),
+                    ),
+                ),
                 flags=zmq.NOBLOCK,
             )
         except zmq.Again:
@@ -156,7 +167,9 @@ class ActorLink:
         elif isinstance(body, Ack):
             for eid in body.ids:
                 self.unacked.pop(eid, None)
+                self.tickets.pop(eid, None)
             for r in body.rejected:
+                self.tickets.pop(r.id, None)
                 if self.unacked.pop(r.id, None) is not None:
                     self.rejected += 1
                     if self.rejected <= 3 or self.rejected % 100 == 0:
@@ -178,6 +191,7 @@ class ActorLink:
     def _on_welcome(self, body: Welcome) -> None:
         new_session = body.session != self.session
         self.session = body.session
+        self.deals = body.deals
         self.learner_weights = body.addresses.get("weights") or self.learner_weights
         if self.episodes is None:  # both sockets or neither (a bad address fails this message only)
             episodes = self._socket(zmq.PUSH, body.addresses["episodes"])
@@ -207,6 +221,8 @@ class ActorLink:
         """Push ``episode``, kept until the learner acknowledges (or rejects) it."""
         frames = encode_episode(episode)
         self.unacked[episode.id] = frames
+        if episode.ticket:
+            self.tickets[episode.id] = episode.ticket
         send_frames(self.episodes, frames)
 
     def use_credits(self, n: int) -> None:

@@ -361,6 +361,18 @@ def cmd_replay(args) -> int:
     return 0 if report["overrides"] or not differ else 1
 
 
+def cmd_ledger(args) -> int:
+    from ..analysis.ledger import ledger_report
+
+    try:
+        text, ok = ledger_report(Path(args.run))
+    except FileNotFoundError as e:
+        print(f"asyncrl ledger: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if ok else 1
+
+
 def cmd_ui(args) -> int:
     try:
         from asyncrl.app.main import main as ui_main
@@ -496,6 +508,11 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace that directory if it exists")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (another loss, estimator, ...)")
     p.set_defaults(fn=cmd_replay)
+    p = sub.add_parser(
+        "ledger", help="a run's task ledger: per epoch, tasks trained once, dropped and why, dealt again, open"
+    )
+    p.add_argument("run", help="the run directory (runs/<name>)")
+    p.set_defaults(fn=cmd_ledger)
     p = sub.add_parser("ui", help="open the Gradio app on a run (finished or live)")
     add_ui_arguments(p)
     p.set_defaults(fn=cmd_ui)

@@ -331,6 +331,28 @@ class HFEngine:
         if self._live and self.kv_on_update == "recompute":
             self._rebuild = True  # the next step recomputes the cache of the tokens so far
 
+    @torch.no_grad()
+    def loaded_mismatch(self, named_tensors: dict[str, torch.Tensor]) -> str | None:
+        """None when the model holds exactly ``named_tensors`` (each compared in the model's own dtype
+        and device), else what differs: the actor's check that an update really loaded
+        (``asyncrl.weights.digest``). LoRA adapters merged into the weights are not read back (None)."""
+        if self.adapters is not None:
+            return None
+        targets = dict(self.model.state_dict(keep_vars=True))
+        differ = [
+            name
+            for name, t in named_tensors.items()
+            if name in targets
+            and not torch.equal(
+                targets[name].detach(), torch.as_tensor(t).to(targets[name].device, targets[name].dtype)
+            )
+        ]
+        if not differ:
+            return None
+        return (
+            f"{len(differ)} of {len(named_tensors)} tensors in the engine differ from what arrived (e.g. {differ[0]})"
+        )
+
 
 def _merge(parts: list[tuple]) -> tuple:
     """Batches ``(rows, logits, (cache, mask, positions))`` as one: caches and masks left-padded to

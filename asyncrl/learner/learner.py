@@ -29,6 +29,7 @@ from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir
 from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
 from ..types import Episode
 from ..weights import make_publisher
+from ..weights.digest import weights_digest
 from ..wire.sockets import check_wire, socket_dir
 from .archive import EpisodeArchive
 from .checkpoint import save_checkpoint, write_critic
@@ -39,11 +40,14 @@ from .ingest.buffer import EpisodeQueue
 from .ingest.peers import Peers
 from .ingest.server import LearnerServer, Limits
 from .ingest.staleness import StalenessPolicy
+from .ledger import TaskLedger, make_ledger
 from .progress import Progress, summary_table
 from .startup import Startup
 from .telemetry import Telemetry
 from .training.ranks import Ranks, load_trainable
 from .training.trainer import StepAbandoned
+
+_DIGESTS_KEPT = 256  # versions whose published digest the learner keeps (checkpointed with it)
 
 
 def _informative_episode(episode: Episode) -> bool:
@@ -86,6 +90,7 @@ class Learner:
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
         self._open_wire(cfg)  # the sockets, the run log (and its trackers), the peers' intake
         self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
+        self.ledger = self._open_ledger(cfg)  # (the last hook: it deals what the others leave of the credits)
         self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
@@ -104,11 +109,15 @@ class Learner:
             self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
         )
         self.rewards_per_step: list[float] = list(state.get("rewards_per_step", []))
+        self.peers.digests.update({int(v): d for v, d in state.get("weights_digests", {}).items()})
         if self.version:  # a resumed run: its summary starts at the run's start, not at the resume point
             self.evaluator.resumed(self._earlier_evaluations())
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.archive = self._reproducibility()
         self.buffer.open_wal(self.version)
+        if self.ledger is not None:
+            self.ledger.open_log(self.version)
+            self.ledger.recovered(self.buffer, self.version)
         (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
 
     def _open_wire(self, cfg: Config) -> None:
@@ -142,6 +151,21 @@ class Learner:
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             limits=self.net.limits,
         )
+
+    def _open_ledger(self, cfg: Config) -> TaskLedger | None:
+        """``tasks.ledger``: the learner deals every fresh task (``asyncrl.learner.ledger``), told by the
+        peers what arrives and is refused, by the buffer what it drops, by replay what is solved."""
+        ledger = make_ledger(cfg, lambda kind, version, **f: self.log.event(kind, version, **f))
+        if ledger is None:
+            return None
+        for hook in self.hooks:
+            if isinstance(hook, ReplayHook) and cfg.replay.withhold_solved:
+                ledger.withheld = lambda m=hook.manager: m.solved
+        self.hooks.append(ledger)
+        self.peers.ledger = ledger
+        self.buffer.on_drop = ledger.dropped
+        self.net.deals = True
+        return ledger
 
     def _earlier_evaluations(self) -> list[dict]:
         """The run log's evaluations up to the resumed version (what the run's summary compares)."""
@@ -316,6 +340,8 @@ class Learner:
             empty_steps=self.empty_steps,
         )
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
+        if self.ledger is not None:
+            self.ledger.close()
         self.net.close()
         self.log.close()
         return summary
@@ -358,6 +384,8 @@ class Learner:
 
     def grant(self) -> None:
         cfg = self.cfg
+        if self.ledger is not None:  # tasks dealt to actors that are gone are dealt again
+            self.ledger.sweep({a.identity for a in self.net.actors.values()}, self.version)
         if len(self.net.actors) < cfg.train.min_actors:
             return
         pool = self.staleness.credit_pool()
@@ -373,8 +401,8 @@ class Learner:
     def _credit_work(self, actor, n: int) -> dict:
         """The hooks' fields for ``actor``'s credit message (experience replay's assignments)."""
         work: dict = {}
-        for hook in self.hooks:
-            work.update(hook.credit_work(actor, n, self.version))
+        for hook in self.hooks:  # (each for the credits the ones before it gave no task)
+            work.update(hook.credit_work(actor, n - len(work.get("replay", ())), self.version))
         return work
 
     def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
@@ -470,13 +498,22 @@ class Learner:
             k: (v.detach().to("cpu", copy=True).contiguous() if snapshot else v.detach())
             for k, v in (adapter_tensors(named) if is_lora(self.model) else dict(named)).items()
         }
-        self.net.subscribers.publish(self.weights_out.frames(state, self.version), self.version)
+        t_digest = time.time()
+        digest = weights_digest(state) if self.cfg.sync.digest else None  # the version's receipt
+        digest_s = time.time() - t_digest
+        if digest is not None:
+            self.peers.digests[self.version] = digest  # (replaces a lost timeline's digest of this number)
+            for old in [v for v in self.peers.digests if v < self.version - _DIGESTS_KEPT]:
+                del self.peers.digests[old]
+        self.net.subscribers.publish(self.weights_out.frames(state, self.version, digest), self.version)
         self.log.event(
             "weights_published",
             self.version,
             version=self.version,
             bytes=int(sum(v.numel() * v.element_size() for v in state.values())),
             encode_s=time.time() - t0,
+            digest=digest,
+            digest_s=round(digest_s, 6),
             subscribers=len(self.net.subscribers),
         )
 
@@ -518,7 +555,7 @@ class Learner:
             self.tokenizer,
             self.trainer.optimizer,
             self.buffer,
-            {"rewards_per_step": self.rewards_per_step},
+            {"rewards_per_step": self.rewards_per_step, "weights_digests": self.peers.digests},
             keep=self.cfg.checkpoint.keep,
             write_extra=write_extra,
             states=states,

@@ -45,6 +45,7 @@ CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
 QUARANTINE = "quarantine"
 MANIFEST = "manifest.json"
+LEDGER = "ledger.jsonl"  # the task ledger's record (asyncrl.learner.ledger)
 CRITIC = "critic"  # a checkpoint's critic (train.advantage.estimator gae): model.safetensors, optimizer.pt
 MANIFEST_FORMAT = 1
 
@@ -64,6 +65,7 @@ RUN_FILES = (
     STOP_REASON,
     "provenance.json",
     "archive",
+    LEDGER,
 )
 RUN_MARKERS = (METRICS, EVENTS, CONFIG, ADDRESSES, PID_FILE)
 

@@ -61,8 +61,9 @@ class WeightPublisher(Protocol):
 
     needs_snapshot: bool  # True: ``frames`` keeps the tensors it is given (the learner passes copies)
 
-    def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
-        """The frames of the ``weights`` message for ``version`` (``state``: name -> CPU tensor)."""
+    def frames(self, state: dict[str, torch.Tensor], version: int, digest: str | None = None) -> list:
+        """The frames of the ``weights`` message for ``version`` (``state``: name -> CPU tensor),
+        carrying ``digest`` (``asyncrl.weights.digest``) for the actors' receipts."""
         ...
 
     def poll(self) -> None:

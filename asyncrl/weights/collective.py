@@ -171,12 +171,14 @@ class CollectivePublisher(Publisher):
         self._announce([])  # the members still alive see they were dropped and register again
 
     # -- versions -------------------------------------------------------------------------------
-    def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
+    def frames(self, state: dict[str, torch.Tensor], version: int, digest: str | None = None) -> list:
         self._last = (int(version), state)
         self.poll()
         if self.pg is not None:
             self._send(int(version), state)
-        return encode("weights", Weights(version=int(version), group=self.address, group_key=self.server.secret))
+        return encode(
+            "weights", Weights(version=int(version), group=self.address, group_key=self.server.secret, digest=digest)
+        )
 
     def _send(self, version: int, state: dict[str, torch.Tensor]) -> None:
         layout, size = plan_layout(state)

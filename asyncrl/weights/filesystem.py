@@ -24,7 +24,7 @@ class FilesystemPublisher(Publisher):
         self.dir = Path(sync_cfg.dir or Path(run_dir) / WEIGHTS).resolve()
         self.keep = sync_cfg.keep
 
-    def frames(self, state: dict, version: int) -> list:
+    def frames(self, state: dict, version: int, digest: str | None = None) -> list:
         """Save ``state`` as ``weights-<version>.safetensors`` (the newest ``sync.keep`` are kept)
         and return a ``weights`` message naming the file."""
         private_dir(self.dir)
@@ -35,7 +35,7 @@ class FilesystemPublisher(Publisher):
         os.replace(tmp, final)
         for old in sorted(self.dir.glob("weights-*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
-        return encode("weights", Weights(version=int(version), path=str(final)))
+        return encode("weights", Weights(version=int(version), path=str(final), digest=digest))
 
 
 class FilesystemReceiver(Receiver):

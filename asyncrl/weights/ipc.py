@@ -125,7 +125,7 @@ class IpcPublisher(Publisher):
         self.cuda_ipc = True if sync_cfg is None else bool(getattr(sync_cfg, "cuda_ipc", True))
         atexit.register(self.close)
 
-    def frames(self, state: dict[str, torch.Tensor], version: int) -> list:
+    def frames(self, state: dict[str, torch.Tensor], version: int, digest: str | None = None) -> list:
         layout, size = plan_layout(state)
         device = _cuda_device(state) if self.cuda_ipc else None
         key = (device, tuple((t.name, t.dtype, tuple(t.shape)) for t in layout))
@@ -148,7 +148,9 @@ class IpcPublisher(Publisher):
                 pack(buf, layout, state)
                 torch.cuda.current_stream().synchronize()  # the copies are done before `end` says so
         seg.header[1] = version
-        return encode("weights", Weights(version=int(version), segment=seg.name, layout=layout, cuda=cuda))
+        return encode(
+            "weights", Weights(version=int(version), segment=seg.name, layout=layout, cuda=cuda, digest=digest)
+        )
 
     @property
     def segment_paths(self) -> list[Path]:

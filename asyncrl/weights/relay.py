@@ -69,7 +69,7 @@ class WeightRelay:
         size = sum(len(f) for f in frames)
         msg = decode(frames, kinds=("weights",))
         version, tensors = decode_weights(msg)
-        self.frames = self.publisher.frames(tensors, version)
+        self.frames = self.publisher.frames(tensors, version, msg.body.digest)  # (the learner's receipt)
         self.version = version
         self.bytes_in += size
         self.versions += 1

@@ -11,10 +11,10 @@ class ZmqPublisher(Publisher):
     def __init__(self, sync_cfg=None, run_dir=None, wire_cfg=None):
         pass
 
-    def frames(self, state: dict, version: int) -> list:
+    def frames(self, state: dict, version: int, digest: str | None = None) -> list:
         """The ``weights`` message: zero-copy frames over ``state`` (a snapshot: it must not
         change until sent)."""
-        return encode_weights(state, version)
+        return encode_weights(state, version, digest)
 
 
 class ZmqReceiver(Receiver):

@@ -443,10 +443,10 @@ def _split(
 # weights
 
 
-def encode_weights(named_tensors: dict[str, Any], version: int) -> list:
+def encode_weights(named_tensors: dict[str, Any], version: int, digest: str | None = None) -> list:
     """Frames for a ``weights`` message: one frame per tensor, zero-copy for contiguous CPU
     tensors (do not modify them before the send completes), bfloat16 supported."""
-    return encode("weights", Weights(version=int(version)), named_tensors)
+    return encode("weights", Weights(version=int(version), digest=digest), named_tensors)
 
 
 def decode_weights(msg: Message, copy: bool = False) -> tuple[int, dict[str, Any]]:

@@ -62,18 +62,26 @@ class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Hello(Body):
+    """``holding``: the tickets of the dealt tasks this actor will still deliver (unacknowledged
+    episodes, the batch it is generating); the learner deals the others again."""
+
     KIND = "hello"
     actor_id: Name
     capacity: Annotated[int, msgspec.Meta(ge=1)]
     version: Version = -1
     pid: Count = 0
+    holding: list[Id] = []
 
 
 class Welcome(Body):
+    """``deals``: the learner deals every fresh task with the credits (its ledger); the actor then
+    generates only what it was dealt, never from a stream of its own."""
+
     KIND = "welcome"
     session: Name
     addresses: dict[str, Name]
     lease_s: Seconds
+    deals: bool = False
 
 
 class ReplayTask(Body):
@@ -94,12 +102,20 @@ class Withhold(Body):
     remove: list[Id] = []
 
 
+class Dealt(Body):
+    """A fresh task the learner's ledger dealt, and its ``ticket``, which the episode carries back."""
+
+    task: Task
+    ticket: Id
+
+
 class Credit(Body):
     KIND = "credit"
     n: Annotated[int, msgspec.Meta(ge=1)]
     min_version: Count
     replay: list[ReplayTask] = []
     withhold: Withhold | None = None
+    deal: list[Dealt] = []
 
 
 class Rejected(Body):
@@ -133,6 +149,7 @@ class Status(Body):
     tokens: Count = 0  # tokens its engine has generated since it started: progress within a long batch
     up_s: Seconds = 0.0  # time since the actor started (1 - generate_s / up_s: its idle share)
     stopping: bool = False
+    weights_digest: Name = ""  # the digest of the weights its engine holds (checked against what it received)
 
 
 class Alive(Body):
@@ -262,6 +279,7 @@ class Weights(Body):
     cuda: CudaHandle | None = None
     group: Name | None = None  # nccl/gloo: the learner's weight-sync store, host:port
     group_key: Name | None = None  # nccl/gloo: the secret every request to that store must carry
+    digest: Name | None = None  # SHA-256 of the published tensors (asyncrl.weights.digest)
 
 
 class Event(Body):

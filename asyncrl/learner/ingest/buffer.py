@@ -79,6 +79,7 @@ class EpisodeQueue:
         self._wal_size = 0
         self._wal_path: Path | None = None
         self._dirty = False
+        self.on_drop: Callable[[Episode, str, int], None] | None = None  # (episode, "stale"/"filtered", version)
 
     def __len__(self) -> int:
         return len(self.episodes)
@@ -134,9 +135,11 @@ class EpisodeQueue:
         Episodes that ``staleness`` finds too old are dropped (counted in ``dropped_stale``), and so are
         those ``keep`` rejects (dynamic sampling; each judged once, their ids in ``filtered``)."""
         for eid in [k for k, (ep, _) in self.episodes.items() if staleness.too_old(ep, version)]:
-            del self.episodes[eid]
+            ep, _ = self.episodes.pop(eid)
             self._kept.discard(eid)
             self.dropped_stale += 1
+            if self.on_drop is not None:
+                self.on_drop(ep, "stale", version)
         if keep is not None:
             for eid, (ep, _) in list(self.episodes.items()):
                 if eid in self._kept:
@@ -147,6 +150,8 @@ class EpisodeQueue:
                     del self.episodes[eid]
                     self.filtered.append(eid)
                     self.filtered_total += 1
+                    if self.on_drop is not None:
+                        self.on_drop(ep, "filtered", version)
         if len(self.episodes) < count:
             return None
         ordered = sorted(self.episodes.items(), key=lambda kv: kv[1][0].policy_version)[:count]
@@ -155,6 +160,11 @@ class EpisodeQueue:
             self._kept.discard(eid)
         self._taken = ordered
         return [ep for _, (ep, _) in ordered]
+
+    def discard(self, eid: str) -> None:
+        """Take an episode out without training it (it stays seen: a resend is a duplicate too)."""
+        self.episodes.pop(eid, None)
+        self._kept.discard(eid)
 
     def untake(self) -> int:
         """Put what the last :meth:`take` returned back, as it arrived (its wire frames: what a checkpoint

@@ -16,6 +16,7 @@ Promises (docs/design/events.md, "Peers that misbehave"):
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import Counter, defaultdict
 from typing import Callable, Protocol
@@ -23,6 +24,7 @@ from typing import Callable, Protocol
 import msgspec
 import numpy as np
 
+from ...weights.digest import short
 from ...wire.codec import Message, WireError
 from ...wire.messages import Rejected
 from .actors import ActorState, ActorTable, credit_timeout_s
@@ -202,6 +204,10 @@ class Peers:
         self.stop_reason: str | None = None
         self._no_actor_since = time.monotonic()
         self._status_logged: dict[bytes, float] = {}
+        # version -> the digest the learner published for it (``asyncrl.weights.digest``; the learner fills it)
+        self.digests: dict[int, str] = {}
+        self.ledger = None  # the learner's TaskLedger (asyncrl.learner.ledger), told what arrives and what is refused
+        self._digest_said: set[tuple[str, int]] = set()  # (actor, version) whose wrong heartbeat digest was said
 
     def bad_message(self, channel: str, error: Exception) -> None:
         """A message that could not be received, decoded or handled (``LearnerServer.on_bad_message``)."""
@@ -275,11 +281,16 @@ class Peers:
                 problem = self.validator.check(arrival, version)
             except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
                 problem = ("invalid", f"{type(e).__name__}: {e}")
+            problem = problem or self._check_digests(ep)
             if problem is not None:
                 self._reject(ep, *problem, rejected)
+                if self.ledger is not None:
+                    self.ledger.refused(ep, problem[0], version)
                 continue
             acks[ep.actor_id].append(ep.id)
             if self._write(ep, arrival.frames):
+                if self.ledger is not None and not self.ledger.arrived(ep, version):
+                    self.buffer.discard(ep.id)  # (its task's slot has an episode already: recorded, not trained)
                 self.ingested += 1
                 self.ingest_bytes += sum(memoryview(f).nbytes for f in arrival.frames)
                 self.net.actors.delivered(ep.actor_id, 1)  # (progress: valid and in the buffer, nothing less)
@@ -293,6 +304,18 @@ class Peers:
                 )
         self._write(None, None)
         self.net.ack(acks, rejected)
+
+    def _check_digests(self, ep) -> tuple[str, str] | None:
+        """The episode's weight receipts: each version's digest must be the one published for it
+        (a version this learner has no digest of, e.g. from before a resume, is taken unchecked)."""
+        for v, digest in ep.weights_digests.items():
+            want = self.digests.get(int(v)) if v.isdigit() else None
+            if want is not None and digest != want:
+                return "weights_digest", (
+                    f"generated with weights of digest {short(digest)} as version {v}, but the learner published "
+                    f"{short(want)} for it: the actor's engine does not hold the weights it says it does"
+                )
+        return None
 
     def _write(self, episode, frames) -> bool:
         """``buffer.add`` (or ``buffer.sync`` without an episode); a failed write names the WAL's
@@ -321,11 +344,30 @@ class Peers:
             self.bad_message("control", e)
             return
         now = time.monotonic()
+        if msg.kind == "hello" and self.ledger is not None:
+            self.ledger.hello(msg.body.actor_id, identity, msg.body.holding, version)
+        if msg.kind == "status" and msg.body.weights_digest:
+            self._check_status_digest(msg.body)
         if msg.kind == "status" and now - self._status_logged.get(state.identity, 0.0) >= 1.0:
             self._status_logged[state.identity] = now  # at most one actor_status event a second
             fields = msgspec.structs.asdict(msg.body)
             fields.pop("identity")
             self.event("actor_status", **fields)
+
+    def _check_status_digest(self, status) -> None:
+        """A heartbeat whose weights digest is not the one published for its version: one line, once
+        per actor and version (its episodes are refused by :meth:`_check_digests`)."""
+        want = self.digests.get(status.version)
+        key = (status.actor_id, status.version)
+        if want is None or status.weights_digest == want or key in self._digest_said:
+            return
+        self._digest_said.add(key)
+        text = (
+            f"{status.actor_id} holds weights of digest {short(status.weights_digest)} as version {status.version}, "
+            f"but the learner published {short(want)}: its episodes of that version are refused"
+        )
+        print(f"[learner] error: {text}", file=sys.stderr, flush=True)
+        self.event("weights_mismatch", actor_id=status.actor_id, weights_version=status.version, message=text)
 
     def _watch_actors(self) -> None:
         limit = self.cfg.train.exit_after_no_actors_s

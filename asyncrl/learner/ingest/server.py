@@ -154,10 +154,11 @@ class LearnerServer:
             )
         }
         # the actors' admission, leases and credits; the weights channel's subscribers
+        self.deals = False  # the learner's ledger deals every fresh task (said in each welcome)
         self.actors = ActorTable(
             wire_cfg,
             self.send_control,
-            lambda: Welcome(session=self.session, addresses=self.addresses, lease_s=self.lease_s),
+            lambda: Welcome(session=self.session, addresses=self.addresses, lease_s=self.lease_s, deals=self.deals),
         )
         self.subscribers = WeightSubscribers(self.weights, wire_cfg.lease_s)
         self.undecodable: list[tuple[str, str, WireError]] = []

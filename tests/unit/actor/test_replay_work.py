@@ -23,7 +23,7 @@ def test_actor_takes_assigned_tasks_and_skips_withheld(capsys):
 
     a.net = ActorLink.__new__(ActorLink)  # (only its report of bad messages)
     a.net.actor_id, a.net.bad = a.actor_id, Counter()
-    a.workflow, a.assigned, a.withheld = GRPOWorkflow(a.cfg), deque(), set()
+    a.workflow, a.assigned, a.withheld, a.dealt = GRPOWorkflow(a.cfg), deque(), set(), deque()
     a.tasks = iter([Task(i, [{"role": "user", "content": i}], 0) for i in ("x", "y", "z")])
     task = Task("p", [{"role": "user", "content": "1+1="}], 2)
     credit = decode(
