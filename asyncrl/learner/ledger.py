@@ -135,11 +135,14 @@ class TaskLedger:
 
         identity = actor.identity.decode(errors="replace")
         withheld = self.withheld()
+        taken = {o["slot"] for o in self.out.values()}  # (after a resume the cursor passes slots again)
         dealt = []
         for _ in range(100_000):
             if len(dealt) >= n:
                 break
             slot = self._next_slot()
+            if slot in self.held or slot in taken or self._resolved(slot):
+                continue
             task = self.task_at(slot)
             if withheld and task.id in withheld:
                 self._resolve(slot, version, "dropped", reason="withheld", requeued=False)
@@ -185,6 +188,10 @@ class TaskLedger:
         keep = set(holding)
         for ticket in [t for t, o in self.out.items() if o["identity"] == ident and t not in keep]:
             self._lost(ticket, version, f"{actor_id} no longer holds it (it said hello again)")
+        for ticket in keep - set(self.out):  # dealt by a learner life whose record was lost with a kill
+            slot = parse_ticket(ticket)
+            if slot is not None and slot not in self.held and not self._resolved(slot):
+                self.out[ticket] = {"slot": slot, "identity": ident, "actor": actor_id, "since": time.monotonic()}
 
     def sweep(self, live: set[bytes], version: int) -> None:
         """Tickets of actors absent from the table for ``grace_s`` are dealt again (at most once a second)."""

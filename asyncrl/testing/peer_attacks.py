@@ -68,6 +68,7 @@ def episode_frames(
     reward: float = 1.0,
     mask_value: int = 1,
     n: int = 6,
+    weights_digests: dict | None = None,
 ) -> list:
     """A one-trajectory episode in the wire layout (unchanged since schema 1), every token id
     ``token``, the last half of the tokens generated (loss mask ``mask_value``)."""
@@ -98,6 +99,7 @@ def episode_frames(
             "decision": decision or {},
             "metrics": {},
             "created_at": time.time(),
+            **({"weights_digests": weights_digests} if weights_digests is not None else {}),
         },
         "n": 1,
         "trajectories": cols,

@@ -65,6 +65,8 @@ def test_crafted_and_poisoned_messages_are_refused_and_training_goes_on(tmp_path
             "poison-nan": dict(reward=math.nan),
             "poison-mask": dict(mask_value=7),
             "poison-bytes": dict(decision={"blob": b"\x00"}),
+            # a receipt that is not the learner's: generated with weights it never published as version 0
+            "poison-digest": dict(weights_digests={"0": "0" * 64}),
         }
         good = [f"good-{i}" for i in range(6)]
         for eid, kw in poisoned.items():
@@ -78,12 +80,13 @@ def test_crafted_and_poisoned_messages_are_refused_and_training_goes_on(tmp_path
         assert set(good) <= actor.acked and set(poisoned) == set(actor.rejected), (actor.acked, actor.rejected)
         assert "token_range" in actor.rejected["poison-token"] and "future_version" in actor.rejected["poison-future"]
         assert "field 'episode.decision[...]'" in actor.rejected["poison-bytes"]  # refused by the decoder
+        assert "weights_digest" in actor.rejected["poison-digest"], actor.rejected["poison-digest"]
         assert run.wait_version(3, 120) is not None, run.log_tail(lines=20)  # 6 good episodes, 2 per step
         wal = _wal_ids(run)
         assert set(good) <= wal and not (wal & set(poisoned)), wal
         assert set(good) <= _trained(run)  # nothing acknowledged is lost
         reasons = {e["reason"] for e in run.events("episode_rejected")}
-        assert {"token_range", "future_version", "nonfinite", "mask_values"} <= reasons, reasons
+        assert {"token_range", "future_version", "nonfinite", "mask_values", "weights_digest"} <= reasons, reasons
         assert run.metrics()[-1]["bad_messages"] >= 10  # nine crafted + the undecodable episode
         assert run.metrics()[-1]["rejected_episodes"] == len(poisoned)
     finally:
