@@ -134,9 +134,20 @@ class Actor:
     def _report_bad(self, channel: str, error: Exception) -> None:
         self.net.report_bad(channel, error)
 
+    def holding(self) -> list[str]:
+        """The tickets of the dealt tasks this actor will still deliver: its unacknowledged episodes'
+        and the batches it is generating (read from the heartbeat's thread too)."""
+        for _ in range(5):
+            try:
+                return sorted(
+                    {t for tickets in list(self._generating.values()) for t in tickets} | set(self.net.tickets.values())
+                )
+            except RuntimeError:  # (changed while being read: read again)
+                continue
+        return []
+
     def hello(self) -> None:
-        holding = [t for tickets in list(self._generating.values()) for t in tickets]
-        self.net.hello(self.cfg.actor.tasks_per_batch, self.engine.version, os.getpid(), holding)
+        self.net.hello(self.cfg.actor.tasks_per_batch, self.engine.version, os.getpid(), self.holding())
 
     def _on_welcome(self, new_session: bool) -> None:
         """A welcome: the learner holds no assignments for this actor now; a new session (it

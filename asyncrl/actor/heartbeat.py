@@ -88,6 +88,7 @@ class Heartbeat(threading.Thread):
             tokens=int(getattr(a.engine, "tokens_generated", 0)),
             stopping=a.stopping,
             weights_digest=a.weights_digest,
+            holding=a.holding(),
         )
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)

@@ -119,7 +119,7 @@ class ActorLink:
                         capacity=capacity,
                         version=max(version, -1),
                         pid=pid,
-                        holding=sorted(set(self.tickets.values()) | set(holding or ())),
+                        holding=list(holding or ()),
                     ),
                 ),
                 flags=zmq.NOBLOCK,

@@ -150,6 +150,7 @@ class Status(Body):
     up_s: Seconds = 0.0  # time since the actor started (1 - generate_s / up_s: its idle share)
     stopping: bool = False
     weights_digest: Name = ""  # the digest of the weights its engine holds (checked against what it received)
+    holding: list[Id] = []  # as in Hello: a learner that admits it from a heartbeat deals the others again
 
 
 class Alive(Body):

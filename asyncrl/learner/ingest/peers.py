@@ -338,14 +338,18 @@ class Peers:
         )
 
     def _control(self, identity: bytes, msg, version: int) -> None:
+        # a heartbeat from an actor the table does not know admits it (with a welcome) as a hello does
+        admitted = msg.kind == "hello" or (
+            msg.kind == "status" and msg.body.identity.encode() not in {a.identity for a in self.net.actors.values()}
+        )
         try:
             state = self.net.handle_control(identity, msg)
         except WireError as e:
             self.bad_message("control", e)
             return
         now = time.monotonic()
-        if msg.kind == "hello" and self.ledger is not None:
-            self.ledger.hello(msg.body.actor_id, identity, msg.body.holding, version)
+        if admitted and self.ledger is not None:  # (its queue of dealt tasks is emptied by the welcome)
+            self.ledger.hello(msg.body.actor_id, state.identity, msg.body.holding, version)
         if msg.kind == "status" and msg.body.weights_digest:
             self._check_status_digest(msg.body)
         if msg.kind == "status" and now - self._status_logged.get(state.identity, 0.0) >= 1.0:
