@@ -44,6 +44,7 @@ from .ledger import TaskLedger, make_ledger
 from .progress import Progress, summary_table
 from .startup import Startup
 from .telemetry import Telemetry
+from .training.mismatch import LaggedMismatch, merge_mismatch
 from .training.ranks import Ranks, load_trainable
 from .training.trainer import StepAbandoned
 
@@ -85,6 +86,11 @@ class Learner:
         model, self.tokenizer, self.model_dir = load_trainable(cfg)  # (model.lora: adapters on it)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
+        self.lagged = (  # train.mismatch_rows: older versions' weights, to measure mismatch on their tokens
+            LaggedMismatch(self.trainer, self.model, cfg.train.mismatch_versions, cfg.train.mismatch_rows)
+            if cfg.train.mismatch_rows
+            else None
+        )
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
@@ -416,6 +422,7 @@ class Learner:
             self.archive.write(self.version, episodes, keep_rows)
         batch = self.trainer.make_batch(episodes) if has_rows else None
         truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
+        lagged = self.lagged.measure(batch, self.version) if self.lagged is not None and batch is not None else {}
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
         try:
             result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
@@ -435,6 +442,7 @@ class Learner:
             hook_metrics.update(hook.after_step(episodes, result, self.version))
         owned = set().union(*(h.owned_stats for h in self.hooks))
         stats = {k: v for k, v in stats.items() if k not in owned}
+        stats.update(merge_mismatch(stats, lagged))  # mismatch/*: this version's tokens and older ones'
         self.version += 1
         train_s = time.time() - t0
         if self.version % self.cfg.sync.every == 0:
@@ -505,6 +513,8 @@ class Learner:
             self.peers.digests[self.version] = digest  # (replaces a lost timeline's digest of this number)
             for old in [v for v in self.peers.digests if v < self.version - _DIGESTS_KEPT]:
                 del self.peers.digests[old]
+        if self.lagged is not None:
+            self.lagged.remember(self.version, state, copied=snapshot)
         self.net.subscribers.publish(self.weights_out.frames(state, self.version, digest), self.version)
         self.log.event(
             "weights_published",

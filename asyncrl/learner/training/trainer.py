@@ -415,6 +415,12 @@ class PolicyTrainer:
         )
 
     @torch.no_grad()
+    def logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        """``model``'s log-probs of ``batch``'s target tokens, ``[B, T-1]``, as this trainer computes
+        them (its temperature and attention path), without a graph: for a model other than the policy."""
+        return self._forward(model, batch).logprobs
+
+    @torch.no_grad()
     def _chunked_logprobs(
         self, model, batch: TrainBatch, with_entropy: bool = False, skip: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
