@@ -121,9 +121,7 @@ class Learner:
         self.start.flush(self.log, self.version, len(self.buffer), report)
         self.archive = self._reproducibility()
         self.buffer.open_wal(self.version)
-        if self.ledger is not None:
-            self.ledger.open_log(self.version)
-            self.ledger.recovered(self.buffer, self.version)
+        self._resume_ledger()
         (self.run_dir / ADDRESSES).write_text(json.dumps(self.net.addresses, indent=1))
 
     def _open_wire(self, cfg: Config) -> None:
@@ -172,6 +170,13 @@ class Learner:
         self.buffer.on_drop = ledger.dropped
         self.net.deals = True
         return ledger
+
+    def _resume_ledger(self) -> None:
+        """After the restore: the ledger's record cut back to its checkpoint, the buffer's episodes
+        (the checkpoint's and the WAL's) taken in as deliveries."""
+        if self.ledger is not None:
+            self.ledger.open_log(self.version)
+            self.ledger.recovered(self.buffer, self.version)
 
     def _earlier_evaluations(self) -> list[dict]:
         """The run log's evaluations up to the resumed version (what the run's summary compares)."""
