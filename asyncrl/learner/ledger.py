@@ -162,7 +162,8 @@ class TaskLedger:
             return True  # (not dealt by a ledger: e.g. an experience-replay assignment)
         self.out.pop(ep.ticket, None)
         if slot in self.held or self._resolved(slot):
-            self._record("duplicate", step=version, slot=self._slot_record(slot), episode=ep.id, actor=ep.actor_id)
+            task_id = ep.task.id if ep.task is not None else None  # (a resolved slot's task may be forgotten)
+            self._record("duplicate", step=version, slot=[*slot, task_id], episode=ep.id, actor=ep.actor_id)
             return False
         self.held[slot] = ep.ticket
         return True
@@ -225,8 +226,8 @@ class TaskLedger:
             if slot is None or self.held.get(slot) != ep.ticket:
                 continue
             del self.held[slot]
-            self._mark_done(slot)
             trained.append(self._slot_record(slot) + [ep.id])
+            self._mark_done(slot)  # (after: an endless stream forgets a resolved position's task)
         if trained:
             self._record("trained", step=version + 1, slots=trained)
         return {
@@ -252,8 +253,8 @@ class TaskLedger:
             self._resolve(slot, version, "dropped", reason=reason, requeued=False, detail=detail)
 
     def _resolve(self, slot: Slot, version: int, kind: str, **fields) -> None:
-        self._mark_done(slot)
         self._record(kind, step=version, slot=self._slot_record(slot), **fields)
+        self._mark_done(slot)
 
     def _mark_done(self, slot: Slot) -> None:
         epoch, pos = slot

@@ -121,3 +121,32 @@ def test_kills_between_checkpoints_roll_the_record_back_and_train_each_task_once
     for e in closed:
         assert sorted(set(e.trained) | set(e.used)) == list(range(N)), (e.epoch, text)
         assert not e.twice
+
+
+def test_an_endless_stream_is_drawn_once_and_resolved_positions_are_forgotten(tmp_path):
+    """The arithmetic source is one endless epoch: the ledger draws each task once from one stream
+    (never from the start again: that made every step slower than the last) and keeps only the
+    tasks of unresolved positions."""
+    made = []
+
+    def stream():
+        made.append(1)
+        i = 0
+        while True:
+            yield Task(f"s{i}", [{"role": "user", "content": str(i)}], i)
+            i += 1
+
+    ledger = TaskLedger(None, stream, seed=0, run_dir=tmp_path, requeue=["stale"], grace_s=5.0)
+    ledger.open_log(0)
+    actor = _actor()
+    for v in range(300):
+        eps = [_episode(d) for d in ledger.credit_work(actor, 8, v)["deal"]]
+        assert [ep.task.id for ep in eps] == [f"s{8 * v + i}" for i in range(8)]
+        for ep in eps:
+            ledger.arrived(ep, v)
+        assert not ledger.arrived(eps[0], v)  # a duplicate of a position: recorded with its task id
+        ledger.after_step(eps, None, v)
+    ledger.close()
+    assert len(made) == 1 and ledger.stream_tasks == {}
+    epochs, _ = read_ledger(tmp_path)
+    assert len(epochs[0].trained) == 2400 and epochs[0].duplicates == 300 and not epochs[0].twice
