@@ -55,24 +55,24 @@ def _rate_curve(metrics: list[dict], t0: float, window: float) -> list[tuple[flo
 
 
 def _recovery(metrics: list[dict], t0: float, kills: list[float], window: float) -> list[float | None]:
-    """Seconds after each kill until the trailing-window step rate is back to 80% of the rate in the
-    window before the kill (None: not before the next kill or the end)."""
+    """Seconds from each kill to the end of the first 2 s window wholly after it whose step rate is
+    back to 80% of the rate in the ``window`` before the kill (None: not before the next kill or the
+    end of the run)."""
     times = sorted(m["t"] - t0 for m in metrics)
 
-    def rate(at: float) -> float:
-        return sum(1 for t in times if at - window <= t < at) / window
+    def rate(a: float, b: float) -> float:
+        return sum(1 for t in times if a <= t < b) / (b - a)
 
     out = []
     for i, k in enumerate(kills):
-        before = rate(k)
+        before = rate(k - window, k)
         stop = kills[i + 1] if i + 1 < len(kills) else (times[-1] if times else k)
-        found = None
-        t = k + 0.5
-        while t <= stop:
-            if before and rate(t) >= 0.8 * before:
-                found = t - k
+        found, start = None, k
+        while start + 2.0 <= stop:
+            if before and rate(start, start + 2.0) >= 0.8 * before:
+                found = start + 2.0 - k
                 break
-            t += 0.5
+            start += 0.25
         out.append(found)
     return out
 
@@ -126,7 +126,7 @@ def main() -> None:
     credit_timeout = 30.0
     shown = ["n/a" if r is None else f"{r:.1f} s" for r in rec]
     print(
-        f"recovery to 80% of the rate before each kill: {shown} (lease {args.lease:g} s, credit timeout {credit_timeout:g} s)"
+        f"back to 80% of the rate before each kill (a 2 s window wholly after it): {shown} (lease {args.lease:g} s, credit timeout {credit_timeout:g} s)"
     )
     text, ok = ledger_report(run.dir)
     print(text)
