@@ -149,6 +149,7 @@ def main() -> None:
             ax.axvline(k, color="red", alpha=0.4, lw=1)
         ax.set_xlabel("seconds (red: an actor killed with SIGKILL and a new one started)")
         ax.set_ylabel(f"steps/s ({args.window:g} s windows)")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"Spot preemption: {args.actors} actors, one preempted every {args.every:g} s")
         fig.tight_layout()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

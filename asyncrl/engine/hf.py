@@ -26,6 +26,7 @@ import torch
 from ..config import LoraSettings, SamplingConfig
 from ..weights.adapters import MergedAdapters
 from ..weights.base import check_weight_values
+from ..weights.digest import tensor_crcs
 from .base import Generation
 from .continuous import ContinuousBatcher, Row
 from .kv import cache_arg, cache_of
@@ -333,20 +334,23 @@ class HFEngine:
 
     @torch.no_grad()
     def loaded_mismatch(self, named_tensors: dict[str, torch.Tensor]) -> str | None:
-        """None when the model holds exactly ``named_tensors`` (each compared in the model's own dtype
-        and device), else what differs: the actor's check that an update really loaded
-        (``asyncrl.weights.digest``). LoRA adapters merged into the weights are not read back (None)."""
+        """None when the model holds exactly ``named_tensors`` (each compared in the model's own dtype:
+        on a CPU by the CRC32C of both, elsewhere on the device), else what differs: the actor's check
+        that an update really loaded (``asyncrl.weights.digest``). LoRA adapters merged into the weights
+        are not read back (None)."""
         if self.adapters is not None:
             return None
         targets = dict(self.model.state_dict(keep_vars=True))
-        differ = [
-            name
-            for name, t in named_tensors.items()
-            if name in targets
-            and not torch.equal(
-                targets[name].detach(), torch.as_tensor(t).to(targets[name].device, targets[name].dtype)
-            )
-        ]
+        held, sent = {}, {}
+        for name, t in named_tensors.items():
+            if name in targets:
+                target = targets[name].detach()
+                held[name], sent[name] = target, torch.as_tensor(t).to(target.device, target.dtype)
+        if self.device.type == "cpu":
+            a, b = tensor_crcs(held), tensor_crcs(sent)
+            differ = [n for n in held if a[n] != b[n]]
+        else:
+            differ = [n for n in held if not torch.equal(held[n], sent[n])]
         if not differ:
             return None
         return (

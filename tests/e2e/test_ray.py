@@ -213,3 +213,72 @@ def test_resources_no_node_has_fail_at_once_naming_them(ray_env, tmp_path):
 
 
 # --- across hosts made of network namespaces (asyncrl/testing/netns.py) ---------------------------------------
+
+
+def _actor_pids(control: str) -> list[int]:
+    """The ``asyncrl serve`` processes of the run whose learner is at ``control``."""
+    return [
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit() and " serve " in (c := _cmdline(int(d.name))) and control in c
+    ]
+
+
+@pytest.mark.slow
+def test_preempted_actors_are_restarted_and_every_task_is_trained_once(ray_env, tmp_path, tiny_overrides):
+    """Issue 66, spot preemption under Ray: actor processes killed with SIGKILL at random points are
+    restarted by Ray and re-join; the run finishes, and every task of each closed epoch was trained
+    exactly once (the ledger against the episode archive), nothing trained twice."""
+    import json
+    import random
+
+    from tests.support.ledger_checks import check_exactly_once, task_files
+
+    train, heldout = task_files(tmp_path)
+    driver = Driver(
+        [
+            "-c",
+            "configs/quickstart.yaml",
+            *tiny_overrides,
+            "--scheduler",
+            "ray",
+            "--actors",
+            "2",
+            f"run_root={tmp_path}",
+            "name=preempt",
+            "tasks.type=file",
+            f"tasks.path={train}",
+            f"tasks.eval_path={heldout}",
+            "sampling.n=4",
+            "actor.tasks_per_batch=4",
+            "train.batch_tasks=4",
+            "train.total_steps=40",
+            "launch.ray.max_restarts=10",
+            "wire.lease_s=3",
+            "log.archive_episodes=true",
+            "eval.every=0",
+            "log.progress=false",
+            "checkpoint.every=0",
+        ],
+        ray_env,
+    )
+    run_dir = tmp_path / "preempt"
+    rng = random.Random(66)
+    try:
+        driver.wait_for(lambda: len(_metrics(run_dir)) >= 3, "3 steps")
+        control = json.loads((run_dir / "addresses.json").read_text())["control"]
+        for k in range(3):
+            driver.wait_for(lambda: len(_actor_pids(control)) == 2, "two actors running")
+            victim = rng.choice(_actor_pids(control))
+            at = len(_metrics(run_dir))
+            os.kill(victim, signal.SIGKILL)
+            driver.wait_for(
+                lambda v=victim: v not in _actor_pids(control) and len(_actor_pids(control)) == 2,
+                f"the killed actor {k + 1} restarted by Ray",
+            )
+            driver.wait_for(lambda at=at: len(_metrics(run_dir)) >= at + 3, "training going on after the kill")
+        driver.proc.wait(timeout=DEADLINE_S)
+        assert driver.proc.returncode == 0, driver.text[-4000:]
+    finally:
+        kill_tree(driver.proc)
+    check_exactly_once(run_dir)
