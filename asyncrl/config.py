@@ -749,6 +749,15 @@ class TrainConfig(_Base):
     mismatch_versions: int = Field(
         2, ge=1, description="Older published versions whose weights are kept for mismatch_rows (CPU or GPU memory)."
     )
+    mismatch_budget: float = Field(
+        0.05,
+        gt=0,
+        description=(
+            "The share of the learner's step time the mismatch_rows measurement may take over the run: a step "
+            "is measured while the time spent so far allows it (a real model: every step; the quick start's "
+            "1M-parameter model, whose steps take 0.1 s: about every third). 1 or more: every step."
+        ),
+    )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
     threads: Threads = Field(

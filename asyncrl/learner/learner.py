@@ -87,7 +87,13 @@ class Learner:
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
         self.lagged = (  # train.mismatch_rows: older versions' weights, to measure mismatch on their tokens
-            LaggedMismatch(self.trainer, self.model, cfg.train.mismatch_versions, cfg.train.mismatch_rows)
+            LaggedMismatch(
+                self.trainer,
+                self.model,
+                cfg.train.mismatch_versions,
+                cfg.train.mismatch_rows,
+                cfg.train.mismatch_budget,
+            )
             if cfg.train.mismatch_rows
             else None
         )
@@ -427,7 +433,8 @@ class Learner:
             self.archive.write(self.version, episodes, keep_rows)
         batch = self.trainer.make_batch(episodes) if has_rows else None
         truncated = self.staleness.truncate(batch, self.version) if batch is not None else 0
-        lagged = self.lagged.measure(batch, self.version) if self.lagged is not None and batch is not None else {}
+        measure = self.lagged is not None and batch is not None and self.lagged.due()
+        lagged = self.lagged.measure(batch, self.version) if measure else {}
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
         try:
             result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
@@ -450,6 +457,8 @@ class Learner:
         stats.update(merge_mismatch(stats, lagged))  # mismatch/*: this version's tokens and older ones'
         self.version += 1
         train_s = time.time() - t0
+        if self.lagged is not None:
+            self.lagged.note_step(train_s)
         if self.version % self.cfg.sync.every == 0:
             self.publish()
         rewards = [t.reward for ep in episodes for t in ep.trajectories if self.counts_for_reward(t)]

@@ -37,6 +37,7 @@ def _kill_at_random(tmp_path, tiny_overrides, seed: int, kills: int, total: int)
         "log.archive_episodes=true",
         "buffer.max_staleness=1",  # (episodes dropped as stale: dealt again, tasks.requeue)
         "wire.lease_s=3",  # a killed actor's tasks are dealt again 3 s after it went silent
+        "train.mismatch_budget=1",  # (mismatch on every step, whatever it costs this tiny model)
     ]
     with ResumableRun(tmp_path, "kills", overrides) as run:
         run.start_learner()

@@ -14,6 +14,7 @@ temperature (docs/guide/guarantees.md has each engine's log-prob contract).
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -21,8 +22,11 @@ from .batch import TrainBatch
 
 
 class LaggedMismatch:
-    def __init__(self, trainer, model, keep: int, rows: int):
-        self.trainer, self.keep, self.rows = trainer, keep, rows
+    def __init__(self, trainer, model, keep: int, rows: int, budget: float = 1.0):
+        """``budget``: the share of the learner's step time the measurement may take over the run
+        (``train.mismatch_budget``); a step is measured when the time spent so far allows it."""
+        self.trainer, self.keep, self.rows, self.budget = trainer, keep, rows, budget
+        self.spent = self.stepped = 0.0  # seconds measuring, seconds of the steps
         self.names = {n for n, p in model.named_parameters() if p.requires_grad}
         self.scratch = copy.deepcopy(model).eval().requires_grad_(False)  # (never trained: no optimizer state)
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
@@ -36,9 +40,18 @@ class LaggedMismatch:
         for old in sorted(self.kept)[: -(self.keep + 1)]:
             del self.kept[old]
 
+    def due(self) -> bool:
+        """Whether this step may be measured within the budget."""
+        return self.spent <= self.budget * self.stepped
+
+    def note_step(self, seconds: float) -> None:
+        self.stepped += seconds
+
     @torch.no_grad()
     def measure(self, batch: TrainBatch, version: int) -> dict[str, float]:
-        """``mismatch/lagged_*`` over up to ``rows`` rows of tokens made by a kept older version."""
+        """``mismatch/lagged_*`` over up to ``rows`` rows of tokens made by a kept older version
+        (``mismatch/lagged_s``: the seconds it took)."""
+        t0 = time.perf_counter()
         fresh = (batch.response_mask > 0) & (batch.exp_mask == 0)
         versions = batch.token_versions.to(batch.response_mask.device)
         diffs, kls = [], []
@@ -59,6 +72,7 @@ class LaggedMismatch:
             log_r = (logp - sub.behavior_logprobs.to(logp.device))[sm].double()
             diffs.append(log_r.abs())
             kls.append(log_r.exp() - log_r - 1)
+        self.spent += time.perf_counter() - t0
         if not diffs:
             return {}
         diff, kl = torch.cat(diffs), torch.cat(kls)
@@ -67,6 +81,7 @@ class LaggedMismatch:
             "mismatch/lagged_logprob_abs_diff_max": float(diff.max()),
             "mismatch/lagged_kl": float(kl.mean()),
             "mismatch/lagged_tokens": float(diff.numel()),
+            "mismatch/lagged_s": time.perf_counter() - t0,
         }
 
     def _load(self, version: int) -> None:

@@ -47,3 +47,19 @@ def test_lagged_tokens_are_measured_against_the_version_that_made_them():
         {**got, "mismatch/lagged_tokens": 30.0, "mismatch/lagged_kl": 0.0},
     )
     assert both["mismatch/kl"] == pytest.approx(0.25) and both["mismatch/tokens"] == 40.0
+
+
+def test_the_measurement_keeps_within_its_share_of_the_step_time():
+    cfg = load_config(None, [])
+    model = _model()
+    trainer = PolicyTrainer(model, build_char_tokenizer(), cfg.train, 1.0)
+    lagged = LaggedMismatch(trainer, model, keep=1, rows=4, budget=0.1)
+    lagged.remember(0, {n: p.detach().clone() for n, p in model.named_parameters()}, copied=True)
+    batch = _batch()
+    batch.token_versions = torch.zeros_like(batch.token_versions)
+    measured = 0
+    for _ in range(40):
+        if lagged.due():
+            measured += bool(lagged.measure(batch, version=1))
+        lagged.note_step(0.01)  # steps of 10 ms: a measurement (a few ms here) fits only every few steps
+    assert 1 <= measured < 40 and lagged.spent <= 0.1 * lagged.stepped + lagged.spent / measured
