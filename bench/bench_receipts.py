@@ -24,33 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_ray import qwen05b_shapes  # noqa: E402 (bench/, beside this script)
+
 from asyncrl.learner.ledger import TaskLedger  # noqa: E402
 from asyncrl.types import Episode, Task  # noqa: E402
 from asyncrl.weights.digest import tensor_crcs, weights_digest  # noqa: E402
-
-
-def qwen_05b_shapes() -> dict[str, tuple[int, ...]]:
-    h, inter, layers, vocab, kv = 896, 4864, 24, 151936, 128
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (h, h),
-                p + "self_attn.q_proj.bias": (h,),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.v_proj.bias": (kv,),
-                p + "self_attn.o_proj.weight": (h, h),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    return shapes
 
 
 def timed(fn, repeat: int) -> list[float]:
@@ -68,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"cpus: {os.cpu_count()}, torch threads: {torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(0)
-    big = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in qwen_05b_shapes().items()}
+    big = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in qwen05b_shapes().items()}
     nbytes = sum(t.numel() * t.element_size() for t in big.values())
     params = sum(t.numel() for t in big.values())
     ts = timed(lambda: weights_digest(big), args.repeat)
