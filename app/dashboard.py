@@ -13,7 +13,7 @@ from asyncrl.analysis import RunStore
 
 from . import views as V
 
-VIEWS = ("overview", "replay", "samples", "config")  # the generic tabs; the algorithms add theirs
+VIEWS = ("overview", "replay", "ledger", "samples", "config")  # the generic tabs; the algorithms add theirs
 MAX_DEFAULT_RUNS = 8  # a folder of runs with none picked shows the runs written to last
 
 
@@ -125,12 +125,14 @@ class Dashboard:
         (choice,) = args[at:]
         hidden = [view.id for view in self.algo_views if not view.applies(store)]
         hidden += [] if V.has_replay(store) else ["replay"]
+        hidden += [] if V.has_ledger(store) else ["ledger"]
         return [
             V.runs_html(stores) if self.catalog.folder is not None else "",
             V.charts_json(stores, pins or []),
             *algo_out,
             V.replay_html(store),
             V.replay_figure(store),
+            V.ledger_html(store),
             *self.sample_outputs(pick, choice),
             V.config_html(store),
             runs,
@@ -200,6 +202,8 @@ class Dashboard:
             with gr.Tab("Replay buffer", id="replay"):
                 self.rp_html = gr.HTML(elem_id="replay-view")
                 self.rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
+            with gr.Tab("Task ledger", id="ledger"):
+                self.ld_html = gr.HTML(elem_id="ledger-view")
             with gr.Tab("Samples", id="samples"):
                 self.sm_choice = gr.Dropdown(choices=[], label="sample (newest first)")
                 self.sm_html = gr.HTML(elem_id="samples-view")
@@ -216,6 +220,7 @@ class Dashboard:
             *algo_out,
             self.rp_html,
             self.rp_plot,
+            self.ld_html,
             self.sm_choice,
             self.sm_html,
             self.cfg_html,

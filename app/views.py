@@ -17,10 +17,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from asyncrl.analysis import RunStore, actor_statuses, chart_data, run_state, runs_table, staleness_counts
+from asyncrl.analysis.ledger import ledger_rows
 from asyncrl.analysis.metric_series import SUMMARY_METRICS
 from asyncrl.config import ConfigError
 from asyncrl.rollout.workflow import all_workflows, workflow_class
-from asyncrl.rundir.layout import config_snapshot
+from asyncrl.rundir.layout import LEDGER, config_snapshot
 
 from .kit import CSS, AlgorithmView, curves, empty_axes, esc, figure, fmt, fmt_rate, html_table, note  # noqa: F401
 
@@ -262,6 +263,34 @@ def hidden_tabs_css(tab_ids: list[str]) -> str:
         return ""
     rules = ",".join(f'button[role=tab][data-tab-id="{esc(t)}"]' for t in tab_ids)
     return f'<style id="hidden-tabs" data-tabs="{esc(",".join(tab_ids))}">{rules}{{display:none}}</style>'
+
+
+def has_ledger(store: RunStore) -> bool:
+    return store.run_dir is not None and (Path(store.run_dir) / LEDGER).exists()
+
+
+def ledger_html(store: RunStore) -> str:
+    """The task ledger (``asyncrl ledger RUN``): per epoch, tasks trained once, dropped and why, dealt
+    again, open, and the exactly-once check (docs/guide/guarantees.md)."""
+    if not has_ledger(store):
+        return note("This run has no task ledger (<code>tasks.ledger=false</code>, or a run read over the wire).")
+    try:
+        rows, resumes, ok = ledger_rows(Path(store.run_dir))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return note(f"The task ledger could not be read: {esc(e)}")
+    rolled = sum(r.get("rolled_back", 0) for r in resumes)
+    verdict = (
+        '<b id="ledger-verdict">exactly once: every task trained at most once per epoch</b>'
+        if ok
+        else '<b id="ledger-verdict" style="color:#b00">exactly once: VIOLATED (tasks trained twice below)</b>'
+    )
+    head = note(
+        f"{len(resumes)} resume(s), {rolled} record(s) rolled back with lost steps. An epoch is "
+        "<i>closed</i> when every task of it was trained once or counted as used; <i>open</i> tasks of the "
+        "newest epochs are in flight."
+    )
+    table = pd.DataFrame([{k: v for k, v in r.items() if k != "trained twice"} for r in rows[-50:]])
+    return verdict + head + html_table(table, table_id="ledger-table")
 
 
 def has_replay(store: RunStore) -> bool:

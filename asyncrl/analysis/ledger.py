@@ -78,9 +78,36 @@ def read_ledger(run_dir: Path) -> tuple[dict[int, EpochLedger], list[dict]]:
     return epochs, resumes
 
 
+def ledger_rows(run_dir: Path) -> tuple[list[dict], list[dict], bool]:
+    """Per epoch: ``epoch``, ``tasks``, ``trained``, ``used``, ``open``, ``twice``, ``dealt again``
+    (by reason), ``duplicates``, ``dropped as used`` (by reason), ``closed``; the resume records;
+    whether the exactly-once check holds."""
+    epochs, resumes = read_ledger(run_dir)
+    rows = []
+    for e in sorted(epochs):
+        x = epochs[e]
+        used = Counter(r for rs in x.used.values() for r in rs)
+        rows.append(
+            {
+                "epoch": e,
+                "tasks": "-" if x.size is None else x.size,
+                "trained": len(x.trained),
+                "used": sum(len(v) for v in x.used.values()),
+                "open": "-" if x.size is None else x.size - x.resolved,
+                "twice": len(x.twice),
+                "dealt again": ", ".join(f"{k} {v}" for k, v in sorted(x.requeued.items())) or "0",
+                "duplicates": x.duplicates,
+                "dropped as used": ", ".join(f"{k} {v}" for k, v in sorted(used.items())) or "-",
+                "closed": x.closed,
+                "trained twice": [x.task_ids.get(p, p) for p in x.twice[:10]],
+            }
+        )
+    return rows, resumes, not any(r["twice"] for r in rows)
+
+
 def ledger_report(run_dir: Path) -> tuple[str, bool]:
     """The ledger as a table, and whether the exactly-once check holds."""
-    epochs, resumes = read_ledger(run_dir)
+    rows, resumes, ok = ledger_rows(run_dir)
     lines = [
         f"task ledger of {run_dir} ({len(resumes)} resume(s), "
         f"{sum(r.get('rolled_back', 0) for r in resumes)} records rolled back with lost steps)"
@@ -89,22 +116,14 @@ def ledger_report(run_dir: Path) -> tuple[str, bool]:
         f"{'epoch':>5} {'tasks':>6} {'trained':>8} {'used':>5} {'open':>5} {'twice':>6} {'dealt again':>12} "
         f"{'duplicates':>10}  dropped as used"
     )
-    ok = True
-    for e in sorted(epochs):
-        x = epochs[e]
-        used = Counter(r for rs in x.used.values() for r in rs)
-        size = "-" if x.size is None else str(x.size)
-        open_ = "-" if x.size is None else str(x.size - x.resolved)
-        again = ", ".join(f"{k} {v}" for k, v in sorted(x.requeued.items())) or "0"
+    for r in rows:
         lines.append(
-            f"{e:>5} {size:>6} {len(x.trained):>8} {sum(len(v) for v in x.used.values()):>5} {open_:>5} "
-            f"{len(x.twice):>6} {again:>12} {x.duplicates:>10}  "
-            + (", ".join(f"{k} {v}" for k, v in sorted(used.items())) or "-")
-            + ("  (closed)" if x.closed else "")
+            f"{r['epoch']:>5} {r['tasks']!s:>6} {r['trained']:>8} {r['used']:>5} {r['open']!s:>5} "
+            f"{r['twice']:>6} {r['dealt again']:>12} {r['duplicates']:>10}  {r['dropped as used']}"
+            + ("  (closed)" if r["closed"] else "")
         )
-        if x.twice:
-            ok = False
-            lines.append(f"      trained twice: {[x.task_ids.get(p, p) for p in x.twice[:10]]}")
+        if r["twice"]:
+            lines.append(f"      trained twice: {r['trained twice']}")
     lines.append(
         "exactly once: every task trained at most once per epoch"
         if ok

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from asyncrl.analysis import RunStore, load_run
+from asyncrl.analysis.ledger import ledger_rows
 from asyncrl.wire.codec import encode_msg
 from tests.conftest import ROOT, cli, read_jsonl
 from tests.support.ui_runs import (
@@ -110,6 +111,20 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
             assert prompt in text
         assert "Brier reward" in text and "advantage" in text
         assert 'id="calibration-plot"' in dom and "data:image/png" in dom
+
+        # Task ledger (issue 66): the run's epochs as asyncrl ledger prints them, and the exactly-once verdict
+        dom = wait_dom(
+            rlcr_url + "?view=ledger",
+            profile,
+            lambda d: 'id="ledger-table"' in d,
+            what="the task ledger",
+            screenshot_name="ui-ledger.png",
+        )
+        rows, _, ok = ledger_rows(rlcr_dir)
+        table = dom[dom.index('id="ledger-table"') :]
+        table = table[: table.index("</table>")]
+        assert ok and rows and table.count("<tr") == len(rows) + 1  # (the header row)
+        assert "exactly once: every task trained at most once per epoch" in visible_text(dom)
 
         # Samples: the per-token view of the latest sample event
         dom = wait_dom(rlcr_url + "?view=samples", profile, lambda d: 'id="sample-view"' in d, what="a sample")
