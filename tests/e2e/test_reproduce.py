@@ -16,6 +16,9 @@ pytestmark = pytest.mark.slow
 
 # timings differ between two runs of anything; every other figure must not
 TIMING = re.compile(r"(^t$|_s$|_per_s$|_ms_(mean|max)$|per_s)")
+# the task ledger's counts of tasks dealt again depend on message timing (an actor that says hello twice
+# before its welcome), not on what is trained; mismatch/lagged_* is measured within a share of step time
+NOT_TRAINING = re.compile(r"^(ledger/|mismatch/lagged_)")
 # learning signal on a barely trained model: the entropy bonus moves the weights whatever the rewards
 # and small sums, which it sometimes gets right (rewards that differ within a group: advantages)
 COMMON = ("eval.every=0", "log.progress=false", "train.entropy_coef=0.01", "checkpoint.keep=10", "tasks.max_operand=3")
@@ -58,8 +61,8 @@ def test_two_deterministic_synchronous_runs_are_identical(tmp_path, tiny_overrid
     a, b = (read_jsonl(r / "metrics.jsonl") for r in runs)
     assert len(a) == len(b) == 8
     for x, y in zip(a, b):
-        assert {k: v for k, v in x.items() if not TIMING.search(k)} == {
-            k: v for k, v in y.items() if not TIMING.search(k)
+        assert {k: v for k, v in x.items() if not (TIMING.search(k) or NOT_TRAINING.search(k))} == {
+            k: v for k, v in y.items() if not (TIMING.search(k) or NOT_TRAINING.search(k))
         }
     for step in (4, 8):
         assert _same(_weights(runs[0], step), _weights(runs[1], step))

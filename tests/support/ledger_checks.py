@@ -55,3 +55,21 @@ def check_exactly_once(run_dir: Path) -> None:
         undealt = set(range(state["pos"], N_TASKS)) if e.epoch == state["epoch"] else set()
         unaccounted = set(range(N_TASKS)) - set(e.trained) - set(e.used) - undealt
         assert unaccounted <= {p for (epoch, p) in in_flight if epoch == e.epoch}, (e.epoch, unaccounted, state)
+
+
+def ledger_duplicates(run_dir: Path) -> set[str]:
+    """Episode ids the task ledger acknowledged but did not train: a second delivery of a task whose
+    slot already had one (a slow actor thought lost, a resend after a restart). "Nothing acknowledged
+    is lost" means trained, buffered, dropped with a reason, or one of these."""
+    path = Path(run_dir) / "ledger.jsonl"
+    if not path.exists():
+        return set()
+    out = set()
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # (a live file's torn last line)
+        if r.get("kind") == "duplicate":
+            out.add(r["episode"])
+    return out
