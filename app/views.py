@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from asyncrl.analysis import RunStore, actor_statuses, chart_data, run_state, runs_table, staleness_counts
+from asyncrl.analysis.advice import advise
 from asyncrl.analysis.ledger import ledger_rows
 from asyncrl.analysis.metric_series import SUMMARY_METRICS
 from asyncrl.config import ConfigError
@@ -85,7 +86,18 @@ def overview_html(store: RunStore, live: dict | None = None) -> str:
     if store.warnings:
         warn += note("Skipped records: " + "<br>".join(esc(w) for w in store.warnings[-3:]))
     why = f'<div class="k" id="run-state-reason">run {state.state}: {esc(state.reason)}</div>'
-    return f'<div class="arl-cards" id="overview-cards">{body}</div>{why}{extra}{warn}'
+    return f'<div class="arl-cards" id="overview-cards">{body}</div>{why}{extra}{warn}{advice_html(store)}'
+
+
+def advice_html(store: RunStore) -> str:
+    """What to change, from the measured rates (``asyncrl.analysis.advice``): the verdict and its numbers."""
+    a = advise(store.metrics.to_dict("records"), store.records("actor_status"), store.config)
+    if a.verdict == "too early":
+        return ""
+    return (
+        f'<div class="arl-advice" id="advice" data-verdict="{esc(a.verdict)}"><b>What to change</b> '
+        f"({esc(a.verdict)}): " + " ".join(esc(x) for x in a.lines) + "</div>"
+    )
 
 
 ACTOR_COLUMNS = {

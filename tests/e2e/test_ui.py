@@ -67,6 +67,7 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert _version(dom) == azr.version == 3
         text = visible_text(dom)
         assert "actor-0" in text and "absolute_zero" in text and "finished" in text
+        assert 'id="advice"' in dom and "What to change" in text  # (issue 67: the verdict and its numbers)
         assert dom.count('class="arl-chart"') >= 10  # every metric its own chart
 
         # Proposed tasks: one group row per logged prompt, the questions table, the kept questions
