@@ -13,7 +13,14 @@ from asyncrl.analysis import RunStore
 
 from . import views as V
 
-VIEWS = ("overview", "replay", "ledger", "samples", "config")  # the generic tabs; the algorithms add theirs
+VIEWS = (
+    "overview",
+    "staleness",
+    "replay",
+    "ledger",
+    "samples",
+    "config",
+)  # the generic tabs; the algorithms add theirs
 MAX_DEFAULT_RUNS = 8  # a folder of runs with none picked shows the runs written to last
 
 
@@ -126,10 +133,12 @@ class Dashboard:
         hidden = [view.id for view in self.algo_views if not view.applies(store)]
         hidden += [] if V.has_replay(store) else ["replay"]
         hidden += [] if V.has_ledger(store) else ["ledger"]
+        hidden += [] if V.has_staleness(store) else ["staleness"]
         return [
             V.runs_html(stores) if self.catalog.folder is not None else "",
             V.charts_json(stores, pins or []),
             *algo_out,
+            V.staleness_figure(store),
             V.replay_html(store),
             V.replay_figure(store),
             V.ledger_html(store),
@@ -199,6 +208,8 @@ class Dashboard:
                     with gr.Column(visible=False) as box:
                         view.build(gr, self.empty)
                     self.algo_boxes.append((box_note, box))
+            with gr.Tab("Staleness", id="staleness"):
+                self.st_plot = gr.Plot(show_label=False, format="png", elem_id="staleness-plot")
             with gr.Tab("Replay buffer", id="replay"):
                 self.rp_html = gr.HTML(elem_id="replay-view")
                 self.rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
@@ -218,6 +229,7 @@ class Dashboard:
             self.ov_runs,
             self.charts,
             *algo_out,
+            self.st_plot,
             self.rp_html,
             self.rp_plot,
             self.ld_html,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -163,6 +164,52 @@ def staleness_panel(ax, store: RunStore) -> None:
         ax.bar(counts.index.astype(str), counts.values, color="#8250df")
         ax.set_xlabel("learner version - policy version", fontsize=8)
         ax.tick_params(labelsize=8)
+
+
+LAG_BINS = ("0", "1", "2", "3", "ge4")
+
+
+def has_staleness(store: RunStore) -> bool:
+    return "staleness/token_lag_frac_0" in store.metrics.columns
+
+
+def staleness_figure(store: RunStore) -> Figure:
+    """Staleness as a distribution (issue 67): per step, the share of the trained tokens made by
+    each version lag (``staleness/token_lag_frac_*``, token-weighted, stacked), what the bound cut
+    (tokens truncated, episodes dropped as stale, per step), and trained episodes by staleness."""
+    m = store.metrics
+    fig, ax = figure(3, cols=3, height=3.4)
+    ax[0].set_title("trained tokens by version lag, per step", fontsize=10)
+    cols = [f"staleness/token_lag_frac_{b}" for b in LAG_BINS if f"staleness/token_lag_frac_{b}" in m]
+    if not cols or not len(m):
+        empty_axes(ax[0], "no staleness/token_lag_* metrics yet")
+    else:
+        x = m["step"] if "step" in m else m.index
+        ys = [pd.to_numeric(m[c], errors="coerce").fillna(0.0).to_numpy() for c in cols]
+        colors = ["#2da44e", "#bf8700", "#cf222e", "#8250df", "#57606a"]
+        bottom = np.zeros(len(m))
+        for y, c, color in zip(ys, cols, colors):  # (stacked bars: one per step, no interpolation between steps)
+            ax[0].bar(x, y, bottom=bottom, width=1.0, color=color, label=f"lag {c.rsplit('_', 1)[1]}", linewidth=0)
+            bottom += y
+        ax[0].set_ylim(0, 1)
+        ax[0].set_xlabel("step", fontsize=8)
+        ax[0].set_ylabel("share of the step's tokens", fontsize=8)
+        ax[0].legend(fontsize=7, loc="lower left")
+        ax[0].tick_params(labelsize=7)
+    ax[1].set_title("cut by the staleness bound, per step", fontsize=10)
+    if not len(m) or "dropped_stale" not in m:
+        empty_axes(ax[1], "no metrics yet")
+    else:
+        x = m["step"] if "step" in m else m.index
+        dropped = pd.to_numeric(m["dropped_stale"], errors="coerce").ffill().fillna(0).diff().clip(lower=0)
+        ax[1].plot(x, dropped, label="episodes dropped as stale", color="#cf222e")
+        if "staleness/tokens_truncated" in m:
+            ax[1].plot(x, pd.to_numeric(m["staleness/tokens_truncated"], errors="coerce"), label="tokens truncated")
+        ax[1].set_xlabel("step", fontsize=8)
+        ax[1].legend(fontsize=7)
+        ax[1].tick_params(labelsize=7)
+    staleness_panel(ax[2], store)
+    return fig
 
 
 # ------------------------------------------------------------------------------------- charts

@@ -113,6 +113,15 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         assert "Brier reward" in text and "advantage" in text
         assert 'id="calibration-plot"' in dom and "data:image/png" in dom
 
+        # Staleness (issue 67): per step, the trained tokens by version lag; what the bound cut; episodes by lag
+        dom = wait_dom(
+            rlcr_url + "?view=staleness",
+            profile,
+            lambda d: d.find('id="staleness-plot"') >= 0 and "data:image/png" in d[d.find('id="staleness-plot"') :],
+            what="the staleness figure",
+            screenshot_name="ui-staleness.png",
+        )
+
         # Task ledger (issue 66): the run's epochs as asyncrl ledger prints them, and the exactly-once verdict
         dom = wait_dom(
             rlcr_url + "?view=ledger",
