@@ -82,7 +82,8 @@ class TaskLedger:
         self.requeued: deque[Slot] = deque()  # dealt again before new slots
         self.out: dict[str, dict[str, Any]] = {}  # ticket -> {slot, identity, actor, since (monotonic)}
         self.held: dict[Slot, str] = {}  # slot -> the ticket of its episode in the buffer
-        self.done: dict[int, set[int]] = {}  # resolved positions of epochs not yet closed
+        self.done: dict[int, set[int]] = {}  # resolved positions of epochs not yet closed, at or past low
+        self.low: dict[int, int] = {}  # per open epoch: every position below it is resolved (keeps done small)
         self.closed: set[int] = set()  # epochs whose every slot is resolved
         self.stream_tasks: dict[int, Task] = {}  # endless stream: the task of each unresolved position
         self.counts: dict[str, int] = {}  # this process's counts by record kind and reason
@@ -240,7 +241,8 @@ class TaskLedger:
 
     # -- resolution -----------------------------------------------------------------------------
     def _resolved(self, slot: Slot) -> bool:
-        return slot[0] in self.closed or slot[1] in self.done.get(slot[0], ())
+        epoch, pos = slot
+        return epoch in self.closed or pos < self.low.get(epoch, 0) or pos in self.done.get(epoch, ())
 
     def _drop(self, slot: Slot, reason: str, version: int, detail: str = "", force_requeue: bool = False) -> None:
         requeue = force_requeue or reason in self.requeue
@@ -258,11 +260,17 @@ class TaskLedger:
 
     def _mark_done(self, slot: Slot) -> None:
         epoch, pos = slot
-        self.done.setdefault(epoch, set()).add(pos)
+        done = self.done.setdefault(epoch, set())
+        done.add(pos)
+        low = self.low.get(epoch, 0)
+        while low in done:  # (positions resolve about in order: the set holds only those past a gap)
+            done.discard(low)
+            low += 1
+        self.low[epoch] = low
         if self.tasks is None:
             self.stream_tasks.pop(pos, None)
-        elif len(self.done[epoch]) >= self.size:  # every slot of the epoch resolved: it is closed
-            del self.done[epoch]
+        elif low >= self.size:  # every slot of the epoch resolved: it is closed
+            del self.done[epoch], self.low[epoch]
             self.closed.add(epoch)
             self._record("epoch_done", epoch=epoch)
 
@@ -328,6 +336,7 @@ class TaskLedger:
             },
             "held": {f"{s[0]}.{s[1]}": t for s, t in self.held.items()},
             "done": {str(e): sorted(p) for e, p in self.done.items()},
+            "low": {str(e): n for e, n in self.low.items()},
             "closed": sorted(self.closed),
             "stream_tasks": {str(p): msgspec.to_builtins(t) for p, t in self.stream_tasks.items()},
             "log_bytes": size,
@@ -355,6 +364,7 @@ class TaskLedger:
         self.out = {t: {**o, "slot": tuple(o["slot"]), "since": now} for t, o in state["out"].items()}
         self.held = {tuple(int(x) for x in k.split(".")): t for k, t in state["held"].items()}
         self.done = {int(e): set(p) for e, p in state["done"].items()}
+        self.low = {int(e): int(n) for e, n in state.get("low", {}).items()}
         self.closed = set(state.get("closed", []))
         self.stream_tasks = {int(p): msgspec.convert(t, Task) for p, t in state["stream_tasks"].items()}
         self._log_bytes = int(state["log_bytes"])

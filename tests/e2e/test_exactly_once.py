@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 
 import pytest
 
@@ -21,6 +22,20 @@ pytestmark = pytest.mark.slow
 def _version(run: ResumableRun) -> int:
     m = run.metrics()
     return m[-1]["version"] if m else 0
+
+
+def _joined_or_stopped(run: ResumableRun, actor, log) -> None:
+    """Wait for a new actor to join; if the run ends first, stop it (a learner that has stopped never
+    welcomes it, and it would wait for one: ``finish`` waits for every actor)."""
+    deadline = time.time() + 180
+    while time.time() < deadline and run.learner.poll() is None:
+        if log.exists() and "connected to the learner" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    if run.learner.poll() is None:
+        raise AssertionError(f"{log.name}: the new actor did not join within 180 s")
+    actor.send_signal(signal.SIGKILL)
+    actor.wait(timeout=10)
 
 
 def _kill_at_random(tmp_path, tiny_overrides, seed: int, kills: int, total: int) -> ResumableRun:
@@ -44,7 +59,7 @@ def _kill_at_random(tmp_path, tiny_overrides, seed: int, kills: int, total: int)
         actors = [run.start_actor("--actor-id", f"actor-{i}", log=f"actor-{i}.log") for i in range(2)]
         started = 2
         for _ in range(kills):
-            target = min(total - 1, _version(run) + rng.randint(1, 3))
+            target = min(total - 4, _version(run) + rng.randint(1, 3))
             run.wait_version(target)
             if rng.random() < 0.5:
                 run.kill_learner()
@@ -53,8 +68,10 @@ def _kill_at_random(tmp_path, tiny_overrides, seed: int, kills: int, total: int)
                 victim = actors.pop(rng.randrange(len(actors)))
                 victim.send_signal(signal.SIGKILL)
                 victim.wait(timeout=10)
-                actors.append(run.start_actor("--actor-id", f"actor-{started}", log=f"actor-{started}.log"))
+                log = tmp_path / f"actor-{started}.log"
+                actors.append(run.start_actor("--actor-id", f"actor-{started}", log=log.name))
                 started += 1
+                _joined_or_stopped(run, actors[-1], log)
         run.finish()
     return run
 

@@ -340,7 +340,7 @@ class Peers:
     def _control(self, identity: bytes, msg, version: int) -> None:
         # a heartbeat from an actor the table does not know admits it (with a welcome) as a hello does
         admitted = msg.kind == "hello" or (
-            msg.kind == "status" and msg.body.identity.encode() not in {a.identity for a in self.net.actors.values()}
+            msg.kind == "status" and msg.body.identity.encode() not in self.net.actors.states
         )
         try:
             state = self.net.handle_control(identity, msg)

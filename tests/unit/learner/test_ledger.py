@@ -148,5 +148,6 @@ def test_an_endless_stream_is_drawn_once_and_resolved_positions_are_forgotten(tm
         ledger.after_step(eps, None, v)
     ledger.close()
     assert len(made) == 1 and ledger.stream_tasks == {}
+    assert ledger.low == {0: 2400} and ledger.done == {0: set()}  # (memory does not grow with the run)
     epochs, _ = read_ledger(tmp_path)
     assert len(epochs[0].trained) == 2400 and epochs[0].duplicates == 300 and not epochs[0].twice
