@@ -60,6 +60,7 @@ def test_the_measurement_keeps_within_its_share_of_the_step_time():
     measured = 0
     for _ in range(40):
         if lagged.due():
+            assert lagged.spent <= 0.1 * lagged.stepped  # a measurement starts only within the budget
             measured += bool(lagged.measure(batch, version=1))
-        lagged.note_step(0.01)  # steps of 10 ms: a measurement (a few ms here) fits only every few steps
-    assert 1 <= measured < 40 and lagged.spent <= 0.1 * lagged.stepped + lagged.spent / measured
+        lagged.note_step(0.001)  # steps of 1 ms: a 4-row forward (well over 0.1 ms) fits only now and then
+    assert 1 <= measured < 40 and lagged.spent > 0
