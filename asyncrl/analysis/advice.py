@@ -64,14 +64,20 @@ def _actor_idle(statuses: list[dict], t_from: float) -> dict[str, float]:
     return out
 
 
+def _window(metrics: list[dict], window_s: float) -> list[dict]:
+    """The steps with timings logged in the last ``window_s`` seconds, at least the last 3."""
+    usable = [m for m in metrics if _number(m.get("train_s")) and _number(m.get("wait_s"))]
+    if not usable:
+        return []
+    end = usable[-1].get("t", 0.0)
+    recent = [m for m in usable if m.get("t", 0.0) >= end - window_s]
+    return recent if len(recent) >= 3 else usable[-3:]
+
+
 def advise(metrics: list[dict], statuses: list[dict], config: dict | None = None, window_s: float = 30.0) -> Advice:
     """:class:`Advice` from the run's metrics lines and ``actor_status`` events (module docstring)."""
     config = config or {}
-    rows = [m for m in metrics if _number(m.get("train_s")) and _number(m.get("wait_s"))]
-    if rows:
-        end = rows[-1].get("t", 0.0)
-        rows = [m for m in rows if m.get("t", 0.0) >= end - window_s] if len(rows) > 3 else rows
-        rows = rows if len(rows) >= 3 else [m for m in metrics if _number(m.get("train_s"))][-3:]
+    rows = _window(metrics, window_s)
     if len(rows) < 3:
         return Advice("too early", ["Fewer than 3 steps logged: nothing to judge yet."])
     wait = float(sum(m["wait_s"] for m in rows))
@@ -105,29 +111,36 @@ def advise(metrics: list[dict], statuses: list[dict], config: dict | None = None
             + (f" (now {staleness})" if staleness is not None else "")
             + ", or make the actors faster so that fewer arrive late."
         )
+    verdict, line = _verdict(wait_share, idle_mean if idle else None, per_actor, said, config)
+    lines.insert(0, line)
+    return Advice(verdict, lines, numbers)
+
+
+def _verdict(wait_share: float, idle_mean: float | None, per_actor: float, said: str, config: dict) -> tuple[str, str]:
+    """The verdict and its line (module docstring); ``idle_mean`` None: no actor status yet."""
+    idle = idle_mean is not None
+    staleness = (config.get("buffer") or {}).get("max_staleness")
     if idle and wait_share >= WAIT_ACTOR_BOUND and idle_mean < IDLE_ACTOR_BOUND:
         verdict = "actor-bound"
         mode = (config.get("actor") or {}).get("weight_update", "batch")
-        lines.insert(
-            0,
+        line = (
             f"Actor-bound: {said}. Add actors (each makes about {per_actor:.1f} samples/s here), or make a "
             "rollout cheaper (sampling.max_new_tokens, sampling.n)"
             + (
                 "; actor.weight_update=inflight keeps actors generating across weight updates."
                 if mode == "batch"
                 else "."
-            ),
+            )
         )
     elif idle and wait_share < WAIT_LEARNER_BOUND and idle_mean >= IDLE_LEARNER_BOUND:
         verdict = "learner-bound"
-        lines.insert(
-            0,
+        line = (
             f"Learner-bound: {said}. More actors will not help. A faster learner will (more learner processes, "
             "a larger train.micro_batch_tokens, shorter rows), or a larger buffer.max_staleness"
             + (f" (now {staleness})" if staleness is not None else "")
-            + " lets the actors run further ahead.",
+            + " lets the actors run further ahead."
         )
     else:
         verdict = "balanced"
-        lines.insert(0, f"Balanced: {said}. Nothing to change for throughput.")
-    return Advice(verdict, lines, numbers)
+        line = f"Balanced: {said}. Nothing to change for throughput."
+    return verdict, line
