@@ -86,17 +86,7 @@ class Learner:
         model, self.tokenizer, self.model_dir = load_trainable(cfg)  # (model.lora: adapters on it)
         self.trainer = self.ranks.start(cfg, model, self.tokenizer, self.staleness)
         self.model = self.ranks.plain  # the full, current weights: published, evaluated, saved
-        self.lagged = (  # train.mismatch_rows: older versions' weights, to measure mismatch on their tokens
-            LaggedMismatch(
-                self.trainer,
-                self.model,
-                cfg.train.mismatch_versions,
-                cfg.train.mismatch_rows,
-                cfg.train.mismatch_budget,
-            )
-            if cfg.train.mismatch_rows
-            else None
-        )
+        self.lagged = self._lagged_mismatch(cfg)  # train.mismatch_rows: older versions' weights, for mismatch
         self.buffer = EpisodeQueue(buffer_dir(self.run_dir), cfg.buffer.capacity)
         self.version, self.bad_messages = 0, 0
         self.weights_out = make_publisher(cfg.sync, self.run_dir, cfg.wire)
@@ -176,6 +166,14 @@ class Learner:
         self.buffer.on_drop = ledger.dropped
         self.net.deals = True
         return ledger
+
+    def _lagged_mismatch(self, cfg: Config) -> LaggedMismatch | None:
+        """``train.mismatch_rows``: the published weights of older versions, kept to measure the
+        mismatch on their tokens (``asyncrl.learner.training.mismatch``); None when off."""
+        if not cfg.train.mismatch_rows:
+            return None
+        t = cfg.train
+        return LaggedMismatch(self.trainer, self.model, t.mismatch_versions, t.mismatch_rows, t.mismatch_budget)
 
     def _resume_ledger(self) -> None:
         """After the restore: the ledger's record cut back to its checkpoint, the buffer's episodes
