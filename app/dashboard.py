@@ -11,13 +11,17 @@ from urllib.parse import quote
 
 from asyncrl.analysis import RunStore
 
+from . import timeline as TL
+from . import tokens as T
 from . import views as V
 
 VIEWS = (
     "overview",
     "staleness",
+    "timeline",
     "replay",
     "ledger",
+    "tokens",
     "samples",
     "config",
 )  # the generic tabs; the algorithms add theirs
@@ -105,6 +109,12 @@ class Dashboard:
         value = choice if choice in valid else (choices[0][1] if choices else None)
         return self.gr.update(choices=choices, value=value), V.sample_html(store, value)
 
+    def token_outputs(self, pick, choice):
+        store = self.main_store(pick)
+        choices = T.choices(store)
+        value = choice if choice in {c[1] for c in choices} else (choices[0][1] if choices else None)
+        return self.gr.update(choices=choices, value=value), T.tokens_html(store, value)
+
     def revision_key(self, pick) -> str:
         stores = self.chosen(pick)
         return (
@@ -117,7 +127,7 @@ class Dashboard:
 
     def heavy(self, key, pick, pins, *args):
         """Every view's content when the run changed; ``pins``: the metrics charted first (``?metrics=``);
-        ``args``: each algorithm view's inputs, then the sample choice."""
+        ``args``: each algorithm view's inputs, then the sample choice and the traced row's."""
         gr = self.gr
         new_key = self.revision_key(pick)
         if key == new_key:
@@ -129,19 +139,24 @@ class Dashboard:
         for view in self.algo_views:
             algo_out += self.view_outputs(view, pick, *args[at : at + len(view.inputs)])
             at += len(view.inputs)
-        (choice,) = args[at:]
+        choice, token_choice = args[at:]
         hidden = [view.id for view in self.algo_views if not view.applies(store)]
         hidden += [] if V.has_replay(store) else ["replay"]
         hidden += [] if V.has_ledger(store) else ["ledger"]
         hidden += [] if V.has_staleness(store) else ["staleness"]
+        hidden += [] if T.has_traces(store) else ["tokens"]
+        hidden += [] if TL.has_timeline(store) else ["timeline"]
         return [
             V.runs_html(stores) if self.catalog.folder is not None else "",
             V.charts_json(stores, pins or []),
             *algo_out,
             V.staleness_figure(store),
+            TL.timeline_figure(store),
+            TL.timeline_html(store),
             V.replay_html(store),
             V.replay_figure(store),
             V.ledger_html(store),
+            *self.token_outputs(pick, token_choice),
             *self.sample_outputs(pick, choice),
             V.config_html(store),
             runs,
@@ -210,11 +225,17 @@ class Dashboard:
                     self.algo_boxes.append((box_note, box))
             with gr.Tab("Staleness", id="staleness"):
                 self.st_plot = gr.Plot(show_label=False, format="png", elem_id="staleness-plot")
+            with gr.Tab("Timeline", id="timeline"):
+                self.tl_plot = gr.Plot(show_label=False, format="png", elem_id="timeline-plot")
+                self.tl_html = gr.HTML(elem_id="timeline-tab")
             with gr.Tab("Replay buffer", id="replay"):
                 self.rp_html = gr.HTML(elem_id="replay-view")
                 self.rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
             with gr.Tab("Task ledger", id="ledger"):
                 self.ld_html = gr.HTML(elem_id="ledger-view")
+            with gr.Tab("Tokens", id="tokens"):
+                self.tk_choice = gr.Dropdown(choices=[], label="traced row (newest step first)", elem_id="token-picker")
+                self.tk_html = gr.HTML(elem_id="tokens-view")
             with gr.Tab("Samples", id="samples"):
                 self.sm_choice = gr.Dropdown(choices=[], label="sample (newest first)")
                 self.sm_html = gr.HTML(elem_id="samples-view")
@@ -230,9 +251,13 @@ class Dashboard:
             self.charts,
             *algo_out,
             self.st_plot,
+            self.tl_plot,
+            self.tl_html,
             self.rp_html,
             self.rp_plot,
             self.ld_html,
+            self.tk_choice,
+            self.tk_html,
             self.sm_choice,
             self.sm_html,
             self.cfg_html,
@@ -245,7 +270,7 @@ class Dashboard:
     def wire(self, demo) -> None:
         """The page's events: the first load, the two timers, the pickers, the views' own inputs."""
         gr, cards = self.gr, [self.ov_html, self.ov_actors]
-        filters = [c for view in self.algo_views for c in view.inputs] + [self.sm_choice]
+        filters = [c for view in self.algo_views for c in view.inputs] + [self.sm_choice, self.tk_choice]
 
         def on_load(request: gr.Request, *args):  # (Gradio passes the request by this annotation)
             return self.on_load(request, *args)
@@ -285,4 +310,9 @@ class Dashboard:
             lambda p, c: V.sample_html(self.main_store(p), c),
             inputs=[self.pick, self.sm_choice],
             outputs=[self.sm_html],
+        )
+        self.tk_choice.input(
+            lambda p, c: T.tokens_html(self.main_store(p), c),
+            inputs=[self.pick, self.tk_choice],
+            outputs=[self.tk_html],
         )

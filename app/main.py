@@ -158,6 +158,7 @@ def _launch(demo, args, auth, port: int) -> str | None:
 
     from .login_limit import LoginLimiter
     from .token_gate import TokenGate, new_token
+    from .tokens import CSS as TOKENS_CSS
     from .views import CHARTS_CSS, CSS, algorithm_views
 
     tls = (
@@ -178,7 +179,7 @@ def _launch(demo, args, auth, port: int) -> str | None:
             prevent_thread_lock=True,
             quiet=True,
             share=False,
-            css=CSS + CHARTS_CSS + "".join(v.css for v in algorithm_views()),
+            css=CSS + CHARTS_CSS + TOKENS_CSS + "".join(v.css for v in algorithm_views()),
             footer_links=[],
             app_kwargs={"middleware": middleware},
             **tls,

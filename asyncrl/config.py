@@ -1185,7 +1185,20 @@ class LogConfig(_Base):
         ),
     )
     sample_max_tokens: int = Field(
-        512, ge=1, description=("Most tokens in a `sample` event; a longer trajectory keeps its last tokens.")
+        512,
+        ge=1,
+        description=(
+            "Most tokens per trajectory in a `sample` or `token_trace` event; a longer trajectory keeps its last tokens."
+        ),
+    )
+    trace_rows: int = Field(
+        8,
+        ge=0,
+        description=(
+            "Every log.sample_every steps also write a `token_trace` event: for this many rows of the batch "
+            "(spread over it), every token's policy version, behaviour and learner log-prob, importance weight, "
+            "clip and mask flags and advantage, as the loss saw them (the UI's Tokens view); 0: off."
+        ),
     )
     tracker_table_rows: int = Field(
         64,

@@ -44,6 +44,7 @@ from ..envs.guard import request_stop as request_env_stop
 from ..envs.tasks import task_stream
 from ..models.loading import load_model, load_tokenizer, resolve_model_path
 from ..rollout.workflow import RolloutContext, get_workflow
+from ..timeline import StateClock
 from ..types import Task
 from ..weights import make_receiver
 from ..weights.base import WeightsError, check_weight_values
@@ -97,6 +98,7 @@ class Actor:
         self.batches = 0
         self.weight_updates = 0
         self._gen_s = 0.0  # seconds generating (batch: in engine calls; inflight: in decode steps)
+        self.clock = StateClock("waiting for the learner")  # where the time goes (sent in the heartbeat)
         self.started = time.time()
         # experience replay: tasks the learner assigned (task, fresh rollouts, replayed k), generated
         # before fresh ones, and task ids withheld from the fresh stream (the learner's skip set)
@@ -181,6 +183,7 @@ class Actor:
         newest = self.net.newest_weights(timeout_ms)  # only the newest version is applied
         if newest is None:
             return False
+        left = self.clock.enter("applying weights")
         try:
             msg = decode(newest, kinds=("weights",))
             version, tensors = self.weights_in.tensors(msg)
@@ -198,6 +201,7 @@ class Actor:
             self._report_bad("weights", e)
             return False
         finally:
+            self.clock.enter(left)
             if self.session is not None:
                 self.ask_weights()
         self.weight_updates += 1
@@ -265,9 +269,11 @@ class Actor:
             self.net.check_relay()
             next_hello = self._hello_again(next_hello)
             if self.session is None:
+                self.clock.enter("waiting for the learner")
                 continue
             self.apply_weights(0)
             if not self.has_work():
+                self.clock.enter("waiting for credits")
                 continue
             if not self._weights_ok(100):
                 continue
@@ -291,6 +297,7 @@ class Actor:
         if self.engine.version >= self.net.min_version and self._weights_session == self.session:
             self._waiting_since = None
             return True
+        self.clock.enter("waiting for weights")
         now = time.monotonic()
         self._waiting_since = self._waiting_since or now
         self.net.check_relay(now - self._waiting_since)
@@ -342,8 +349,11 @@ class Actor:
                 t0 = time.time()
                 if self.engine.step():
                     self._gen_s += time.time() - t0
-                elif running:
-                    self.engine.batcher.wait_for_work(0.005)
+                    self.clock.enter("generating", at=t0)
+                else:
+                    self.clock.enter("environment" if running else self._idle_state(), at=t0)
+                    if running:
+                        self.engine.batcher.wait_for_work(0.005)
                 for item in [r for r in running if r[0].done()]:
                     running.remove(item)
                     self._send(item[0].result(), item[1], item[2])
@@ -353,6 +363,14 @@ class Actor:
         self.close()
         if self.heartbeat.gone_reason:
             raise SystemExit(f"[{self.actor_id}] stopped: {self.heartbeat.gone_reason}")
+
+    def _idle_state(self) -> str:
+        """What an in-flight actor with no rollout running waits for."""
+        if self.session is None:
+            return "waiting for the learner"
+        if not self.has_work():
+            return "waiting for credits"
+        return "waiting for weights"
 
     def _on_replay_work(self, body: Credit) -> None:
         """Replay fields of a credit message: assigned tasks and skip-set changes (typed and bounded
@@ -399,6 +417,7 @@ class Actor:
 
     def generate_batch(self) -> None:
         batch, session = self._take_batch(), self.session
+        self.clock.enter("generating")
         t0 = time.time()
         episodes = self._rollout_batch(*batch)
         self._gen_s += time.time() - t0

@@ -73,6 +73,7 @@ class Heartbeat(threading.Thread):
 
     def _send(self, sock: zmq.Socket) -> None:
         a = self.actor
+        spans, states = a.clock.take()
         status = Status(
             actor_id=a.actor_id,
             identity=a.identity.decode(),
@@ -89,11 +90,13 @@ class Heartbeat(threading.Thread):
             stopping=a.stopping,
             weights_digest=a.weights_digest,
             holding=a.holding(),
+            spans=[(state, start, end) for state, start, end in spans],
+            states=states,
         )
         try:
             send_frames(sock, encode("status", status), flags=zmq.NOBLOCK)
-        except zmq.Again:  # not connected (the learner is down): nothing to queue
-            pass
+        except zmq.Again:  # not connected (the learner is down): nothing to queue (its spans go with the next)
+            a.clock.put_back(spans)
 
     def _on_reply(self, frames) -> None:
         msg = decode(frames, kinds=("alive", "stop"))

@@ -27,6 +27,7 @@ from ..rollout.workflow import workflow_class
 from ..rundir import provenance
 from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir, checkpoint_step, list_checkpoints
 from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
+from ..timeline import StateClock
 from ..types import Episode
 from ..weights import make_publisher
 from ..weights.digest import weights_digest
@@ -44,6 +45,7 @@ from .ledger import TaskLedger, make_ledger
 from .progress import Progress, summary_table
 from .startup import Startup
 from .telemetry import Telemetry
+from .trace import TokenTrace
 from .training.mismatch import LaggedMismatch, merge_mismatch
 from .training.ranks import Ranks, load_trainable
 from .training.trainer import StepAbandoned
@@ -94,6 +96,7 @@ class Learner:
         self.hooks: list[LearnerHook] = _make_hooks(cfg, self.staleness, self.log.event)
         self.ledger = self._open_ledger(cfg)  # (the last hook: it deals what the others leave of the credits)
         self.telemetry = Telemetry(cfg, self.log, self.net.publish_event, self.model, self.tokenizer)
+        self.trace = TokenTrace(self.trainer, self.model, self.tokenizer, cfg.log)  # token_trace events
         self.evaluator = Evaluator(cfg, self.tokenizer)
         self.heldout = _describe_heldout(cfg)
         for warning in self.evaluator.workflow.warnings:  # e.g. algo.sandbox.isolation: none
@@ -106,6 +109,7 @@ class Learner:
         (self.run_dir / STOPPING).unlink(missing_ok=True)
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
+        self.clock, self._timeline_at = StateClock("starting"), 0.0  # where the learner's time goes (timeline events)
         self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
         self.version, state, report = self.start.restore(
             self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
@@ -310,6 +314,7 @@ class Learner:
             self.pump(timeout_ms=50)
             episodes = self.buffer.take(cfg.train.batch_tasks, self.version, self.staleness, keep=self._keep)
             if episodes is None:
+                self.clock.enter("waiting for episodes", at=t0)
                 t_wait += time.time() - t0
                 self._check_filtered()
                 continue
@@ -322,6 +327,7 @@ class Learner:
             if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0:
                 self.checkpoint()
         progress.close()
+        self.clock.enter("stopping")
         if not self._stop:  # a stop request ends promptly: no final evaluation, just the checkpoint
             self.evaluate(force=True)
         if self._stop:
@@ -354,6 +360,7 @@ class Learner:
             heldout=self.heldout,
             empty_steps=self.empty_steps,
         )
+        self._log_timeline(force=True)
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         if self.ledger is not None:
             self.ledger.close()
@@ -365,6 +372,7 @@ class Learner:
         """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
         grant credits (``asyncrl.learner.ingest.peers.Peers``)."""
         self.peers.pump(timeout_ms, self.version)
+        self._log_timeline()
         self.weights_out.poll()  # sync.type=nccl: actors joining the weight-sync group
         if self.peers.stop_reason and not self._stop:
             self._stop, self._stop_reason = True, self.peers.stop_reason
@@ -422,6 +430,7 @@ class Learner:
 
     def train_on(self, episodes: list[Episode], wait_s: float) -> dict:
         t0 = time.time()
+        self.clock.enter("training")
         staleness = [self.version - ep.policy_version for ep in episodes]
         for hook in self.hooks:  # e.g. replay tasks get their k stored trajectories
             hook.before_batch(episodes, self.version)
@@ -434,6 +443,7 @@ class Learner:
         measure = self.lagged is not None and batch is not None and self.lagged.due()
         lagged = self.lagged.measure(batch, self.version) if measure else {}
         rows = [t for ep in episodes for t in ep.trajectories]  # the batch's rows, in order
+        traced = self.trace.before(batch, self.version)  # (this step's policy on the traced rows, before the update)
         try:
             result = self.ranks.step(batch, keep_rows=keep_rows, version=self.version) if batch else None
         except StepAbandoned:  # a stop came in the middle of the step: its episodes go back for the checkpoint
@@ -454,6 +464,9 @@ class Learner:
         stats = {k: v for k, v in stats.items() if k not in owned}
         stats.update(merge_mismatch(stats, lagged))  # mismatch/*: this version's tokens and older ones'
         self.version += 1
+        if traced is not None:  # what the loss saw on every token of a few rows (the UI's Tokens tab)
+            owners = [ep for ep in episodes for _ in ep.trajectories]
+            self.log.event("token_trace", self.version, rows=self.trace.record(batch, traced, rows, owners))
         train_s = time.time() - t0
         if self.lagged is not None:
             self.lagged.note_step(train_s)
@@ -508,6 +521,10 @@ class Learner:
         return out
 
     def publish(self) -> None:
+        with self.clock.during("publishing weights"):
+            self._publish()
+
+    def _publish(self) -> None:
         t0 = time.time()
         # a snapshot: queued weights frames are sent zero-copy, so they must not see the next update
         # (a transport that copies the tensors out before frames() returns needs none)
@@ -543,7 +560,8 @@ class Learner:
         """Evaluate if due; the loop keeps answering actors and taking episodes meanwhile (no
         credits are granted and nothing is trained). A hung evaluation stops the run with one line."""
         try:
-            result = self.evaluator.maybe_run(self.model, self.version, force=force, tick=self._tick)
+            with self.clock.during("evaluating"):
+                result = self.evaluator.maybe_run(self.model, self.version, force=force, tick=self._tick)
         except EvaluationHung as e:
             self.log.event("eval_hung", self.version, error=str(e))
             if not self._stop:
@@ -559,8 +577,22 @@ class Learner:
         if time.monotonic() - self._last_tick >= 0.2:
             self._last_tick = time.monotonic()
             self.peers.pump(0, self.version)
+            self._log_timeline()
+
+    def _log_timeline(self, force: bool = False) -> None:
+        """The learner's spans since the last ``timeline`` event (at most one every 2 s)."""
+        now = time.monotonic()
+        if force or now - self._timeline_at >= 2.0:
+            self._timeline_at = now
+            spans, states = self.clock.take()
+            if spans:
+                self.log.event("timeline", self.version, process="learner", spans=spans, states=states)
 
     def checkpoint(self) -> Path:
+        with self.clock.during("checkpointing"):
+            return self._checkpoint()
+
+    def _checkpoint(self) -> Path:
         t0 = time.time()
         states, critic = self.ranks.checkpoint_states()  # (critic: estimator gae)
 

@@ -54,7 +54,9 @@ class PolicyLossInputs:
     - ``exp_mask``: 1 on replayed (off-policy) tokens (experience replay); None: none;
     - ``behavior_log_ratio``: detached ``log(pi_old / pi_behaviour)`` per token (decoupled PPO's
       ``log rho``; 0 on replayed tokens), for the trust region around the behaviour policy
-      (``LossConfig.behavior_clip``); None: ``old`` is the behaviour policy.
+      (``LossConfig.behavior_clip``); None: ``old`` is the behaviour policy;
+    - ``trace``: a dict the loss fills with its per-token ``[B, T]`` tensors (``ratio``, ``clipped``,
+      ``dual_clipped``, ``blocked``), for the token trace (:mod:`asyncrl.learner.trace`); None: not kept.
     """
 
     logprobs: Tensor
@@ -64,6 +66,22 @@ class PolicyLossInputs:
     behavior_weight: Tensor | None = None
     exp_mask: Tensor | None = None
     behavior_log_ratio: Tensor | None = None
+    trace: dict | None = None
+
+
+def _keep(
+    inputs: PolicyLossInputs, ratio: Tensor, clipped: Tensor, dual: Tensor | None, blocked: Tensor | None
+) -> None:
+    """The per-token flags into ``inputs.trace`` (when the caller asked for them)."""
+    if inputs.trace is None:
+        return
+    none = torch.zeros_like(clipped, dtype=torch.bool)
+    inputs.trace.update(
+        ratio=ratio.detach(),
+        clipped=clipped.detach().expand_as(ratio),
+        dual_clipped=(none if dual is None else dual.detach()).expand_as(ratio),
+        blocked=(none if blocked is None else blocked).expand_as(ratio),
+    )
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,7 @@ def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tens
         )
     blocked = _behavior_blocked(inputs, cfg, log_ratio, cfg.clip_low, cfg.clip_high)
     tok_loss = _without_gradient(tok_loss, blocked)
+    _keep(inputs, ratio, clipped, dual, blocked)
 
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
@@ -261,6 +280,7 @@ def compute_gspo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor
         per_row=lambda log_rho: _seq_log_ratio(log_rho, mask).expand_as(log_s),
     )
     tok_loss = _without_gradient(tok_loss, blocked)
+    _keep(inputs, s.detach(), pg2 > pg1, None, blocked)
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
         stats = _ratio_stats(loss, s.detach(), log_ratio, pg2 > pg1, mask, blocked)
@@ -290,6 +310,7 @@ def compute_cispo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tenso
     if inputs.behavior_weight is not None and not against_behavior:
         w = w * inputs.behavior_weight.detach().to(w.dtype)
     tok_loss = -advantages * w * logprobs
+    _keep(inputs, r, clipped, None, None)
     loss = agg_loss(tok_loss, mask, cfg.loss_agg_mode, norm=cfg.agg_norm)
     with torch.no_grad():
         stats = _ratio_stats(loss, torch.exp(log_ratio), log_ratio, clipped, mask, None)

@@ -35,6 +35,7 @@ from typing import Annotated, Any, ClassVar, get_type_hints
 
 import msgspec
 
+from ..timeline import MAX_SPANS
 from ..types import (  # noqa: F401 (JSON_MAX_DEPTH, Json, Task: the wire's names for them, imported from here)
     JSON_MAX_DEPTH,
     PER_TOKEN,
@@ -151,6 +152,10 @@ class Status(Body):
     stopping: bool = False
     weights_digest: Name = ""  # the digest of the weights its engine holds (checked against what it received)
     holding: list[Id] = []  # as in Hello: a learner that admits it from a heartbeat deals the others again
+    # where its time went (asyncrl.timeline): the spans (state, start, end in unix time) since the last
+    # status, and the seconds per state since it started
+    spans: Annotated[list[tuple[Name, float, float]], msgspec.Meta(max_length=MAX_SPANS)] = []
+    states: Annotated[dict[Name, Seconds], msgspec.Meta(max_length=32)] = {}
 
 
 class Alive(Body):

@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 import msgspec
 import numpy as np
 
+from ...timeline import MAX_SPANS
 from ...weights.digest import short
 from ...wire.codec import Message, WireError
 from ...wire.messages import Rejected
@@ -204,6 +205,7 @@ class Peers:
         self.stop_reason: str | None = None
         self._no_actor_since = time.monotonic()
         self._status_logged: dict[bytes, float] = {}
+        self._spans: dict[bytes, list] = {}  # timeline spans of statuses not logged yet (at most one a second)
         # version -> the digest the learner published for it (``asyncrl.weights.digest``; the learner fills it)
         self.digests: dict[int, str] = {}
         self.ledger = None  # the learner's TaskLedger (asyncrl.learner.ledger), told what arrives and what is refused
@@ -231,6 +233,7 @@ class Peers:
         wire = self.cfg.wire
         for a in news.dropped:
             self._status_logged.pop(a.identity, None)
+            self._spans.pop(a.identity, None)
             self.reports.report(
                 "actor_dropped",
                 "lease",
@@ -252,6 +255,7 @@ class Peers:
             )
         for a in news.evicted:
             self._status_logged.pop(a.identity, None)
+            self._spans.pop(a.identity, None)
             self.reports.report(
                 "actor_dropped",
                 "evicted",
@@ -352,10 +356,17 @@ class Peers:
             self.ledger.hello(msg.body.actor_id, state.identity, msg.body.holding, version)
         if msg.kind == "status" and msg.body.weights_digest:
             self._check_status_digest(msg.body)
-        if msg.kind == "status" and now - self._status_logged.get(state.identity, 0.0) >= 1.0:
+        if msg.kind != "status":
+            return
+        pending = self._spans.setdefault(state.identity, [])
+        pending.extend(msg.body.spans)
+        del pending[: max(len(pending) - MAX_SPANS, 0)]
+        if now - self._status_logged.get(state.identity, 0.0) >= 1.0:
             self._status_logged[state.identity] = now  # at most one actor_status event a second
             fields = msgspec.structs.asdict(msg.body)
             fields.pop("identity")
+            fields["spans"] = [list(s) for s in pending]  # (with those of the statuses not logged since)
+            pending.clear()
             self.event("actor_status", **fields)
 
     def _check_status_digest(self, status) -> None:

@@ -321,9 +321,13 @@ class PolicyTrainer:
             result.stats.update(token_lag_stats(batch, version, self.staleness))
         return result
 
-    def _loss_inputs(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[PolicyLossInputs, dict[str, float]]:
+    def _loss_inputs(
+        self, mb: TrainBatch, logp: torch.Tensor, trace: dict | None = None
+    ) -> tuple[PolicyLossInputs, dict[str, float]]:
         """The policy loss's inputs for a mini-batch: the proximal (decoupled PPO) or behaviour
-        policy as old, recorded log-probs on replayed tokens, the staleness weight."""
+        policy as old, recorded log-probs on replayed tokens, the staleness weight. ``trace``: a dict
+        that takes the correction's per-token ``is_capped`` and ``is_masked`` too (and is passed on to
+        the loss for its own flags)."""
         cfg = self.cfg
         weight, bw, log_rho = None, None, None
         if cfg.recompute_proximal:  # the off-policy correction over generated, non-replayed tokens
@@ -350,6 +354,8 @@ class PolicyTrainer:
             old = torch.where(use_rec.bool(), mb.recorded_logprobs, old)
             if weight is not None:
                 weight = torch.where(mb.exp_mask.bool(), torch.ones_like(weight), weight)
+        if trace is not None and bw is not None:
+            trace.update(is_capped=bw.capped, is_masked=bw.masked)
         if bw is not None and mb.response_mask.bool().any():
             on = mb.response_mask.bool()
             w = weight[on]
@@ -367,8 +373,40 @@ class PolicyTrainer:
             behavior_weight=weight,
             exp_mask=mb.exp_mask if has_exp else None,
             behavior_log_ratio=log_rho,
+            trace=trace,
         )
         return inputs, stats
+
+    @torch.no_grad()
+    def trace_tokens(
+        self, batch: TrainBatch, index: list[int], learner_logprobs: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """What the policy loss saw on rows ``index`` of ``batch``, per target position ``[len(index),
+        T'-1]``: ``learner_logprobs`` (this step's policy before its update, run by the caller), the
+        old policy the ratio is taken against, the behaviour weight and the correction's and the
+        loss's flags (:func:`PolicyLossInputs`'s ``trace``), the advantages, masks and versions.
+        Called after the step, so that a critic's advantages are the ones trained with; the inputs
+        are made as the first mini-batch's (:meth:`_loss_inputs`, the proximal policy being the
+        weights before the update)."""
+        sub = batch.take(index)
+        logp = learner_logprobs.to(sub.response_mask.device)
+        if self.cfg.recompute_proximal:
+            sub.old_logprobs = logp
+        kept: dict = {}
+        inputs, _ = self._loss_inputs(sub, logp, kept)
+        self.policy_loss(inputs, self.loss_cfg)
+        weight = inputs.behavior_weight
+        return {
+            **kept,
+            "learner": logp,
+            "old": inputs.old_logprobs,
+            "behaviour": sub.behavior_logprobs,
+            "weight": torch.ones_like(logp) if weight is None else weight,
+            "advantage": sub.advantages,
+            "response_mask": sub.response_mask,
+            "exp_mask": sub.exp_mask,
+            "version": sub.token_versions,
+        }
 
     def _may_skip(self) -> bool:
         """Rows that carry no gradient may be left out: no KL or entropy term reads them."""
