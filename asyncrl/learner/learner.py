@@ -27,7 +27,6 @@ from ..rollout.workflow import workflow_class
 from ..rundir import provenance
 from ..rundir.layout import ADDRESSES, EVENTS, STOP_REASON, STOPPING, buffer_dir, checkpoint_step, list_checkpoints
 from ..rundir.runlog import RunLog, check_trackers, open_trackers, read_jsonl
-from ..timeline import StateClock
 from ..types import Episode
 from ..weights import make_publisher
 from ..weights.digest import weights_digest
@@ -109,7 +108,6 @@ class Learner:
         (self.run_dir / STOPPING).unlink(missing_ok=True)
         self._keep = _informative_episode if cfg.buffer.filter_groups else None  # dynamic sampling's rule
         self._last_tick = 0.0
-        self.clock, self._timeline_at = StateClock("starting"), 0.0  # where the learner's time goes (timeline events)
         self.empty_steps = 0  # steps of this learner with no trajectory to train on (not counted as trained)
         self.version, state, report = self.start.restore(
             self.model, self.ranks.load, self.hooks, self.buffer, self.peers.validator, critic=self.trainer.critic_model
@@ -360,7 +358,7 @@ class Learner:
             heldout=self.heldout,
             empty_steps=self.empty_steps,
         )
-        self._log_timeline(force=True)
+        self.telemetry.timeline(self.version, force=True)
         self.log.event("learner_stop", self.version, interrupted=self._stop, reason=stopped, summary=summary)
         if self.ledger is not None:
             self.ledger.close()
@@ -372,7 +370,7 @@ class Learner:
         """Ingest arrivals (validated, made durable, acknowledged), answer actors, expire leases,
         grant credits (``asyncrl.learner.ingest.peers.Peers``)."""
         self.peers.pump(timeout_ms, self.version)
-        self._log_timeline()
+        self.telemetry.timeline(self.version)
         self.weights_out.poll()  # sync.type=nccl: actors joining the weight-sync group
         if self.peers.stop_reason and not self._stop:
             self._stop, self._stop_reason = True, self.peers.stop_reason
@@ -571,22 +569,18 @@ class Learner:
             self.log.event("eval", self.version, **result)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
+    @property
+    def clock(self):
+        """Where the learner's time goes (:mod:`asyncrl.timeline`; its ``timeline`` events)."""
+        return self.telemetry.clock
+
     def _tick(self) -> None:
         """The learner answering its actors (heartbeats, episodes; no credits) while it evaluates or trains
         a long step, at most every 0.2 s."""
         if time.monotonic() - self._last_tick >= 0.2:
             self._last_tick = time.monotonic()
             self.peers.pump(0, self.version)
-            self._log_timeline()
-
-    def _log_timeline(self, force: bool = False) -> None:
-        """The learner's spans since the last ``timeline`` event (at most one every 2 s)."""
-        now = time.monotonic()
-        if force or now - self._timeline_at >= 2.0:
-            self._timeline_at = now
-            spans, states = self.clock.take()
-            if spans:
-                self.log.event("timeline", self.version, process="learner", spans=spans, states=states)
+            self.telemetry.timeline(self.version)
 
     def checkpoint(self) -> Path:
         with self.clock.during("checkpointing"):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..rundir.runlog import EVENTS_SCHEMA
+from ..timeline import StateClock
 from ..types import PER_TOKEN, Episode, prompt_text
 from .training.batch import collate, compute_logprobs
 from .training.batch_stats import batch_metrics
@@ -24,6 +25,16 @@ class Telemetry:
         self._episode_counter = 0
         self._recent: deque = deque(maxlen=50)  # (time, episodes, trajectories, tokens) per step
         self._advantages: dict[int, float] = {}
+        self.clock, self._timeline_at = StateClock("starting"), 0.0  # where the learner's time goes
+
+    def timeline(self, version: int, force: bool = False) -> None:
+        """The learner's spans since the last ``timeline`` event (at most one every 2 s)."""
+        now = time.monotonic()
+        if force or now - self._timeline_at >= 2.0:
+            self._timeline_at = now
+            spans, states = self.clock.take()
+            if spans:
+                self.log.event("timeline", version, process="learner", spans=spans, states=states)
 
     def step(
         self,

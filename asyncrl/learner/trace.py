@@ -86,16 +86,13 @@ class TokenTrace:
             cols["dropped"].append(int(float(per["response_mask"][t]) == 0 and not replayed) if on else None)
         lo, hi = traj.version_range()
         return {
+            **traj.summary(),  # (its sample type, reward, task, replayed or not, token counts)
             "episode_id": episode.id,
             "actor_id": episode.actor_id,
             "trajectory_id": traj.id,
-            "task_id": traj.task_id,
-            "sample_type": traj.sample_type,
-            "reward": round(float(traj.reward), 6),
+            "task_id": episode.task.id if getattr(episode, "task", None) is not None else None,
             "oldest_version": lo,
             "newest_version": hi,
-            "is_replay": bool(traj.is_replay),
-            "num_tokens": n,
             "offset": start,
             "tokens": self.tokenizer.batch_decode(
                 [[int(x)] for x in traj.token_ids[start:]], skip_special_tokens=False

@@ -429,7 +429,7 @@ def test_an_algorithm_tab_may_read_the_ui_kit_and_nothing_names_an_algorithm():
 # floors, never a room of its own floor or above (docs/design/architecture.md, "Module map"). A room is a
 # top-level package or module of asyncrl (``asyncrl.app``, the app/ folder, is one room; an algorithm's UI tab is a room of its own).
 FLOORS = [
-    ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names"),
+    ("asyncrl.types", "asyncrl.config", "asyncrl.lifecycle", "asyncrl.metric_names", "asyncrl.timeline"),
     ("asyncrl.plugins", "asyncrl.wire", "asyncrl.prompts", "asyncrl.sandbox"),
     ("asyncrl.registry", "asyncrl.rundir"),
     ("asyncrl.schedulers", "asyncrl.weights", "asyncrl.objectives"),
