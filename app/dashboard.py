@@ -171,6 +171,9 @@ class Dashboard:
         sel = [n for n in _query_list(request, "runs") if n in self.catalog.names()]
         pick = {"sel": sel, "focus": (request.query_params.get("focus") if request is not None else None)}
         pins = _query_list(request, "metrics")
+        trace = request.query_params.get("trace") if request is not None else None
+        if trace:  # ?trace=STEP:ROW: that traced row in the Tokens tab (the last filter is its picker)
+            args = (*args[:-1], trace)
         return [self.gr.Tabs(selected=selected), pick, pins, *self.light(pick), *self.heavy("", pick, pins, *args)]
 
     def picked(self, sel, focus, *args):

@@ -18,6 +18,7 @@ import zmq
 
 from asyncrl.analysis import RunStore, load_run
 from asyncrl.analysis.ledger import ledger_rows
+from asyncrl.app import tokens as T
 from asyncrl.wire.codec import encode_msg
 from tests.conftest import ROOT, cli, read_jsonl
 from tests.support.ui_runs import (
@@ -135,6 +136,43 @@ def test_ui_pages_show_both_runs_in_headless_chromium(demo_runs, tmp_path):
         table = table[: table.index("</table>")]
         assert ok and rows and table.count("<tr") == len(rows) + 1  # (the header row)
         assert "exactly once: every task trained at most once per epoch" in visible_text(dom)
+
+        # Tokens (issue 67): a traced row token by token, coloured by version, with what the loss saw;
+        # every role of Absolute Zero and both levels of RLCR are among the traced rows
+        for url, store, kinds, shot in (
+            (azr_url, azr, {"Absolute Zero proposer", "Absolute Zero solver"}, None),
+            (rlcr_url, rlcr, {"RLCR answer level", "RLCR confidence level"}, "ui-tokens.png"),
+        ):
+            dom = wait_dom(
+                url + "?view=tokens",
+                profile,
+                lambda d: 'id="token-trace"' in d and 'id="token-trace-table"' in d,
+                what="a traced row",
+                screenshot_name=shot,
+            )
+            traces = store.records("token_trace")
+            assert traces and all(t["rows"] for t in traces)
+            row = traces[-1]["rows"][0]
+            assert dom.count("data-role=") == len(row["tokens"])  # every token of the newest step's first row
+            text = visible_text(dom)
+            assert f"Step {traces[-1]['step']}, traced row 1 of {len(traces[-1]['rows'])}" in text
+            assert "learner logp" in text and "IS weight" in text and "trained by version" in text
+            labels = {T._label(r) for t in traces for r in t["rows"]}
+            assert kinds <= labels, labels
+
+        # Timeline (issue 67): a lane for the learner and each actor, and the shares of their states
+        dom = wait_dom(
+            rlcr_url + "?view=timeline",
+            profile,
+            lambda d: 'id="timeline-table"' in d and "data:image/png" in d[d.find('id="timeline-plot"') :],
+            what="the process timeline",
+            screenshot_name="ui-timeline.png",
+        )
+        table = dom[dom.index('id="timeline-table"') :]
+        table = visible_text(table[: table.index("</table>")])
+        assert (
+            "learner" in table and "actor-0" in table and "training" in table
+        )  # (a 3-step run: one or two heartbeats)
 
         # Samples: the per-token view of the latest sample event
         dom = wait_dom(rlcr_url + "?view=samples", profile, lambda d: 'id="sample-view"' in d, what="a sample")
@@ -255,6 +293,7 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
         "log.progress=false",
         "checkpoint.every=0",
         "actor.heartbeat_s=0.5",
+        "log.sample_every=2",
     ]
     proc, reader = start_logged(cli("run", "-c", str(ROOT / "configs" / "quickstart.yaml"), "--ui", *overrides))
     profile = tmp_path / "chromium"
@@ -273,6 +312,22 @@ def test_run_with_ui_serves_the_live_run_and_stops_with_it(tmp_path, tiny_overri
             screenshot_name="ui-live.png",
         )
         assert "finished" not in visible_text(dom)
+        # the live run's traced rows and timeline (issue 67), as they come
+        dom = wait_dom(
+            served + "?view=tokens",
+            profile,
+            lambda d: 'id="token-trace-table"' in d,
+            what="a traced row of the live run",
+        )
+        assert "trained by version" in visible_text(dom)
+        dom = wait_dom(
+            served + "?view=timeline",
+            profile,
+            lambda d: 'id="timeline-table"' in d and "actor-0" in visible_text(d) and "generating" in visible_text(d),
+            what="the live run's timeline with the actor generating",
+            screenshot_name="ui-timeline-live.png",
+        )
+        assert "learner" in visible_text(dom) and "training" in visible_text(dom)
     finally:
         code = stop(proc, signal.SIGINT, timeout=120)
     assert code == 130, "".join(reader.lines)[-3000:]

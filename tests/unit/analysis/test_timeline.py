@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from app import timeline as TL
 from asyncrl.analysis import RunStore
 from asyncrl.analysis.timeline import state_shares, timeline_spans, window
+from asyncrl.app import timeline as TL
 from asyncrl.timeline import MAX_SPANS, StateClock
 from asyncrl.wire.codec import WireError, decode, encode
 from asyncrl.wire.messages import Status

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from app import tokens as T
 from asyncrl.analysis import RunStore
+from asyncrl.app import tokens as T
 from asyncrl.config import load_config
 from asyncrl.learner.trace import TokenTrace, pick_rows
 from asyncrl.learner.training.batch import collate
