@@ -620,7 +620,13 @@ class TrainConfig(_Base):
         ),
     )
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        Field("token-mean", description="Loss aggregation.")
+        Field(
+            "token-mean",
+            description=(
+                "Loss aggregation. Default token-mean; with policy_loss=gspo seq-mean-token-mean (the paper's and "
+                "verl's: token-mean would weigh each sequence's gradient by its length) unless set."
+            ),
+        )
     )
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio <= 1 + clip_high (clip-higher).")
@@ -1418,6 +1424,8 @@ class Config(_Base):
             )
         if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
+        if self.train.policy_loss == "gspo" and "loss_agg_mode" not in self.train.model_fields_set:
+            self.train.loss_agg_mode = "seq-mean-token-mean"  # GSPO's own (the paper's, verl's): not by length
         if self.train.overlong_max_len is None:
             self.train.overlong_max_len = self.sampling.max_new_tokens * self.env.max_turns
         rp = self.replay

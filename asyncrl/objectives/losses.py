@@ -177,7 +177,7 @@ def compute_policy_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tens
         tok_loss, clipped, dual, stats = _with_replayed_tokens(
             inputs, cfg, ratio, (on_loss, clipped, dual), weight, mask
         )
-    blocked = _behavior_blocked(inputs, cfg, log_ratio, cfg.clip_low, cfg.clip_high)
+    blocked = _behavior_blocked(inputs, cfg, log_ratio, cfg.clip_low, cfg.clip_high, dual_c=cfg.dual_clip_c)
     tok_loss = _without_gradient(tok_loss, blocked)
     _keep(inputs, ratio, clipped, dual, blocked)
 
@@ -216,12 +216,14 @@ def _behavior_blocked(
     low: float,
     high: float,
     per_row: Callable[[Tensor], Tensor] | None = None,
+    dual_c: float | None = None,
 ) -> Tensor | None:
     """``[B, T]`` bool: the generated, non-replayed tokens whose ratio against the behaviour policy
     (``exp(log_ratio + behavior_log_ratio)``, the latter reduced by ``per_row`` first when given, e.g.
-    to a sequence mean) is past ``[1 - low, 1 + high]`` on the side their advantage pushes; None when
-    the trust region is off or the inputs carry no behaviour log-ratio (the old policy is the
-    behaviour one)."""
+    to a sequence mean) is past ``[1 - low, 1 + high]`` on the side their advantage pushes, or, with
+    ``dual_c`` (PPO's dual clip), above ``dual_c`` where the advantage is negative (PPO against the
+    behaviour policy gives those no gradient either); None when the trust region is off or the
+    inputs carry no behaviour log-ratio (the old policy is the behaviour one)."""
     if not cfg.behavior_clip or inputs.behavior_log_ratio is None:
         return None
     with torch.no_grad():
@@ -229,6 +231,8 @@ def _behavior_blocked(
         log_b = log_ratio.detach() + (per_row(log_rho) if per_row is not None else log_rho)
         adv = inputs.advantages
         out = ((adv > 0) & (log_b > math.log1p(high))) | ((adv < 0) & (log_b < _log1m(low)))
+        if dual_c is not None:
+            out = out | ((adv < 0) & (log_b > math.log(dual_c)))
         if inputs.exp_mask is not None:
             out = out & (inputs.exp_mask == 0)
         return out & (inputs.mask > 0)
@@ -257,13 +261,18 @@ def compute_gspo_loss(inputs: PolicyLossInputs, cfg: LossConfig) -> tuple[Tensor
     ``L_t = max(-A s_i, -A clip(s_i))`` with ``s_i``'s value on every token and its gradient through
     each token's own ``logp_t`` (``s_i = sg(s_i) exp(logp_t - sg(logp_t))``, verl's
     ``compute_policy_loss_gspo``); times the behaviour weight, aggregated by ``loss_agg_mode`` (the
-    paper's is ``seq-mean-token-mean``). ``dual_clip_c`` does not apply. With the trust region on, a
+    paper's is ``seq-mean-token-mean``, the default of ``train.loss_agg_mode`` with this loss). The
+    sequence's log-ratio is the mean of its tokens' raw log-ratios, clamped at 10 (verl's; no per-token
+    clamp first). ``dual_clip_c`` does not apply. With the trust region on, a
     sequence whose geometric-mean ratio against the behaviour policy is past the band on its
     advantage's side gets no gradient."""
     logprobs, advantages = inputs.logprobs, inputs.advantages
     mask = inputs.mask.to(logprobs.dtype)
-    log_ratio = (logprobs - inputs.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq = _seq_log_ratio(log_ratio.detach(), mask)
+    raw = torch.where(
+        mask > 0, logprobs - inputs.old_logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    )
+    log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (for the statistics)
+    seq = _seq_log_ratio(raw.detach(), mask)  # (verl: the tokens' own log-ratios; only the sequence's is clamped)
     log_s = (logprobs - logprobs.detach() + seq).clamp(max=10.0)
     s = torch.exp(log_s)
     pg1 = -advantages * s

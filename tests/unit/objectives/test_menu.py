@@ -245,6 +245,44 @@ def test_one_step_decoupled_with_the_behaviour_clip_is_ppo_against_the_behaviour
     assert grad_dec.flatten().tolist() == approx(grad_off.flatten().tolist())
 
 
+def test_the_behaviour_clip_is_ppo_against_the_behaviour_policy_up_to_the_cap_dual_clip_included():
+    """Issue 68.3: rho drawn up to is_cap (5), past the dual clip (3): where A < 0 and rho > 3 PPO
+    against the behaviour policy gives no gradient, and neither does the trust region now."""
+    g = torch.Generator().manual_seed(1)
+    logp = -torch.rand(8, 12, generator=g, dtype=D) * 2
+    log_rho = (torch.rand(8, 12, generator=g, dtype=D) * (math.log(5.0) - math.log(0.55))) + math.log(0.55)
+    behav = logp - log_rho
+    adv = (torch.rand(8, 1, generator=g, dtype=D) - 0.5).expand(8, 12).contiguous()
+    mask = torch.ones(8, 12, dtype=D)
+    assert bool(((adv < 0) & (log_rho > math.log(3.0))).any())  # (the case the audit found)
+    _, grad_dec, stats = _grad(
+        "ppo", logp, logp.clone(), adv, mask, behavior_weight=torch.exp(log_rho), behavior_log_ratio=log_rho
+    )
+    _, grad_off, stats_off = _grad("ppo", logp, behav, adv, mask)
+    assert stats_off["dual_clip_frac"] > 0
+    assert stats["behavior_clipfrac"] == approx(stats_off["clipfrac"] + stats_off["dual_clip_frac"])
+    assert grad_dec.flatten().tolist() == approx(grad_off.flatten().tolist())
+
+
+def test_gspo_takes_the_sequence_mean_of_the_raw_log_ratios_and_clamps_only_it():
+    """Issue 68.5: verl's compute_policy_loss_gspo: the tokens' log-ratios are averaged as they are
+    (no per-token clamp at +-20) and only the sequence's log-ratio is clamped, at 10."""
+    mask = t([[1.0, 1.0]])
+    # log-ratios +30 and -20: the sequence mean is 5 (a clamp at +-20 first would make it 0)
+    loss, _, stats = _grad("gspo", t([[-1.0, -31.0]]), t([[-31.0, -11.0]]), t([[-1.0, -1.0]]), mask)
+    assert float(loss.detach()) == approx(math.exp(5.0)) and stats["ratio_max"] == approx(math.exp(5.0))
+    loss, _, _ = _grad("gspo", t([[-1.0, -1.0]]), t([[-40.0, -40.0]]), t([[-1.0, -1.0]]), mask)
+    assert float(loss.detach()) == approx(math.exp(10.0))  # (the sequence's clamp)
+
+
+def test_gspo_defaults_to_its_own_aggregation():
+    """Issue 68.1: the paper's and verl's GSPO is seq-mean-token-mean; an explicit choice stays."""
+    assert load_config(None, ["train.policy_loss=gspo"]).train.loss_agg_mode == "seq-mean-token-mean"
+    assert load_config(None, []).train.loss_agg_mode == "token-mean"
+    kept = load_config(None, ["train.policy_loss=gspo", "train.loss_agg_mode=token-mean"]).train.loss_agg_mode
+    assert kept == "token-mean"
+
+
 def test_gspo_and_cispo_under_the_behaviour_clip():
     logp, mask = t([[-1.0, -1.0]]), t([[1.0, 1.0]])
     log_rho = t([[0.01, 0.01]])  # the sequence's geometric-mean ratio against behaviour e^0.01 > 1 + 4e-4
