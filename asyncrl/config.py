@@ -701,7 +701,8 @@ class TrainConfig(_Base):
             "min(rho, is_cap), or 0 above is_cap with is_cap_mode=mask), 'token_tis' (min(rho_t, is_cap)), "
             "'seq_tis' (min(prod rho_t, is_cap) per sequence), 'seq_mis' (prod rho_t, 0 above is_cap), "
             "'icepop' (rho_t inside [is_low, is_cap], else 0), 'geo_mask' (1 when the geometric mean of rho_t "
-            "is inside [is_low, is_cap], else 0)."
+            "is inside [is_low, is_cap], else 0), 'seq_geo' (min(geometric mean of rho_t, is_cap) on every token of "
+            "the sequence: the default with policy_loss=gspo, a sequence-level loss, unless set)."
         ),
     )
     is_cap: float = Field(
@@ -1426,6 +1427,12 @@ class Config(_Base):
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
         if self.train.policy_loss == "gspo" and "loss_agg_mode" not in self.train.model_fields_set:
             self.train.loss_agg_mode = "seq-mean-token-mean"  # GSPO's own (the paper's, verl's): not by length
+        if (
+            self.train.policy_loss == "gspo"
+            and self.train.recompute_proximal
+            and "off_policy_correction" not in self.train.model_fields_set
+        ):
+            self.train.off_policy_correction = "seq_geo"  # a sequence-level weight for a sequence-level loss
         if self.train.overlong_max_len is None:
             self.train.overlong_max_len = self.sampling.max_new_tokens * self.env.max_turns
         rp = self.replay

@@ -159,6 +159,22 @@ def _geo_mask(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorW
     return BehaviorWeight((~drop).to(log_rho.dtype), _none(drop).expand_as(drop), drop)
 
 
+@OFF_POLICY_CORRECTIONS.register("seq_geo")
+def _seq_geo(log_rho: Tensor, mask: Tensor, cfg: CorrectionConfig) -> BehaviorWeight:
+    """The sequence-level weight for a sequence-level loss (GSPO's default, issue 68): the geometric
+    mean of the sequence's rho, ``w = min(exp(mean_t log rho_t), C)`` on every token of it, the
+    behaviour analogue of GSPO's own ratio (a per-token weight inside a sequence loss is what GSPO
+    argues against); ``is_cap_mode=mask``: 0 for the whole sequence above C."""
+    seq, n = _seq_log_rho(log_rho, mask)
+    mean = seq / n.clamp(min=1.0)
+    log_cap = math.log(cfg.cap)
+    over = (mean > log_cap).expand_as(log_rho)
+    if cfg.cap_mode == "mask":
+        w = torch.where(over, torch.zeros_like(log_rho), torch.exp(mean.clamp(max=LOG_RATIO_CLAMP)).expand_as(log_rho))
+        return BehaviorWeight(w, _none(over).expand_as(over), over)
+    return BehaviorWeight(torch.exp(mean.clamp(max=log_cap)).expand_as(log_rho), over, _none(over).expand_as(over))
+
+
 def _token_truncate(log_rho: Tensor, cap: float) -> BehaviorWeight:
     capped = log_rho > math.log(cap)
     w = torch.exp(log_rho.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)

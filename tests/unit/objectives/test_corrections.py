@@ -85,6 +85,20 @@ def test_geo_mask_rejects_sequences_by_the_geometric_mean():
     assert _on(bw.masked) == [False, False, False, True, True]
 
 
+def test_seq_geo_weighs_each_sequence_by_its_geometric_mean_and_is_gspo_s_default():
+    """Issue 68.2: a sequence-level loss takes a sequence-level behaviour weight."""
+    bw = _weights("seq_geo", cap=1.9)
+    g0 = 1.5 ** (1 / 3)
+    assert _on(bw.weight) == pytest.approx([g0, g0, g0, 1.9, 1.9])  # row 1's mean 2 is capped
+    assert _on(bw.capped) == [False, False, False, True, True]
+    masked = _weights("seq_geo", cap=1.9, mode="mask")
+    assert _on(masked.weight) == pytest.approx([g0, g0, g0, 0.0, 0.0]) and _on(masked.masked)[3:] == [True, True]
+    assert load_config(None, ["train.policy_loss=gspo"]).train.off_policy_correction == "seq_geo"
+    assert load_config(None, []).train.off_policy_correction == "decoupled"
+    chosen = ["train.policy_loss=gspo", "train.off_policy_correction=decoupled"]
+    assert load_config(None, chosen).train.off_policy_correction == "decoupled"  # (an explicit choice stays)
+
+
 @pytest.mark.parametrize("name", sorted(OFF_POLICY_CORRECTIONS.names()))
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_every_correction_is_one_without_staleness(name, mode):
