@@ -468,7 +468,14 @@ class AdvantageConfig(_Base):
         "unbiased", description=("Group std for norm_by_std: 'unbiased' (n - 1, verl) or 'population' (n).")
     )
     gamma: float = Field(
-        1.0, ge=0, le=1, description=("estimator gae: the discount per generated token (1: none, verl's default).")
+        1.0,
+        ge=0,
+        le=1,
+        description=(
+            "The discount per generated token (1: none, verl's default), for estimators gae and reinforce_pp "
+            "(token t returns R gamma^k, k the generated tokens after it, whitened over the batch's tokens; "
+            "environment tokens of a multi-turn row neither count nor reset it: every turn gets the outcome)."
+        ),
     )
     lam: float = Field(
         1.0,

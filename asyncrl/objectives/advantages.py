@@ -170,6 +170,31 @@ def compute_reinforce_pp_advantages(
     return _whiten(r64, lengths, norm_by_std).to(out_dtype)
 
 
+def discounted_reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float, norm_by_std: bool = True) -> Tensor:
+    """REINFORCE++ with a discount (``train.advantage.gamma < 1``, estimator ``reinforce_pp``): token
+    ``t`` of row ``b`` returns ``R_b gamma^k``, ``k`` the row's generated tokens after ``t`` (verl's
+    ``compute_reinforce_plus_plus_outcome_advantage`` with the reward on the last token), then
+    whitened over every generated token of the batch (verl's ``masked_whiten``). ``rewards[B]``,
+    ``mask[B, T]``; returns float32 ``[B, T]``, 0 off the mask.
+
+    Multi-turn rows: environment tokens (mask 0) neither count in ``k`` nor reset the return, so
+    every turn gets the trajectory's outcome, discounted by the generated tokens between (verl resets
+    the running return at mask-0 positions, so its earlier turns get nothing of a final reward).
+    With ``gamma = 1`` every token gets ``R_b`` and this equals :func:`compute_reinforce_pp_advantages`
+    spread on the tokens."""
+    on = mask > 0
+    after = on.flip(-1).long().cumsum(-1).flip(-1) - on.long()
+    returns = torch.as_tensor(rewards, dtype=torch.float64)[:, None] * float(gamma) ** after.to(torch.float64)
+    values = returns[on]
+    if values.numel() <= 1:
+        return torch.zeros_like(returns, dtype=torch.float32)
+    centred = returns - values.mean()
+    if norm_by_std:
+        var = ((values - values.mean()) ** 2).sum() / (values.numel() - 1.0)
+        centred = centred * torch.rsqrt(var + 1e-8)
+    return (centred * on).to(torch.float32)
+
+
 @ADV_ESTIMATORS.register("reinforce_pp_baseline")
 def compute_reinforce_pp_baseline_advantages(
     rewards: Tensor,

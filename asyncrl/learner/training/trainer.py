@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ConfigError, CriticConfig, ModelConfig
-from ...objectives.advantages import ADV_ESTIMATORS, per_token, trajectory_advantages
+from ...objectives.advantages import ADV_ESTIMATORS, discounted_reinforce_pp, per_token, trajectory_advantages
 from ...objectives.aggregation import agg_loss, masked_mean
 from ...objectives.corrections import CorrectionConfig, behavior_weights
 from ...objectives.logprobs import kl_penalty
@@ -190,6 +190,8 @@ class PolicyTrainer:
         batch = collate(trajs, adv, self.pad_id, device=self.cfg.device)
         if penalties is not None:  # (GAE reads the shaped reward; the other estimators have applied it)
             batch.rewards = batch.rewards + penalties.to(batch.rewards)
+        if self.cfg.advantage.estimator == "reinforce_pp" and self.cfg.advantage.gamma < 1.0:
+            self._discount(batch, trajs, penalties)
         dropped = self.shaping.dropped_rows(trajs) if self.shaping.mask_truncated else []
         if dropped:  # overlong filtering: out of the loss and its normaliser
             batch.response_mask[dropped] = 0.0
@@ -200,6 +202,24 @@ class PolicyTrainer:
         if self.shaping.mask_truncated:
             self.shaping_stats["overlong/truncated_share"] = len(dropped) / max(len(trajs), 1)
         return batch
+
+    def _discount(self, batch: TrainBatch, trajs: list, penalties) -> None:
+        """REINFORCE++ with ``train.advantage.gamma < 1``: per-token discounted returns, whitened over
+        the batch (:func:`discounted_reinforce_pp`), times each row's ``advantage_scale``; a row that
+        carries its own advantage keeps it."""
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+        if penalties is not None:
+            rewards = rewards + penalties.to(torch.float64).cpu()
+        own = torch.tensor([t.advantage is not None for t in trajs], device=batch.advantages.device)
+        scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
+        mask = batch.response_mask.cpu()
+        keep = own.cpu()
+        per_token = discounted_reinforce_pp(
+            rewards[~keep], mask[~keep], self.cfg.advantage.gamma, self.cfg.advantage.norm_by_std
+        )
+        out = batch.advantages.clone()
+        out[~own] = (per_token * scale[~keep, None]).to(out)
+        batch.advantages = out
 
     def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
         """Train on ``batch``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, each over micro-batches

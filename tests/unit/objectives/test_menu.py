@@ -17,7 +17,7 @@ from asyncrl.objectives.advantages import ADV_ESTIMATORS, informative, trajector
 from asyncrl.objectives.aggregation import LOSS_AGG_MODES, agg_loss
 from asyncrl.objectives.losses import POLICY_LOSSES, LossConfig, PolicyLossInputs
 from asyncrl.objectives.shaping import LengthShaping, overlong_penalty, truncated
-from asyncrl.types import Trajectory
+from asyncrl.types import Episode, Trajectory
 
 D = torch.float64
 
@@ -364,7 +364,6 @@ def test_length_shaping_in_the_batch():
     trajs = [_traj(1.0, "g", 6, reasons=["length"]), _traj(1.0, "g", 3, reasons=["stop"]), _traj(0.0, "g", 5)]
     assert [truncated(x) for x in trajs] == [True, False, False]
     assert LengthShaping.from_config(train).penalties(trajs).tolist() == approx([-1.0, 0.0, -0.5])
-    from asyncrl.types import Episode
 
     batch = trainer.make_batch([Episode(trajectories=trajs)])
     assert batch.response_mask[0].sum() == 0 and batch.advantages[0].abs().sum() == 0  # truncated: out of the loss
@@ -410,3 +409,34 @@ def test_rlcr_two_levels_take_the_runs_estimator():
     )
     grpo_ans, _ = tree_advantages(acc, conf, norm_by_std=False)
     assert ans.tolist() != approx(grpo_ans.tolist())  # rloo's n / (n - 1) differs from grpo's R - mean
+
+
+def test_reinforce_pp_discounts_per_generated_token_with_gamma():
+    """Issue 68.4: REINFORCE++ takes train.advantage.gamma: token t returns R gamma^k (k generated
+    tokens after it; a multi-turn row's environment tokens neither count nor reset it), whitened
+    over the batch's tokens; gamma 1 is the trajectory-level estimator spread on the tokens."""
+    from asyncrl.objectives.advantages import discounted_reinforce_pp
+
+    rewards = t([1.0, 0.0])
+    mask = t([[0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]])  # row 0: two turns around an env token
+    out = discounted_reinforce_pp(rewards, mask, gamma=0.5)
+    returns = torch.tensor([0.25, 0.5, 1.0, 0.0, 0.0], dtype=D)  # row 0's three tokens, then row 1's two
+    whitened = (returns - returns.mean()) / torch.sqrt(returns.var() + 1e-8)
+    assert out[mask > 0].tolist() == approx(whitened.tolist(), rel=1e-5) and (out[mask == 0] == 0).all()
+    flat = discounted_reinforce_pp(rewards, mask, gamma=1.0)
+    expect = ADV_ESTIMATORS.get("reinforce_pp")(rewards, ["a", "b"], lengths=[3, 2])
+    assert flat[0][mask[0] > 0].tolist() == approx([float(expect[0])] * 3, rel=1e-5)
+    assert flat[1][mask[1] > 0].tolist() == approx([float(expect[1])] * 2, rel=1e-5)
+
+
+def test_the_trainer_applies_reinforce_pp_s_discount():
+    from asyncrl.learner.training.trainer import PolicyTrainer
+    from asyncrl.models.tokenizer import build_char_tokenizer
+    from tests.unit.learner.test_packing import _model, _rows
+
+    rows = _rows()
+    for gamma, constant in ((1.0, True), (0.9, False)):
+        cfg = load_config(None, ["train.advantage.estimator=reinforce_pp", f"train.advantage.gamma={gamma}"])
+        batch = PolicyTrainer(_model(), build_char_tokenizer(), cfg.train, 1.0).make_batch([Episode(trajectories=rows)])
+        long_row = batch.advantages[1][batch.response_mask[1] > 0]  # (30 generated tokens)
+        assert bool((long_row == long_row[0]).all()) == constant
