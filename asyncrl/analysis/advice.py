@@ -6,7 +6,9 @@ Over the logged steps of the last ``window_s`` seconds (default 30; at least the
   ``wait_s + train_s``);
 - each actor's *idle share* over the same span: 1 - (generating time / time up) between its first
   and last status in the span (its heartbeat's ``generate_s`` and ``up_s``);
-- the share of delivered episodes dropped as too old (``dropped_stale`` against ``episodes_acked``).
+- the share of delivered episodes dropped as too old (``dropped_stale`` against ``episodes_acked``);
+- each actor's share of its time waiting for weights its credits need (the heartbeat's ``states``:
+  seconds per state, :mod:`asyncrl.timeline`).
 
 The verdicts:
 - **actor-bound**: the learner waits most of the time (>= 50%) while the actors generate most of
@@ -18,6 +20,9 @@ The verdicts:
   ``buffer.max_staleness`` lets actors run further ahead (more credits in flight);
 - **staleness**: more than 10% of delivered episodes were dropped as stale: raise
   ``buffer.max_staleness`` (or make actors faster, so that fewer arrive late);
+- **weight sync**: the actors waited for new weights more than 20% of their time: the sync is slow
+  for this step rate (``sync.every``, a faster ``sync.type``), or a larger ``buffer.max_staleness``
+  lets them start on older weights;
 - otherwise **balanced**.
 """
 
@@ -30,6 +35,7 @@ import numpy as np
 WAIT_ACTOR_BOUND, IDLE_ACTOR_BOUND = 0.5, 0.3
 WAIT_LEARNER_BOUND, IDLE_LEARNER_BOUND = 0.2, 0.4
 STALE_DROPPED = 0.1
+WAITING_FOR_WEIGHTS = 0.2
 
 
 @dataclass
@@ -62,6 +68,22 @@ def _actor_idle(statuses: list[dict], t_from: float) -> dict[str, float]:
         if up > 0:
             out[actor] = min(max(1.0 - gen / up, 0.0), 1.0)
     return out
+
+
+def _state_share(statuses: list[dict], t_from: float, state: str) -> float | None:
+    """The actors' mean share of their time in ``state`` since ``t_from`` (from the cumulative
+    ``states`` of their first and last status there); None when no actor reports states."""
+    by_actor: dict[str, list[dict]] = {}
+    for s in statuses:
+        if s.get("t", 0) >= t_from and isinstance(s.get("states"), dict) and s.get("states"):
+            by_actor.setdefault(s.get("actor_id", "?"), []).append(s)
+    shares = []
+    for ss in by_actor.values():
+        first, last = ss[0]["states"], ss[-1]["states"]
+        total = sum(float(v) for v in last.values()) - sum(float(v) for v in first.values())
+        if total > 0:
+            shares.append((float(last.get(state, 0.0)) - float(first.get(state, 0.0))) / total)
+    return float(np.mean(shares)) if shares else None
 
 
 def _window(metrics: list[dict], window_s: float) -> list[dict]:
@@ -111,6 +133,16 @@ def advise(metrics: list[dict], statuses: list[dict], config: dict | None = None
             + (f" (now {staleness})" if staleness is not None else "")
             + ", or make the actors faster so that fewer arrive late."
         )
+    waiting = _state_share(statuses, span_from, "waiting for weights")
+    if waiting is not None:
+        numbers["actor_waiting_for_weights_share"] = waiting
+        if waiting > WAITING_FOR_WEIGHTS:
+            lines.append(
+                f"The actors waited for new weights {waiting:.0%} of their time: the weight sync is slow for this "
+                "step rate (sync.every, a faster sync.type), or a larger buffer.max_staleness"
+                + (f" (now {staleness})" if staleness is not None else "")
+                + " lets them start on older weights."
+            )
     verdict, line = _verdict(wait_share, idle_mean if idle else None, per_actor, said, config)
     lines.insert(0, line)
     return Advice(verdict, lines, numbers)

@@ -47,3 +47,20 @@ def test_actor_bound_learner_bound_and_stale():
 
     assert advise(_metrics(2, 0.5, 0.5), []).verdict == "too early"
     assert advise(_metrics(20, 0.9, 0.1), []).verdict == "balanced"  # no actor status: not blamed on actors
+
+
+def test_actors_waiting_for_weights_are_told_to_look_at_the_sync():
+    m = _metrics(20, wait_s=0.5, train_s=0.5)
+    t0, t1 = m[0]["t"], m[-1]["t"]
+    statuses = _statuses(t0, t1, busy=0.5)
+    for s in statuses:  # half of their time waiting for weights, a quarter generating
+        up = s["up_s"]
+        s["states"] = {"generating": 0.25 * up, "waiting for weights": 0.5 * up, "waiting for credits": 0.25 * up}
+    a = advise(m, statuses, {"buffer": {"max_staleness": 2}})
+    assert round(a.numbers["actor_waiting_for_weights_share"], 2) == 0.5
+    assert any("waited for new weights 50%" in line and "now 2" in line for line in a.lines)
+    for s in statuses:
+        s["states"]["waiting for weights"] = 0.0
+    a = advise(m, statuses, {})
+    assert a.numbers["actor_waiting_for_weights_share"] == 0.0 and not any("new weights" in x for x in a.lines)
+    assert "actor_waiting_for_weights_share" not in advise(m, _statuses(t0, t1, busy=0.5), {}).numbers
