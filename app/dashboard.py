@@ -102,18 +102,13 @@ class Dashboard:
             return [view.absent_note(store), self.gr.update(visible=False), *[self.gr.skip()] * len(view.outputs)]
         return ["", self.gr.update(visible=True), *view.render(store, *inputs)]
 
-    def sample_outputs(self, pick, choice):
+    def picker_outputs(self, pick, choice, list_choices, html):
+        """A picker tab (Samples, Tokens): its choices for the shown run, the one kept (else the first)
+        and its HTML."""
         store = self.main_store(pick)
-        choices = V.sample_choices(store)
-        valid = {c[1] for c in choices}
-        value = choice if choice in valid else (choices[0][1] if choices else None)
-        return self.gr.update(choices=choices, value=value), V.sample_html(store, value)
-
-    def token_outputs(self, pick, choice):
-        store = self.main_store(pick)
-        choices = T.choices(store)
+        choices = list_choices(store)
         value = choice if choice in {c[1] for c in choices} else (choices[0][1] if choices else None)
-        return self.gr.update(choices=choices, value=value), T.tokens_html(store, value)
+        return self.gr.update(choices=choices, value=value), html(store, value)
 
     def revision_key(self, pick) -> str:
         stores = self.chosen(pick)
@@ -156,8 +151,8 @@ class Dashboard:
             V.replay_html(store),
             V.replay_figure(store),
             V.ledger_html(store),
-            *self.token_outputs(pick, token_choice),
-            *self.sample_outputs(pick, choice),
+            *self.picker_outputs(pick, token_choice, T.choices, T.tokens_html),
+            *self.picker_outputs(pick, choice, V.sample_choices, V.sample_html),
             V.config_html(store),
             runs,
             focus,
@@ -226,24 +221,7 @@ class Dashboard:
                     with gr.Column(visible=False) as box:
                         view.build(gr, self.empty)
                     self.algo_boxes.append((box_note, box))
-            with gr.Tab("Staleness", id="staleness"):
-                self.st_plot = gr.Plot(show_label=False, format="png", elem_id="staleness-plot")
-            with gr.Tab("Timeline", id="timeline"):
-                self.tl_plot = gr.Plot(show_label=False, format="png", elem_id="timeline-plot")
-                self.tl_html = gr.HTML(elem_id="timeline-tab")
-            with gr.Tab("Replay buffer", id="replay"):
-                self.rp_html = gr.HTML(elem_id="replay-view")
-                self.rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
-            with gr.Tab("Task ledger", id="ledger"):
-                self.ld_html = gr.HTML(elem_id="ledger-view")
-            with gr.Tab("Tokens", id="tokens"):
-                self.tk_choice = gr.Dropdown(choices=[], label="traced row (newest step first)", elem_id="token-picker")
-                self.tk_html = gr.HTML(elem_id="tokens-view")
-            with gr.Tab("Samples", id="samples"):
-                self.sm_choice = gr.Dropdown(choices=[], label="sample (newest first)")
-                self.sm_html = gr.HTML(elem_id="samples-view")
-            with gr.Tab("Config", id="config"):
-                self.cfg_html = gr.HTML(elem_id="config-tab")
+            self._generic_tabs()
         # the tabs that do not apply to the shown run, hidden by a style rule (Gradio 6.31 draws a tab's
         # button whatever its visible=)
         self.tab_style = gr.HTML("", elem_id="tab-style", padding=False, container=False)
@@ -269,6 +247,29 @@ class Dashboard:
             self.tab_style,
             self.rev,
         ]
+
+    def _generic_tabs(self) -> None:
+        """The tabs every run may have (each hidden where it does not apply: :meth:`heavy`), after the
+        algorithms' own."""
+        gr = self.gr
+        with gr.Tab("Staleness", id="staleness"):
+            self.st_plot = gr.Plot(show_label=False, format="png", elem_id="staleness-plot")
+        with gr.Tab("Timeline", id="timeline"):
+            self.tl_plot = gr.Plot(show_label=False, format="png", elem_id="timeline-plot")
+            self.tl_html = gr.HTML(elem_id="timeline-tab")
+        with gr.Tab("Replay buffer", id="replay"):
+            self.rp_html = gr.HTML(elem_id="replay-view")
+            self.rp_plot = gr.Plot(show_label=False, format="png", elem_id="replay-plot")
+        with gr.Tab("Task ledger", id="ledger"):
+            self.ld_html = gr.HTML(elem_id="ledger-view")
+        with gr.Tab("Tokens", id="tokens"):
+            self.tk_choice = gr.Dropdown(choices=[], label="traced row (newest step first)", elem_id="token-picker")
+            self.tk_html = gr.HTML(elem_id="tokens-view")
+        with gr.Tab("Samples", id="samples"):
+            self.sm_choice = gr.Dropdown(choices=[], label="sample (newest first)")
+            self.sm_html = gr.HTML(elem_id="samples-view")
+        with gr.Tab("Config", id="config"):
+            self.cfg_html = gr.HTML(elem_id="config-tab")
 
     def wire(self, demo) -> None:
         """The page's events: the first load, the two timers, the pickers, the views' own inputs."""

@@ -169,7 +169,15 @@ def tokens_html(store: RunStore, choice: str | None) -> str:
 
 def _head(row: dict, step, i: int, n_rows: int, table: list[dict]) -> str:
     trained = [r for r in table if r["role"] == "generated"]
-    counted = {k: sum(1 for r in table if k in r["flags"]) for k in ("clipped", "IS", "blocked", "out of the loss")}
+    counted = {
+        name: sum(any(_at(row, k, j) for k in keys) for j in range(len(row.get("tokens") or [])))
+        for name, keys in (
+            ("clipped", ("clipped", "dual_clipped")),
+            ("IS", ("is_capped", "is_masked")),
+            ("blocked", ("blocked",)),
+            ("out of the loss", ("dropped",)),
+        )
+    }
     weights = [r["IS weight"] for r in trained if r["IS weight"] is not None]
     return (
         f"<b>Step {esc(step)}, traced row {i + 1} of {n_rows}: {esc(_label(row))} trajectory of episode "

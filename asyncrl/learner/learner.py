@@ -463,8 +463,7 @@ class Learner:
         stats.update(merge_mismatch(stats, lagged))  # mismatch/*: this version's tokens and older ones'
         self.version += 1
         if traced is not None:  # what the loss saw on every token of a few rows (the UI's Tokens tab)
-            owners = [ep for ep in episodes for _ in ep.trajectories]
-            self.log.event("token_trace", self.version, rows=self.trace.record(batch, traced, rows, owners))
+            self.log.event("token_trace", self.version, rows=self.trace.record(batch, traced, episodes))
         train_s = time.time() - t0
         if self.lagged is not None:
             self.lagged.note_step(train_s)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 ROLES = ("prompt", "generated", "environment", "replayed")
-_FLOATS = ("behaviour", "learner", "old", "weight", "ratio", "advantage")
+_FLOATS = ("behaviour", "learner", "old", "weight", "ratio", "token_advantage")
 _FLAGS = ("is_capped", "is_masked", "clipped", "dual_clipped", "blocked")
 
 
@@ -54,14 +54,16 @@ class TokenTrace:
         index = pick_rows(batch.batch_size, self.rows)
         return index, self.trainer.logprobs(self.model, batch.take(index))
 
-    def record(self, batch, traced: tuple[list[int], torch.Tensor], trajectories: list, owners: list) -> list[dict]:
-        """The rows of a ``token_trace`` event (module docstring); ``trajectories``: the batch's rows in
-        order, ``owners``: the episode of each."""
+    def record(self, batch, traced: tuple[list[int], torch.Tensor], episodes: list) -> list[dict]:
+        """The rows of a ``token_trace`` event (module docstring); ``episodes``: the batch's, in the
+        order their trajectories are its rows."""
         index, logp = traced
+        rows = [(ep, t) for ep in episodes for t in ep.trajectories]
         per = {k: v.detach().cpu() for k, v in self.trainer.trace_tokens(batch, index, logp).items()}
         out = []
         for i, b in enumerate(index):
-            row = self._row(trajectories[b], owners[b], {k: v[i] for k, v in per.items()})
+            episode, traj = rows[b]
+            row = self._row(traj, episode, {k: v[i] for k, v in per.items()})
             row["advantage"] = round(float(batch.row_advantages[b]), 6)
             out.append(row)
         return out
@@ -98,5 +100,5 @@ class TokenTrace:
                 [[int(x)] for x in traj.token_ids[start:]], skip_special_tokens=False
             ),
             "role": roles,
-            **{("token_advantage" if k == "advantage" else k): v for k, v in cols.items()},
+            **cols,
         }

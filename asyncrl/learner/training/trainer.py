@@ -210,16 +210,11 @@ class PolicyTrainer:
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
         if penalties is not None:
             rewards = rewards + penalties.to(torch.float64).cpu()
-        own = torch.tensor([t.advantage is not None for t in trajs], device=batch.advantages.device)
+        own = torch.tensor([t.advantage is not None for t in trajs])
         scale = torch.tensor([t.advantage_scale for t in trajs], dtype=torch.float32)
-        mask = batch.response_mask.cpu()
-        keep = own.cpu()
-        per_token = discounted_reinforce_pp(
-            rewards[~keep], mask[~keep], self.cfg.advantage.gamma, self.cfg.advantage.norm_by_std
-        )
-        out = batch.advantages.clone()
-        out[~own] = (per_token * scale[~keep, None]).to(out)
-        batch.advantages = out
+        gamma, norm = self.cfg.advantage.gamma, self.cfg.advantage.norm_by_std
+        per_token = discounted_reinforce_pp(rewards[~own], batch.response_mask.cpu()[~own], gamma, norm)
+        batch.advantages[(~own).to(batch.advantages.device)] = (per_token * scale[~own, None]).to(batch.advantages)
 
     def step(self, batch: TrainBatch, keep_rows: bool = False, version: int | None = None) -> TrainStepResult:
         """Train on ``batch``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, each over micro-batches
@@ -422,7 +417,7 @@ class PolicyTrainer:
             "old": inputs.old_logprobs,
             "behaviour": sub.behavior_logprobs,
             "weight": torch.ones_like(logp) if weight is None else weight,
-            "advantage": sub.advantages,
+            "token_advantage": sub.advantages,
             "response_mask": sub.response_mask,
             "exp_mask": sub.exp_mask,
             "version": sub.token_versions,

@@ -36,8 +36,8 @@ def _traced(overrides: list[str], plant=None):
     trace = TokenTrace(trainer, model, build_char_tokenizer(), LOG)
     traced = trace.before(batch, version=0)
     trainer.step(batch, version=0)
-    owners = [SimpleNamespace(id=f"ep{i}", actor_id="actor-0") for i in range(len(rows))]
-    return trace.record(batch, traced, rows, owners), rows, before, batch
+    episodes = [SimpleNamespace(id=f"ep{i}", actor_id="actor-0", trajectories=[r]) for i, r in enumerate(rows)]
+    return trace.record(batch, traced, episodes), rows, before, batch
 
 
 def _gen(row: dict, key: str) -> list:
