@@ -228,7 +228,9 @@ def test_across_hosts_the_actors_run_on_another_node_and_scancel_still_checkpoin
         return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
 
     # 1. a job over two nodes trains to the end: the learner on n1 (its own address, CURVE), the actors on n2
-    job = submit("name=multi", "train.total_steps=8", "train.min_actors=2")  # (both actors take part)
+    # (both actors take part; every episode is logged, so that the check below does not hang on which
+    # episodes log.episode_events=sampled happens to keep)
+    job = submit("name=multi", "train.total_steps=8", "train.min_actors=2", "log.episode_events=all")
     assert slurm.wait_gone(job, 300) == "COMPLETED", slurm.logs()
     out = (tmp_path / f"multi.slurm-{job}.out").read_text()
     assert f"learner on n1 ({hosts.ips[1]}, CURVE keys), 2 actor(s) on n2" in out, out[-2000:]
