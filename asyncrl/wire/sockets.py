@@ -336,8 +336,25 @@ def start_curve_auth(ctx: zmq.Context, curve_dir: str):
     from zmq.auth.thread import ThreadAuthenticator
 
     keys = _AuthorizedKeys(server_bundle(curve_dir) / "authorized")
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
+    deadline = time.monotonic() + 10.0
+    while True:
+        auth = ThreadAuthenticator(ctx)
+        try:
+            auth.start()
+            break
+        except zmq.ZMQError as e:
+            # A context has one ZAP endpoint. Closing a socket is asynchronous in libzmq, so the
+            # endpoint of an authenticator stopped a moment ago (a server closed and reopened in one
+            # process) stays bound until its socket is reaped: wait for that, within a bound.
+            if auth.zap_socket is not None:
+                auth.zap_socket.close(0)
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise WireSecurityError(
+                    "could not start the CURVE authenticator: this process's ZeroMQ context already has "
+                    "one (inproc://zeromq.zap.01 is bound) and it did not go within 10 s; close the other "
+                    "server on this context first"
+                ) from e
+            time.sleep(0.05)
     auth.configure_curve_callback(domain="*", credentials_provider=keys)
     auth.keys = keys
     return auth

@@ -588,6 +588,28 @@ def test_old_single_directory_keys_are_refused_with_how_to_regenerate(ctx, tmp_p
             fn()
 
 
+def test_curve_auth_restarts_on_one_context_and_a_second_live_one_is_refused_clearly(tmp_path):
+    """A server closed and reopened in one process starts its authenticator again although libzmq
+    unbinds the closed one's ZAP endpoint asynchronously (CI once failed on that race); a second live
+    authenticator on the same context is refused with a line that says why."""
+    keys = tmp_path / "keys"
+    make_curve_keys(str(keys), ["0"])
+    c = zmq.Context()
+    try:
+        for _ in range(30):
+            start_curve_auth(c, str(keys)).stop()
+        auth = start_curve_auth(c, str(keys))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(WireSecurityError, match="already has one.*close the other server"):
+                start_curve_auth(c, str(keys))
+            assert time.monotonic() - t0 >= 9.0  # it waited for the endpoint to go before saying so
+        finally:
+            auth.stop()
+    finally:
+        c.term()
+
+
 def test_curve_exchange_and_auth(ctx, tmp_path):
     keys = tmp_path / "keys"
     make_curve_keys(str(keys), ["0"])
