@@ -160,6 +160,16 @@ class ModelConfig(_Base):
             "weights are frozen, the optimizer holds the adapters only and weight sync sends only them."
         ),
     )
+    routing_replay: bool = Field(
+        False,
+        description=(
+            "Rollout routing replay (R3) for a mixture-of-experts model (asyncrl.engine.routing): the Hugging Face "
+            "engine records each token's experts in every routed layer and the learner's forwards use them, with "
+            "gate weights from its own router logits, so the trained policy routes as the sampled one did. Needs "
+            "a model with transformers TopKRouter modules (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) and the batch "
+            "engine (engine.type=hf, actor.weight_update=batch)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -488,6 +498,25 @@ class AdvantageConfig(_Base):
     )
 
 
+class DistillConfig(_Base):
+    """On-policy distillation (``train.distill``; docs/algorithms/objectives.md): a teacher's log-probs
+    of the student's own sampled tokens give a per-token advantage, the negative reverse KL."""
+
+    teacher: str | None = Field(
+        None,
+        description=(
+            "A Hugging Face model directory (e.g. a run's checkpoints/step_N/model) with the student's vocabulary: "
+            "every trained token t gets coef * (log pi_teacher(y_t) - log pi_behaviour(y_t)) added to its advantage "
+            "(the negative reverse KL at the sampled token, computed on the learner for the tokens actually "
+            "trained, at any staleness). null: off."
+        ),
+    )
+    coef: float = Field(1.0, ge=0, description="Weight of the distillation advantage.")
+    task_coef: float = Field(
+        1.0, ge=0, description="Weight of the task reward's advantage beside it (0: distillation alone)."
+    )
+
+
 class CriticConfig(_Base):
     """The value model of ``train.advantage.estimator: gae`` (docs/algorithms/objectives.md, "PPO with a critic")."""
 
@@ -773,6 +802,7 @@ class TrainConfig(_Base):
         ),
     )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="On-policy distillation from a teacher.")
     min_actors: int = Field(1, ge=1, description="Grant no work until this many actors have connected.")
     threads: Threads = Field(
         "auto",
@@ -1425,6 +1455,12 @@ class Config(_Base):
                 "train.deterministic needs actor.weight_update=batch: with inflight, which tokens each "
                 "version makes depends on timing"
             )
+        if self.model.routing_replay and (self.engine.type != "hf" or self.actor.weight_update != "batch"):
+            raise ValueError(
+                f"model.routing_replay needs engine.type=hf and actor.weight_update=batch (the engine that records "
+                f"each token's experts); got engine.type={self.engine.type}, actor.weight_update="
+                f"{self.actor.weight_update}"
+            )
         if self.env.type in ("agent", "verifiers") and self.algorithm != "grpo":
             raise ValueError(
                 f"env.type={self.env.type} runs with algorithm grpo (its rollouts are the agent's or the "
@@ -1432,6 +1468,11 @@ class Config(_Base):
             )
         if self.train.loss_scale_norm is None:  # a constant, never the batch's padded width
             self.train.loss_scale_norm = float(self.sampling.max_new_tokens * self.env.max_turns)
+        if self.train.distill.teacher and self.train.advantage.estimator == "gae":
+            raise ValueError(
+                "train.distill.teacher with train.advantage.estimator=gae: the critic computes the per-token "
+                "advantages in the step and would replace the teacher's; use grpo, rloo or reinforce_pp"
+            )
         if self.train.policy_loss == "gspo" and "loss_agg_mode" not in self.train.model_fields_set:
             self.train.loss_agg_mode = "seq-mean-token-mean"  # GSPO's own (the paper's, verl's): not by length
         if (

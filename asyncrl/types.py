@@ -60,8 +60,9 @@ class PerToken:
     """Marks a Trajectory field as a per-token array of ``dtype`` (aligned to ``token_ids``): it
     travels as an array frame, not a column."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, width: bool = False):
         self.dtype = dtype
+        self.width = width  # a row of values per token ([tokens, width]; the width is the same for every row)
 
     def __repr__(self) -> str:
         return f"PerToken({self.dtype!r})"
@@ -107,6 +108,9 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
     recorded_logprobs: Union[Annotated[np.ndarray, PerToken("float32")], None] = None  # for replay
     exp_mask: Union[Annotated[np.ndarray, PerToken("uint8")], None] = None  # replayed generated tokens (None: all 0)
     token_versions: Union[Annotated[np.ndarray, PerToken("int32")], None] = None  # per token (None: all policy_version)
+    # mixture-of-experts routing replay (asyncrl.engine.routing): per token, the experts each routed layer
+    # chose at generation, int16 [tokens, layers x top_k], -1 where none was recorded (None: not recorded)
+    routing: Union[Annotated[np.ndarray, PerToken("int16", width=True)], None] = None
     advantage: Union[float, None] = None  # set by an algorithm that computes its own (e.g. RLCR)
     advantage_scale: float = 1.0  # multiplies the advantage (e.g. Absolute Zero's proposer weight)
     text: str = ""  # decoded generated text, for logs and the UI
@@ -124,6 +128,11 @@ class Trajectory(msgspec.Struct, forbid_unknown_fields=True):
             if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr, dtype=dtype)
                 setattr(self, name, arr)
+            if arr.ndim != (2 if name in WIDE else 1):
+                raise ValueError(
+                    f"Trajectory.{name} is {arr.ndim}-D, expected "
+                    + ("2-D [tokens, width]" if name in WIDE else "1-D (one value per token)")
+                )
             if n < 0:
                 n = len(arr)
             elif len(arr) != n:
@@ -225,12 +234,23 @@ def _per_token(hint) -> tuple[str, bool] | None:
     return None
 
 
+def _width(hint) -> bool:
+    optional = get_origin(hint) is Union and type(None) in get_args(hint)
+    for t in [a for a in get_args(hint) if a is not type(None)] if optional else [hint]:
+        return any(isinstance(m, PerToken) and m.width for m in getattr(t, "__metadata__", ()))
+    return False
+
+
 _HINTS = get_type_hints(Trajectory, include_extras=True)
 PER_TOKEN: tuple[tuple[str, str, bool], ...] = tuple(
     (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name])
 )
 """``(field, dtype, optional)`` of Trajectory's per-token arrays, in field order."""
 _ARRAYS = tuple((name, np.dtype(dtype), optional) for name, dtype, optional in PER_TOKEN)
+WIDE: frozenset[str] = frozenset(
+    name for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name]) and _width(_HINTS[name])
+)
+"""Per-token arrays with a row of values per token (2-D, ``[tokens, width]``)."""
 
 
 def trajectory_columns() -> list[tuple[str, Any, Any]]:

@@ -73,6 +73,10 @@ CORRECTIONS: dict[str, list[str]] = {
     # PPO with a critic (issue 46; docs/algorithms/objectives.md): GAE with the defaults (gamma 1, lam 1: each token's
     # advantage is R - V(s_t), whitened), the critic 10x the policy's learning rate and 10 steps of value warm-up
     "gae": ["train.advantage.estimator=gae", "critic.lr=5e-4", "critic.warmup_steps=10"],
+    # on-policy distillation (issue 68; docs/algorithms/objectives.md) from --teacher: the teacher's per-token
+    # reverse KL alone, or beside the task reward's GRPO advantage
+    "distill": ["train.distill.teacher={teacher}", "train.distill.task_coef=0"],
+    "distill_mixed": ["train.distill.teacher={teacher}"],
 }
 
 
@@ -330,6 +334,7 @@ def main() -> None:
     ap.add_argument("--run-root", default=str(ROOT / "runs" / "bench_staleness"))
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: <run-root>/staleness.png)")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
+    ap.add_argument("--teacher", default=None, help="the distill settings' teacher: a Hugging Face model directory")
     ap.add_argument(
         "--merge",
         nargs="+",
@@ -347,6 +352,8 @@ def main() -> None:
         return
     if args.minutes is None and args.steps is None:
         args.minutes = 5.0
+    if any("{teacher}" in o for c in args.corrections for o in CORRECTIONS[c]) and not args.teacher:
+        ap.error("the distill settings need --teacher DIR (e.g. a run's checkpoints/step_N/model)")
     Path(args.run_root).mkdir(parents=True, exist_ok=True)
     budget_over = [f"train.total_steps={args.steps}"] if args.steps else ["train.total_steps=1000000"]
     results: dict[str, list[dict]] = {}
@@ -362,7 +369,7 @@ def main() -> None:
                     f"actor.num={args.actors}",
                     "checkpoint.every=0",
                     *budget_over,
-                    *CORRECTIONS[corr],
+                    *(o.format(teacher=args.teacher) for o in CORRECTIONS[corr]),
                     *args.set,
                 ]
                 t0 = time.time()

@@ -21,7 +21,9 @@ def _hf(cfg: Config, model_dir: Path, tokenizer, load_model) -> Engine:
 
     if load_model is None:
         raise ValueError("engine.type=hf runs a loaded model: give make_engine a load_model")
-    return HFEngine(load_model(), tokenizer, device=cfg.engine.device, lora=cfg.model.lora)
+    return HFEngine(
+        load_model(), tokenizer, device=cfg.engine.device, lora=cfg.model.lora, record_routing=cfg.model.routing_replay
+    )
 
 
 def _vllm(cfg: Config, model_dir: Path, tokenizer, load_model=None) -> Engine:

@@ -32,6 +32,9 @@ class Generation:
     text: str  # decoded generated text without special tokens
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     versions: np.ndarray | None = None  # int32 [L]: the policy version that made each token (None: the engine's)
+    # int16 [P + L, layers x top_k]: the experts each token of prompt + generation went to (routing replay,
+    # asyncrl.engine.routing; -1 where no forward read the token); None: not recorded
+    routing: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int32)
@@ -41,6 +44,13 @@ class Generation:
             if self.versions.shape != self.token_ids.shape:
                 raise ValueError(
                     f"Generation: versions {self.versions.shape} must match token_ids {self.token_ids.shape}"
+                )
+        if self.routing is not None:
+            self.routing = np.ascontiguousarray(self.routing, dtype=np.int16)
+            if self.routing.ndim != 2 or self.routing.shape[0] < len(self.token_ids):
+                raise ValueError(
+                    f"Generation: routing {self.routing.shape} must be 2-D with a row for every prompt and "
+                    f"generated token (at least the {len(self.token_ids)} generated)"
                 )
         if self.token_ids.shape != self.logprobs.shape or self.token_ids.ndim != 1:
             raise ValueError(

@@ -18,6 +18,7 @@ the previous weights (docs/design/inflight.md measures the difference).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..weights.digest import tensor_crcs
 from .base import Generation
 from .continuous import ContinuousBatcher, Row
 from .kv import cache_arg, cache_of
+from .routing import RouteBuffer, RoutingRecorder
 
 KV_ON_UPDATE = ("recompute", "keep")
 
@@ -42,6 +44,8 @@ class _Batch:
     logprobs: torch.Tensor
     lengths: list[int]
     reasons: list[str]
+    routes: torch.Tensor | None = None  # int16 [B, P + T, layers x top_k] (routing replay), -1: no forward read it
+    prompt_width: int = 0
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +77,18 @@ def sample_top_p(logp: torch.Tensor, top_p: "float | torch.Tensor", gen: torch.G
 class HFEngine:
     """``Engine`` over a ``transformers`` causal LM. ``version`` is the policy version in use."""
 
-    def __init__(self, model, tokenizer, device: str = "cpu", lora: LoraSettings | None = None) -> None:
+    def __init__(
+        self, model, tokenizer, device: str = "cpu", lora: LoraSettings | None = None, record_routing: bool = False
+    ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        # model.routing_replay: each token's experts, recorded as it is generated (asyncrl.engine.routing)
+        self.recorder = RoutingRecorder(self.model) if record_routing else None
+        if self.recorder is not None and not self.recorder.routers:
+            raise ValueError(
+                "model.routing_replay: the model has no mixture-of-experts routers (transformers TopKRouter "
+                "modules) to record; turn it off for a dense model"
+            )
         # model.lora: updates are adapters, merged into the targeted weights in place (asyncrl.weights.adapters)
         self.adapters = MergedAdapters(self.model, lora) if lora is not None else None
         self.tokenizer = tokenizer
@@ -114,10 +127,10 @@ class HFEngine:
             gen.manual_seed(int(seed))
         first: dict[tuple, int] = {}
         rows = [first.setdefault(tuple(p), len(first)) for p in prompts]  # a group's n samples: one prompt
-        out = self._sample(
-            ids.to(self.device), mask.to(self.device), sampling, gen, shared=rows if len(first) < len(prompts) else None
-        )
-        return [self._to_generation(out, i) for i in range(len(prompts))]
+        shared = rows if len(first) < len(prompts) else None
+        with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
+            out = self._sample(ids.to(self.device), mask.to(self.device), sampling, gen, shared=shared)
+        return [self._to_generation(out, i, len(p)) for i, p in enumerate(prompts)]
 
     def _sample(
         self,
@@ -139,6 +152,10 @@ class HFEngine:
         lengths, reasons = [steps] * bsz, ["length"] * bsz
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inp, cache = ids, None
+        # model.routing_replay: what the prefill and each decode step chose, [B, P + T, layers x top_k]
+        routes = (
+            RouteBuffer(self.recorder, bsz, ids.shape[1] + steps, self.device) if self.recorder is not None else None
+        )
         for t in range(steps):
             if t == 0 and shared is not None:
                 rows = torch.tensor(shared, device=self.device)
@@ -153,6 +170,8 @@ class HFEngine:
                 cache = cache_of(out)
                 cache.batch_select_indices(rows)
                 logits = out.logits[rows, -1]
+                if routes is not None:
+                    routes.put(0, ids.shape[1], rows)
             else:
                 out = self.model(
                     input_ids=inp,
@@ -164,6 +183,8 @@ class HFEngine:
                 )
                 cache = cache_of(out)
                 logits = out.logits[:, -1]
+                if routes is not None:  # the prefill: the prompts' columns; step t: token t - 1's column
+                    routes.put(ids.shape[1] + t - inp.shape[1], inp.shape[1])
             logp = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
             tok = sample_top_p(logp, sampling.top_p, gen).masked_fill(done, self.pad_id)
             self.tokens_generated += bsz - int(done.sum())
@@ -182,7 +203,7 @@ class HFEngine:
             inp = tok[:, None]
             mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
             positions = positions[:, -1:] + 1
-        return _Batch(tokens.cpu(), logprobs.cpu(), lengths, reasons)
+        return _Batch(tokens.cpu(), logprobs.cpu(), lengths, reasons, routes and routes.routes.cpu(), ids.shape[1])
 
     def _stop_hits(self, tokens: torch.Tensor, skip: torch.Tensor, stop: list[str]) -> torch.Tensor:
         """bool [B]: rows (not in ``skip``) whose text now contains a stop string.
@@ -201,11 +222,15 @@ class HFEngine:
         text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
         return any(s in text for s in stop)
 
-    def _to_generation(self, out: _Batch, i: int) -> Generation:
+    def _to_generation(self, out: _Batch, i: int, prompt_len: int = 0) -> Generation:
         n = out.lengths[i]
         ids = out.tokens[i, :n].numpy().astype(np.int32)
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
-        return Generation(ids, out.logprobs[i, :n].numpy(), text, out.reasons[i])
+        routing = None
+        if out.routes is not None:  # the prompt's own columns (left-padded) and the generated tokens'
+            routing = out.routes[i, out.prompt_width - prompt_len : out.prompt_width + n].numpy().copy()
+            routing[-1] = -1  # the last token: no forward of this sequence read it (a later step's is padding)
+        return Generation(ids, out.logprobs[i, :n].numpy(), text, out.reasons[i], routing=routing)
 
     # ----------------------------------------------------------------------------- continuous mode
     def start_continuous(self, kv_on_update: str = "recompute") -> None:

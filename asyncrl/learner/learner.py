@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..config import Config, cpu_threads, deterministic_torch
+from ..engine.routing import routing_limits
 from ..envs.guard import request_stop as request_env_stop
 from ..models.lora import adapter_tensors, is_lora, require_peft
 from ..objectives.advantages import informative
@@ -130,7 +131,11 @@ class Learner:
             cfg.wire,
             self._on_bad_message,
             previous=self.start.previous_addresses(),
-            limits=Limits.from_config(cfg.wire, getattr(self.model.config, "max_position_embeddings", None)),
+            limits=Limits.from_config(
+                cfg.wire,
+                getattr(self.model.config, "max_position_embeddings", None),
+                routing_limits(self.model, cfg.model.routing_replay),
+            ),
             sock_dir=None if cfg.wire.curve_dir else socket_dir(self.run_dir),
         )
         self.log = RunLog(

@@ -87,6 +87,41 @@ BUILTIN_FORMATS: Registry[WarmstartFormat] = Registry(
 
 
 # --------------------------------------------------------------------------------------- model
+def tiny_moe(
+    vocab_size: int,
+    layers: int = 3,
+    experts: int = 8,
+    top_k: int = 2,
+    hidden: int = 64,
+    seed: int = 0,
+    init: float = 0.2,
+    norm_topk_prob: bool = True,
+):
+    """A small randomly initialised mixture-of-experts model from transformers (Qwen2-MoE: ``layers``
+    layers of ``experts`` experts, ``top_k`` per token, a shared expert), float32, in eval mode: for
+    trying routing replay (``model.routing_replay``) on a CPU. ``init`` is the initializer range
+    (larger: sharper router scores)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=init,
+        norm_topk_prob=norm_topk_prob,
+    )
+    return Qwen2MoeForCausalLM(cfg).float().eval()
+
+
 def embedded_llama_config(cfg: EmbeddedModelConfig, vocab_size: int) -> LlamaConfig:
     """The ``LlamaConfig`` of the embedded model (ids: pad 0, bos 2, eos 3 as in the tokenizer)."""
     if cfg.hidden_size % cfg.num_heads:

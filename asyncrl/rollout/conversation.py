@@ -41,11 +41,12 @@ class Conversation:
     scores: dict[str, float] | None = None  # set by an environment that scores while it drives (env.type=agent)
     extra_rows: list = field(default_factory=list)  # more trajectories of this rollout (an agent's unmerged calls)
     versions: list[int] = field(default_factory=list)  # per token: the policy version that generated it, -1 if none
+    routing: Any = None  # int16 [tokens, width]: the latest turn's recorded experts (routing replay), or None
 
     def to_trajectory(
         self, version: int, scores: dict[str, float], metadata: dict[str, Any] | None = None, rollout_id: str = ""
     ) -> Trajectory:
-        return _trajectory(
+        traj = _trajectory(
             self,
             (self.token_ids, self.loss_mask, self.logprobs, self.texts, self.finish_reasons, self.turns, self.versions),
             version,
@@ -53,6 +54,10 @@ class Conversation:
             metadata,
             rollout_id,
         )
+        if self.routing is not None:  # tokens after the last call (an environment's closing turn): none recorded
+            n, r = len(self.token_ids), self.routing[: len(self.token_ids)]
+            traj.routing = np.concatenate([r, np.full((n - len(r), r.shape[1]), -1, np.int16)])
+        return traj
 
     def trajectories(self, version: int, scores: dict[str, float]) -> list[Trajectory]:
         """The conversation's trajectory, then those of ``extra_rows`` (same scores and group). Rows of
@@ -141,6 +146,8 @@ def run_conversations(
             conv.loss_mask += [1] * len(gen.token_ids)
             conv.logprobs += gen.logprobs.tolist()
             conv.versions += token_versions(gen, engine.version)
+            if gen.routing is not None:  # the latest call read the whole conversation: its routes cover it
+                conv.routing = gen.routing
             conv.texts.append(gen.text)
             conv.finish_reasons.append(gen.finish_reason)
             conv.history.append({"role": "assistant", "content": gen.text})

@@ -44,7 +44,7 @@ from typing import Annotated, Any, Container, Iterable
 import msgspec
 import numpy as np
 
-from asyncrl.types import PER_TOKEN, Episode, Trajectory
+from asyncrl.types import PER_TOKEN, WIDE, Episode, Trajectory
 from asyncrl.wire.messages import (
     ARRAY_KINDS,
     COLUMN_DEFAULTS,
@@ -407,6 +407,8 @@ def decode_episode(msg: Message, copy: bool = False) -> Episode:
 
 def _concat(arrs: list[np.ndarray], dtype: str) -> np.ndarray:
     dt = DTYPES[dtype]
+    if len({a.shape[1:] for a in arrs}) > 1:
+        raise ValueError(f"the trajectories' per-token rows differ in width: {sorted({a.shape[1:] for a in arrs})}")
     return np.concatenate(arrs, dtype=dt) if arrs else np.zeros(0, dt)
 
 
@@ -420,13 +422,16 @@ def _split(
     arr = msg.arrays.get(name)
     if arr is None:
         raise WireError(f"message 'episode': array '{name}' is missing", reason="arrays")
-    if DTYPES[dtype] != arr.dtype or name in msg.bf16 or arr.ndim != 1:
+    ndim = 2 if name in WIDE else 1
+    if DTYPES[dtype] != arr.dtype or name in msg.bf16 or arr.ndim != ndim:
         raise WireError(
-            f"message 'episode': array '{name}' is {arr.dtype}{list(arr.shape)}, expected 1-D {dtype}", reason="arrays"
+            f"message 'episode': array '{name}' is {arr.dtype}{list(arr.shape)}, expected {ndim}-D {dtype}",
+            reason="arrays",
         )
-    if arr.size != sum(lens):
+    if arr.shape[0] != sum(lens):
         raise WireError(
-            f"message 'episode': array '{name}' has {arr.size} elements but the trajectory lengths sum to {sum(lens)}",
+            f"message 'episode': array '{name}' has {arr.shape[0]} {'rows' if ndim == 2 else 'elements'} but the "
+            f"trajectory lengths sum to {sum(lens)}",
             reason="arrays",
         )
     offsets = list(accumulate(lens, initial=0))

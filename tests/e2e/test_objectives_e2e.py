@@ -5,6 +5,7 @@ its bound stops a run in which no group is informative; pass@k and avg@k come wi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -89,3 +90,73 @@ def test_dynamic_sampling_stops_in_one_line_when_no_group_is_informative(tmp_pat
     stop = [e for e in read_jsonl(tmp_path / "flat" / "events.jsonl") if e["kind"] == "learner_stop"][-1]
     assert "more than buffer.filter_groups_max_batches=2 x train.batch_tasks=4" in json.dumps(stop)
     assert not (tmp_path / "flat" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "flat" / "metrics.jsonl")
+
+
+def test_a_mixture_of_experts_model_trains_with_its_sampled_routing_replayed(tmp_path, tiny_overrides):
+    """Routing replay (R3) in a real run: a tiny randomly initialised Qwen2-MoE from transformers (with
+    the embedded model's character tokenizer) as model.path; the actor's HF engine records every
+    token's experts, the routes travel with the episodes, and every trained token's input position is
+    replayed in the learner's forward."""
+    from asyncrl.models.tokenizer import build_char_tokenizer
+    from tests.unit.engine.test_routing_replay import _moe
+
+    model_dir = tmp_path / "moe"
+    _moe().save_pretrained(model_dir)
+    build_char_tokenizer().save_pretrained(model_dir)
+    steps = 3
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path}",
+        "name=r3",
+        f"model.path={model_dir}",
+        "model.routing_replay=true",
+        f"train.total_steps={steps}",
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "r3" / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["routing/replayed_share"] == 1.0 for m in metrics), [m.get("routing/replayed_share") for m in metrics]
+    # the engine's log-probs against the learner's forward on the same float32 weights (this step's, or a
+    # version kept for the lagged measure), with the sampled routes
+    gaps = [
+        m[k]
+        for m in metrics
+        for k in ("mismatch/logprob_abs_diff_max", "mismatch/lagged_logprob_abs_diff_max")
+        if k in m
+    ]
+    assert gaps and max(gaps) < 1e-3, metrics
+
+
+def test_on_policy_distillation_trains_on_the_teachers_per_token_signal(tmp_path, tiny_overrides):
+    """A run with train.distill.teacher (a model directory with the student's vocabulary) and no task
+    reward logs the reverse KL on the tokens it trains, step after step."""
+    from transformers import LlamaForCausalLM
+
+    from asyncrl.config import EmbeddedModelConfig
+    from asyncrl.models.tiny import embedded_llama_config
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    teacher = tmp_path / "teacher"
+    cfg = EmbeddedModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    LlamaForCausalLM(embedded_llama_config(cfg, len(build_char_tokenizer()))).save_pretrained(teacher)
+    steps = 3
+    res = run_cli(
+        "run",
+        *tiny_overrides,
+        *SMALL_RUN,
+        f"run_root={tmp_path}",
+        "name=distill",
+        f"train.distill.teacher={teacher}",
+        "train.distill.task_coef=0",
+        f"train.total_steps={steps}",
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "distill" / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        assert m["distill/tokens"] > 0 and math.isfinite(m["distill/reverse_kl"]), m
+        assert m["distill/teacher_logprob_mean"] < 0

@@ -83,6 +83,20 @@ class EpisodeValidator:
         for name in ("loss_mask", "exp_mask"):
             if name in arrays and arrays[name].size and int(arrays[name].max()) > 1:
                 return "mask_values", f"{name} holds {int(arrays[name].max())}; expected 0 or 1"
+        return self._check_routing(arrays.get("routing"))
+
+    def _check_routing(self, routing) -> tuple[str, str] | None:
+        """Routing replay's expert indices: the model's width, each in [-1, num_experts)."""
+        if routing is None or not routing.size:
+            return None
+        width, experts = self.limits.routing_width, self.limits.num_experts
+        if not width:
+            return "routing", "routing recorded for a model with no expert routers; expected none"
+        if routing.shape[1] != width:
+            return "routing", f"routing rows of {routing.shape[1]} entries; expected {width} (routed layers x top_k)"
+        lo, hi = int(routing.min()), int(routing.max())
+        if lo < -1 or hi >= experts:
+            return "routing", f"expert index {lo if lo < -1 else hi}; expected -1 (none) or an expert in [0, {experts})"
         return None
 
     @staticmethod

@@ -73,21 +73,27 @@ class Limits:
     control_bytes: int  # any control / weights-channel message
     max_trajectories: int
     max_tokens: int  # per trajectory
+    routing_width: int = 0  # Trajectory.routing's row (routing replay; 0: the model has no experts, none accepted)
+    num_experts: int = 0  # expert indices in routing are in [-1, num_experts)
 
     @classmethod
-    def from_config(cls, wire_cfg, max_positions: int | None = None) -> "Limits":
+    def from_config(cls, wire_cfg, max_positions: int | None = None, routing: tuple[int, int] = (0, 0)) -> "Limits":
+        """``routing``: ``(width, num_experts)`` of the model's routing replay (``(0, 0)``: none)."""
         tokens = wire_cfg.max_tokens_per_trajectory or 4 * (max_positions or 4096)
         return cls(
             header_bytes=wire_cfg.max_header_kb << 10,
             control_bytes=wire_cfg.max_control_kb << 10,
             max_trajectories=wire_cfg.max_trajectories_per_episode,
             max_tokens=tokens,
+            routing_width=routing[0],
+            num_experts=routing[1],
         )
 
     @property
     def frame_bytes(self) -> int:
-        """ZMQ_MAXMSGSIZE of the episodes socket: the largest legal frame."""
-        return max(self.header_bytes, self.max_trajectories * self.max_tokens * _BYTES_PER_TOKEN)
+        """ZMQ_MAXMSGSIZE of the episodes socket: the largest legal frame (routing: int16 x its width)."""
+        per_token = max(_BYTES_PER_TOKEN, 2 * self.routing_width)
+        return max(self.header_bytes, self.max_trajectories * self.max_tokens * per_token)
 
 
 class Arrival(NamedTuple):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...engine.routing import replay_routing
 from ...objectives.logprobs import entropy_from_logits, logprobs_from_logits
 from ...types import Trajectory, training_rows
 from .attention import FLEX_BLOCK, packed_attention
@@ -30,6 +31,7 @@ __all__ = [
     "compute_logprobs",
     "forward_rows",
     "put_rows",
+    "replayed_share",
     "shared_width",
     "value_rows",
 ]
@@ -56,6 +58,7 @@ class TrainBatch:
     returns: Tensor  # float [B, T-1], the critic's return targets (estimator gae; else 0)
     sample_types: list[str]
     group_ids: list[str]
+    routing: Tensor | None = None  # int16 [B, T, layers x top_k]: recorded experts (routing replay), -1: none
 
     @property
     def batch_size(self) -> int:
@@ -81,7 +84,7 @@ class TrainBatch:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = tensor_fn(v) if isinstance(v, Tensor) else list_fn(v)
+            out[f.name] = tensor_fn(v) if isinstance(v, Tensor) else None if v is None else list_fn(v)
         return TrainBatch(**out)
 
     def to(self, device: str | torch.device) -> "TrainBatch":
@@ -103,7 +106,7 @@ class TrainBatch:
 
         def cut(t: Tensor) -> Tensor:
             t = t.index_select(0, ix)
-            if t.dim() == 2:
+            if t.dim() >= 2:
                 return t[:, :width] if t.shape[1] == full else t[:, : width - 1]
             return t
 
@@ -191,8 +194,48 @@ def collate(
         returns=torch.zeros_like(response_mask),
         sample_types=[t.sample_type for t in trajectories],
         group_ids=[t.group_id for t in trajectories],
+        routing=_routing(trajectories, T),
     )
     return batch if torch.device(device).type == "cpu" else batch.to(device)
+
+
+def _routing(trajectories: list[Trajectory], T: int) -> Tensor | None:
+    """``int16 [B, T, width]`` of the rows' recorded experts (-1: none, the router's own choice); None
+    when no row has any."""
+    widths = {t.routing.shape[1] for t in trajectories if t.routing is not None}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"routing replay: rows recorded with {sorted(widths)} entries per token; expected one width")
+    out = torch.full((len(trajectories), T, widths.pop()), -1, dtype=torch.int16)
+    for i, t in enumerate(trajectories):
+        if t.routing is not None:
+            out[i, : len(t.routing)] = torch.from_numpy(np.asarray(t.routing))
+    return out
+
+
+def replayed_share(batch: TrainBatch) -> float:
+    """Routing replay: the share of trained targets whose input token (the position that predicts
+    them) has recorded experts in every routed layer."""
+    on = batch.response_mask > 0
+    routed = (batch.routing[:, :-1] >= 0).all(-1)
+    return float((routed & on).sum()) / max(int(on.sum()), 1)
+
+
+def _routes(batch: TrainBatch, packed=None) -> Tensor | None:
+    """The recorded routes in the order of the forward's flattened hidden states: ``[B * T, width]``
+    for the padded layout, ``[slots, width]`` for ``packed`` (a shared prompt's slot takes any of its
+    rows' routes: one prefill recorded them all). None: no routing replay."""
+    if batch.routing is None:
+        return None
+    if packed is None:
+        return batch.routing.reshape(-1, batch.routing.shape[-1])
+    R, W = packed.input_ids.shape
+    out = batch.routing.new_full((R * W, batch.routing.shape[-1]), -1)
+    index = packed.token_index
+    real = index >= 0
+    out[index[real]] = batch.routing[:, : index.shape[1]][real]
+    return out
 
 
 @dataclass
@@ -253,11 +296,15 @@ def forward_rows(
             torch.arange(batch.input_ids.shape[0], device=valid.device)[:, None] * T
             + torch.arange(T - 1, device=valid.device)[None, :]
         )[valid]
-        with target_head(model, slots, batch.input_ids[:, 1:][valid], temperature, with_entropy, entropy_grad, chunk):
+        with (
+            target_head(model, slots, batch.input_ids[:, 1:][valid], temperature, with_entropy, entropy_grad, chunk),
+            replay_routing(model, _routes(batch)),
+        ):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         lp, ent = _place(out.logits, valid, with_entropy)
         return Forward(lp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    with replay_routing(model, _routes(batch)):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logp, ent = _targets(out.logits[:, :-1], batch.input_ids[:, 1:], temperature, with_entropy, entropy_grad)
     return Forward(logp, ent, batch.input_ids.numel(), int(batch.attention_mask.sum()))
 
@@ -376,13 +423,17 @@ def _run_packed(model, batch: TrainBatch, shared_prefix: bool, width: int | None
             flat=True,
             multiple=FLEX_BLOCK if path == "flex" else 1,
         )
-        with packed_attention(model, path, packed), head(packed) if head is not None else contextlib.nullcontext():
+        with (
+            packed_attention(model, path, packed),
+            head(packed) if head is not None else contextlib.nullcontext(),
+            replay_routing(model, _routes(batch, packed)),
+        ):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
         return packed, out
     varlen = varlen_attention(model)
     packed = pack_rows(batch.input_ids, lengths, width=width, starts=None if varlen else starts, varlen=varlen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    with head(packed) if head is not None else contextlib.nullcontext():
+    with head(packed) if head is not None else contextlib.nullcontext(), replay_routing(model, _routes(batch, packed)):
         out = model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,

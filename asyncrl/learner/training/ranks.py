@@ -102,7 +102,11 @@ def load_critic(trainer: PolicyTrainer, states: tuple[dict, dict] | None) -> Non
 
 def step_message(batch: TrainBatch, keep_rows: bool, version: int) -> tuple[GroupStep, dict[str, torch.Tensor]]:
     """A batch as a ``group.step`` body and its tensors."""
-    tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in _LIST_FIELDS}
+    tensors = {
+        f.name: getattr(batch, f.name)
+        for f in dataclasses.fields(batch)
+        if f.name not in _LIST_FIELDS and getattr(batch, f.name) is not None  # (routing: None without replay)
+    }
     return GroupStep(
         keep_rows=keep_rows, version=version, **{name: list(getattr(batch, name)) for name in _LIST_FIELDS}
     ), tensors

@@ -43,8 +43,9 @@ from ..ingest.staleness import StalenessPolicy
 from . import distributed as dist_learner
 from .attention import choose as choose_attention
 from .attention import measure as measure_attention
-from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, shared_width
+from .batch import Forward, TrainBatch, collate, forward_rows, put_rows, replayed_share, shared_width
 from .critic import Critic
+from .distill import Distiller
 from .micro_batches import Totals, combine_stats, loss_scales, plan_micro_batches
 from .optim import adamw, apply_update, lr_at
 
@@ -139,7 +140,8 @@ class PolicyTrainer:
             self.critic.attention = self.attention or self._attention_candidates[0]
         self.micro_tokens = train_cfg.micro_batch_tokens
         self.shaping = LengthShaping.from_config(train_cfg)
-        self.shaping_stats: dict[str, float] = {}  # the last batch's (make_batch)
+        self.shaping_stats: dict[str, float] = {}  # the last batch's (make_batch; distillation's too)
+        self.distiller = Distiller(train_cfg.distill, model) if train_cfg.distill.teacher else None
         self.side_terms = train_cfg.kl_coef > 0 or train_cfg.entropy_coef > 0  # they read every row
         # only what trains (model.lora: the adapters) is in the optimizer, so it holds state for nothing else
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -201,6 +203,10 @@ class PolicyTrainer:
             self.shaping_stats["overlong/penalty_mean"] = float(penalties.mean())
         if self.shaping.mask_truncated:
             self.shaping_stats["overlong/truncated_share"] = len(dropped) / max(len(trajs), 1)
+        if batch.routing is not None:  # routing replay (model.routing_replay): how much of the batch replays
+            self.shaping_stats["routing/replayed_share"] = replayed_share(batch)
+        if self.distiller is not None:  # the teacher's per-token advantage on the tokens about to be trained
+            self.shaping_stats.update(self.distiller.apply(self, batch))
         return batch
 
     def _discount(self, batch: TrainBatch, trajs: list, penalties) -> None:
