@@ -12,7 +12,7 @@ import torch
 
 from ..rundir.runlog import EVENTS_SCHEMA
 from ..timeline import StateClock
-from ..types import PER_TOKEN, Episode, prompt_text
+from ..types import PER_TOKEN, WIDE, Episode, prompt_text
 from .training.batch import collate, compute_logprobs
 from .training.batch_stats import batch_metrics
 
@@ -189,7 +189,7 @@ def sample_record(model, tokenizer, traj, temperature: float, max_tokens: int) -
     model.train(was_training)
     current = [None] + [round(float(x), 4) for x in logp[0, : n - 1].cpu()]
     start = max(0, n - max_tokens)
-    arrays = {name: getattr(traj, name) for name, _, _ in PER_TOKEN}
+    arrays = {name: getattr(traj, name) for name, _, _ in PER_TOKEN if name not in WIDE}  # (routing: not logged)
     arrays["exp_mask"] = traj.off_policy_mask if traj.off_policy_mask is not None else np.zeros(n, np.uint8)
     per_token = {
         name: ([round(float(x), 4) for x in arr[start:]] if arr.dtype.kind == "f" else [int(x) for x in arr[start:]])

@@ -112,10 +112,13 @@ def test_a_mixture_of_experts_model_trains_with_its_sampled_routing_replayed(tmp
         "name=r3",
         f"model.path={model_dir}",
         "model.routing_replay=true",
+        "log.sample_every=1",  # the sample and token-trace events of rows that carry routes, every step
         f"train.total_steps={steps}",
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    events = read_jsonl(tmp_path / "r3" / "events.jsonl")
+    assert {"sample", "token_trace"} <= {e["kind"] for e in events}
     metrics = read_jsonl(tmp_path / "r3" / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["routing/replayed_share"] == 1.0 for m in metrics), [m.get("routing/replayed_share") for m in metrics]

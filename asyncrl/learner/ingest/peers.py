@@ -91,7 +91,10 @@ class EpisodeValidator:
             return None
         width, experts = self.limits.routing_width, self.limits.num_experts
         if not width:
-            return "routing", "routing recorded for a model with no expert routers; expected none"
+            return "routing", (
+                "routing recorded, but this learner replays none (model.routing_replay is off, or its model has "
+                "no expert routers); expected none"
+            )
         if routing.shape[1] != width:
             return "routing", f"routing rows of {routing.shape[1]} entries; expected {width} (routed layers x top_k)"
         lo, hi = int(routing.min()), int(routing.max())

@@ -167,7 +167,7 @@ def test_routes_travel_in_the_episode_message_and_the_learner_checks_them():
     reason, why = check([r.routing[:, :-1].copy() for r in rows])
     assert reason == "routing" and f"expected {width}" in why
     reason, why = check([r.routing for r in rows], (0, 0))
-    assert reason == "routing" and "no expert routers" in why
+    assert reason == "routing" and "replays none" in why
     with pytest.raises(ValueError, match="2-D"):
         Trajectory(
             token_ids=np.zeros(3, np.int32),
