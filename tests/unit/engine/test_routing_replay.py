@@ -83,31 +83,60 @@ def test_the_learner_replays_the_engines_routes_and_its_logprobs(packing):
     assert torch.allclose(out.logprobs[on], batch.behavior_logprobs[on], atol=1e-4)
 
 
-def test_replay_forces_the_recorded_experts_with_the_learners_gate_weights():
+def _family(name: str, norm: bool) -> torch.nn.Module:
+    """A tiny random model of another transformers mixture-of-experts family."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(build_char_tokenizer()),
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(4)
+    if name == "mixtral":  # (always renormalises)
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=EXPERTS, **common)
+        return transformers.MixtralForCausalLM(cfg).eval()
+    if name == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=32, num_experts=EXPERTS, norm_topk_prob=norm, **common
+        )
+        return transformers.Qwen3MoeForCausalLM(cfg).eval()
+    return _moe(seed=2, norm=norm)
+
+
+@pytest.mark.parametrize(
+    "family, norm", [("qwen2_moe", True), ("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", True)]
+)
+def test_replay_forces_the_recorded_experts_with_the_learners_gate_weights(family, norm):
     """Routes unlike the router's own choice are the ones used; each gate weight is the learner's
-    softmax over the recorded experts, renormalised when the model renormalises (norm_topk_prob)."""
-    for norm in (True, False):
-        model = _moe(seed=2, norm=norm)
-        ids = torch.randint(3, 40, (2, 9))
-        own = _own_routes(model, type("B", (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})())
-        forced = ((own.long() + 3) % EXPERTS).view(-1, LAYERS * TOP_K)  # every choice moved: k distinct experts
-        seen: dict[int, tuple] = {}
+    softmax over the recorded experts, renormalised when the model renormalises (norm_topk_prob;
+    Mixtral always does)."""
+    model = _family(family, norm)
+    assert len(routers(model)) == LAYERS
+    ids = torch.randint(3, 40, (2, 9))
+    own = _own_routes(model, type("B", (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})())
+    forced = ((own.long() + 3) % EXPERTS).view(-1, LAYERS * TOP_K)  # every choice moved: k distinct experts
+    seen: dict[int, tuple] = {}
 
-        def spy(i, seen=seen):
-            return lambda m, a, out: seen.__setitem__(i, out)
+    def spy(i, seen=seen):
+        return lambda m, a, out: seen.__setitem__(i, out)
 
-        with torch.no_grad(), replay_routing(model, forced):
-            handles = [r.register_forward_hook(spy(i)) for i, r in enumerate(routers(model))]
-            model(input_ids=ids, use_cache=False)
-            for h in handles:
-                h.remove()
-        for i in range(LAYERS):
-            logits, scores, indices = seen[i]
-            want = forced[:, i * TOP_K : (i + 1) * TOP_K]
-            assert torch.equal(indices.long(), want)
-            probs = torch.softmax(logits.float(), -1).gather(-1, want)
-            expected = probs / probs.sum(-1, keepdim=True) if norm else probs
-            assert torch.allclose(scores.float(), expected, atol=1e-6)
+    with torch.no_grad(), replay_routing(model, forced):
+        handles = [r.register_forward_hook(spy(i)) for i, r in enumerate(routers(model))]
+        model(input_ids=ids, use_cache=False)
+        for h in handles:
+            h.remove()
+    for i in range(LAYERS):
+        logits, scores, indices = seen[i]
+        want = forced[:, i * TOP_K : (i + 1) * TOP_K]
+        assert torch.equal(indices.long(), want)
+        probs = torch.softmax(logits.float(), -1).gather(-1, want)
+        expected = probs / probs.sum(-1, keepdim=True) if norm else probs
+        assert torch.allclose(scores.float(), expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("packing", ["padded", "mask", "flex"])
