@@ -224,32 +224,24 @@ def row_versions(versions, loss_mask, fallback: int) -> tuple[int, np.ndarray | 
     return lo, np.where(v >= 0, v, lo).astype(np.int32)
 
 
-def _per_token(hint) -> tuple[str, bool] | None:
-    """``(dtype, optional)`` of a field marked PerToken, else None."""
+def _mark(hint) -> tuple[PerToken, bool] | None:
+    """``(its PerToken mark, optional)`` of a field marked PerToken, else None."""
     optional = get_origin(hint) is Union and type(None) in get_args(hint)
     for t in [a for a in get_args(hint) if a is not type(None)] if optional else [hint]:
         marks = [m for m in getattr(t, "__metadata__", ()) if isinstance(m, PerToken)]
         if marks:
-            return marks[0].dtype, optional
+            return marks[0], optional
     return None
 
 
-def _width(hint) -> bool:
-    optional = get_origin(hint) is Union and type(None) in get_args(hint)
-    for t in [a for a in get_args(hint) if a is not type(None)] if optional else [hint]:
-        return any(isinstance(m, PerToken) and m.width for m in getattr(t, "__metadata__", ()))
-    return False
-
-
 _HINTS = get_type_hints(Trajectory, include_extras=True)
+_MARKS = {name: m for name in Trajectory.__struct_fields__ if (m := _mark(_HINTS[name])) is not None}
 PER_TOKEN: tuple[tuple[str, str, bool], ...] = tuple(
-    (name, *_per_token(_HINTS[name])) for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name])
+    (name, mark.dtype, optional) for name, (mark, optional) in _MARKS.items()
 )
 """``(field, dtype, optional)`` of Trajectory's per-token arrays, in field order."""
 _ARRAYS = tuple((name, np.dtype(dtype), optional) for name, dtype, optional in PER_TOKEN)
-WIDE: frozenset[str] = frozenset(
-    name for name in Trajectory.__struct_fields__ if _per_token(_HINTS[name]) and _width(_HINTS[name])
-)
+WIDE: frozenset[str] = frozenset(name for name, (mark, _) in _MARKS.items() if mark.width)
 """Per-token arrays with a row of values per token (2-D, ``[tokens, width]``)."""
 
 

@@ -153,23 +153,10 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inp, cache = ids, None
         # model.routing_replay: what the prefill and each decode step chose, [B, P + T, layers x top_k]
-        routes = (
-            RouteBuffer(self.recorder, bsz, ids.shape[1] + steps, self.device) if self.recorder is not None else None
-        )
+        routes = RouteBuffer(self.recorder, bsz, ids.shape[1] + steps, self.device) if self.recorder else None
         for t in range(steps):
             if t == 0 and shared is not None:
-                rows = torch.tensor(shared, device=self.device)
-                unique = torch.tensor([shared.index(k) for k in range(max(shared) + 1)], device=self.device)
-                out = self.model(
-                    input_ids=ids[unique],
-                    attention_mask=mask[unique],
-                    position_ids=positions[unique],
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                cache = cache_of(out)
-                cache.batch_select_indices(rows)
-                logits = out.logits[rows, -1]
+                logits, cache, rows = self._shared_prefill(ids, mask, positions, shared)
                 if routes is not None:
                     routes.put(0, ids.shape[1], rows)
             else:
@@ -203,7 +190,24 @@ class HFEngine:
             inp = tok[:, None]
             mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
             positions = positions[:, -1:] + 1
-        return _Batch(tokens.cpu(), logprobs.cpu(), lengths, reasons, routes and routes.routes.cpu(), ids.shape[1])
+        recorded = routes.routes.cpu() if routes is not None else None
+        return _Batch(tokens.cpu(), logprobs.cpu(), lengths, reasons, recorded, ids.shape[1])
+
+    def _shared_prefill(self, ids, mask, positions, shared: list[int]) -> tuple:
+        """Each distinct prompt prefilled once, its cache copied to its rows: ``(next-token logits [B, V],
+        the cache, the distinct prompt of each row)``."""
+        rows = torch.tensor(shared, device=self.device)
+        unique = torch.tensor([shared.index(k) for k in range(max(shared) + 1)], device=self.device)
+        out = self.model(
+            input_ids=ids[unique],
+            attention_mask=mask[unique],
+            position_ids=positions[unique],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = cache_of(out)
+        cache.batch_select_indices(rows)
+        return out.logits[rows, -1], cache, rows
 
     def _stop_hits(self, tokens: torch.Tensor, skip: torch.Tensor, stop: list[str]) -> torch.Tensor:
         """bool [B]: rows (not in ``skip``) whose text now contains a stop string.

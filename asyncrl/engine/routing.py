@@ -12,8 +12,8 @@ the learner's forward use them; the gate weights still come from the learner's o
 - :class:`RoutingRecorder` (the engine): a forward hook on every router keeps the expert indices of
   each call, ``[tokens of the call, top_k]`` per layer, in the order of the call's hidden states.
 - :func:`replay_routing` (the learner): a context in which every router's indices are replaced by
-  ``routes[slot, layer]`` wherever that is recorded (``>= 0``); ``routes`` is ``[slots, layers,
-  top_k]`` in the order of the forward's flattened hidden states (padded or packed).
+  the recorded ones wherever they exist (``>= 0``); ``routes`` is ``[slots, layers x top_k]``
+  (layer-major) in the order of the forward's flattened hidden states (padded or packed).
 
 A router here is a transformers ``*TopKRouter`` module (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE and
 the others of transformers 5): ``forward(hidden) -> (router_logits, scores, indices)``, with
@@ -40,9 +40,13 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+def _entries(found: list[torch.nn.Module]) -> int:
+    return sum(int(r.top_k) for r in found)
+
+
 def routing_width(model: torch.nn.Module) -> int:
     """Entries per token of ``Trajectory.routing``: the routed layers times their ``top_k`` (0: dense)."""
-    return sum(int(r.top_k) for r in routers(model))
+    return _entries(routers(model))
 
 
 class RoutingRecorder:
@@ -50,22 +54,19 @@ class RoutingRecorder:
 
     def __init__(self, model: torch.nn.Module):
         self.routers = routers(model)
-        self.calls: list[list[torch.Tensor]] = []  # per forward: per router, long [tokens, top_k]
-        self._handles: list = []
+        self._current: dict[int, torch.Tensor] = {}  # router -> the last forward's indices, int16 [tokens, top_k]
 
     @contextlib.contextmanager
     def recording(self):
-        """Record the routers' choices of the forwards run inside (one list per forward)."""
-        current: dict[int, torch.Tensor] = {}
+        """Record the routers' choices of the forwards run inside (:meth:`take` after each)."""
 
         def hook(i):
             def fn(module, args, output):
-                current[i] = output[2].detach().to(torch.int16)
+                self._current[i] = output[2].detach().to(torch.int16)
 
             return fn
 
         handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(self.routers)]
-        self._current = current
         try:
             yield self
         finally:
@@ -83,9 +84,8 @@ class RouteBuffer:
     position): :meth:`put` places the last forward's at its columns."""
 
     def __init__(self, recorder: RoutingRecorder, rows: int, columns: int, device):
-        width = sum(int(r.top_k) for r in recorder.routers)
         self.recorder = recorder
-        self.routes = torch.full((rows, columns, width), -1, dtype=torch.int16, device=device)
+        self.routes = torch.full((rows, columns, _entries(recorder.routers)), -1, dtype=torch.int16, device=device)
 
     def put(self, start: int, length: int, rows: torch.Tensor | None = None) -> None:
         """The last forward read ``length`` positions of each of its rows from column ``start``;
@@ -117,7 +117,7 @@ def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None):
     forward's flattened hidden states; -1: the router's own choice) as every router's expert indices;
     ``None``: nothing replayed."""
     found = routers(model) if routes is not None else []
-    width = sum(int(r.top_k) for r in found)
+    width = _entries(found)
     if routes is not None and routes.shape[1] != width:
         raise ValueError(
             f"routing replay: the routes have {routes.shape[1]} entries per token, the model's routers "
@@ -144,4 +144,4 @@ def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None):
 def routing_limits(model: torch.nn.Module, enabled: bool) -> tuple[int, int]:
     """``(width, num_experts)`` that the learner accepts in ``Trajectory.routing`` (``(0, 0)``: off)."""
     found = routers(model) if enabled else []
-    return (routing_width(model), max(int(r.num_experts) for r in found)) if found else (0, 0)
+    return (_entries(found), max(int(r.num_experts) for r in found)) if found else (0, 0)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from . import distributed as dist_learner
+
 
 class Distiller:
     def __init__(self, cfg, student):
@@ -37,8 +39,6 @@ class Distiller:
                     f"train.distill.teacher: no model in {path} (expected a Hugging Face model directory with "
                     f"config.json, e.g. a run's checkpoints/step_N/model)"
                 )
-            from . import distributed as dist_learner
-
             student = dist_learner.unwrap(self.student)
             ref = next(student.parameters())
             teacher = AutoModelForCausalLM.from_pretrained(path, **{DTYPE_KW: ref.dtype}).to(ref.device).eval()
